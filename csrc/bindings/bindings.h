@@ -1,0 +1,12 @@
+// The only place pybind11 appears. One register_<area>() per file.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace pyloader {
+
+void register_errors(pybind11::module_& m);
+void register_codec(pybind11::module_& m);
+void register_pipeline(pybind11::module_& m);
+
+}  // namespace pyloader

@@ -1,0 +1,137 @@
+// ShardSet, SlotPool and BatchPipeline. Batches reach Python zero-copy: every array
+// holds a reference to its slot (NOTE [slot reuse] in core/slot_pool.h).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "core/batch_pipeline.h"
+#include "core/dtype.h"
+#include "core/errors.h"
+#include "core/shard_reader.h"
+#include "core/slot_pool.h"
+
+namespace py = pybind11;
+
+namespace pyloader {
+namespace {
+
+py::dtype numpy_dtype(uint8_t code) {
+  switch (static_cast<DType>(code)) {
+    case DType::kBool: return py::dtype("?");
+    case DType::kUInt8: case DType::kBytes: return py::dtype("u1");
+    case DType::kUInt16: case DType::kBFloat16: return py::dtype("<u2");  // bf16: Python views the bits
+    case DType::kUInt32: return py::dtype("<u4");
+    case DType::kUInt64: return py::dtype("<u8");
+    case DType::kInt8: return py::dtype("i1");
+    case DType::kInt16: return py::dtype("<i2");
+    case DType::kInt32: return py::dtype("<i4");
+    case DType::kInt64: return py::dtype("<i8");
+    case DType::kFloat16: return py::dtype("<f2");
+    case DType::kFloat32: return py::dtype("<f4");
+    case DType::kFloat64: return py::dtype("<f8");
+  }
+  throw std::invalid_argument("unknown dtype code");
+}
+
+// Owner object for array bases: a heap copy of the slot's shared_ptr.
+py::capsule slot_owner(const std::shared_ptr<Slot>& slot) {
+  auto* holder = new std::shared_ptr<Slot>(slot);
+  return py::capsule(holder, [](void* p) { delete static_cast<std::shared_ptr<Slot>*>(p); });
+}
+
+template <typename T>
+std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
+  return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+}  // namespace
+
+void register_pipeline(py::module_& m) {
+  py::class_<ShardSet, std::shared_ptr<ShardSet>>(m, "ShardSet",
+      "The shards of one dataset, each mapped and validated on first use, kept across epochs.")
+      .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes,
+                       std::vector<uint64_t> records, py::bytes schema) {
+             return std::make_shared<ShardSet>(std::move(paths), std::move(bytes), std::move(records),
+                                               std::string(schema));
+           }),
+           py::kw_only(), py::arg("paths"), py::arg("bytes"), py::arg("records"), py::arg("schema"))
+      .def("__len__", &ShardSet::size)
+      .def("open", [](ShardSet& s, size_t i) {
+             py::gil_scoped_release nogil;
+             s.get(i);
+           }, py::arg("index"), "Opens and validates shard `index` now (raises on a bad shard).")
+      .def("release", &ShardSet::release, py::arg("index"));
+
+  py::class_<SlotPool, std::shared_ptr<SlotPool>>(m, "SlotPool", "Reusable batch buffers.")
+      .def(py::init([](size_t num_fields) { return std::make_shared<SlotPool>(num_fields); }),
+           py::kw_only(), py::arg("num_fields"))
+      .def_property_readonly("created", &SlotPool::created)
+      .def_property_readonly("free", &SlotPool::free_count);
+
+  py::class_<BatchPipeline, std::shared_ptr<BatchPipeline>>(m, "BatchPipeline",
+      "Collates the planned records into batches on native threads; yields them in plan order.")
+      .def(py::init([](std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
+                       const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& shard_idx,
+                       const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& record_idx,
+                       size_t batch_size, bool drop_last, int num_threads, int prefetch) {
+             PipelineConfig cfg;
+             cfg.batch_size = batch_size;
+             cfg.drop_last = drop_last;
+             cfg.num_threads = num_threads;
+             cfg.prefetch = prefetch;
+             auto s = to_vector<int32_t>(shard_idx);
+             auto r = to_vector<int64_t>(record_idx);
+             py::gil_scoped_release nogil;
+             return std::make_shared<BatchPipeline>(std::move(shards), std::move(pool), std::move(s),
+                                                    std::move(r), cfg);
+           }),
+           py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
+           py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1,
+           py::arg("prefetch") = 2)
+      .def("__len__", &BatchPipeline::num_batches)
+      .def(
+          "next",
+          [](BatchPipeline& p) -> py::object {
+            Batch b;
+            bool ok;
+            {
+              py::gil_scoped_release nogil;
+              ok = p.next(&b);
+            }
+            if (!ok) return py::none();
+            const auto& specs = b.fields;
+            const auto& fspec = p.fields();
+            py::list arrays, lengths;
+            py::capsule owner = slot_owner(b.slot);
+            b.slot.reset();
+            for (size_t f = 0; f < specs.size(); ++f) {
+              const FieldView& v = specs[f];
+              arrays.append(py::array(numpy_dtype(fspec[f].dtype), v.shape, v.data, owner));
+              if (v.lengths)
+                lengths.append(py::array_t<int64_t>({int64_t(b.rows)}, {int64_t(sizeof(int64_t))}, v.lengths, owner));
+              else
+                lengths.append(py::none());
+            }
+            return py::make_tuple(b.index, b.rows, arrays, lengths);
+          },
+          "The next batch as (index, rows, [array per field], [lengths per field or None]), or None "
+          "at the end. Releases the GIL while waiting. Arrays share the slot's memory.")
+      .def("close", [](BatchPipeline& p) {
+             py::gil_scoped_release nogil;
+             p.close();
+           })
+      .def("counters", [](const BatchPipeline& p) {
+        const auto& c = p.counters();
+        py::dict d;
+        d["records"] = c.records.load();
+        d["batches"] = c.batches.load();
+        d["stored_bytes"] = c.stored_bytes.load();
+        d["decoded_bytes"] = c.decoded_bytes.load();
+        d["collate_ns"] = c.collate_ns.load();
+        d["wait_ns"] = c.wait_ns.load();
+        return d;
+      });
+}
+
+}  // namespace pyloader

@@ -1,0 +1,212 @@
+#include "core/batch_pipeline.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/errors.h"
+#include "core/lz4_block.h"
+#include "core/xxh64.h"
+
+namespace pyloader {
+namespace {
+
+uint64_t now_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch())
+                      .count());
+}
+
+}  // namespace
+
+BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
+                             std::vector<int32_t> shard_idx, std::vector<int64_t> record_idx,
+                             PipelineConfig cfg)
+    : shards_(std::move(shards)),
+      pool_(std::move(pool)),
+      shard_idx_(std::move(shard_idx)),
+      record_idx_(std::move(record_idx)),
+      cfg_(cfg),
+      pid_(::getpid()) {
+  if (shard_idx_.size() != record_idx_.size())
+    throw std::invalid_argument("shard and record index arrays differ in length");
+  if (cfg_.batch_size == 0) throw std::invalid_argument("batch_size must be >= 1");
+  if (cfg_.num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
+  // Plans come from Python; check them here once so workers can index without checks.
+  for (size_t i = 0; i < shard_idx_.size(); ++i) {
+    int32_t s = shard_idx_[i];
+    if (s < 0 || size_t(s) >= shards_->size() || record_idx_[i] < 0 ||
+        uint64_t(record_idx_[i]) >= shards_->records(size_t(s)))
+      throw std::invalid_argument("plan entry " + std::to_string(i) + " is out of range");
+  }
+  size_t n = shard_idx_.size();
+  num_batches_ = cfg_.drop_last ? n / cfg_.batch_size : (n + cfg_.batch_size - 1) / cfg_.batch_size;
+  ring_.resize(size_t(cfg_.prefetch));
+  int nthreads = std::min<int>(cfg_.num_threads, int(std::max<size_t>(num_batches_, 1)));
+  threads_.reserve(size_t(nthreads));
+  for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this] { worker_loop(); });
+}
+
+BatchPipeline::~BatchPipeline() { close(); }
+
+void BatchPipeline::close() {
+  if (::getpid() != pid_) {
+    // Forked child: the worker threads and possibly-held locks belong to the parent.
+    auto* leaked = new std::vector<std::thread>(std::move(threads_));
+    (void)leaked;
+    closed_ = true;
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    stop_ = true;
+  }
+  cv_work_.notify_all();
+  cv_ready_.notify_all();
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  threads_.clear();
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& p : ring_) p = Pending();  // drop slot references so they return to the pool
+}
+
+void BatchPipeline::worker_loop() {
+  for (;;) {
+    size_t b;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_work_.wait(lk, [&] {
+        return stop_ || next_claim_ >= num_batches_ || next_claim_ < consumed_ + size_t(cfg_.prefetch);
+      });
+      if (stop_ || next_claim_ >= num_batches_) return;
+      b = next_claim_++;
+    }
+    Pending done;
+    try {
+      uint64_t t0 = now_ns();
+      fill(b, &done.batch);
+      counters_.collate_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    } catch (...) {
+      done.batch = Batch();
+      done.error = std::current_exception();
+    }
+    done.ready = true;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      ring_[b % ring_.size()] = std::move(done);
+    }
+    cv_ready_.notify_all();
+  }
+}
+
+void BatchPipeline::fill(size_t b, Batch* out) {
+  const auto& fields = shards_->fields();
+  const size_t nf = fields.size();
+  const size_t begin = b * cfg_.batch_size;
+  const size_t rows = std::min(cfg_.batch_size, shard_idx_.size() - begin);
+
+  // Pass 1: open the shards this batch touches and find each variable field's max length.
+  std::vector<std::shared_ptr<const Shard>> shard_of(rows);
+  std::vector<uint32_t> max_len(nf, 0);
+  for (size_t i = 0; i < rows; ++i) {
+    shard_of[i] = shards_->get(size_t(shard_idx_[begin + i]));
+    for (size_t f = 0; f < nf; ++f)
+      if (fields[f].variable)
+        max_len[f] = std::max(max_len[f], shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading);
+  }
+
+  out->index = b;
+  out->rows = rows;
+  out->slot = pool_->acquire();
+  Slot& slot = *out->slot;
+  out->fields.resize(nf);
+  std::vector<size_t> stride(nf);
+  for (size_t f = 0; f < nf; ++f) {
+    const FieldSpec& spec = fields[f];
+    FieldView& v = out->fields[f];
+    v.shape.assign(1, int64_t(rows));
+    if (spec.variable) {
+      v.shape.push_back(int64_t(max_len[f]));
+      v.shape.insert(v.shape.end(), spec.dims.begin() + 1, spec.dims.end());
+      stride[f] = size_t(max_len[f]) * spec.row_bytes;
+      slot.lengths[f].reserve(rows * sizeof(int64_t));
+      v.lengths = reinterpret_cast<int64_t*>(slot.lengths[f].data());
+    } else {
+      v.shape.insert(v.shape.end(), spec.dims.begin(), spec.dims.end());
+      stride[f] = spec.row_bytes;
+      v.lengths = nullptr;
+    }
+    size_t before = slot.data[f].capacity();
+    slot.data[f].reserve(std::max<size_t>(rows * stride[f], 1));
+    if (slot.data[f].capacity() != before) ++slot.allocations;
+    v.data = slot.data[f].data();
+  }
+
+  // Pass 2: verify, decode and place every record's fields into its row.
+  uint64_t stored = 0, decoded = 0;
+  for (size_t i = 0; i < rows; ++i) {
+    const Shard& sh = *shard_of[i];
+    const uint64_t rec = uint64_t(record_idx_[begin + i]);
+    const uint8_t* payload = sh.payload();
+    for (size_t f = 0; f < nf; ++f) {
+      const IndexEntry e = sh.entry(rec, f);
+      uint8_t* dst = out->fields[f].data + i * stride[f];
+      const uint8_t* src = payload + e.offset;
+      if (e.codec == kCodecRaw) {
+        if (xxh64_copy(dst, src, e.stored_size, 0) != e.checksum)
+          throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
+                            "payload checksum mismatch (corrupt data)");
+      } else {
+        if (xxh64(src, e.stored_size, 0) != e.checksum)
+          throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
+                            "payload checksum mismatch (corrupt data)");
+        if (const char* err = lz4_decode_block(src, e.stored_size, dst, e.decoded_size))
+          throw LoaderError(ErrorKind::kFormat, sh.path(), int64_t(rec), fields[f].name,
+                            std::string("LZ4 block is malformed: ") + err);
+      }
+      if (fields[f].variable) {
+        // Zero the padding so no bytes of an earlier batch leak into this one.
+        std::memset(dst + e.decoded_size, 0, stride[f] - e.decoded_size);
+        out->fields[f].lengths[i] = int64_t(e.leading);
+      }
+      stored += e.stored_size;
+      decoded += e.decoded_size;
+    }
+  }
+  counters_.records.fetch_add(rows, std::memory_order_relaxed);
+  counters_.stored_bytes.fetch_add(stored, std::memory_order_relaxed);
+  counters_.decoded_bytes.fetch_add(decoded, std::memory_order_relaxed);
+  counters_.batches.fetch_add(1, std::memory_order_relaxed);
+}
+
+bool BatchPipeline::next(Batch* out) {
+  if (::getpid() != pid_)
+    throw LoaderError(ErrorKind::kState, "", -1, "", "iterator used in a forked child; create a new iterator after fork");
+  uint64_t t0 = now_ns();
+  std::unique_lock<std::mutex> lk(mu_);
+  if (closed_) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator is closed");
+  if (consumed_ >= num_batches_) return false;
+  Pending& p = ring_[consumed_ % ring_.size()];
+  cv_ready_.wait(lk, [&] { return p.ready || stop_; });
+  if (!p.ready) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator was closed while waiting");
+  Pending taken = std::move(p);
+  p = Pending();
+  ++consumed_;
+  lk.unlock();
+  cv_work_.notify_all();
+  counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  if (taken.error) {
+    // The failed batch ends the iteration: later batches are not delivered.
+    close();
+    std::rethrow_exception(taken.error);
+  }
+  *out = std::move(taken.batch);
+  return true;
+}
+
+}  // namespace pyloader

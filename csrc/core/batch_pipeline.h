@@ -1,0 +1,104 @@
+// The native hot path: worker threads read records from mapped shards, verify them,
+// decode LZ4 and collate straight into a pooled batch slot; the consumer takes batches
+// in plan order. No Python is touched on these threads.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/shard_reader.h"
+#include "core/slot_pool.h"
+
+namespace pyloader {
+
+struct PipelineConfig {
+  size_t batch_size = 1;
+  bool drop_last = false;
+  int num_threads = 1;
+  int prefetch = 2;  // batches collated ahead of the consumer (ready or in progress)
+};
+
+struct FieldView {
+  std::vector<int64_t> shape;  // [rows, ...]; the variable dim is the batch's max length
+  uint8_t* data = nullptr;
+  int64_t* lengths = nullptr;  // variable fields only: [rows]
+};
+
+struct Batch {
+  size_t index = 0;
+  size_t rows = 0;
+  std::shared_ptr<Slot> slot;
+  std::vector<FieldView> fields;
+};
+
+// Counters kept by the workers, read by stats(). Relaxed atomics: they are statistics.
+struct PipelineCounters {
+  std::atomic<uint64_t> records{0};
+  std::atomic<uint64_t> stored_bytes{0};
+  std::atomic<uint64_t> decoded_bytes{0};
+  std::atomic<uint64_t> collate_ns{0};     // worker time spent filling batches
+  std::atomic<uint64_t> wait_ns{0};        // consumer time blocked in next()
+  std::atomic<uint64_t> batches{0};
+};
+
+class BatchPipeline {
+ public:
+  BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
+                std::vector<int32_t> shard_idx, std::vector<int64_t> record_idx, PipelineConfig cfg);
+  ~BatchPipeline();
+  BatchPipeline(const BatchPipeline&) = delete;
+  BatchPipeline& operator=(const BatchPipeline&) = delete;
+
+  // Blocks until the next batch in plan order is ready. Returns false at the end of the
+  // plan. Rethrows (as LoaderError) the error of a batch that failed.
+  bool next(Batch* out);
+  // Stops the workers and joins them. Idempotent. Called by the destructor.
+  void close();
+  size_t num_batches() const noexcept { return num_batches_; }
+  const PipelineCounters& counters() const noexcept { return counters_; }
+  const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
+
+ private:
+  struct Pending {
+    bool ready = false;
+    Batch batch;
+    std::exception_ptr error;
+  };
+
+  void worker_loop();
+  void fill(size_t b, Batch* out);
+
+  std::shared_ptr<ShardSet> shards_;
+  std::shared_ptr<SlotPool> pool_;
+  std::vector<int32_t> shard_idx_;
+  std::vector<int64_t> record_idx_;
+  PipelineConfig cfg_;
+  size_t num_batches_ = 0;
+  pid_t pid_;
+
+  // NOTE [pipeline shutdown]: workers claim batch numbers in order, at most `prefetch`
+  // ahead of the consumer, and poll `stop_` whenever they wait. close() sets stop_,
+  // wakes everyone and joins. A worker mid-batch finishes that batch (bounded work)
+  // before it sees stop_. In a forked child the threads do not exist: close() leaks
+  // them instead of joining (joining or locking there could hang forever).
+  std::mutex mu_;
+  std::condition_variable cv_work_;   // workers wait for room
+  std::condition_variable cv_ready_;  // consumer waits for a batch
+  bool stop_ = false;
+  bool closed_ = false;
+  size_t next_claim_ = 0;
+  size_t consumed_ = 0;
+  std::vector<Pending> ring_;  // batch b lives at ring_[b % prefetch]
+  std::vector<std::thread> threads_;
+  PipelineCounters counters_;
+};
+
+}  // namespace pyloader

@@ -1,0 +1,234 @@
+#include "core/shard_reader.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+#include "core/errors.h"
+#include "core/xxh64.h"
+
+namespace pyloader {
+namespace {
+
+template <typename T>
+T load_le(const uint8_t* p) noexcept {
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // the format is little-endian, as are all supported hosts
+  return v;
+}
+
+[[noreturn]] void format_error(const std::string& path, const std::string& what) {
+  throw LoaderError(ErrorKind::kFormat, path, -1, "", what);
+}
+
+}  // namespace
+
+std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std::string& where) {
+  std::vector<FieldSpec> out;
+  size_t pos = 0;
+  auto need = [&](size_t n) {
+    if (size - pos < n) format_error(where, "schema block truncated");
+  };
+  need(4);
+  uint32_t nfields = load_le<uint32_t>(data);
+  pos += 4;
+  if (nfields == 0 || nfields > 4096) format_error(where, "schema has an invalid field count");
+  for (uint32_t f = 0; f < nfields; ++f) {
+    FieldSpec spec;
+    need(2);
+    uint16_t name_len = load_le<uint16_t>(data + pos);
+    pos += 2;
+    if (name_len == 0) format_error(where, "schema field with an empty name");
+    need(name_len);
+    spec.name.assign(reinterpret_cast<const char*>(data + pos), name_len);
+    pos += name_len;
+    need(4);
+    spec.dtype = data[pos];
+    uint8_t flags = data[pos + 1];
+    uint8_t ndim = data[pos + 2];
+    pos += 4;
+    spec.itemsize = dtype_itemsize(spec.dtype);
+    if (spec.itemsize == 0) format_error(where, "schema field '" + spec.name + "' has an unknown dtype code");
+    if (flags & ~1u) format_error(where, "schema field '" + spec.name + "' has unknown flags");
+    spec.variable = flags & 1u;
+    if (ndim > 16) format_error(where, "schema field '" + spec.name + "' has too many dimensions");
+    if (spec.variable && ndim == 0) format_error(where, "variable field '" + spec.name + "' has no dimensions");
+    need(size_t(ndim) * 8);
+    size_t row = spec.itemsize;
+    for (uint8_t d = 0; d < ndim; ++d) {
+      int64_t dim = load_le<int64_t>(data + pos);
+      pos += 8;
+      if (d == 0 && spec.variable) {
+        if (dim != -1) format_error(where, "variable field '" + spec.name + "' must have dims[0] == -1");
+      } else {
+        if (dim < 0 || dim > (int64_t(1) << 32)) format_error(where, "schema field '" + spec.name + "' has an invalid dimension");
+        if (dim != 0 && row > std::numeric_limits<uint32_t>::max() / size_t(dim))
+          format_error(where, "schema field '" + spec.name + "' is larger than 4 GiB per record");
+        row *= size_t(dim);
+      }
+      spec.dims.push_back(dim);
+    }
+    if (spec.dtype == uint8_t(DType::kBytes) && !(spec.variable && ndim == 1))
+      format_error(where, "bytes field '" + spec.name + "' must be one variable dimension");
+    spec.row_bytes = row;
+    out.push_back(std::move(spec));
+  }
+  if (pos != size) format_error(where, "schema block has trailing bytes");
+  return out;
+}
+
+Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records,
+             const std::string& schema_blob, const std::vector<FieldSpec>& fields)
+    : path_(std::move(path)) {
+  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("cannot open: ") + std::strerror(e), e);
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("cannot stat: ") + std::strerror(e), e);
+  }
+  uint64_t fsize = uint64_t(st.st_size);
+  if (fsize != expected_bytes) {
+    ::close(fd);
+    format_error(path_, "file is " + std::to_string(fsize) + " bytes but the manifest says " +
+                            std::to_string(expected_bytes) + " (truncated or replaced)");
+  }
+  if (fsize < kHeaderSize) {
+    ::close(fd);
+    format_error(path_, "file is shorter than the shard header");
+  }
+  void* p = ::mmap(nullptr, fsize, PROT_READ, MAP_SHARED, fd, 0);
+  int e = errno;
+  ::close(fd);  // the mapping keeps the file alive; no descriptor is held per shard
+  if (p == MAP_FAILED)
+    throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("mmap failed: ") + std::strerror(e), e);
+  base_ = static_cast<const uint8_t*>(p);
+  map_size_ = fsize;
+
+  try {
+    const uint8_t* h = base_;
+    if (std::memcmp(h, kShardMagic, 8) != 0) format_error(path_, "not a pyloader shard (bad magic)");
+    if (xxh64(h, 120, 0) != load_le<uint64_t>(h + 120)) {
+      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "header checksum mismatch (corrupt header)");
+    }
+    uint32_t version = load_le<uint32_t>(h + 8);
+    if (version != kShardVersion)
+      format_error(path_, "unsupported shard version " + std::to_string(version));
+    if (load_le<uint32_t>(h + 12) != kHeaderSize) format_error(path_, "unexpected header size");
+    num_records_ = load_le<uint64_t>(h + 16);
+    num_fields_ = load_le<uint32_t>(h + 24);
+    uint32_t entry_size = load_le<uint32_t>(h + 28);
+    uint64_t schema_off = load_le<uint64_t>(h + 32), schema_size = load_le<uint64_t>(h + 40);
+    index_offset_ = load_le<uint64_t>(h + 48);
+    uint64_t index_size = load_le<uint64_t>(h + 56);
+    payload_offset_ = load_le<uint64_t>(h + 64);
+    uint64_t payload_size = load_le<uint64_t>(h + 72);
+    uint64_t file_size = load_le<uint64_t>(h + 80);
+    if (entry_size != kIndexEntrySize) format_error(path_, "unexpected index entry size");
+    if (file_size != fsize) format_error(path_, "header file size disagrees with the file (truncated?)");
+    if (num_records_ != expected_records)
+      format_error(path_, "shard has " + std::to_string(num_records_) + " records but the manifest says " +
+                              std::to_string(expected_records));
+    if (num_fields_ != fields.size()) {
+      throw LoaderError(ErrorKind::kSchema, path_, -1, "", "shard has a different number of fields than the dataset");
+    }
+    // The regions must tile the file exactly: header, schema, index, payload.
+    if (schema_off != kHeaderSize || schema_size > fsize - kHeaderSize || index_offset_ != schema_off + schema_size ||
+        num_records_ > (fsize / kIndexEntrySize) || index_size != num_records_ * num_fields_ * kIndexEntrySize ||
+        index_size > fsize - index_offset_ || payload_offset_ != index_offset_ + index_size ||
+        payload_size != fsize - payload_offset_)
+      format_error(path_, "header region offsets are inconsistent");
+    if (xxh64(base_ + schema_off, schema_size, 0) != load_le<uint64_t>(h + 88))
+      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "schema checksum mismatch (corrupt schema)");
+    if (xxh64(base_ + index_offset_, index_size, 0) != load_le<uint64_t>(h + 96))
+      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "index checksum mismatch (corrupt index)");
+    if (schema_size != schema_blob.size() || std::memcmp(base_ + schema_off, schema_blob.data(), schema_size) != 0) {
+      auto got = parse_schema(base_ + schema_off, schema_size, path_);
+      std::string names;
+      for (auto& f : got) names += (names.empty() ? "" : ", ") + f.name;
+      throw LoaderError(ErrorKind::kSchema, path_, -1, "",
+                        "shard schema differs from the dataset schema (shard fields: " + names + ")");
+    }
+    // Validate every entry once so workers can trust offsets and sizes.
+    for (uint64_t r = 0; r < num_records_; ++r) {
+      for (size_t f = 0; f < num_fields_; ++f) {
+        IndexEntry en = entry(r, f);
+        const FieldSpec& spec = fields[f];
+        auto bad = [&](const char* what) {
+          throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what);
+        };
+        if (en.offset > payload_size || en.stored_size > payload_size - en.offset) bad("index entry points outside the payload");
+        if (en.codec != kCodecRaw && en.codec != kCodecLZ4) bad("unknown codec");
+        if (en.codec == kCodecRaw && en.stored_size != en.decoded_size) bad("raw entry with stored size != decoded size");
+        uint64_t expect = spec.variable ? uint64_t(en.leading) * spec.row_bytes : spec.row_bytes;
+        if (!spec.variable && en.leading != 0) bad("fixed-shape entry with a nonzero length");
+        if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
+      }
+    }
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(base_), map_size_);
+    base_ = nullptr;
+    throw;
+  }
+}
+
+Shard::~Shard() {
+  if (base_) ::munmap(const_cast<uint8_t*>(base_), map_size_);
+}
+
+IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
+  const uint8_t* p = base_ + index_offset_ + (record * num_fields_ + field) * kIndexEntrySize;
+  IndexEntry e;
+  e.offset = load_le<uint64_t>(p);
+  e.stored_size = load_le<uint32_t>(p + 8);
+  e.decoded_size = load_le<uint32_t>(p + 12);
+  e.leading = load_le<uint32_t>(p + 16);
+  e.codec = p[20];
+  e.checksum = load_le<uint64_t>(p + 24);
+  return e;
+}
+
+ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
+                   std::vector<uint64_t> records, std::string schema_blob)
+    : paths_(std::move(paths)),
+      bytes_(std::move(bytes)),
+      records_(std::move(records)),
+      schema_blob_(std::move(schema_blob)),
+      pid_(::getpid()) {
+  if (paths_.size() != bytes_.size() || paths_.size() != records_.size())
+    throw std::invalid_argument("paths, bytes and records must have the same length");
+  fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(), "<dataset schema>");
+  open_.resize(paths_.size());
+}
+
+std::shared_ptr<const Shard> ShardSet::get(size_t i) {
+  if (::getpid() != pid_)
+    throw LoaderError(ErrorKind::kState, "", -1, "", "shard set used in a forked child; create the dataset iterator after fork");
+  if (i >= paths_.size()) throw LoaderError(ErrorKind::kState, "", -1, "", "shard index out of range");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (open_[i]) return open_[i];
+  }
+  // Opened outside the lock so one slow open does not stall other workers; if two
+  // workers race, one mapping wins and the other is dropped.
+  auto sh = std::make_shared<const Shard>(paths_[i], bytes_[i], records_[i], schema_blob_, fields_);
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!open_[i]) open_[i] = std::move(sh);
+  return open_[i];
+}
+
+void ShardSet::release(size_t i) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (i < open_.size()) open_[i].reset();
+}
+
+}  // namespace pyloader

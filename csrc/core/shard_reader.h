@@ -1,0 +1,99 @@
+// Shard format v1 reader (docs/format.md): memory-maps a shard, validates its header,
+// schema and index once at open, then serves per-record field entries to workers.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace pyloader {
+
+inline constexpr char kShardMagic[8] = {'P', 'Y', 'L', 'S', 'H', 'A', 'R', 'D'};
+inline constexpr uint32_t kShardVersion = 1;
+inline constexpr size_t kHeaderSize = 128;
+inline constexpr size_t kIndexEntrySize = 32;
+inline constexpr uint8_t kCodecRaw = 0;
+inline constexpr uint8_t kCodecLZ4 = 1;
+
+struct FieldSpec {
+  std::string name;
+  uint8_t dtype = 0;
+  bool variable = false;         // leading dimension varies per record
+  std::vector<int64_t> dims;     // full shape; dims[0] == -1 when variable
+  size_t itemsize = 0;
+  size_t row_bytes = 0;          // variable: bytes per leading row; fixed: bytes per record
+};
+
+// Parses the binary schema block; throws LoaderError(kFormat) naming `where` if malformed.
+std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std::string& where);
+
+// One index entry, decoded from its 32 on-disk bytes.
+struct IndexEntry {
+  uint64_t offset;        // from the start of the payload
+  uint32_t stored_size;
+  uint32_t decoded_size;
+  uint32_t leading;       // rows in the leading dimension (variable fields), else 0
+  uint8_t codec;
+  uint64_t checksum;      // xxh64 of the stored bytes, seed 0
+};
+
+class Shard {
+ public:
+  // Opens and validates. expected_bytes/records come from the manifest; schema must equal
+  // the dataset schema byte for byte. Throws LoaderError.
+  Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records,
+        const std::string& schema_blob, const std::vector<FieldSpec>& fields);
+  ~Shard();
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+
+  const std::string& path() const noexcept { return path_; }
+  uint64_t num_records() const noexcept { return num_records_; }
+  IndexEntry entry(uint64_t record, size_t field) const noexcept;
+  const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
+
+ private:
+  std::string path_;
+  const uint8_t* base_ = nullptr;
+  size_t map_size_ = 0;
+  uint64_t num_records_ = 0;
+  size_t num_fields_ = 0;
+  uint64_t index_offset_ = 0;
+  uint64_t payload_offset_ = 0;
+};
+
+// The shards of one dataset, opened lazily (once each) and kept mapped across epochs
+// so that later epochs take no page faults.
+class ShardSet {
+ public:
+  ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
+           std::vector<uint64_t> records, std::string schema_blob);
+
+  size_t size() const noexcept { return paths_.size(); }
+  const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
+  const std::string& path(size_t i) const { return paths_.at(i); }
+  uint64_t records(size_t i) const { return records_.at(i); }
+  // Opens shard i on first use. Thread-safe. Throws LoaderError.
+  std::shared_ptr<const Shard> get(size_t i);
+  // Drops the mapping of shard i (e.g. before the cache evicts its file).
+  void release(size_t i);
+  pid_t owner_pid() const noexcept { return pid_; }
+
+ private:
+  std::vector<std::string> paths_;
+  std::vector<uint64_t> bytes_;
+  std::vector<uint64_t> records_;
+  std::string schema_blob_;
+  std::vector<FieldSpec> fields_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<const Shard>> open_;
+  pid_t pid_;
+};
+
+}  // namespace pyloader

@@ -1,0 +1,78 @@
+#include "core/slot_pool.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <new>
+
+namespace pyloader {
+
+namespace {
+constexpr size_t kAlign = 4096;
+}
+
+HostBuffer::~HostBuffer() { std::free(data_); }
+
+void HostBuffer::reserve(size_t n) {
+  if (n <= cap_) return;
+  // Grow by at least 1/8 so that slowly rising variable lengths do not reallocate every batch.
+  size_t want = n + n / 8;
+  want = (want + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, want);
+  if (!p) throw std::bad_alloc();
+  std::free(data_);
+  data_ = static_cast<uint8_t*>(p);
+  cap_ = want;
+}
+
+SlotPool::~SlotPool() {
+  for (Slot* s : free_) delete s;
+}
+
+std::shared_ptr<Slot> SlotPool::acquire() {
+  Slot* s = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!free_.empty()) {
+      s = free_.back();
+      free_.pop_back();
+    }
+  }
+  if (!s) {
+    s = new Slot();
+    s->data.resize(num_fields_);
+    s->lengths.resize(num_fields_);
+    std::lock_guard<std::mutex> lk(mu_);
+    ++created_;
+  }
+  // The deleter keeps the pool alive, so a batch may outlive the loader that made it.
+  std::shared_ptr<SlotPool> self = shared_from_this();
+  return std::shared_ptr<Slot>(s, [self](Slot* p) { self->give_back(p); });
+}
+
+void SlotPool::give_back(Slot* s) noexcept {
+  // In a forked child the pool mutex may have been held by a parent thread at fork time;
+  // never lock it there: just free the memory.
+  if (::getpid() != pid_) {
+    delete s;
+    return;
+  }
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_.push_back(s);
+  } catch (...) {
+    delete s;
+  }
+}
+
+size_t SlotPool::created() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return created_;
+}
+
+size_t SlotPool::free_count() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return free_.size();
+}
+
+}  // namespace pyloader

@@ -1,0 +1,70 @@
+// Reusable batch buffers. NOTE [slot reuse]: a Slot leaves the pool when a worker starts
+// collating a batch into it and returns only when the last reference to it is dropped --
+// the pipeline's own reference and every Python view created from it (each view holds a
+// shared_ptr). So Python can keep a batch as long as it likes; the pool then simply grows,
+// and in the steady state (batches dropped after use) no buffer is allocated per batch.
+#pragma once
+
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace pyloader {
+
+// Page-aligned host memory. A later allocator may page-lock it; the ring logic is the same.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  HostBuffer(HostBuffer&& o) noexcept : data_(o.data_), cap_(o.cap_) {
+    o.data_ = nullptr;
+    o.cap_ = 0;
+  }
+  HostBuffer& operator=(HostBuffer&&) = delete;
+
+  // Grows (never shrinks) to at least n bytes; contents are not preserved.
+  void reserve(size_t n);
+  uint8_t* data() noexcept { return data_; }
+  size_t capacity() const noexcept { return cap_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t cap_ = 0;
+};
+
+struct Slot {
+  std::vector<HostBuffer> data;      // one per field: [rows, ...] (padded for variable fields)
+  std::vector<HostBuffer> lengths;   // one per field: int64 [rows] (used by variable fields)
+  size_t allocations = 0;            // how many times a buffer had to grow (for stats/tests)
+};
+
+class SlotPool : public std::enable_shared_from_this<SlotPool> {
+ public:
+  explicit SlotPool(size_t num_fields) : num_fields_(num_fields), pid_(::getpid()) {}
+  ~SlotPool();
+
+  // A free slot, or a new one when all are in use. The returned pointer returns the
+  // slot to this pool when its last copy is dropped.
+  std::shared_ptr<Slot> acquire();
+
+  size_t created() const;
+  size_t free_count() const;
+
+ private:
+  void give_back(Slot* s) noexcept;
+
+  size_t num_fields_;
+  pid_t pid_;
+  mutable std::mutex mu_;
+  std::vector<Slot*> free_;
+  size_t created_ = 0;
+};
+
+}  // namespace pyloader

@@ -1,0 +1,135 @@
+// XXH64, following the steps of the xxHash specification: four lane accumulators over
+// 32-byte stripes, merge, then 8-, 4- and 1-byte tail steps and a final avalanche.
+#include "xxh64.h"
+
+#include <cstring>
+
+namespace pyloader {
+namespace {
+
+constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ULL;
+constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
+constexpr uint64_t kPrime3 = 0x165667B19E3779F9ULL;
+constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
+constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ULL;
+
+#if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && \
+    __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+constexpr bool kBigEndian = true;
+#else
+constexpr bool kBigEndian = false;
+#endif
+
+// The specification reads lanes as little-endian integers.
+inline uint64_t load_le64(const uint8_t* p) noexcept {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  if constexpr (kBigEndian) v = __builtin_bswap64(v);
+  return v;
+}
+
+inline uint32_t load_le32(const uint8_t* p) noexcept {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  if constexpr (kBigEndian) v = __builtin_bswap32(v);
+  return v;
+}
+
+inline uint64_t rotl(uint64_t x, int r) noexcept { return (x << r) | (x >> (64 - r)); }
+
+inline uint64_t lane_round(uint64_t acc, uint64_t lane) noexcept {
+  acc += lane * kPrime2;
+  acc = rotl(acc, 31);
+  return acc * kPrime1;
+}
+
+inline uint64_t merge_lane(uint64_t acc, uint64_t v) noexcept {
+  acc ^= lane_round(0, v);
+  return acc * kPrime1 + kPrime4;
+}
+
+// Hashes p[0, len); when kCopy, also copies it to out. Shared so that xxh64 and
+// xxh64_copy cannot drift apart.
+template <bool kCopy>
+inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* out) noexcept {
+  const uint8_t* const end = p + len;
+  uint64_t acc;
+  if (len >= 32) {
+    uint64_t v1 = seed + kPrime1 + kPrime2;
+    uint64_t v2 = seed + kPrime2;
+    uint64_t v3 = seed;
+    uint64_t v4 = seed - kPrime1;
+    const uint8_t* const last_stripe = end - 32;
+    do {
+      // Load the stripe once; the four lanes are independent dependency chains.
+      const uint64_t l1 = load_le64(p);
+      const uint64_t l2 = load_le64(p + 8);
+      const uint64_t l3 = load_le64(p + 16);
+      const uint64_t l4 = load_le64(p + 24);
+      if constexpr (kCopy) {
+        // Store the loaded lanes rather than re-reading src (raw bytes, so undo the swap).
+        const uint64_t raw[4] = {l1, l2, l3, l4};
+        if constexpr (kBigEndian) {
+          for (int i = 0; i < 4; ++i) {
+            const uint64_t b = __builtin_bswap64(raw[i]);
+            std::memcpy(out + 8 * i, &b, 8);
+          }
+        } else {
+          std::memcpy(out, raw, 32);
+        }
+        out += 32;
+      }
+      v1 = lane_round(v1, l1);
+      v2 = lane_round(v2, l2);
+      v3 = lane_round(v3, l3);
+      v4 = lane_round(v4, l4);
+      p += 32;
+    } while (p <= last_stripe);
+    acc = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+    acc = merge_lane(acc, v1);
+    acc = merge_lane(acc, v2);
+    acc = merge_lane(acc, v3);
+    acc = merge_lane(acc, v4);
+  } else {
+    acc = seed + kPrime5;
+  }
+  acc += static_cast<uint64_t>(len);
+
+  // Fewer than 32 bytes remain; this tail is in L1, so copying it separately is cheap.
+  if constexpr (kCopy) {
+    if (end != p) std::memcpy(out, p, static_cast<size_t>(end - p));
+  }
+  for (; end - p >= 8; p += 8) {
+    acc ^= lane_round(0, load_le64(p));
+    acc = rotl(acc, 27) * kPrime1 + kPrime4;
+  }
+  if (end - p >= 4) {
+    acc ^= static_cast<uint64_t>(load_le32(p)) * kPrime1;
+    acc = rotl(acc, 23) * kPrime2 + kPrime3;
+    p += 4;
+  }
+  for (; p != end; ++p) {
+    acc ^= static_cast<uint64_t>(*p) * kPrime5;
+    acc = rotl(acc, 11) * kPrime1;
+  }
+
+  acc ^= acc >> 33;
+  acc *= kPrime2;
+  acc ^= acc >> 29;
+  acc *= kPrime3;
+  acc ^= acc >> 32;
+  return acc;
+}
+
+}  // namespace
+
+uint64_t xxh64(const void* data, size_t len, uint64_t seed) noexcept {
+  return hash_impl<false>(static_cast<const uint8_t*>(data), len, seed, nullptr);
+}
+
+uint64_t xxh64_copy(void* dst, const void* src, size_t len, uint64_t seed) noexcept {
+  return hash_impl<true>(static_cast<const uint8_t*>(src), len, seed,
+                         static_cast<uint8_t*>(dst));
+}
+
+}  // namespace pyloader

@@ -1,0 +1,18 @@
+// XXH64 checksum, written from the public xxHash specification
+// (Cyan4973/xxHash doc/xxhash_spec.md). Results match the reference XXH64 bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pyloader {
+
+// XXH64 of data[0, len) with the given seed. data may be null when len is 0.
+uint64_t xxh64(const void* data, size_t len, uint64_t seed) noexcept;
+
+// Copies len bytes from src to dst (the ranges must not overlap) and returns
+// xxh64(src, len, seed). Each 32-byte stripe is loaded once, then both stored and hashed,
+// so the copy rides along with the hash instead of making a second pass over src.
+uint64_t xxh64_copy(void* dst, const void* src, size_t len, uint64_t seed) noexcept;
+
+}  // namespace pyloader

@@ -1,0 +1,242 @@
+"""ShardDataset: an IterableDataset over a manifest of pyloader shards."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import _C, _plan
+from ._errors import LoaderStateError, ManifestError
+from ._format import Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
+
+_SHUFFLE_MODES = ("global", "window")
+_POLICIES = ("pad", "drop")
+# Records per internal batch when yielding single samples to torch's DataLoader.
+_SAMPLE_MODE_BATCH = 64
+
+
+def _local_path(url: str | os.PathLike[str]) -> str:
+    s = os.fspath(url)
+    if s.startswith("file://"):
+        return s[len("file://"):]
+    if "://" in s:
+        raise ValueError(
+            f"{s!r}: only local paths and file:// URLs are readable directly; remote URLs go through the node cache"
+        )
+    return s
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): explicit values, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        try:
+            r = int(os.environ.get("RANK", "0"))
+            w = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ValueError("RANK and WORLD_SIZE must be integers") from None
+    r = r if rank is None else rank
+    w = w if world_size is None else world_size
+    if w < 1 or not 0 <= r < w:
+        raise ValueError(f"invalid rank {r} for world size {w}")
+    return r, w
+
+
+def batch_to_torch(fields: list[Field], arrays: list[np.ndarray], lengths: list[Any]) -> dict[str, torch.Tensor]:
+    """Wraps a native batch's arrays as tensors without copying."""
+    out: dict[str, torch.Tensor] = {}
+    for f, arr, ln in zip(fields, arrays, lengths):
+        t = torch.from_numpy(arr)
+        if f.dtype == "bfloat16":
+            t = t.view(torch.bfloat16)
+        out[f.name] = t
+        if ln is not None:
+            out[f"{f.name}_lengths"] = torch.from_numpy(ln)
+    return out
+
+
+class BatchIterator:
+    """Native batched iterator: dicts of tensors, collated in C++ threads, in plan order.
+
+    Dropping it (or calling ``close()``) mid-epoch stops and joins its threads.
+    """
+
+    def __init__(self, dataset: ShardDataset, pipeline: Any) -> None:
+        self._fields = dataset.fields
+        self._pipeline = pipeline
+        self._pid = os.getpid()
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._pipeline)
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if os.getpid() != self._pid:
+            raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
+        item = self._pipeline.next()
+        if item is None:
+            raise StopIteration
+        _, _, arrays, lengths = item
+        return batch_to_torch(self._fields, arrays, lengths)
+
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            self._pipeline.close()
+
+    def counters(self) -> dict[str, int]:
+        return self._pipeline.counters()
+
+
+class ShardDataset(IterableDataset):
+    """An iterable dataset over the shards listed in a manifest.
+
+    With torch's ``DataLoader`` it yields samples (dicts of tensors) and splits work by
+    ``get_worker_info()``; ``batches()`` is the native batched path that
+    ``pyloader.DataLoader`` drives. The order is a pure function of (seed, epoch, rank,
+    world size, worker): see ``pyloader._plan``.
+
+    Args:
+        path: dataset directory (or its ``manifest.json``), a local path or ``file://`` URL.
+        shuffle: shuffle samples each epoch.
+        seed: shuffle seed.
+        shuffle_mode: ``"global"`` (a permutation of all samples: best randomness, every
+            batch touches many shards -- right for local data) or ``"window"`` (shards in a
+            shuffled order, then samples shuffled within windows of ``window`` samples: a
+            reader touches only the shards overlapping the current window -- right for
+            streaming).
+        window: window size in samples for ``shuffle_mode="window"``.
+        rank, world_size: override the distributed rank (default: torch.distributed, then
+            the RANK/WORLD_SIZE environment variables, then 0/1).
+        partition: ``"pad"`` gives every rank ceil(N / world) samples, repeating samples
+            from the start of the epoch order to fill; ``"drop"`` gives floor(N / world),
+            dropping the tail. Either way every rank gets the same count, so no rank waits
+            on another.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
+                 shuffle_mode: str = "global", window: int = 65536, rank: int | None = None,
+                 world_size: int | None = None, partition: str = "pad") -> None:
+        super().__init__()
+        if shuffle_mode not in _SHUFFLE_MODES:
+            raise ValueError(f"shuffle_mode must be one of {_SHUFFLE_MODES}, got {shuffle_mode!r}")
+        if partition not in _POLICIES:
+            raise ValueError(f"partition must be one of {_POLICIES}, got {partition!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError("seed must be a non-negative int")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError("window must be a positive int")
+        self.url = os.fspath(path)
+        mpath = manifest_path(_local_path(path))
+        try:
+            with open(mpath, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            raise ManifestError(f"no manifest at {mpath!r}") from None
+        self.manifest = parse_manifest(data, mpath, _C.xxh64)
+        self.fields: list[Field] = fields_from_manifest(self.manifest, mpath)
+        self.root = os.path.dirname(mpath)
+        shards = self.manifest["shards"]
+        self.shard_paths = [os.path.join(self.root, s["path"]) for s in shards]
+        self.shard_bytes = [int(s["bytes"]) for s in shards]
+        self.records_per_shard = [int(s["records"]) for s in shards]
+        self.num_records = int(self.manifest["records"])
+        if self.num_records == 0:
+            raise ManifestError(f"manifest {mpath!r}: the dataset holds no records")
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.shuffle_mode = shuffle_mode
+        self.window = window
+        self.rank = rank
+        self.world_size = world_size
+        self.partition = partition
+        self.epoch = 0
+        self._schema = encode_schema(self.fields)
+        self._shards: Any = None
+        self._shards_pid = -1
+
+    # -- planning ----------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError("epoch must be a non-negative int")
+        self.epoch = epoch
+
+    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
+             shuffle: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, record index) arrays this rank/worker reads in ``epoch``, in order."""
+        rank, world = resolve_rank(self.rank, self.world_size)
+        return _plan.plan(
+            self.records_per_shard, shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed,
+            epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
+            num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
+        )
+
+    def _shard_set(self) -> Any:
+        # Mappings and locks do not survive fork safely: each process opens its own set.
+        if self._shards is None or self._shards_pid != os.getpid():
+            self._shards = _C.ShardSet(paths=self.shard_paths, bytes=self.shard_bytes,
+                                       records=self.records_per_shard, schema=self._schema)
+            self._shards_pid = os.getpid()
+        return self._shards
+
+    def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
+                prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
+                worker: int = 0, num_workers: int = 1, pool: Any = None) -> BatchIterator:
+        """The native batched iterator for this rank (and optional worker split)."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError("batch_size must be a positive int")
+        if not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError("num_threads must be a positive int")
+        prefetch = 2 * num_threads if prefetch is None else prefetch
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError("prefetch must be a positive int")
+        sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
+        if pool is None:
+            pool = _C.SlotPool(num_fields=len(self.fields))
+        pipeline = _C.BatchPipeline(
+            shards=self._shard_set(), pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
+            drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
+        )
+        return BatchIterator(self, pipeline)
+
+    # -- per-sample iteration for torch's DataLoader -----------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        it = self.batches(_SAMPLE_MODE_BATCH, num_threads=1, prefetch=2, worker=worker, num_workers=num_workers)
+        try:
+            for batch in it:
+                rows = next(iter(batch.values())).shape[0]
+                for i in range(rows):
+                    yield self._sample(batch, i)
+        finally:
+            it.close()
+
+    def _sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            t = batch[f.name][i]
+            if f.variable:
+                t = t[: int(batch[f"{f.name}_lengths"][i])]
+            out[f.name] = bytes(t.numpy()) if f.dtype == "bytes" else t
+        return out
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch (after padding or dropping)."""
+        _, world = resolve_rank(self.rank, self.world_size)
+        n = self.num_records
+        return -(-n // world) if self.partition == "pad" else n // world
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_shards"] = None  # native handles are per process
+        state["_shards_pid"] = -1
+        return state

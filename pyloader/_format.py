@@ -1,0 +1,276 @@
+"""Shard format v1 and the dataset manifest (specified in docs/format.md).
+
+Python side of the format: field specs, the binary schema block, the shard header and
+the manifest. The native reader (csrc/core/shard_reader.cpp) parses the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ._errors import ManifestError, SchemaError
+
+MAGIC = b"PYLSHARD"
+VERSION = 1
+HEADER_SIZE = 128
+INDEX_ENTRY_SIZE = 32
+CODEC_RAW = 0
+CODEC_LZ4 = 1
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "pyloader-shards"
+
+# name -> (code, itemsize, numpy dtype used to hold the bytes)
+DTYPES: dict[str, tuple[int, int, str]] = {
+    "bool": (1, 1, "?"),
+    "uint8": (2, 1, "u1"),
+    "uint16": (3, 2, "<u2"),
+    "uint32": (4, 4, "<u4"),
+    "uint64": (5, 8, "<u8"),
+    "int8": (6, 1, "i1"),
+    "int16": (7, 2, "<i2"),
+    "int32": (8, 4, "<i4"),
+    "int64": (9, 8, "<i8"),
+    "float16": (10, 2, "<f2"),
+    "bfloat16": (11, 2, "<u2"),  # numpy has no bfloat16: the bits travel as uint16
+    "float32": (12, 4, "<f4"),
+    "float64": (13, 8, "<f8"),
+    "bytes": (14, 1, "u1"),
+}
+_CODE_TO_NAME = {code: name for name, (code, _, _) in DTYPES.items()}
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Index entry: offset, stored size, decoded size, leading length, codec, 3 pad, xxh64.
+INDEX_DTYPE = np.dtype(
+    [("offset", "<u8"), ("stored", "<u4"), ("decoded", "<u4"), ("leading", "<u4"),
+     ("codec", "u1"), ("pad", "V3"), ("xxh64", "<u8")]
+)
+assert INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
+_HEADER = struct.Struct("<8sIIQIIQQQQQQQQQ16s")  # everything before the header checksum
+assert _HEADER.size == HEADER_SIZE - 8
+MAX_FIELD_BYTES = 2**32 - 1
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Maps a dtype given as a string, numpy dtype or torch dtype to its format name."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
+    name = getattr(dtype, "__module__", "")
+    if name == "torch" or str(dtype).startswith("torch."):
+        s = str(dtype).removeprefix("torch.")
+        if s in DTYPES:
+            return s
+        raise SchemaError(f"unsupported torch dtype {dtype!r}")
+    if dtype in (bytes, "bytes"):
+        return "bytes"
+    try:
+        nd = np.dtype(dtype)
+    except TypeError as e:
+        raise SchemaError(f"unknown dtype {dtype!r}") from e
+    if nd.kind in "biuf" and nd.name in DTYPES:
+        return nd.name
+    raise SchemaError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named field of a dataset: a dtype and a shape whose leading dim may be None."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    @property
+    def variable(self) -> bool:
+        return len(self.shape) > 0 and self.shape[0] is None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(DTYPES[self.dtype][2])
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one leading row (variable fields) or of one whole record (fixed fields)."""
+        dims = self.shape[1:] if self.variable else self.shape
+        n = self.itemsize
+        for d in dims:
+            n *= int(d)  # type: ignore[arg-type]
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+def make_field(name: str, spec: Any) -> Field:
+    """Builds a Field from ``(dtype, shape)`` (shape optional for scalars) and validates it."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise SchemaError(f"field name {name!r} must be an identifier of at most 128 characters")
+    if isinstance(spec, tuple) and len(spec) == 2:
+        dtype, shape = spec
+    else:
+        dtype, shape = spec, ()
+    dt = normalize_dtype(dtype)
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        shape = tuple(shape)
+    except TypeError as e:
+        raise SchemaError(f"field {name!r}: shape {shape!r} is not a tuple") from e
+    if dt == "bytes":
+        if shape not in ((), (None,)):
+            raise SchemaError(f"field {name!r}: a bytes field has no shape (got {shape!r})")
+        shape = (None,)
+    for i, d in enumerate(shape):
+        if d is None and i == 0:
+            continue
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0:
+            raise SchemaError(
+                f"field {name!r}: shape {shape!r} must hold non-negative ints (only the leading dim may be None)"
+            )
+    shape = tuple(None if d is None else int(d) for d in shape)
+    if len(shape) > 16:
+        raise SchemaError(f"field {name!r}: at most 16 dimensions")
+    f = Field(name, dt, shape)
+    if f.row_bytes > MAX_FIELD_BYTES:
+        raise SchemaError(f"field {name!r}: a record may hold at most 4 GiB per field")
+    return f
+
+
+def make_fields(fields: Mapping[str, Any]) -> list[Field]:
+    if not isinstance(fields, Mapping) or not fields:
+        raise SchemaError("fields must be a non-empty mapping of name -> (dtype, shape)")
+    out = [make_field(n, s) for n, s in fields.items()]
+    names = {f.name for f in out}
+    for f in out:
+        if f.variable and f"{f.name}_lengths" in names:
+            raise SchemaError(f"field {f.name}_lengths collides with the lengths of variable field {f.name!r}")
+    return out
+
+
+def encode_schema(fields: Iterable[Field]) -> bytes:
+    """The binary schema block stored in every shard (docs/format.md, "Schema block")."""
+    fields = list(fields)
+    parts = [struct.pack("<I", len(fields))]
+    for f in fields:
+        name = f.name.encode("utf-8")
+        parts.append(struct.pack("<H", len(name)) + name)
+        parts.append(struct.pack("<BBBB", DTYPES[f.dtype][0], 1 if f.variable else 0, len(f.shape), 0))
+        parts.append(struct.pack(f"<{len(f.shape)}q", *(-1 if d is None else d for d in f.shape)))
+    return b"".join(parts)
+
+
+def decode_schema(blob: bytes) -> list[Field]:
+    (n,) = struct.unpack_from("<I", blob, 0)
+    pos, out = 4, []
+    for _ in range(n):
+        (ln,) = struct.unpack_from("<H", blob, pos)
+        name = blob[pos + 2 : pos + 2 + ln].decode("utf-8")
+        pos += 2 + ln
+        code, flags, ndim, _ = struct.unpack_from("<BBBB", blob, pos)
+        pos += 4
+        dims = struct.unpack_from(f"<{ndim}q", blob, pos)
+        pos += 8 * ndim
+        shape = tuple(None if (i == 0 and flags & 1) else d for i, d in enumerate(dims))
+        out.append(Field(name, _CODE_TO_NAME[code], shape))
+    return out
+
+
+def pack_header(*, num_records: int, num_fields: int, schema_size: int, index_size: int,
+                payload_size: int, schema_xxh64: int, index_xxh64: int, xxh64) -> bytes:
+    schema_off = HEADER_SIZE
+    index_off = schema_off + schema_size
+    payload_off = index_off + index_size
+    file_size = payload_off + payload_size
+    body = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, num_records, num_fields, INDEX_ENTRY_SIZE,
+                        schema_off, schema_size, index_off, index_size, payload_off, payload_size,
+                        file_size, schema_xxh64, index_xxh64, b"\0" * 16)
+    return body + struct.pack("<Q", xxh64(body))
+
+
+# ---------------------------------------------------------------------------------------
+# Manifest. NOTE [manifest checksum]: the file is
+#   {"checksum":"<16 hex digits>","manifest":<body>}\n
+# where the checksum is XXH64 (seed 0) of the exact bytes of <body>. So the file is plain
+# JSON, yet any change to the body, even one that still parses, is detected.
+_MANIFEST_PREFIX = b'{"checksum":"'
+_MANIFEST_MID = b'","manifest":'
+_MANIFEST_SUFFIX = b"}\n"
+_PREFIX_LEN = len(_MANIFEST_PREFIX) + 16 + len(_MANIFEST_MID)
+
+
+def dump_manifest(body: Mapping[str, Any], xxh64) -> bytes:
+    raw = json.dumps(body, separators=(",", ":"), sort_keys=False).encode("utf-8")
+    digest = f"{xxh64(raw):016x}".encode()
+    return _MANIFEST_PREFIX + digest + _MANIFEST_MID + raw + _MANIFEST_SUFFIX
+
+
+def parse_manifest(data: bytes, where: str, xxh64) -> dict[str, Any]:
+    """Checks and parses manifest bytes; raises ManifestError naming ``where``."""
+    if (
+        len(data) < _PREFIX_LEN + len(_MANIFEST_SUFFIX)
+        or not data.startswith(_MANIFEST_PREFIX)
+        or data[len(_MANIFEST_PREFIX) + 16 : _PREFIX_LEN] != _MANIFEST_MID
+        or not data.endswith(_MANIFEST_SUFFIX)
+    ):
+        raise ManifestError(f"manifest {where!r}: not a pyloader manifest (bad framing)")
+    raw = data[_PREFIX_LEN : -len(_MANIFEST_SUFFIX)]
+    try:
+        expected = int(data[len(_MANIFEST_PREFIX) : len(_MANIFEST_PREFIX) + 16].decode("ascii"), 16)
+    except (UnicodeDecodeError, ValueError):
+        raise ManifestError(f"manifest {where!r}: malformed checksum") from None
+    if xxh64(raw) != expected:
+        raise ManifestError(f"manifest {where!r}: checksum mismatch (corrupt manifest)")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"manifest {where!r}: invalid JSON: {e}") from None
+    _validate_manifest(body, where)
+    return body
+
+
+def _validate_manifest(body: Any, where: str) -> None:
+    def bad(msg: str) -> ManifestError:
+        return ManifestError(f"manifest {where!r}: {msg}")
+
+    if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
+        raise bad("not a pyloader-shards manifest")
+    if body.get("version") != VERSION:
+        raise bad(f"unsupported version {body.get('version')!r}")
+    if not isinstance(body.get("fields"), list) or not isinstance(body.get("shards"), list):
+        raise bad("missing fields or shards")
+    total = 0
+    for i, s in enumerate(body["shards"]):
+        if not isinstance(s, dict):
+            raise bad(f"shard entry {i} is not an object")
+        for key, typ in (("path", str), ("records", int), ("bytes", int), ("xxh64", str)):
+            if not isinstance(s.get(key), typ) or isinstance(s.get(key), bool):
+                raise bad(f"shard entry {i} lacks a valid {key!r}")
+        if s["records"] < 0 or s["bytes"] < HEADER_SIZE:
+            raise bad(f"shard entry {i} has invalid sizes")
+        p = s["path"]
+        if p.startswith("/") or ".." in p.split("/") or "\\" in p or not p:
+            raise bad(f"shard entry {i} has an unsafe path {p!r}")
+        total += s["records"]
+    if body.get("records") != total:
+        raise bad("total record count disagrees with the shard entries")
+
+
+def fields_from_manifest(body: Mapping[str, Any], where: str) -> list[Field]:
+    try:
+        return make_fields({f["name"]: (f["dtype"], tuple(f["shape"])) for f in body["fields"]})
+    except (KeyError, TypeError, SchemaError) as e:
+        raise ManifestError(f"manifest {where!r}: invalid fields: {e}") from None
+
+
+def manifest_path(path: str | os.PathLike[str]) -> str:
+    p = os.fspath(path)
+    return p if p.endswith(".json") else os.path.join(p, MANIFEST_NAME)

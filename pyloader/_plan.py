@@ -1,0 +1,257 @@
+"""Epoch plan: which samples a (rank, worker) reads, and in what order.
+
+Everything here is a pure function of its arguments. The shuffle sorts by a
+hash (splitmix64) of (seed, epoch, stream, sample id) instead of using numpy's
+random generators, so the order is identical on every machine and numpy
+version. Per-sample work is vectorized numpy.
+
+Global sample id ``g`` of record ``r`` in shard ``s`` is ``offsets[s] + r``,
+where ``offsets`` is the exclusive cumulative sum of ``records_per_shard``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_INV_M1 = np.uint64(pow(0xBF58476D1CE4E5B9, -1, 1 << 64))
+_INV_M2 = np.uint64(pow(0x94D049BB133111EB, -1, 1 << 64))
+_STREAM_MUL = 0xD1B54A32D192ED03  # C1 in sample_keys: odd, so streams never collide
+STREAM_GLOBAL, STREAM_SHARDS, STREAM_WINDOW = 0, 1, 2
+_MODES, _POLICIES = ("global", "window"), ("pad", "drop")
+
+
+def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in ``[lo, hi)``, else ValueError (bools are rejected)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= int(value) < hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}), got {int(value)}")
+    return int(value)
+
+
+def _int_array(name: str, values: object) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
+        raise ValueError(f"{name} must be a 1-D integer array, got dtype {arr.dtype}, ndim {arr.ndim}")
+    return arr if arr.size else arr.astype(np.int64)
+
+
+def _counts(records_per_shard: Sequence[int]) -> np.ndarray:
+    counts = _int_array("records_per_shard", records_per_shard)
+    if counts.size and (counts.min() < 0 or counts.max() >= 2**62):
+        raise ValueError("records_per_shard must be non-negative ints (< 2**62)")
+    if counts.size >= 2**31:
+        raise ValueError("too many shards for int32 shard indices")
+    return counts.astype(np.int64)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, elementwise, with wrapping uint64 arithmetic.
+
+    ``z = x + 0x9E3779B97F4A7C15; z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB; return z ^ (z >> 31)``.
+    Integer input is reinterpreted as uint64 (two's complement). The map is a
+    bijection on uint64: add, xor-shift and odd multiply are all invertible.
+    """
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"mix64 needs an integer array, got dtype {a.dtype}")
+    z = a.astype(np.uint64)  # a fresh array, updated in place to save memory traffic
+    tmp = np.empty_like(z)
+    with np.errstate(over="ignore"):
+        np.add(z, _GAMMA, out=z)
+        for shift, mul in ((30, _M1), (27, _M2)):
+            np.bitwise_xor(z, np.right_shift(z, shift, out=tmp), out=z)
+            np.multiply(z, mul, out=z)
+        np.bitwise_xor(z, np.right_shift(z, 31, out=tmp), out=z)
+    return z
+
+
+def _unmix64(z: np.ndarray) -> np.ndarray:
+    """Inverse of ``mix64`` on a uint64 array; clobbers ``z``.
+
+    ``y = x ^ (x >> s)`` with ``3 * s >= 64`` inverts as ``x = y ^ ((y ^ (y >> s)) >> s)``.
+    """
+    x = np.empty_like(z)
+    with np.errstate(over="ignore"):
+        for shift, inv in ((31, _INV_M2), (27, _INV_M1), (30, None)):
+            np.bitwise_xor(z, np.right_shift(z, shift, out=x), out=x)
+            np.bitwise_xor(z, np.right_shift(x, shift, out=x), out=x)
+            if inv is not None:
+                np.multiply(x, inv, out=x)
+            z, x = x, z
+        np.subtract(z, _GAMMA, out=z)
+    return z
+
+
+def _key_state(seed: int, epoch: int, stream: int) -> np.uint64:
+    """``mix64(mix64(seed ^ (stream * C1)) ^ epoch)``: the part shared by all ids' keys."""
+    seed = _int_arg("seed", seed, 0, 1 << 64)
+    epoch = _int_arg("epoch", epoch, 0, 1 << 64)
+    stream = _int_arg("stream", stream, 0, 1 << 64)
+    state = mix64(np.array([seed ^ ((stream * _STREAM_MUL) % (1 << 64))], dtype=np.uint64))
+    return mix64(state ^ np.uint64(epoch))[0]
+
+
+def sample_keys(ids: np.ndarray, *, seed: int, epoch: int, stream: int) -> np.ndarray:
+    """uint64 sort keys for non-negative integer ``ids``.
+
+    With all arithmetic mod 2**64 and ``C1 = 0xD1B54A32D192ED03``::
+
+        key(id) = mix64(mix64(mix64(seed ^ (stream * C1)) ^ epoch) ^ id)
+
+    ``stream`` separates independent uses: 0 = global sample shuffle,
+    1 = shard order, 2 = within-window shuffle. For fixed (seed, epoch,
+    stream) the key is a bijection of the id, so distinct ids never tie and
+    sorting by (key, id) is sorting by key alone: a well-defined permutation.
+    """
+    state = _key_state(seed, epoch, stream)
+    arr = _int_array("ids", ids)
+    if arr.size and arr.min() < 0:
+        raise ValueError("ids must be non-negative")
+    return mix64(arr.astype(np.uint64) ^ state)
+
+
+def _sort_by_key(ids: np.ndarray, seed: int, epoch: int, stream: int) -> np.ndarray:
+    """``ids`` sorted by key along the last axis, i.e. ``ids[argsort(keys)]``.
+
+    Keys are a bijection of ids, so we sort the keys themselves and invert the
+    hash to recover the ids: ``np.sort`` is ~5x faster than ``np.argsort``,
+    and with unique keys every sort algorithm gives the same answer.
+    """
+    state = _key_state(seed, epoch, stream)
+    keys = np.sort(mix64(ids.astype(np.uint64) ^ state), axis=-1)
+    return (_unmix64(keys) ^ state).astype(np.int64)
+
+
+def epoch_order(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, epoch: int,
+                mode: str = "global", window: int = 65536) -> np.ndarray:
+    """The epoch's read order: all N global sample ids, int64.
+
+    ``shuffle=False``: ``arange(N)`` (shard order, then record order).
+    ``mode="global"``: ids sorted by ``sample_keys(arange(N), stream=0)``.
+    ``mode="window"``: shards sorted by ``sample_keys(arange(S), stream=1)``;
+    their ids concatenated in that order; that sequence cut into consecutive
+    windows of ``window`` samples, each sorted by ``sample_keys(ids, stream=2)``.
+
+    NOTE [window size]: a window is the unit of both randomness and locality.
+    A reader touches only the shards overlapping the current window, so about
+    ``window / records_per_shard + 1`` shards are live at once (open, cached
+    or being fetched). Larger windows mix samples from more shards (closer to
+    a global shuffle) but keep more shards live and cached; smaller windows
+    stream with little cache but keep samples near their shard neighbours.
+    """
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    window = _int_arg("window", window, 1, 1 << 62)
+    _key_state(seed, epoch, 0)  # validates seed and epoch even when unshuffled
+    counts = _counts(records_per_shard)
+    ids = np.arange(int(counts.sum()), dtype=np.int64)
+    if not shuffle:
+        return ids
+    if mode == "global":
+        return _sort_by_key(ids, seed, epoch, STREAM_GLOBAL)
+    # Concatenate shards in shuffled order without a Python loop over shards.
+    shard_order = _sort_by_key(np.arange(counts.size), seed, epoch, STREAM_SHARDS)
+    lens = counts[shard_order]
+    seq = ids + np.repeat((np.cumsum(counts) - counts)[shard_order] - (np.cumsum(lens) - lens), lens)
+    full = (ids.size // window) * window
+    out = np.empty_like(seq)
+    out[:full] = _sort_by_key(seq[:full].reshape(-1, window), seed, epoch, STREAM_WINDOW).ravel()
+    out[full:] = _sort_by_key(seq[full:], seed, epoch, STREAM_WINDOW)
+    return out
+
+
+def partition(order: np.ndarray, *, rank: int, world_size: int, policy: str = "pad") -> np.ndarray:
+    """Rank ``rank``'s contiguous block of ``order``; every rank gets the same count.
+
+    ``policy="pad"``: ``per_rank = ceil(N / W)``; ``order`` is extended by
+    repeating it cyclically from its start, so even ``N < W`` gives each rank
+    ``per_rank >= 1`` samples. ``policy="drop"``: ``per_rank = floor(N / W)``
+    and the tail is dropped (all ranks may get 0). Rank r gets
+    ``[r * per_rank, (r + 1) * per_rank)`` of the (extended) order; blocks are
+    contiguous so window mode keeps its locality. N == 0 raises ValueError.
+    """
+    arr = _int_array("order", order)
+    world_size = _int_arg("world_size", world_size, 1, 1 << 31)
+    rank = _int_arg("rank", rank, 0, world_size)
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if arr.size == 0:
+        raise ValueError("cannot partition an empty order (the dataset has no samples)")
+    n = arr.size
+    per = n // world_size if policy == "drop" else -(-n // world_size)
+    start, stop = rank * per, (rank + 1) * per
+    if stop <= n:
+        return arr[start:stop].copy()
+    return arr[np.arange(start, stop, dtype=np.int64) % n]
+
+
+def split_workers(rank_order: np.ndarray, *, worker: int, num_workers: int) -> np.ndarray:
+    """Worker ``worker``'s contiguous block, with ``np.array_split`` semantics.
+
+    The first ``n % num_workers`` workers get one extra sample. Returns a view.
+    """
+    arr = _int_array("rank_order", rank_order)
+    num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
+    worker = _int_arg("worker", worker, 0, num_workers)
+    q, rem = divmod(arr.size, num_workers)
+    start = worker * q + min(worker, rem)
+    return arr[start:start + q + (worker < rem)]
+
+
+def locate(ids: np.ndarray, records_per_shard: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(shard index int32, record index int64) of each global id in ``ids``.
+
+    Empty shards are skipped. Ids outside ``[0, N)`` raise ValueError.
+    """
+    arr = _int_array("ids", ids).astype(np.int64, copy=False)
+    counts = _counts(records_per_shard)
+    ends = np.cumsum(counts)
+    n = int(ends[-1]) if ends.size else 0
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        raise ValueError(f"ids must be in [0, {n}), got values in [{arr.min()}, {arr.max()}]")
+    if arr.size == 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
+    # A binary search per id costs ~log2(S) cache-missing branches. Instead look up
+    # a cache-sized table of buckets of 2**k ids, then step past the few shard ends
+    # inside a bucket; fall back to searchsorted when shards are tiny.
+    k = max(0, (n - 1).bit_length() - 16)
+    first = np.searchsorted(ends, np.append(np.arange(0, n, 1 << k), n - 1), side="right")
+    if np.diff(first).max(initial=0) > 8:
+        shard = np.searchsorted(ends, arr, side="right")
+    else:
+        shard = first[:-1].astype(np.int32)[arr >> k]
+        todo = np.flatnonzero(arr >= ends[shard])
+        while todo.size:
+            shard[todo] += 1
+            todo = todo[arr[todo] >= ends[shard[todo]]]
+    return shard.astype(np.int32, copy=False), arr - (ends - counts)[shard]
+
+
+def plan(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, epoch: int, rank: int,
+         world_size: int, worker: int = 0, num_workers: int = 1, mode: str = "global",
+         window: int = 65536, policy: str = "pad") -> tuple[np.ndarray, np.ndarray]:
+    """(shard_idx int32, record_idx int64), C-contiguous, in this (rank, worker)'s read order.
+
+    ``epoch_order`` -> ``partition`` -> ``split_workers`` -> ``locate``. Arguments
+    are validated before any per-sample work is done.
+    """
+    world_size = _int_arg("world_size", world_size, 1, 1 << 31)
+    _int_arg("rank", rank, 0, world_size)
+    num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
+    _int_arg("worker", worker, 0, num_workers)
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    order = epoch_order(records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch,
+                        mode=mode, window=window)
+    mine = split_workers(partition(order, rank=rank, world_size=world_size, policy=policy),
+                         worker=worker, num_workers=num_workers)
+    shard, record = locate(mine, records_per_shard)
+    return np.ascontiguousarray(shard), np.ascontiguousarray(record)

@@ -3,6 +3,7 @@
 from ._dataset import ShardDataset
 from ._errors import (
     LoaderStateError,
+    LoaderTimeoutError,
     ManifestError,
     PyloaderError,
     SchemaError,
@@ -26,4 +27,5 @@ __all__ = [
     "ManifestError",
     "ShardIOError",
     "LoaderStateError",
+    "LoaderTimeoutError",
 ]

@@ -42,6 +42,10 @@ class LoaderStateError(PyloaderError, RuntimeError):
     """An iterator was used after close or in a forked child."""
 
 
+class LoaderTimeoutError(PyloaderError, RuntimeError):
+    """No batch arrived within the DataLoader's ``timeout`` (torch raises RuntimeError too)."""
+
+
 # Kind codes are those of csrc/core/errors.h (ErrorKind).
 _KINDS: dict[int, type[PyloaderError]] = {
     0: ShardFormatError,
@@ -49,6 +53,7 @@ _KINDS: dict[int, type[PyloaderError]] = {
     2: SchemaError,
     3: ShardIOError,
     4: LoaderStateError,
+    5: LoaderTimeoutError,
 }
 
 
@@ -83,4 +88,5 @@ __all__ = [
     "ManifestError",
     "ShardIOError",
     "LoaderStateError",
+    "LoaderTimeoutError",
 ]

@@ -19,6 +19,7 @@ _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _INV_M1 = np.uint64(pow(0xBF58476D1CE4E5B9, -1, 1 << 64))
 _INV_M2 = np.uint64(pow(0x94D049BB133111EB, -1, 1 << 64))
+_CHUNK = 1 << 16  # elements per pass in mix64/_unmix64 (512 KiB: stays in cache)
 _STREAM_MUL = 0xD1B54A32D192ED03  # C1 in sample_keys: odd, so streams never collide
 STREAM_GLOBAL, STREAM_SHARDS, STREAM_WINDOW = 0, 1, 2
 _MODES, _POLICIES = ("global", "window"), ("pad", "drop")
@@ -27,7 +28,8 @@ _MODES, _POLICIES = ("global", "window"), ("pad", "drop")
 def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
     """``value`` as an int in ``[lo, hi)``, else ValueError (bools are rejected)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+        # ValueError, not TypeError: callers catch one exception type for bad config.
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")  # noqa: TRY004
     if not lo <= int(value) < hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}), got {int(value)}")
     return int(value)
@@ -36,16 +38,16 @@ def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
 def _int_array(name: str, values: object) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
-        raise ValueError(f"{name} must be a 1-D integer array, got dtype {arr.dtype}, ndim {arr.ndim}")
+        raise ValueError(
+            f"{name} must be a 1-D integer array, got dtype {arr.dtype}, ndim {arr.ndim}"
+        )
     return arr if arr.size else arr.astype(np.int64)
 
 
 def _counts(records_per_shard: Sequence[int]) -> np.ndarray:
     counts = _int_array("records_per_shard", records_per_shard)
-    if counts.size and (counts.min() < 0 or counts.max() >= 2**62):
-        raise ValueError("records_per_shard must be non-negative ints (< 2**62)")
-    if counts.size >= 2**31:
-        raise ValueError("too many shards for int32 shard indices")
+    if counts.size and (counts.min() < 0 or counts.max() >= 2**62 or counts.size >= 2**31):
+        raise ValueError("records_per_shard must be < 2**31 non-negative ints (each < 2**62)")
     return counts.astype(np.int64)
 
 
@@ -60,31 +62,35 @@ def mix64(x: np.ndarray) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise ValueError(f"mix64 needs an integer array, got dtype {a.dtype}")
-    z = a.astype(np.uint64)  # a fresh array, updated in place to save memory traffic
-    tmp = np.empty_like(z)
+    z = a.astype(np.uint64, order="C")  # fresh and C-ordered: updated in place below
+    flat, tmp = z.reshape(-1), np.empty(min(z.size, _CHUNK), np.uint64)
     with np.errstate(over="ignore"):
-        np.add(z, _GAMMA, out=z)
-        for shift, mul in ((30, _M1), (27, _M2)):
-            np.bitwise_xor(z, np.right_shift(z, shift, out=tmp), out=z)
-            np.multiply(z, mul, out=z)
-        np.bitwise_xor(z, np.right_shift(z, 31, out=tmp), out=z)
+        for lo in range(0, flat.size, _CHUNK):  # cache-sized chunks: ~3x less memory traffic
+            c = flat[lo : lo + _CHUNK]
+            t = tmp[: c.size]
+            np.add(c, _GAMMA, out=c)
+            for shift, mul in ((30, _M1), (27, _M2)):
+                np.bitwise_xor(c, np.right_shift(c, shift, out=t), out=c)
+                np.multiply(c, mul, out=c)
+            np.bitwise_xor(c, np.right_shift(c, 31, out=t), out=c)
     return z
 
 
 def _unmix64(z: np.ndarray) -> np.ndarray:
-    """Inverse of ``mix64`` on a uint64 array; clobbers ``z``.
+    """Inverse of ``mix64``, in place on a C-contiguous uint64 array.
 
     ``y = x ^ (x >> s)`` with ``3 * s >= 64`` inverts as ``x = y ^ ((y ^ (y >> s)) >> s)``.
     """
-    x = np.empty_like(z)
+    flat, tmp = z.reshape(-1), np.empty(min(z.size, _CHUNK), np.uint64)
     with np.errstate(over="ignore"):
-        for shift, inv in ((31, _INV_M2), (27, _INV_M1), (30, None)):
-            np.bitwise_xor(z, np.right_shift(z, shift, out=x), out=x)
-            np.bitwise_xor(z, np.right_shift(x, shift, out=x), out=x)
-            if inv is not None:
-                np.multiply(x, inv, out=x)
-            z, x = x, z
-        np.subtract(z, _GAMMA, out=z)
+        for lo in range(0, flat.size, _CHUNK):
+            c = flat[lo : lo + _CHUNK]
+            t = tmp[: c.size]
+            for shift, inv in ((31, _INV_M2), (27, _INV_M1), (30, np.uint64(1))):
+                np.bitwise_xor(c, np.right_shift(c, shift, out=t), out=t)
+                np.bitwise_xor(c, np.right_shift(t, shift, out=t), out=c)
+                np.multiply(c, inv, out=c)
+            np.subtract(c, _GAMMA, out=c)
     return z
 
 
@@ -94,7 +100,8 @@ def _key_state(seed: int, epoch: int, stream: int) -> np.uint64:
     epoch = _int_arg("epoch", epoch, 0, 1 << 64)
     stream = _int_arg("stream", stream, 0, 1 << 64)
     state = mix64(np.array([seed ^ ((stream * _STREAM_MUL) % (1 << 64))], dtype=np.uint64))
-    return mix64(state ^ np.uint64(epoch))[0]
+    key_state: np.uint64 = mix64(state ^ np.uint64(epoch))[0]
+    return key_state
 
 
 def sample_keys(ids: np.ndarray, *, seed: int, epoch: int, stream: int) -> np.ndarray:
@@ -128,8 +135,15 @@ def _sort_by_key(ids: np.ndarray, seed: int, epoch: int, stream: int) -> np.ndar
     return (_unmix64(keys) ^ state).astype(np.int64)
 
 
-def epoch_order(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, epoch: int,
-                mode: str = "global", window: int = 65536) -> np.ndarray:
+def epoch_order(
+    records_per_shard: Sequence[int],
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    mode: str = "global",
+    window: int = 65536,
+) -> np.ndarray:
     """The epoch's read order: all N global sample ids, int64.
 
     ``shuffle=False``: ``arange(N)`` (shard order, then record order).
@@ -146,7 +160,7 @@ def epoch_order(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, e
     stream with little cache but keep samples near their shard neighbours.
     """
     if not isinstance(shuffle, (bool, np.bool_)):
-        raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__}")
+        raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__}")  # noqa: TRY004
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     window = _int_arg("window", window, 1, 1 << 62)
@@ -160,9 +174,11 @@ def epoch_order(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, e
     # Concatenate shards in shuffled order without a Python loop over shards.
     shard_order = _sort_by_key(np.arange(counts.size), seed, epoch, STREAM_SHARDS)
     lens = counts[shard_order]
-    seq = ids + np.repeat((np.cumsum(counts) - counts)[shard_order] - (np.cumsum(lens) - lens), lens)
+    seq = ids + np.repeat(
+        (np.cumsum(counts) - counts)[shard_order] - (np.cumsum(lens) - lens), lens
+    )
     full = (ids.size // window) * window
-    out = np.empty_like(seq)
+    out = np.empty(ids.size, dtype=np.int64)
     out[:full] = _sort_by_key(seq[:full].reshape(-1, window), seed, epoch, STREAM_WINDOW).ravel()
     out[full:] = _sort_by_key(seq[full:], seed, epoch, STREAM_WINDOW)
     return out
@@ -189,8 +205,8 @@ def partition(order: np.ndarray, *, rank: int, world_size: int, policy: str = "p
     per = n // world_size if policy == "drop" else -(-n // world_size)
     start, stop = rank * per, (rank + 1) * per
     if stop <= n:
-        return arr[start:stop].copy()
-    return arr[np.arange(start, stop, dtype=np.int64) % n]
+        return np.array(arr[start:stop])
+    return np.take(arr, np.arange(start, stop, dtype=np.int64) % n)
 
 
 def split_workers(rank_order: np.ndarray, *, worker: int, num_workers: int) -> np.ndarray:
@@ -203,7 +219,7 @@ def split_workers(rank_order: np.ndarray, *, worker: int, num_workers: int) -> n
     worker = _int_arg("worker", worker, 0, num_workers)
     q, rem = divmod(arr.size, num_workers)
     start = worker * q + min(worker, rem)
-    return arr[start:start + q + (worker < rem)]
+    return arr[start : start + q + (worker < rem)]
 
 
 def locate(ids: np.ndarray, records_per_shard: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -235,9 +251,20 @@ def locate(ids: np.ndarray, records_per_shard: Sequence[int]) -> tuple[np.ndarra
     return shard.astype(np.int32, copy=False), arr - (ends - counts)[shard]
 
 
-def plan(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, epoch: int, rank: int,
-         world_size: int, worker: int = 0, num_workers: int = 1, mode: str = "global",
-         window: int = 65536, policy: str = "pad") -> tuple[np.ndarray, np.ndarray]:
+def plan(
+    records_per_shard: Sequence[int],
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    worker: int = 0,
+    num_workers: int = 1,
+    mode: str = "global",
+    window: int = 65536,
+    policy: str = "pad",
+) -> tuple[np.ndarray, np.ndarray]:
     """(shard_idx int32, record_idx int64), C-contiguous, in this (rank, worker)'s read order.
 
     ``epoch_order`` -> ``partition`` -> ``split_workers`` -> ``locate``. Arguments
@@ -249,9 +276,13 @@ def plan(records_per_shard: Sequence[int], *, shuffle: bool, seed: int, epoch: i
     _int_arg("worker", worker, 0, num_workers)
     if policy not in _POLICIES:
         raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
-    order = epoch_order(records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch,
-                        mode=mode, window=window)
-    mine = split_workers(partition(order, rank=rank, world_size=world_size, policy=policy),
-                         worker=worker, num_workers=num_workers)
+    order = epoch_order(
+        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, mode=mode, window=window
+    )
+    mine = split_workers(
+        partition(order, rank=rank, world_size=world_size, policy=policy),
+        worker=worker,
+        num_workers=num_workers,
+    )
     shard, record = locate(mine, records_per_shard)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)

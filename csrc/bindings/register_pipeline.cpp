@@ -1,6 +1,7 @@
 // ShardSet, SlotPool and BatchPipeline. Batches reach Python zero-copy: every array
 // holds a reference to its slot (NOTE [slot reuse] in core/slot_pool.h).
 #include <pybind11/numpy.h>
+#include <chrono>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,6 +16,8 @@ namespace py = pybind11;
 
 namespace pyloader {
 namespace {
+
+constexpr int64_t kSignalPollMs = 50;
 
 py::dtype numpy_dtype(uint8_t code) {
   switch (static_cast<DType>(code)) {
@@ -92,14 +95,23 @@ void register_pipeline(py::module_& m) {
       .def("__len__", &BatchPipeline::num_batches)
       .def(
           "next",
-          [](BatchPipeline& p) -> py::object {
+          [](BatchPipeline& p, double timeout) -> py::object {
             Batch b;
-            bool ok;
-            {
-              py::gil_scoped_release nogil;
-              ok = p.next(&b);
+            auto start = std::chrono::steady_clock::now();
+            for (;;) {
+              BatchPipeline::Next r;
+              {
+                py::gil_scoped_release nogil;
+                r = p.next(&b, kSignalPollMs);
+              }
+              if (r == BatchPipeline::Next::kEnd) return py::none();
+              if (r == BatchPipeline::Next::kBatch) break;
+              // Waiting: let Python run signal handlers (Ctrl-C) between bounded waits.
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+              if (timeout > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout)
+                throw LoaderError(ErrorKind::kTimeout, "", -1, "",
+                                  "no batch arrived within the timeout of " + std::to_string(timeout) + " s");
             }
-            if (!ok) return py::none();
             const auto& specs = b.fields;
             const auto& fspec = p.fields();
             py::list arrays, lengths;
@@ -115,6 +127,7 @@ void register_pipeline(py::module_& m) {
             }
             return py::make_tuple(b.index, b.rows, arrays, lengths);
           },
+          py::arg("timeout") = 0.0,
           "The next batch as (index, rows, [array per field], [lengths per field or None]), or None "
           "at the end. Releases the GIL while waiting. Arrays share the slot's memory.")
       .def("close", [](BatchPipeline& p) {

@@ -184,15 +184,21 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   counters_.batches.fetch_add(1, std::memory_order_relaxed);
 }
 
-bool BatchPipeline::next(Batch* out) {
+BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   if (::getpid() != pid_)
     throw LoaderError(ErrorKind::kState, "", -1, "", "iterator used in a forked child; create a new iterator after fork");
   uint64_t t0 = now_ns();
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator is closed");
-  if (consumed_ >= num_batches_) return false;
+  if (consumed_ >= num_batches_) return Next::kEnd;
   Pending& p = ring_[consumed_ % ring_.size()];
-  cv_ready_.wait(lk, [&] { return p.ready || stop_; });
+  auto ready = [&] { return p.ready || stop_; };
+  if (timeout_ms < 0) {
+    cv_ready_.wait(lk, ready);
+  } else if (!cv_ready_.wait_for(lk, std::chrono::milliseconds(timeout_ms), ready)) {
+    counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    return Next::kTimeout;
+  }
   if (!p.ready) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator was closed while waiting");
   Pending taken = std::move(p);
   p = Pending();
@@ -206,7 +212,7 @@ bool BatchPipeline::next(Batch* out) {
     std::rethrow_exception(taken.error);
   }
   *out = std::move(taken.batch);
-  return true;
+  return Next::kBatch;
 }
 
 }  // namespace pyloader

@@ -57,9 +57,11 @@ class BatchPipeline {
   BatchPipeline(const BatchPipeline&) = delete;
   BatchPipeline& operator=(const BatchPipeline&) = delete;
 
-  // Blocks until the next batch in plan order is ready. Returns false at the end of the
-  // plan. Rethrows (as LoaderError) the error of a batch that failed.
-  bool next(Batch* out);
+  enum class Next { kBatch, kEnd, kTimeout };
+  // Waits up to timeout_ms (< 0: forever) for the next batch in plan order. Rethrows (as
+  // LoaderError) the error of a batch that failed. The bounded wait lets the bindings
+  // check for signals (Ctrl-C) between waits.
+  Next next(Batch* out, int64_t timeout_ms = -1);
   // Stops the workers and joins them. Idempotent. Called by the destructor.
   void close();
   size_t num_batches() const noexcept { return num_batches_; }

@@ -14,6 +14,7 @@ enum class ErrorKind : int {
   kSchema = 2,    // the shard's schema differs from the dataset's
   kIO = 3,        // open/stat/mmap failed
   kState = 4,     // API misuse (e.g. use after fork, after close)
+  kTimeout = 5,   // no batch within the caller's timeout
 };
 
 class LoaderError : public std::runtime_error {

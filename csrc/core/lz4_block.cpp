@@ -2,9 +2,10 @@
 //
 // Every sequence is bounds-checked exactly (lengths against the bytes left in src and
 // dst, offsets against the bytes already written). Once a sequence is known to be valid,
-// its copies use fixed-size 16-byte moves that may run past the sequence's end ("wild"
-// copies) when, and only when, both buffers have at least 32 bytes of slack beyond it;
-// near either end an exact copy is used instead.
+// its copies use fixed-size 8- and 16-byte moves that may run past the sequence's end
+// ("wild" copies) when, and only when, both buffers have enough slack beyond it; near
+// either end an exact copy is used instead. Matches that overlap their own output
+// (offset < 16) are written from a register-held copy of the repeating pattern.
 #include "lz4_block.h"
 
 #include <cstring>
@@ -36,10 +37,18 @@ constexpr bool kLittleEndian = true;  // MSVC targets are little-endian
 #endif
 
 inline void copy16(uint8_t* d, const uint8_t* s) noexcept { std::memcpy(d, s, 16); }
+inline void copy8(uint8_t* d, const uint8_t* s) noexcept { std::memcpy(d, s, 8); }
 
 inline uint64_t load64(const uint8_t* p) noexcept {
   uint64_t v;
   std::memcpy(&v, p, 8);
+  return v;
+}
+
+inline size_t load_le16(const uint8_t* p) noexcept {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  if constexpr (!kLittleEndian) v = static_cast<uint16_t>((v >> 8) | (v << 8));
   return v;
 }
 
@@ -170,11 +179,11 @@ const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst,
   uint8_t* const oend = dst + dst_size;
 
   // While ip < in_fast and op < out_fast, a sequence whose token has both nibbles below 15
-  // (at most 14 literals, a match of at most 18) cannot cross either end: the literals and
-  // offset fit in the input margin, and the 16-byte literal copy plus a match written with
-  // up to 32 + 15 bytes of wild stores fit in the output margin. Such sequences then only
-  // need their offset validated. The limits sit at the start of a too-small buffer so the
-  // test is always false there.
+  // (at most 14 literals, a match of at most 18) cannot cross either end: token, 16-byte
+  // literal read and offset fit in the 32-byte input margin, and the 16-byte literal copy
+  // plus at most 32 bytes of match stores fit in the 64-byte output margin. Such sequences
+  // only need their offset validated. The limits sit at the start of a too-small buffer so
+  // the test is always false there.
   constexpr size_t kFastIn = 32;
   constexpr size_t kFastOut = 64;
   const uint8_t* const in_fast = src_size >= kFastIn ? iend - kFastIn : src;
@@ -186,19 +195,30 @@ const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst,
       const unsigned t = *ip;
       if (PYLOADER_LIKELY((t >> 4) != 15 && (t & 15) != 15)) {
         const size_t lit = t >> 4;
-        copy16(op, ip + 1);
-        ip += 1 + lit;
+        // Stepping past the token apart from the literals keeps the loop-carried chain
+        // (token load -> shift -> add -> next token load) free of a 3-operand LEA, which
+        // the empty asm stops the compiler from re-forming.
+        const uint8_t* lit_start = ip + 1;
+#if defined(__GNUC__)
+        __asm__("" : "+r"(lit_start));
+#endif
+        copy16(op, lit_start);
+        ip = lit_start + lit;
         op += lit;
-        const size_t offset = static_cast<size_t>(ip[0]) | (static_cast<size_t>(ip[1]) << 8);
+        const size_t offset = load_le16(ip);
         ip += 2;
         // One unsigned compare rejects both offset 0 and offsets before dst.
         if (PYLOADER_UNLIKELY(offset - 1 >= static_cast<size_t>(op - dst))) {
           return offset == 0 ? "match offset is zero" : "match offset before start of output";
         }
         const size_t len = (t & 15) + kMinMatch;
-        if (PYLOADER_LIKELY(offset >= 16)) {
-          copy16(op, op - offset);
-          copy16(op + 16, op - offset + 16);
+        if (PYLOADER_LIKELY(offset >= 8)) {
+          // 8-byte moves, in order: with offset >= 8 each reads only bytes already written.
+          // Small loads also tend to be served from a single earlier store.
+          const uint8_t* m = op - offset;
+          copy8(op, m);
+          copy8(op + 8, m + 8);
+          copy8(op + 16, m + 16);
         } else if (kLittleEndian) {
           // len <= 18 and step >= 9, so two stores cover the match without a loop.
           const unsigned d = static_cast<unsigned>(offset);
@@ -248,7 +268,7 @@ const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst,
 
     // Match.
     if (PYLOADER_UNLIKELY(iend - ip < 2)) return "truncated match offset";
-    const size_t offset = static_cast<size_t>(ip[0]) | (static_cast<size_t>(ip[1]) << 8);
+    const size_t offset = load_le16(ip);
     ip += 2;
     size_t len = token & 15;
     if (len == 15) {

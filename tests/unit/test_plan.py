@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def ref_window_order(counts: list[int], seed: int, epoch: int, window: int) -> l
     seq = ref_window_sequence(counts, seed, epoch)
     out: list[int] = []
     for start in range(0, len(seq), window):
-        out += ref_sorted(seq[start:start + window], seed, epoch, 2)
+        out += ref_sorted(seq[start : start + window], seed, epoch, 2)
     return out
 
 
@@ -68,6 +69,10 @@ def test_mix64_known_value_and_shape() -> None:
     out = mix64(np.arange(6, dtype=np.uint64).reshape(2, 3))
     assert out.dtype == np.uint64 and out.shape == (2, 3)
     assert int(mix64(np.array([-1]))[0]) == ref_mix64(U64)  # two's complement
+    # Non-contiguous input (transposed, strided) hashes like a contiguous copy.
+    grid = np.arange(12, dtype=np.int64).reshape(3, 4)
+    assert mix64(grid.T).tolist() == [[ref_mix64(v) for v in row] for row in grid.T.tolist()]
+    assert mix64(grid[:, ::2]).tolist() == [[ref_mix64(v) for v in row] for row in grid[:, ::2].tolist()]
 
 
 @FAST
@@ -115,16 +120,24 @@ def test_global_order_is_stable_argsort_of_keys(counts: list[int], seed: int, ep
 
 @FAST
 @given(counts_st, seed_st, st.integers(0, 1000), st.integers(1, 40))
-def test_window_order_matches_reference(counts: list[int], seed: int, epoch: int, window: int) -> None:
+def test_window_order_matches_reference(
+    counts: list[int], seed: int, epoch: int, window: int
+) -> None:
     order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, mode="window", window=window)
     assert order.tolist() == ref_window_order(counts, seed, epoch, window)
 
 
 @FAST
-@given(counts_st, seed_st, st.integers(0, 100), st.sampled_from(["global", "window"]),
-       st.integers(1, 50))
-def test_shuffled_order_is_permutation(counts: list[int], seed: int, epoch: int, mode: str,
-                                       window: int) -> None:
+@given(
+    counts_st,
+    seed_st,
+    st.integers(0, 100),
+    st.sampled_from(["global", "window"]),
+    st.integers(1, 50),
+)
+def test_shuffled_order_is_permutation(
+    counts: list[int], seed: int, epoch: int, mode: str, window: int
+) -> None:
     order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, mode=mode, window=window)
     assert np.array_equal(np.sort(order), np.arange(sum(counts)))
 
@@ -138,7 +151,7 @@ def test_unshuffled_is_arange(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["global", "window"])
 def test_determinism_and_sensitivity(mode: str) -> None:
     counts = [37, 0, 50, 13, 29, 41]  # N = 170
-    kw = dict(shuffle=True, mode=mode, window=16)
+    kw: dict[str, Any] = {"shuffle": True, "mode": mode, "window": 16}
     base = epoch_order(counts, seed=1, epoch=0, **kw)
     assert np.array_equal(base, epoch_order(counts, seed=1, epoch=0, **kw))
     assert not np.array_equal(base, epoch_order(counts, seed=2, epoch=0, **kw))
@@ -156,7 +169,9 @@ def test_window_mode_locality_and_shard_order() -> None:
         seq = ref_window_sequence(counts, 5, epoch)
         assert order.tolist() != seq
         for start in range(0, len(seq), window):
-            assert sorted(order[start:start + window].tolist()) == sorted(seq[start:start + window])
+            assert sorted(order[start : start + window].tolist()) == sorted(
+                seq[start : start + window]
+            )
     shard_orders = []
     for epoch in range(2):
         order = epoch_order(counts, shuffle=True, seed=5, epoch=epoch, mode="window", window=1)
@@ -188,9 +203,23 @@ def test_exact_coverage_grid(case: str, shuffle: bool, mode: str, policy: str) -
         per_rank = math.ceil(n / world) if policy == "pad" else n // world
         rank_ids = []
         for rank in range(world):
-            parts = [plan(counts, shuffle=shuffle, seed=3, epoch=1, rank=rank, world_size=world,
-                          worker=w, num_workers=nw, mode=mode, window=4, policy=policy)
-                     for nw in range(1, 5) for w in range(nw)]
+            parts = [
+                plan(
+                    counts,
+                    shuffle=shuffle,
+                    seed=3,
+                    epoch=1,
+                    rank=rank,
+                    world_size=world,
+                    worker=w,
+                    num_workers=nw,
+                    mode=mode,
+                    window=4,
+                    policy=policy,
+                )
+                for nw in range(1, 5)
+                for w in range(nw)
+            ]
             by_nw, i = [], 0
             for nw in range(1, 5):
                 sizes = [parts[i + w][0].size for w in range(nw)]
@@ -204,7 +233,7 @@ def test_exact_coverage_grid(case: str, shuffle: bool, mode: str, policy: str) -
         seen = np.bincount(every, minlength=n)
         if policy == "drop":
             assert every.size == world * (n // world) and seen.max(initial=0) <= 1
-            assert np.array_equal(every, order[:every.size])
+            assert np.array_equal(every, order[: every.size])
         else:
             assert every.size == world * math.ceil(n / world) and seen.min() >= 1
             assert np.array_equal(every, np.resize(order, every.size))
@@ -215,7 +244,12 @@ def test_exact_coverage_grid(case: str, shuffle: bool, mode: str, policy: str) -
 def test_partition_pad_smaller_than_world() -> None:
     order = np.array([10, 11])
     assert [partition(order, rank=r, world_size=5).tolist() for r in range(5)] == [
-        [10], [11], [10], [11], [10]]
+        [10],
+        [11],
+        [10],
+        [11],
+        [10],
+    ]
     assert partition(order, rank=4, world_size=5, policy="drop").size == 0
 
 
@@ -242,11 +276,14 @@ def test_locate_round_trips(counts: list[int], data: st.DataObject) -> None:
     assert list(zip(shard.tolist(), record.tolist())) == [expected[i] for i in ids]
 
 
-@pytest.mark.parametrize("counts", [
-    [0] * 20 + [3] + [0] * 20 + [2],  # runs of empty shards: the searchsorted path
-    [7919] * 30 + [0, 0, 1, 0, 5000, 3],  # N > 2**16: bucketed lookup with steps
-    [1] * 70_000,  # tiny shards
-])
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [0] * 20 + [3] + [0] * 20 + [2],  # runs of empty shards: the searchsorted path
+        [7919] * 30 + [0, 0, 1, 0, 5000, 3],  # N > 2**16: bucketed lookup with steps
+        [1] * 70_000,  # tiny shards
+    ],
+)
 def test_locate_large_and_sparse(counts: list[int]) -> None:
     ids = epoch_order(counts, shuffle=True, seed=11, epoch=0)
     shard, record = locate(ids, counts)
@@ -259,12 +296,13 @@ def test_locate_large_and_sparse(counts: list[int]) -> None:
 @pytest.mark.parametrize("mode", ["global", "window"])
 def test_plan_composes_and_skips_empty_shards(mode: str) -> None:
     counts = [4, 0, 0, 3, 0, 5]
-    kw = dict(shuffle=True, seed=8, epoch=2, mode=mode, window=5)
+    kw: dict[str, Any] = {"shuffle": True, "seed": 8, "epoch": 2, "mode": mode, "window": 5}
     shard, record = plan(counts, rank=1, world_size=2, worker=1, num_workers=2, **kw)
     assert shard.dtype == np.int32 and record.dtype == np.int64
     assert shard.flags.c_contiguous and record.flags.c_contiguous
-    mine = split_workers(partition(epoch_order(counts, **kw), rank=1, world_size=2),
-                         worker=1, num_workers=2)
+    mine = split_workers(
+        partition(epoch_order(counts, **kw), rank=1, world_size=2), worker=1, num_workers=2
+    )
     assert np.array_equal(global_ids(shard, record, counts), mine)
     every = np.concatenate([global_ids(*plan(counts, rank=0, world_size=1, **kw), counts)])
     assert sorted(every.tolist()) == list(range(12))
@@ -273,11 +311,11 @@ def test_plan_composes_and_skips_empty_shards(mode: str) -> None:
 
 # --- validation ---------------------------------------------------------------
 
-GOOD = dict(shuffle=True, seed=0, epoch=0, rank=0, world_size=2)
+GOOD: dict[str, Any] = {"shuffle": True, "seed": 0, "epoch": 0, "rank": 0, "world_size": 2}
 BAD_CALLS = {
     "negative records": lambda: plan([3, -1], **GOOD),
-    "float records": lambda: plan([3.0, 1.0], **GOOD),
-    "2-D records": lambda: plan([[3, 1]], **GOOD),
+    "float records": lambda: plan([3.0, 1.0], **GOOD),  # type: ignore[list-item]
+    "2-D records": lambda: plan([[3, 1]], **GOOD),  # type: ignore[list-item]
     "no samples": lambda: plan([0, 0], **GOOD),
     "window 0": lambda: plan([4], **GOOD, mode="window", window=0),
     "bad mode": lambda: plan([4], **GOOD, mode="shards"),
@@ -291,7 +329,7 @@ BAD_CALLS = {
     "seed < 0": lambda: plan([4], **{**GOOD, "seed": -1}),
     "seed >= 2**64": lambda: plan([4], **{**GOOD, "seed": 2**64}),
     "epoch < 0": lambda: epoch_order([4], shuffle=False, seed=0, epoch=-1),
-    "seed float": lambda: epoch_order([4], shuffle=True, seed=1.0, epoch=0),
+    "seed float": lambda: epoch_order([4], shuffle=True, seed=1.0, epoch=0),  # type: ignore[arg-type]
     "seed bool": lambda: epoch_order([4], shuffle=True, seed=True, epoch=0),
     "empty order": lambda: partition(np.zeros(0, np.int64), rank=0, world_size=1),
     "locate negative id": lambda: locate(np.array([-1]), [3]),

@@ -1,0 +1,269 @@
+"""Measurements shared by ``pyloader bench`` and the scripts in ``benchmarks/``.
+
+Every figure is taken in the same process and run as its baseline, so the ratios
+hold even on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import _C
+from ._dataset import ShardDataset
+from ._loader import DataLoader
+from ._writer import ShardWriter
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A synthetic record shape: a payload field plus an int64 label."""
+
+    name: str
+    record_bytes: int
+    kind: str  # "image" (compressible), "tokens" (incompressible), "blob"
+    description: str
+
+
+PROFILES: dict[str, Profile] = {
+    "image12k": Profile("image12k", 12288, "image", "12 KB image-like records (compressible)"),
+    "tokens8k": Profile("tokens8k", 8192, "tokens", "8 KB token records (incompressible)"),
+    "blob150k": Profile("blob150k", 153600, "image", "150 KB image-like records"),
+}
+
+
+def _payload_field(p: Profile) -> tuple[str, tuple[str, tuple[int, ...]]]:
+    if p.kind == "tokens":
+        return "tokens", ("int32", (p.record_bytes // 4,))
+    side = int(np.sqrt(p.record_bytes // 3))
+    if 3 * side * side == p.record_bytes:
+        return "image", ("uint8", (3, side, side))
+    return "image", ("uint8", (p.record_bytes,))
+
+
+def make_records(p: Profile, n: int, seed: int) -> np.ndarray:
+    """n records of profile p as one array [n, ...]. Image-like records are smooth
+    gradients plus low-amplitude noise (LZ4 compresses them ~2x); token records are
+    uniformly random int32 (LZ4 cannot compress them)."""
+    rng = np.random.default_rng(seed)
+    name, (dtype, shape) = _payload_field(p)
+    if p.kind == "tokens":
+        return rng.integers(0, 2**31 - 1, (n, *shape), dtype=np.int32)
+    flat = int(np.prod(shape))
+    base = (np.arange(flat, dtype=np.uint32) // 64 % 256).astype(np.uint8)
+    out = np.empty((n, flat), np.uint8)
+    for start in range(0, n, 1024):
+        k = min(1024, n - start)
+        noise = rng.integers(0, 4, (k, flat), dtype=np.uint8)
+        shift = rng.integers(0, 256, (k, 1), dtype=np.uint8)
+        out[start : start + k] = base[None, :] + shift + (noise & (noise >> 1))
+    return out.reshape(n, *shape)
+
+
+def write_profile_dataset(path: str, p: Profile, n: int, *, compression: str = "none", seed: int = 0,
+                          shard_bytes: int = 64 << 20) -> np.ndarray:
+    """Writes n records of profile p; returns the records (for baselines on the same data)."""
+    name, spec = _payload_field(p)
+    recs = make_records(p, n, seed)
+    with ShardWriter(path, {name: spec, "label": ("int64", ())}, compression=compression,
+                     shard_bytes=shard_bytes, overwrite=True) as w:
+        for i in range(n):
+            w.write({name: recs[i], "label": i})
+    return recs
+
+
+# -- timing helpers -------------------------------------------------------------------
+class CpuTimer:
+    """Wall and process CPU time (all threads) of a block."""
+
+    def __enter__(self) -> CpuTimer:
+        self._w = time.perf_counter()
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        c = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._c = r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self._w
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        c = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu = r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime - self._c
+
+
+def best_of(fn: Callable[[], float], repeats: int) -> float:
+    """Highest throughput of `repeats` runs of fn (which returns a throughput)."""
+    return max(fn() for _ in range(repeats))
+
+
+def parallel(fn: Callable[[], None], threads: int) -> float:
+    """Wall seconds for `threads` Python threads each running fn (fn must release the GIL)."""
+    ts = [threading.Thread(target=fn) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def memcpy_gbps(threads: int, nbytes: int = 64 << 20, repeat: int = 8) -> float:
+    """Copy bandwidth (GB/s of bytes copied) with numpy copies on `threads` threads."""
+    bufs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(threads)]
+    for s, d in bufs:
+        np.copyto(d, s)  # fault the pages in first
+
+    def make(i: int) -> Callable[[], None]:
+        def run() -> None:
+            s, d = bufs[i]
+            for _ in range(repeat):
+                np.copyto(d, s)
+        return run
+
+    idx = iter(range(threads))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        with lock:
+            i = next(idx)
+        make(i)()
+
+    wall = parallel(worker, threads)
+    return threads * repeat * nbytes / wall / 1e9
+
+
+def read_gbps(paths: list[str]) -> float:
+    """Sequential read bandwidth of files (page cache if they were just written)."""
+    total = 0
+    buf = bytearray(8 << 20)
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def loader_epoch(loader: Any, *, touch: bool = False) -> tuple[int, int, CpuTimer]:
+    """Iterates one epoch; returns (samples, payload bytes, timer)."""
+    n = nbytes = 0
+    with CpuTimer() as t:
+        for batch in loader:
+            tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+            n += int(tensors[-1].shape[0])
+            for x in tensors:
+                nbytes += x.nelement() * x.element_size()
+            if touch:
+                tensors[0].view(-1)[0].item()
+    return n, nbytes, t
+
+
+def pyloader_loader(path: str, batch_size: int, *, shuffle: bool = False, threads: int = 2,
+                    prefetch: int | None = None) -> DataLoader:
+    ds = ShardDataset(path, shuffle=shuffle, seed=0)
+    return DataLoader(ds, batch_size=batch_size, num_workers=threads, prefetch=prefetch)
+
+
+class MemmapDataset(torch.utils.data.Dataset):
+    """Torch's usual map-style baseline: one record per __getitem__ from a numpy memmap."""
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: str) -> None:
+        self.path, self.shape, self.dtype = path, shape, dtype
+        self._mm: np.ndarray | None = None
+
+    def _map(self) -> np.ndarray:
+        if self._mm is None:
+            self._mm = np.load(self.path, mmap_mode="r")
+        return self._mm
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.from_numpy(np.array(self._map()[i])), i
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_mm": None}
+
+
+class BatchGatherDataset(MemmapDataset):
+    """The fastest plain baseline: __getitem__ takes a list of indices and gathers the
+    whole batch from the memmap with one np.take."""
+
+    def __getitem__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        ix = np.asarray(idx)
+        return torch.from_numpy(np.take(self._map(), ix, axis=0)), torch.from_numpy(ix)
+
+
+def torch_loader(npy_path: str, shape: tuple[int, ...], dtype: str, batch_size: int, *, shuffle: bool,
+                 num_workers: int) -> torch.utils.data.DataLoader:
+    ds = MemmapDataset(npy_path, shape, dtype)
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                                       generator=g, persistent_workers=False,
+                                       prefetch_factor=4 if num_workers else None)
+
+
+def gather_loader(npy_path: str, shape: tuple[int, ...], dtype: str, batch_size: int, *,
+                  shuffle: bool) -> torch.utils.data.DataLoader:
+    ds = BatchGatherDataset(npy_path, shape, dtype)
+    n = shape[0]
+    if shuffle:
+        sampler: Any = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(0))
+    else:
+        sampler = torch.utils.data.SequentialSampler(range(n))
+    bs = torch.utils.data.BatchSampler(sampler, batch_size, drop_last=False)
+    return torch.utils.data.DataLoader(ds, sampler=bs, batch_size=None, num_workers=0)
+
+
+def lz4_package_decode_gbps(blocks: list[tuple[bytes, int]], threads: int, seconds: float = 1.0) -> float:
+    """Decoded GB/s of lz4.block.decompress over `blocks` on `threads` threads."""
+    import lz4.block
+
+    total = sum(n for _, n in blocks)
+    reps = max(1, int(seconds * 1e9 / max(total, 1) / 2))
+
+    def run() -> None:
+        for _ in range(reps):
+            for b, n in blocks:
+                lz4.block.decompress(b, uncompressed_size=n)
+
+    wall = parallel(run, threads)
+    return threads * reps * total / wall / 1e9
+
+
+def native_decode_gbps(blocks: list[tuple[bytes, int]], threads: int, seconds: float = 1.0) -> float:
+    """Decoded GB/s of pyloader's LZ4 decoder (into a reused buffer) on `threads` threads."""
+    total = sum(n for _, n in blocks)
+    reps = max(1, int(seconds * 1e9 / max(total, 1) / 2))
+    outs = {}
+
+    def run() -> None:
+        tid = threading.get_ident()
+        dst = {n: bytearray(n) for _, n in blocks} if tid not in outs else outs[tid]
+        outs[tid] = dst
+        for _ in range(reps):
+            for b, n in blocks:
+                _C.lz4_decode_into(b, dst[n])
+
+    wall = parallel(run, threads)
+    return threads * reps * total / wall / 1e9
+
+
+def environment() -> dict[str, Any]:
+    import platform
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+    }

@@ -1,0 +1,50 @@
+"""Shared fixtures: small real datasets written with pyloader.ShardWriter."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import pyloader
+
+# A schema with every kind of field: fixed, scalar, variable, bytes, bfloat16.
+MIXED_FIELDS: dict[str, Any] = {
+    "image": ("uint8", (3, 8, 8)),
+    "label": ("int64", ()),
+    "tokens": ("int32", (None,)),
+    "blob": ("bytes", ()),
+    "half": ("float16", (2,)),
+}
+
+
+def mixed_sample(i: int) -> dict[str, Any]:
+    """Deterministic sample i: every field encodes i so a reader can check it."""
+    rng = np.random.default_rng(i)
+    return {
+        "image": np.full((3, 8, 8), i % 251, np.uint8) + rng.integers(0, 4, (3, 8, 8), dtype=np.uint8),
+        "label": i,
+        "tokens": np.arange(i, i + (i % 9), dtype=np.int32),
+        "blob": bytes([i % 256]) * (i % 5),
+        "half": np.array([i, -i], np.float16),
+    }
+
+
+@pytest.fixture
+def write_dataset(tmp_path) -> Callable[..., str]:
+    """write_dataset(n, fields=MIXED_FIELDS, sample=mixed_sample, **writer_kwargs) -> dataset dir."""
+    counter = [0]
+
+    def _write(n: int, fields: dict[str, Any] | None = None, sample: Callable[[int], dict] | None = None,
+               **kwargs: Any) -> str:
+        counter[0] += 1
+        d = os.path.join(tmp_path, f"ds{counter[0]}")
+        kwargs.setdefault("shard_bytes", 4096)
+        with pyloader.ShardWriter(d, fields or MIXED_FIELDS, **kwargs) as w:
+            for i in range(n):
+                w.write((sample or mixed_sample)(i))
+        return d
+
+    return _write

@@ -62,7 +62,9 @@ def make_sample(i: int) -> dict[str, Any]:
         tokens = rng.integers(-(2**31), 2**31, n, dtype=np.int32)
         blob = rng.bytes(i % 13)
     return {"img": img, "label": i * 1_000_003, "tokens": tokens, "blob": blob,
-            "vec": rng.standard_normal((i % 4, 2)).astype(np.float32)}
+            # (None, 2) rows are never empty here: ShardWriter cannot write an empty multi-dim
+            # row (see test_roundtrip.py::test_empty_rows); tokens and blob cover empty rows.
+            "vec": rng.standard_normal((1 + i % 3, 2)).astype(np.float32)}
 
 
 def write_dataset(path: str, n: int = NUM_RECORDS, fields: dict[str, Any] | None = None,
@@ -168,8 +170,8 @@ Snapshot = dict[str, tuple[str, tuple[int, ...], bytes]]
 
 def snapshot(batch: dict[str, torch.Tensor]) -> Snapshot:
     """dtype, shape and exact bytes (padding included) of every tensor of a batch."""
-    return {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()
-                if t.dtype != torch.bool else t.numpy().tobytes()) for k, t in batch.items()}
+    return {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+            for k, t in batch.items()}
 
 
 def read_epoch(ds: str, batch_size: int = BATCH, num_threads: int = 2) -> list[Snapshot]:
@@ -349,7 +351,7 @@ def test_every_schema_bit_of_a_shard_is_checked(sess):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("region", ["header", "schema", "index", "payload"])
 def test_random_bit_flips_in_region(sess, region):
-    seed = SEED + hash(region) % 1000
+    seed = SEED + {"header": 101, "schema": 202, "index": 303, "payload": 404}[region]
     fuzz(sess, seed, 400, mode=region)
     assert sess.stats == {f"{region}:detected": 400}
 
@@ -476,9 +478,11 @@ def test_forged_index_entries_are_validated(sess):
                 replace_file(shard, sess.original[shard])
             continue
         outcome, exc, _ = sess.attempt(shard, bytes(data), what, num_threads=rng.choice((1, 3)))
-        if 21 <= within < 24:  # the 3 pad bytes carry nothing
+        if 21 <= within < 24:  # the 3 pad bytes carry nothing (read_mutated checked the data)
             pad_hits += 1
             continue
+        if within < 8 and lay.entries[r][f][1] == 0 and outcome == Outcome.UNDETECTED:
+            continue  # the offset of an empty entry: still in bounds, it addresses no bytes
         assert outcome == Outcome.DETECTED, what
         assert (exc.record, exc.field) == (r, list(FIELDS)[f]), f"{what}: blamed {exc.record} {exc.field}: {exc}"
     assert pad_hits > 0
@@ -654,9 +658,11 @@ def test_manifest_bit_flips(sess):
             continue
         finally:
             replace_file(mpath, orig)
-        # The only flip that may pass: the case bit of a hex letter in the digest
-        # ("a" -> "A" parses to the same number). The body is intact, so the data must be too.
-        assert digest[0] <= o < digest[1] and bit == 5 and orig[o:o + 1] in b"abcdef", f"{what}: accepted"
+        # The only flips that may pass leave the checksum's value unchanged: the case bit of
+        # a hex letter ("a" -> "A"), or a leading/trailing "0" turned into a space, which
+        # int(..., 16) ignores. The body is intact, so the data must be too.
+        assert digest[0] <= o < digest[1], f"{what}: accepted"
+        assert int(data[digest[0]:digest[1]].decode("ascii"), 16) == int(orig[digest[0]:digest[1]], 16), what
         tolerated += 1
         assert [snapshot(b) for b in ds.batches(BATCH)] == sess.ref[BATCH], what
     assert tolerated <= 16
@@ -824,8 +830,7 @@ def test_malformed_lz4_block_names_record_and_field(tmp_path):
     e = lay.entries[rec][f]
     data = bytearray(open(shard, "rb").read())
     start = lay.header["payload_off"] + e[0]
-    data[start + e[1] - 1] ^= 0xFF  # last literal byte garbled: still decodes...
-    data[start] = 0xF0  # ...but a token claiming 15+ literals runs past the input
+    data[start] = 0xF0  # a first token claiming 15+ literals: they run past the input
     refresh_entry_checksum(data, lay, rec, f)
     refresh_checksums(data)
     replace_file(shard, bytes(data))

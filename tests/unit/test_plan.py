@@ -72,7 +72,9 @@ def test_mix64_known_value_and_shape() -> None:
     # Non-contiguous input (transposed, strided) hashes like a contiguous copy.
     grid = np.arange(12, dtype=np.int64).reshape(3, 4)
     assert mix64(grid.T).tolist() == [[ref_mix64(v) for v in row] for row in grid.T.tolist()]
-    assert mix64(grid[:, ::2]).tolist() == [[ref_mix64(v) for v in row] for row in grid[:, ::2].tolist()]
+    assert mix64(grid[:, ::2]).tolist() == [
+        [ref_mix64(v) for v in row] for row in grid[:, ::2].tolist()
+    ]
 
 
 @FAST

@@ -174,6 +174,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
       }
     }
+    verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
   } catch (...) {
     ::munmap(const_cast<uint8_t*>(base_), map_size_);
     base_ = nullptr;

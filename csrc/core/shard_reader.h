@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -58,6 +59,18 @@ class Shard {
   IndexEntry entry(uint64_t record, size_t field) const noexcept;
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
 
+  // NOTE [verify once]: every stored value is checked against its XXH64 the first time
+  // this process reads its record; the record is then marked verified and later reads
+  // (later epochs) use the same mapped, immutable bytes without hashing them again. A
+  // shard is replaced only by renaming a new file into place, which never changes the
+  // bytes behind an existing mapping.
+  bool verified(uint64_t record) const noexcept {
+    return (verified_[record >> 6].load(std::memory_order_acquire) >> (record & 63)) & 1u;
+  }
+  void mark_verified(uint64_t record) const noexcept {
+    verified_[record >> 6].fetch_or(uint64_t(1) << (record & 63), std::memory_order_release);
+  }
+
  private:
   std::string path_;
   const uint8_t* base_ = nullptr;
@@ -66,6 +79,7 @@ class Shard {
   size_t num_fields_ = 0;
   uint64_t index_offset_ = 0;
   uint64_t payload_offset_ = 0;
+  std::unique_ptr<std::atomic<uint64_t>[]> verified_;
 };
 
 // The shards of one dataset, opened lazily (once each) and kept mapped across epochs

@@ -22,17 +22,26 @@ constexpr bool kBigEndian = false;
 
 // The specification reads lanes as little-endian integers.
 inline uint64_t load_le64(const uint8_t* p) noexcept {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  if constexpr (kBigEndian) v = __builtin_bswap64(v);
-  return v;
+  if constexpr (kBigEndian) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+  } else {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+  }
 }
 
 inline uint32_t load_le32(const uint8_t* p) noexcept {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  if constexpr (kBigEndian) v = __builtin_bswap32(v);
-  return v;
+  if constexpr (kBigEndian) {
+    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+           (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+  } else {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
 }
 
 inline uint64_t rotl(uint64_t x, int r) noexcept { return (x << r) | (x >> (64 - r)); }
@@ -67,15 +76,14 @@ inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* 
       const uint64_t l3 = load_le64(p + 16);
       const uint64_t l4 = load_le64(p + 24);
       if constexpr (kCopy) {
-        // Store the loaded lanes rather than re-reading src (raw bytes, so undo the swap).
-        const uint64_t raw[4] = {l1, l2, l3, l4};
         if constexpr (kBigEndian) {
-          for (int i = 0; i < 4; ++i) {
-            const uint64_t b = __builtin_bswap64(raw[i]);
-            std::memcpy(out + 8 * i, &b, 8);
-          }
+          std::memcpy(out, p, 32);  // the lanes are byte-swapped; copy the raw bytes
         } else {
-          std::memcpy(out, raw, 32);
+          // Store the lanes already in registers instead of reading src a second time.
+          std::memcpy(out, &l1, 8);
+          std::memcpy(out + 8, &l2, 8);
+          std::memcpy(out + 16, &l3, 8);
+          std::memcpy(out + 24, &l4, 8);
         }
         out += 32;
       }

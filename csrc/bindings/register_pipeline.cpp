@@ -54,11 +54,17 @@ void register_pipeline(py::module_& m) {
   py::class_<ShardSet, std::shared_ptr<ShardSet>>(m, "ShardSet",
       "The shards of one dataset, each mapped and validated on first use, kept across epochs.")
       .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes,
-                       std::vector<uint64_t> records, py::bytes schema) {
+                       std::vector<uint64_t> records, py::bytes schema, bool pending) {
              return std::make_shared<ShardSet>(std::move(paths), std::move(bytes), std::move(records),
-                                               std::string(schema));
+                                               std::string(schema), pending);
            }),
-           py::kw_only(), py::arg("paths"), py::arg("bytes"), py::arg("records"), py::arg("schema"))
+           py::kw_only(), py::arg("paths"), py::arg("bytes"), py::arg("records"), py::arg("schema"),
+           py::arg("pending") = false)
+      .def("mark_ready", &ShardSet::mark_ready, py::arg("index"), py::arg("path"),
+           "A pending shard's file is verified and in place at `path` (NOTE [shard readiness]).")
+      .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"),
+           "A pending shard could not be fetched; readers of it raise ShardIOError(message).")
+      .def("is_ready", &ShardSet::is_ready, py::arg("index"))
       .def("__len__", &ShardSet::size)
       .def("open", [](ShardSet& s, size_t i) {
              py::gil_scoped_release nogil;

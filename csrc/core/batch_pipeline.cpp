@@ -65,6 +65,7 @@ void BatchPipeline::close() {
     if (closed_) return;
     closed_ = true;
     stop_ = true;
+    cancel_.store(true, std::memory_order_release);
   }
   cv_work_.notify_all();
   cv_ready_.notify_all();
@@ -114,7 +115,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   std::vector<std::shared_ptr<const Shard>> shard_of(rows);
   std::vector<uint32_t> max_len(nf, 0);
   for (size_t i = 0; i < rows; ++i) {
-    shard_of[i] = shards_->get(size_t(shard_idx_[begin + i]));
+    shard_of[i] = shards_->get(size_t(shard_idx_[begin + i]), &cancel_);
     for (size_t f = 0; f < nf; ++f)
       if (fields[f].variable)
         max_len[f] = std::max(max_len[f], shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading);

@@ -95,6 +95,7 @@ class BatchPipeline {
   std::condition_variable cv_work_;   // workers wait for room
   std::condition_variable cv_ready_;  // consumer waits for a batch
   bool stop_ = false;
+  std::atomic<bool> cancel_{false};  // stop_, readable without mu_ (shard waits)
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;

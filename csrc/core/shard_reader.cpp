@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <limits>
 
@@ -199,7 +200,7 @@ IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
 }
 
 ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
-                   std::vector<uint64_t> records, std::string schema_blob)
+                   std::vector<uint64_t> records, std::string schema_blob, bool pending)
     : paths_(std::move(paths)),
       bytes_(std::move(bytes)),
       records_(std::move(records)),
@@ -209,22 +210,59 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
     throw std::invalid_argument("paths, bytes and records must have the same length");
   fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(), "<dataset schema>");
   open_.resize(paths_.size());
+  state_.assign(paths_.size(), pending ? 1 : 0);
+  failure_.resize(paths_.size());
 }
 
-std::shared_ptr<const Shard> ShardSet::get(size_t i) {
+std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel) {
   if (::getpid() != pid_)
     throw LoaderError(ErrorKind::kState, "", -1, "", "shard set used in a forked child; create the dataset iterator after fork");
   if (i >= paths_.size()) throw LoaderError(ErrorKind::kState, "", -1, "", "shard index out of range");
+  std::string path;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     if (open_[i]) return open_[i];
+    // NOTE [shard readiness]: wait for the fetcher, in slices, so a cancel is seen.
+    while (state_[i] == 1) {
+      if (cancel && cancel->load(std::memory_order_acquire))
+        throw LoaderError(ErrorKind::kState, paths_[i], -1, "", "cancelled while waiting for the shard");
+      cv_.wait_for(lk, std::chrono::milliseconds(50));
+    }
+    if (state_[i] == 2) throw LoaderError(ErrorKind::kIO, paths_[i], -1, "", failure_[i]);
+    path = paths_[i];
   }
   // Opened outside the lock so one slow open does not stall other workers; if two
   // workers race, one mapping wins and the other is dropped.
-  auto sh = std::make_shared<const Shard>(paths_[i], bytes_[i], records_[i], schema_blob_, fields_);
+  auto sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], schema_blob_, fields_);
   std::lock_guard<std::mutex> lk(mu_);
   if (!open_[i]) open_[i] = std::move(sh);
   return open_[i];
+}
+
+void ShardSet::mark_ready(size_t i, std::string path) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (i >= paths_.size()) throw std::out_of_range("shard index out of range");
+    paths_[i] = std::move(path);
+    state_[i] = 0;
+  }
+  cv_.notify_all();
+}
+
+void ShardSet::mark_failed(size_t i, std::string message) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (i >= paths_.size()) throw std::out_of_range("shard index out of range");
+    if (open_[i]) return;  // already mapped: the failure of a re-fetch does not matter
+    state_[i] = 2;
+    failure_[i] = std::move(message);
+  }
+  cv_.notify_all();
+}
+
+bool ShardSet::is_ready(size_t i) {
+  std::lock_guard<std::mutex> lk(mu_);
+  return i < state_.size() && (open_[i] || state_[i] == 0);
 }
 
 void ShardSet::release(size_t i) {

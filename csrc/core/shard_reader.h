@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -84,17 +85,27 @@ class Shard {
 
 // The shards of one dataset, opened lazily (once each) and kept mapped across epochs
 // so that later epochs take no page faults.
+//
+// NOTE [shard readiness]: for remote datasets the files arrive while the epoch runs. Such
+// a set starts with every shard *pending*; a Python fetcher calls mark_ready() once a
+// shard's file is verified and in place (or mark_failed() with the reason). Workers that
+// need a pending shard wait for it, polling their cancel flag, so closing a pipeline
+// never waits on a download. Native threads never call into Python for this.
 class ShardSet {
  public:
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
-           std::vector<uint64_t> records, std::string schema_blob);
+           std::vector<uint64_t> records, std::string schema_blob, bool pending = false);
 
   size_t size() const noexcept { return paths_.size(); }
   const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
   const std::string& path(size_t i) const { return paths_.at(i); }
   uint64_t records(size_t i) const { return records_.at(i); }
-  // Opens shard i on first use. Thread-safe. Throws LoaderError.
-  std::shared_ptr<const Shard> get(size_t i);
+  // Opens shard i on first use, waiting while it is pending. Thread-safe. Throws
+  // LoaderError (kState if *cancel became true while waiting).
+  std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr);
+  void mark_ready(size_t i, std::string path);
+  void mark_failed(size_t i, std::string message);
+  bool is_ready(size_t i);
   // Drops the mapping of shard i (e.g. before the cache evicts its file).
   void release(size_t i);
   pid_t owner_pid() const noexcept { return pid_; }
@@ -107,6 +118,9 @@ class ShardSet {
   std::vector<FieldSpec> fields_;
   std::mutex mu_;
   std::vector<std::shared_ptr<const Shard>> open_;
+  std::vector<uint8_t> state_;  // 0 ready to open, 1 pending, 2 failed
+  std::vector<std::string> failure_;
+  std::condition_variable cv_;
   pid_t pid_;
 };
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -68,10 +69,13 @@ class BatchIterator:
     Dropping it (or calling ``close()``) mid-epoch stops and joins its threads.
     """
 
-    def __init__(self, dataset: ShardDataset, pipeline: Any) -> None:
+    def __init__(self, dataset: ShardDataset, pipeline: Any, num_threads: int = 1) -> None:
         self._fields = dataset.fields
         self._pipeline = pipeline
         self._pid = os.getpid()
+        self._threads = num_threads
+        self._start = time.perf_counter()
+        self._end: float | None = None
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -84,6 +88,8 @@ class BatchIterator:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         item = self._pipeline.next()
         if item is None:
+            if self._end is None:
+                self._end = time.perf_counter()
             raise StopIteration
         _, _, arrays, lengths = item
         return batch_to_torch(self._fields, arrays, lengths)
@@ -94,6 +100,33 @@ class BatchIterator:
 
     def counters(self) -> dict[str, int]:
         return self._pipeline.counters()
+
+    def stats(self) -> dict[str, Any]:
+        """Per-stage counters kept by the native side, plus derived rates.
+
+        ``consumer_wait_s`` is the time the consuming thread spent blocked in ``next()``;
+        ``wait_fraction`` is that over the wall time since the iterator started (or until
+        it ended): the share of a training loop's time lost waiting for data.
+        """
+        c = self._pipeline.counters()
+        wall = (self._end or time.perf_counter()) - self._start
+        waited = c["wait_ns"] / 1e9
+        return {
+            "batches": c["batches"],
+            "records": c["records"],
+            "stored_bytes": c["stored_bytes"],
+            "decoded_bytes": c["decoded_bytes"],
+            "lz4_stored_bytes": c["lz4_stored_bytes"],
+            "verified_bytes": c["verified_bytes"],
+            "threads": self._threads,
+            "shard_wait_s": c["shard_wait_ns"] / 1e9,
+            "collate_s": c["collate_ns"] / 1e9,
+            "consumer_wait_s": waited,
+            "wall_s": wall,
+            "wait_fraction": waited / wall if wall > 0 else 0.0,
+            "decoded_gbps": c["decoded_bytes"] / wall / 1e9 if wall > 0 else 0.0,
+            "finished": self._end is not None,
+        }
 
 
 class ShardDataset(IterableDataset):
@@ -205,7 +238,7 @@ class ShardDataset(IterableDataset):
             shards=self._shard_set(), pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
         )
-        return BatchIterator(self, pipeline)
+        return BatchIterator(self, pipeline, num_threads)
 
     # -- per-sample iteration for torch's DataLoader -----------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -62,5 +62,8 @@ class DataLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def stats(self) -> dict[str, Any]:
-        """Native counters of the current (or last) epoch's iterator."""
-        return {} if self._active is None else dict(self._active.counters())
+        """Per-stage counters of the current (or last) epoch: see ``BatchIterator.stats``.
+
+        Empty before the first ``iter()``.
+        """
+        return {} if self._active is None else self._active.stats()

@@ -1,4 +1,4 @@
-"""The ``pyloader`` command line: ``pyloader bench``."""
+"""The ``pyloader`` command line: ``pyloader bench`` and ``pyloader cache``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import numpy as np
 
 from . import _bench as B
 from . import _bench_run as R
+from ._cache_cli import add_cache_parser, run_cache
 from ._dataset import ShardDataset
-from ._errors import PyloaderError
+from ._errors import ManifestError, PyloaderError
 
 
 def _generate(tmp: str, name: str, record_bytes: int, records: int, compression: str) -> str:
@@ -200,6 +201,9 @@ def bench_main(args: argparse.Namespace) -> int:
         r = run_bench(args, progress)
         if args.plot:
             plot_bench(r, args.plot)
+    except ManifestError as e:  # a bad URL or a dataset that is not one: like a usage error
+        print(f"pyloader bench: error: {e}", file=sys.stderr)
+        return 2
     except (PyloaderError, OSError, ValueError) as e:
         print(f"pyloader bench: error: {e}", file=sys.stderr)
         return 1
@@ -215,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pyloader", description="pyloader: a data-loading engine for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_bench_parser(sub)
+    add_cache_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         return bench_main(args)
+    if args.cmd == "cache":
+        return run_cache(args)
     return 2
 
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.dlpack import from_dlpack as _from_dlpack
 
-from . import _C, _plan
+from . import _C, _fetch, _plan
 from ._errors import LoaderStateError, ManifestError
-from ._format import Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
+from ._format import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
+from ._remote import is_remote
 
 _SHUFFLE_MODES = ("global", "window")
 _POLICIES = ("pad", "drop")
@@ -50,16 +53,13 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return r, w
 
 
-def batch_to_torch(fields: list[Field], arrays: list[np.ndarray], lengths: list[Any]) -> dict[str, torch.Tensor]:
-    """Wraps a native batch's arrays as tensors without copying."""
+def batch_to_torch(fields: list[Field], arrays: list[Any], lengths: list[Any]) -> dict[str, torch.Tensor]:
+    """Wraps a native batch's DLPack capsules as tensors without copying."""
     out: dict[str, torch.Tensor] = {}
     for f, arr, ln in zip(fields, arrays, lengths):
-        t = torch.from_numpy(arr)
-        if f.dtype == "bfloat16":
-            t = t.view(torch.bfloat16)
-        out[f.name] = t
+        out[f.name] = _from_dlpack(arr)
         if ln is not None:
-            out[f"{f.name}_lengths"] = torch.from_numpy(ln)
+            out[f"{f.name}_lengths"] = _from_dlpack(ln)
     return out
 
 
@@ -76,6 +76,7 @@ class BatchIterator:
         self._threads = num_threads
         self._start = time.perf_counter()
         self._end: float | None = None
+        self.on_finish: Any = None  # called with stats() when the iterator ends or closes
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -90,13 +91,27 @@ class BatchIterator:
         if item is None:
             if self._end is None:
                 self._end = time.perf_counter()
+                self._finish()
             raise StopIteration
         _, _, arrays, lengths = item
         return batch_to_torch(self._fields, arrays, lengths)
 
     def close(self) -> None:
+        """Stops and joins the native threads. Idempotent."""
         if os.getpid() == self._pid:
             self._pipeline.close()
+            self._finish()
+
+    def _finish(self) -> None:
+        cb, self.on_finish = self.on_finish, None
+        if cb is not None:
+            cb(self.stats())
+
+    def __del__(self) -> None:
+        try:
+            self._finish()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
     def counters(self) -> dict[str, int]:
         return self._pipeline.counters()
@@ -153,11 +168,19 @@ class ShardDataset(IterableDataset):
             from the start of the epoch order to fill; ``"drop"`` gives floor(N / world),
             dropping the tail. Either way every rank gets the same count, so no rank waits
             on another.
+        cache_dir, cache_limit, fetch_jobs, storage_options: for remote (fsspec) URLs such
+            as ``s3://``, ``gs://``, ``https://``: shards are fetched ahead of the reader,
+            in plan order, ``fetch_jobs`` at a time, into the node cache at ``cache_dir``
+            (default ``$PYLOADER_CACHE_DIR``, else the user's cache dir), whose size is
+            capped at ``cache_limit`` bytes (or ``"20G"``); ``storage_options`` go to
+            fsspec. See ``pyloader._cache``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
                  shuffle_mode: str = "global", window: int = 65536, rank: int | None = None,
-                 world_size: int | None = None, partition: str = "pad") -> None:
+                 world_size: int | None = None, partition: str = "pad", cache_dir: str | os.PathLike[str] | None = None,
+                 cache_limit: int | str | None = None, fetch_jobs: int = 4,
+                 storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         if shuffle_mode not in _SHUFFLE_MODES:
             raise ValueError(f"shuffle_mode must be one of {_SHUFFLE_MODES}, got {shuffle_mode!r}")
@@ -168,12 +191,22 @@ class ShardDataset(IterableDataset):
         if not isinstance(window, int) or window < 1:
             raise ValueError("window must be a positive int")
         self.url = os.fspath(path)
-        mpath = manifest_path(_local_path(path))
-        try:
-            with open(mpath, "rb") as fh:
-                data = fh.read()
-        except FileNotFoundError:
-            raise ManifestError(f"no manifest at {mpath!r}") from None
+        self._remote: Any = None  # the node cache of a remote dataset (pyloader._cache.DatasetCache)
+        self._fetcher: Any = None
+        self.fetch_jobs = fetch_jobs
+        if is_remote(self.url):
+            if not isinstance(fetch_jobs, int) or fetch_jobs < 1:
+                raise ValueError("fetch_jobs must be a positive int")
+            self._remote = _fetch.open_remote(self.url, cache_dir=cache_dir, cache_limit=cache_limit,
+                                              storage_options=storage_options)
+            mpath, data = self._remote.url + "/" + MANIFEST_NAME, self._remote.manifest_bytes
+        else:
+            mpath = manifest_path(_local_path(path))
+            try:
+                with open(mpath, "rb") as fh:
+                    data = fh.read()
+            except FileNotFoundError:
+                raise ManifestError(f"no manifest at {mpath!r}") from None
         self.manifest = parse_manifest(data, mpath, _C.xxh64)
         self.fields: list[Field] = fields_from_manifest(self.manifest, mpath)
         self.root = os.path.dirname(mpath)
@@ -195,6 +228,8 @@ class ShardDataset(IterableDataset):
         self._schema = encode_schema(self.fields)
         self._shards: Any = None
         self._shards_pid = -1
+        if self._remote is not None:
+            _fetch.check_limit(self._remote, self.plan()[0])
 
     # -- planning ----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -215,9 +250,14 @@ class ShardDataset(IterableDataset):
     def _shard_set(self) -> Any:
         # Mappings and locks do not survive fork safely: each process opens its own set.
         if self._shards is None or self._shards_pid != os.getpid():
-            self._shards = _C.ShardSet(paths=self.shard_paths, bytes=self.shard_bytes,
-                                       records=self.records_per_shard, schema=self._schema)
+            remote = self._remote
+            paths = self.shard_paths if remote is None else [remote.shard_file(i) for i in range(len(self.shard_paths))]
+            self._shards = _C.ShardSet(paths=paths, bytes=self.shard_bytes, records=self.records_per_shard,
+                                       schema=self._schema, pending=remote is not None)
             self._shards_pid = os.getpid()
+            if remote is not None:  # NOTE [shard readiness]: the fetcher fills the pending set
+                self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs)
+                weakref.finalize(self, self._fetcher.close)
         return self._shards
 
     def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
@@ -234,8 +274,11 @@ class ShardDataset(IterableDataset):
         sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
         if pool is None:
             pool = _C.SlotPool(num_fields=len(self.fields))
+        shards = self._shard_set()
+        if self._fetcher is not None:
+            self._fetcher.schedule(_fetch.first_touch_order(sidx))  # fetch ahead, in plan order
         pipeline = _C.BatchPipeline(
-            shards=self._shard_set(), pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
+            shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
         )
         return BatchIterator(self, pipeline, num_threads)
@@ -272,4 +315,5 @@ class ShardDataset(IterableDataset):
         state = self.__dict__.copy()
         state["_shards"] = None  # native handles are per process
         state["_shards_pid"] = -1
+        state["_fetcher"] = None  # threads and pins are per process
         return state

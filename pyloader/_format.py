@@ -205,6 +205,7 @@ _MANIFEST_PREFIX = b'{"checksum":"'
 _MANIFEST_MID = b'","manifest":'
 _MANIFEST_SUFFIX = b"}\n"
 _PREFIX_LEN = len(_MANIFEST_PREFIX) + 16 + len(_MANIFEST_MID)
+_HEX16 = re.compile(rb"[0-9a-f]{16}")
 
 
 def dump_manifest(body: Mapping[str, Any], xxh64) -> bytes:
@@ -223,10 +224,10 @@ def parse_manifest(data: bytes, where: str, xxh64) -> dict[str, Any]:
     ):
         raise ManifestError(f"manifest {where!r}: not a pyloader manifest (bad framing)")
     raw = data[_PREFIX_LEN : -len(_MANIFEST_SUFFIX)]
-    try:
-        expected = int(data[len(_MANIFEST_PREFIX) : len(_MANIFEST_PREFIX) + 16].decode("ascii"), 16)
-    except (UnicodeDecodeError, ValueError):
-        raise ManifestError(f"manifest {where!r}: malformed checksum") from None
+    digest = data[len(_MANIFEST_PREFIX) : len(_MANIFEST_PREFIX) + 16]
+    if not _HEX16.fullmatch(digest):
+        raise ManifestError(f"manifest {where!r}: malformed checksum (16 lowercase hex digits expected)")
+    expected = int(digest, 16)
     if xxh64(raw) != expected:
         raise ManifestError(f"manifest {where!r}: checksum mismatch (corrupt manifest)")
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -38,7 +39,10 @@ class DataLoader:
         self.prefetch = prefetch
         self._next_epoch = dataset.epoch
         self._pool = _C.SlotPool(num_fields=len(dataset.fields))
-        self._active: BatchIterator | None = None
+        # A weak reference: an epoch abandoned by the user (`for b in loader: break`) must
+        # stop its threads as soon as the iterator is dropped, as torch's workers do.
+        self._active: weakref.ref[BatchIterator] | None = None
+        self._last_stats: dict[str, Any] = {}
 
     def set_epoch(self, epoch: int) -> None:
         if not isinstance(epoch, int) or epoch < 0:
@@ -46,16 +50,21 @@ class DataLoader:
         self._next_epoch = epoch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._active is not None:
-            self._active.close()  # like torch: a new iter() ends the previous one
+        prev = self._active() if self._active is not None else None
+        if prev is not None:
+            prev.close()  # like torch: a new iter() ends the previous one
         epoch = self._next_epoch
         self._next_epoch += 1
         it = self.dataset.batches(
             self.batch_size, drop_last=self.drop_last, num_threads=max(1, self.num_workers),
             prefetch=self.prefetch, epoch=epoch, shuffle=self.shuffle, pool=self._pool,
         )
-        self._active = it
+        self._active = weakref.ref(it)
+        it.on_finish = self._keep_stats
         return it
+
+    def _keep_stats(self, stats: dict[str, Any]) -> None:
+        self._last_stats = stats
 
     def __len__(self) -> int:
         n = len(self.dataset)
@@ -66,4 +75,5 @@ class DataLoader:
 
         Empty before the first ``iter()``.
         """
-        return {} if self._active is None else self._active.stats()
+        it = self._active() if self._active is not None else None
+        return it.stats() if it is not None else dict(self._last_stats)

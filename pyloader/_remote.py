@@ -19,13 +19,15 @@ retried once; a second mismatch means the object changed after its manifest was 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ._errors import PyloaderError
 
@@ -206,7 +208,7 @@ def with_retries(fn: Callable[[], Any], policy: RetryPolicy, *, what: str, url: 
             return fn()
         except (FetchError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001 - classified below, re-raised with context
+        except Exception as e:
             transient, retry_after = classify(e)
             attempt += 1
             detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -278,9 +280,7 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
             if on_bytes is not None:
                 on_bytes(len(data))
     finally:
-        try:
+        with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
             f.close()
-        except Exception:  # noqa: BLE001 - closing a broken stream must not hide the real error
-            pass
     if got < size:
         raise _ShortBody(f"the body ended after {got} of {size} bytes")

@@ -23,6 +23,7 @@ from ._format import (
     encode_schema,
     make_fields,
     pack_header,
+    parse_manifest,
 )
 
 _COMPRESSIONS = ("lz4", "none")
@@ -85,8 +86,22 @@ class ShardWriter:
         self._shard_bytes = shard_bytes
         self._min_gain = min_gain
         os.makedirs(self._dir, exist_ok=True)
-        if os.path.exists(os.path.join(self._dir, MANIFEST_NAME)) and not overwrite:
+        mpath = os.path.join(self._dir, MANIFEST_NAME)
+        if os.path.exists(mpath) and not overwrite:
             raise FileExistsError(f"{self._dir!r} already holds a dataset (pass overwrite=True to replace it)")
+        # NOTE [overwrite]: a replacement dataset writes its shards under new names, so the
+        # old dataset stays whole until the new manifest replaces the old one atomically;
+        # only then are the old shards deleted. A failed rewrite leaves the old dataset.
+        self._prefix = "shard-"
+        self._replaced: list[str] = []
+        if os.path.exists(mpath):
+            self._prefix = f"shard-{uuid.uuid4().hex[:8]}-"
+            try:
+                with open(mpath, "rb") as fh:
+                    old = parse_manifest(fh.read(), mpath, _xxh64)
+                self._replaced = [sh["path"] for sh in old["shards"]]
+            except (OSError, ValueError):
+                self._replaced = []  # an unreadable old manifest: nothing of it is kept or removed
         self._schema = encode_schema(self.fields)
         self._schema_xxh = _xxh64(self._schema)
         self._shards: list[dict[str, Any]] = []
@@ -126,14 +141,16 @@ class ShardWriter:
                 raise SchemaError(f"{where}: cannot store {arr.dtype} as bfloat16")
             import torch
 
-            t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
+            t = torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).to(torch.bfloat16)
             return t.view(torch.int16).numpy().view("<u2")
         target = f.np_dtype
         if isinstance(value, np.ndarray):
             if value.dtype != target and not np.can_cast(value.dtype, target, casting="same_kind"):
-                raise SchemaError(f"{where}: expected dtype {f.dtype}, got {value.dtype}")
+                if not (value.dtype.kind in "iub" and target.kind in "iub"):
+                    raise SchemaError(f"{where}: expected dtype {f.dtype}, got {value.dtype}")
             if value.dtype.kind == "f" and target.kind in "iub":
                 raise SchemaError(f"{where}: expected dtype {f.dtype}, got {value.dtype}")
+            self._check_range(f, value, where)
             return value.astype(target, copy=False)
         try:
             arr = np.asarray(value)
@@ -143,10 +160,24 @@ class ShardWriter:
             raise SchemaError(f"{where}: expected {f.dtype} data, got {type(value).__name__}")
         if arr.dtype.kind == "f" and target.kind in "iub":
             raise SchemaError(f"{where}: expected dtype {f.dtype}, got floating-point values")
-        out = arr.astype(target)
-        if target.kind in "iu" and arr.dtype.kind in "iu" and not np.array_equal(out, arr):
-            raise SchemaError(f"{where}: value out of range for {f.dtype}")
-        return out
+        self._check_range(f, arr, where)
+        return arr.astype(target)
+
+    @staticmethod
+    def _check_range(f: Field, arr: np.ndarray, where: str) -> None:
+        """Integer and bool values must fit the field's dtype exactly (no silent wrapping)."""
+        target = f.np_dtype
+        if arr.size == 0 or arr.dtype == target or arr.dtype.kind not in "iub":
+            return
+        if target.kind == "b":
+            if arr.dtype.kind != "b" and not np.isin(arr, (0, 1)).all():
+                raise SchemaError(f"{where}: a bool field takes only True/False or 0/1")
+            return
+        if target.kind in "iu":
+            info = np.iinfo(target)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                raise SchemaError(f"{where}: value out of range for {f.dtype} ([{lo}, {hi}])")
 
     def _check_shape(self, f: Field, arr: np.ndarray, sample_no: int) -> int:
         where = f"sample {sample_no} field {f.name!r}"
@@ -177,7 +208,7 @@ class ShardWriter:
                 raise SchemaError(f"sample {n}: missing field {f.name!r}")
             arr = self._to_array(f, sample[f.name], n)
             leading = self._check_shape(f, arr, n)
-            raw = memoryview(np.ascontiguousarray(arr)).cast("B")
+            raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
             stored, codec = raw, CODEC_RAW
             if compress and len(raw) > 0:
                 comp = lz4.block.compress(raw, store_size=False)
@@ -207,7 +238,7 @@ class ShardWriter:
             index_size=len(index_bytes), payload_size=self._payload, schema_xxh64=self._schema_xxh,
             index_xxh64=_xxh64(index_bytes), xxh64=_xxh64,
         )
-        name = f"shard-{len(self._shards):06d}.pyl"
+        name = f"{self._prefix}{len(self._shards):06d}.pyl"
         data = b"".join([header, self._schema, index_bytes, *self._blobs])
         file_hash = _xxh64(data)
         _atomic_write(os.path.join(self._dir, name), [data])
@@ -232,6 +263,13 @@ class ShardWriter:
         }
         _atomic_write(os.path.join(self._dir, MANIFEST_NAME), [dump_manifest(body, _xxh64)])
         self._closed = True
+        kept = {sh["path"] for sh in self._shards}
+        for old in self._replaced:  # NOTE [overwrite]: the new manifest is in place
+            if old not in kept:
+                try:
+                    os.unlink(os.path.join(self._dir, old))
+                except OSError:
+                    pass
 
     def abort(self) -> None:
         """Discards everything this writer wrote (shards and no manifest)."""

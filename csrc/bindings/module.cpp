@@ -1,8 +1,21 @@
 #include "bindings/bindings.h"
+#include "bindings/gil_release.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pyloader native core: shard reader, LZ4 decoder, collation pipeline";
+  pyloader::main_thread_ident().store(
+      pybind11::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   pyloader::register_errors(m);
   pyloader::register_codec(m);
   pyloader::register_pipeline(m);
 }
+
+namespace pyloader {
+
+void reacquire_gil(PyThreadState* state) {
+  if (pthread_self() != pthread_t(main_thread_ident().load()))
+    while (interpreter_finalizing()) ::pause();  // NOTE [GIL at interpreter exit]
+  PyEval_RestoreThread(state);
+}
+
+}  // namespace pyloader

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "bindings/bindings.h"
+#include "bindings/gil_release.h"
 #include "core/errors.h"
 #include "core/lz4_block.h"
 #include "core/xxh64.h"
@@ -31,8 +32,7 @@ void register_codec(py::module_& m) {
       "xxh64",
       [](const py::buffer& data, uint64_t seed) {
         ReadView v(data);
-        py::gil_scoped_release nogil;
-        return xxh64(v.data(), v.size(), seed);
+        return without_gil([&] { return xxh64(v.data(), v.size(), seed); });
       },
       py::arg("data"), py::kw_only(), py::arg("seed") = 0,
       "XXH64 of a contiguous buffer (the checksum of the shard format). Releases the GIL.");
@@ -43,11 +43,9 @@ void register_codec(py::module_& m) {
         ReadView v(src);
         py::bytes out(nullptr, decoded_size);
         char* dst = PyBytes_AS_STRING(out.ptr());
-        const char* err;
-        {
-          py::gil_scoped_release nogil;
-          err = lz4_decode_block(v.data(), v.size(), reinterpret_cast<uint8_t*>(dst), decoded_size);
-        }
+        const char* err = without_gil([&] {
+          return lz4_decode_block(v.data(), v.size(), reinterpret_cast<uint8_t*>(dst), decoded_size);
+        });
         if (err) throw LoaderError(ErrorKind::kFormat, "", -1, "", std::string("LZ4 block is malformed: ") + err);
         return out;
       },
@@ -61,12 +59,12 @@ void register_codec(py::module_& m) {
         Py_buffer out{};
         if (PyObject_GetBuffer(dst.ptr(), &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0)
           throw py::error_already_set();
-        const char* err = nullptr;
-        {
-          py::gil_scoped_release nogil;
-          for (int i = 0; i < repeat && !err; ++i)
-            err = lz4_decode_block(v.data(), v.size(), static_cast<uint8_t*>(out.buf), size_t(out.len));
-        }
+        const char* err = without_gil([&] {
+          const char* e = nullptr;
+          for (int i = 0; i < repeat && !e; ++i)
+            e = lz4_decode_block(v.data(), v.size(), static_cast<uint8_t*>(out.buf), size_t(out.len));
+          return e;
+        });
         PyBuffer_Release(&out);
         if (err) throw LoaderError(ErrorKind::kFormat, "", -1, "", std::string("LZ4 block is malformed: ") + err);
       },

@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "bindings/dlpack_export.h"
+#include "bindings/gil_release.h"
 #include "core/batch_pipeline.h"
 #include "core/dtype.h"
 #include "core/errors.h"
@@ -18,30 +20,6 @@ namespace pyloader {
 namespace {
 
 constexpr int64_t kSignalPollMs = 50;
-
-py::dtype numpy_dtype(uint8_t code) {
-  switch (static_cast<DType>(code)) {
-    case DType::kBool: return py::dtype("?");
-    case DType::kUInt8: case DType::kBytes: return py::dtype("u1");
-    case DType::kUInt16: case DType::kBFloat16: return py::dtype("<u2");  // bf16: Python views the bits
-    case DType::kUInt32: return py::dtype("<u4");
-    case DType::kUInt64: return py::dtype("<u8");
-    case DType::kInt8: return py::dtype("i1");
-    case DType::kInt16: return py::dtype("<i2");
-    case DType::kInt32: return py::dtype("<i4");
-    case DType::kInt64: return py::dtype("<i8");
-    case DType::kFloat16: return py::dtype("<f2");
-    case DType::kFloat32: return py::dtype("<f4");
-    case DType::kFloat64: return py::dtype("<f8");
-  }
-  throw std::invalid_argument("unknown dtype code");
-}
-
-// Owner object for array bases: a heap copy of the slot's shared_ptr.
-py::capsule slot_owner(const std::shared_ptr<Slot>& slot) {
-  auto* holder = new std::shared_ptr<Slot>(slot);
-  return py::capsule(holder, [](void* p) { delete static_cast<std::shared_ptr<Slot>*>(p); });
-}
 
 template <typename T>
 std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
@@ -67,8 +45,7 @@ void register_pipeline(py::module_& m) {
       .def("is_ready", &ShardSet::is_ready, py::arg("index"))
       .def("__len__", &ShardSet::size)
       .def("open", [](ShardSet& s, size_t i) {
-             py::gil_scoped_release nogil;
-             s.get(i);
+             without_gil([&] { s.get(i); });
            }, py::arg("index"), "Opens and validates shard `index` now (raises on a bad shard).")
       .def("release", &ShardSet::release, py::arg("index"));
 
@@ -91,9 +68,10 @@ void register_pipeline(py::module_& m) {
              cfg.prefetch = prefetch;
              auto s = to_vector<int32_t>(shard_idx);
              auto r = to_vector<int64_t>(record_idx);
-             py::gil_scoped_release nogil;
-             return std::make_shared<BatchPipeline>(std::move(shards), std::move(pool), std::move(s),
-                                                    std::move(r), cfg);
+             return without_gil([&] {
+               return std::make_shared<BatchPipeline>(std::move(shards), std::move(pool), std::move(s),
+                                                      std::move(r), cfg);
+             });
            }),
            py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
            py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1,
@@ -105,11 +83,7 @@ void register_pipeline(py::module_& m) {
             Batch b;
             auto start = std::chrono::steady_clock::now();
             for (;;) {
-              BatchPipeline::Next r;
-              {
-                py::gil_scoped_release nogil;
-                r = p.next(&b, kSignalPollMs);
-              }
+              BatchPipeline::Next r = without_gil([&] { return p.next(&b, kSignalPollMs); });
               if (r == BatchPipeline::Next::kEnd) return py::none();
               if (r == BatchPipeline::Next::kBatch) break;
               // Waiting: let Python run signal handlers (Ctrl-C) between bounded waits.
@@ -121,24 +95,23 @@ void register_pipeline(py::module_& m) {
             const auto& specs = b.fields;
             const auto& fspec = p.fields();
             py::list arrays, lengths;
-            py::capsule owner = slot_owner(b.slot);
-            b.slot.reset();
             for (size_t f = 0; f < specs.size(); ++f) {
               const FieldView& v = specs[f];
-              arrays.append(py::array(numpy_dtype(fspec[f].dtype), v.shape, v.data, owner));
+              arrays.append(to_dlpack(v.data, v.shape, dlpack_dtype(fspec[f].dtype), b.slot));
               if (v.lengths)
-                lengths.append(py::array_t<int64_t>({int64_t(b.rows)}, {int64_t(sizeof(int64_t))}, v.lengths, owner));
+                lengths.append(to_dlpack(v.lengths, {int64_t(b.rows)}, dlpack_dtype(uint8_t(DType::kInt64)), b.slot));
               else
                 lengths.append(py::none());
             }
+            b.slot.reset();
             return py::make_tuple(b.index, b.rows, arrays, lengths);
           },
           py::arg("timeout") = 0.0,
-          "The next batch as (index, rows, [array per field], [lengths per field or None]), or None "
-          "at the end. Releases the GIL while waiting. Arrays share the slot's memory.")
+          "The next batch as (index, rows, [DLPack capsule per field], [lengths capsule per field or "
+          "None]), or None at the end. Releases the GIL while waiting. The capsules view the slot's "
+          "memory (NOTE [DLPack lifetime] in bindings/dlpack_export.h).")
       .def("close", [](BatchPipeline& p) {
-             py::gil_scoped_release nogil;
-             p.close();
+             without_gil([&] { p.close(); });
            })
       .def("counters", [](const BatchPipeline& p) {
         const auto& c = p.counters();
@@ -147,6 +120,9 @@ void register_pipeline(py::module_& m) {
         d["batches"] = c.batches.load();
         d["stored_bytes"] = c.stored_bytes.load();
         d["decoded_bytes"] = c.decoded_bytes.load();
+        d["lz4_stored_bytes"] = c.lz4_stored_bytes.load();
+        d["verified_bytes"] = c.verified_bytes.load();
+        d["shard_wait_ns"] = c.shard_wait_ns.load();
         d["collate_ns"] = c.collate_ns.load();
         d["wait_ns"] = c.wait_ns.load();
         return d;

@@ -50,7 +50,15 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this] { worker_loop(); });
 }
 
-BatchPipeline::~BatchPipeline() { close(); }
+BatchPipeline::~BatchPipeline() {
+  close();
+  if (::getpid() != pid_) {
+    // Forked child: destroying a condition variable the parent's threads were waiting on
+    // blocks forever in glibc, so the child leaks them (NOTE [pipeline shutdown]).
+    (void)cv_work_.release();
+    (void)cv_ready_.release();
+  }
+}
 
 void BatchPipeline::close() {
   if (::getpid() != pid_) {
@@ -67,8 +75,8 @@ void BatchPipeline::close() {
     stop_ = true;
     cancel_.store(true, std::memory_order_release);
   }
-  cv_work_.notify_all();
-  cv_ready_.notify_all();
+  cv_work_->notify_all();
+  cv_ready_->notify_all();
   for (auto& t : threads_)
     if (t.joinable()) t.join();
   threads_.clear();
@@ -81,7 +89,7 @@ void BatchPipeline::worker_loop() {
     size_t b;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_work_.wait(lk, [&] {
+      cv_work_->wait(lk, [&] {
         return stop_ || next_claim_ >= num_batches_ || next_claim_ < consumed_ + size_t(cfg_.prefetch);
       });
       if (stop_ || next_claim_ >= num_batches_) return;
@@ -89,9 +97,7 @@ void BatchPipeline::worker_loop() {
     }
     Pending done;
     try {
-      uint64_t t0 = now_ns();
       fill(b, &done.batch);
-      counters_.collate_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     } catch (...) {
       done.batch = Batch();
       done.error = std::current_exception();
@@ -101,7 +107,7 @@ void BatchPipeline::worker_loop() {
       std::lock_guard<std::mutex> lk(mu_);
       ring_[b % ring_.size()] = std::move(done);
     }
-    cv_ready_.notify_all();
+    cv_ready_->notify_all();
   }
 }
 
@@ -112,6 +118,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   const size_t rows = std::min(cfg_.batch_size, shard_idx_.size() - begin);
 
   // Pass 1: open the shards this batch touches and find each variable field's max length.
+  const uint64_t t_open = now_ns();
   std::vector<std::shared_ptr<const Shard>> shard_of(rows);
   std::vector<uint32_t> max_len(nf, 0);
   for (size_t i = 0; i < rows; ++i) {
@@ -121,6 +128,8 @@ void BatchPipeline::fill(size_t b, Batch* out) {
         max_len[f] = std::max(max_len[f], shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading);
   }
 
+  const uint64_t t_fill = now_ns();
+  counters_.shard_wait_ns.fetch_add(t_fill - t_open, std::memory_order_relaxed);
   out->index = b;
   out->rows = rows;
   out->slot = pool_->acquire();
@@ -149,7 +158,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   }
 
   // Pass 2: verify, decode and place every record's fields into its row.
-  uint64_t stored = 0, decoded = 0;
+  uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
   for (size_t i = 0; i < rows; ++i) {
     const Shard& sh = *shard_of[i];
     const uint64_t rec = uint64_t(record_idx_[begin + i]);
@@ -181,12 +190,17 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       }
       stored += e.stored_size;
       decoded += e.decoded_size;
+      if (e.codec == kCodecLZ4) lz4_stored += e.stored_size;
+      if (verify) verified += e.stored_size;
     }
     if (verify) sh.mark_verified(rec);
   }
   counters_.records.fetch_add(rows, std::memory_order_relaxed);
   counters_.stored_bytes.fetch_add(stored, std::memory_order_relaxed);
   counters_.decoded_bytes.fetch_add(decoded, std::memory_order_relaxed);
+  counters_.lz4_stored_bytes.fetch_add(lz4_stored, std::memory_order_relaxed);
+  counters_.verified_bytes.fetch_add(verified, std::memory_order_relaxed);
+  counters_.collate_ns.fetch_add(now_ns() - t_fill, std::memory_order_relaxed);
   counters_.batches.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -200,8 +214,8 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   Pending& p = ring_[consumed_ % ring_.size()];
   auto ready = [&] { return p.ready || stop_; };
   if (timeout_ms < 0) {
-    cv_ready_.wait(lk, ready);
-  } else if (!cv_ready_.wait_for(lk, std::chrono::milliseconds(timeout_ms), ready)) {
+    cv_ready_->wait(lk, ready);
+  } else if (!cv_ready_->wait_for(lk, std::chrono::milliseconds(timeout_ms), ready)) {
     counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return Next::kTimeout;
   }
@@ -210,7 +224,7 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   p = Pending();
   ++consumed_;
   lk.unlock();
-  cv_work_.notify_all();
+  cv_work_->notify_all();
   counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   if (taken.error) {
     // The failed batch ends the iteration: later batches are not delivered.

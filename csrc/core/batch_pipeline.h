@@ -44,7 +44,10 @@ struct PipelineCounters {
   std::atomic<uint64_t> records{0};
   std::atomic<uint64_t> stored_bytes{0};
   std::atomic<uint64_t> decoded_bytes{0};
-  std::atomic<uint64_t> collate_ns{0};     // worker time spent filling batches
+  std::atomic<uint64_t> lz4_stored_bytes{0};   // compressed bytes decoded
+  std::atomic<uint64_t> verified_bytes{0};     // bytes hashed (first read of a record)
+  std::atomic<uint64_t> shard_wait_ns{0};      // worker time opening shards / waiting for fetches
+  std::atomic<uint64_t> collate_ns{0};         // worker time verifying, decoding, copying
   std::atomic<uint64_t> wait_ns{0};        // consumer time blocked in next()
   std::atomic<uint64_t> batches{0};
 };
@@ -92,8 +95,9 @@ class BatchPipeline {
   // before it sees stop_. In a forked child the threads do not exist: close() leaks
   // them instead of joining (joining or locking there could hang forever).
   std::mutex mu_;
-  std::condition_variable cv_work_;   // workers wait for room
-  std::condition_variable cv_ready_;  // consumer waits for a batch
+  // Heap-allocated so that a forked child can leak them instead of destroying them.
+  std::unique_ptr<std::condition_variable> cv_work_ = std::make_unique<std::condition_variable>();   // workers wait for room
+  std::unique_ptr<std::condition_variable> cv_ready_ = std::make_unique<std::condition_variable>();  // consumer waits for a batch
   bool stop_ = false;
   std::atomic<bool> cancel_{false};  // stop_, readable without mu_ (shard waits)
   bool closed_ = false;

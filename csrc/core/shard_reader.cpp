@@ -226,7 +226,7 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     while (state_[i] == 1) {
       if (cancel && cancel->load(std::memory_order_acquire))
         throw LoaderError(ErrorKind::kState, paths_[i], -1, "", "cancelled while waiting for the shard");
-      cv_.wait_for(lk, std::chrono::milliseconds(50));
+      cv_->wait_for(lk, std::chrono::milliseconds(50));
     }
     if (state_[i] == 2) throw LoaderError(ErrorKind::kIO, paths_[i], -1, "", failure_[i]);
     path = paths_[i];
@@ -239,6 +239,12 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
   return open_[i];
 }
 
+ShardSet::~ShardSet() {
+  // In a forked child the parent's workers may have been waiting on cv_: leak it rather
+  // than block in its destructor.
+  if (::getpid() != pid_) (void)cv_.release();
+}
+
 void ShardSet::mark_ready(size_t i, std::string path) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -246,7 +252,7 @@ void ShardSet::mark_ready(size_t i, std::string path) {
     paths_[i] = std::move(path);
     state_[i] = 0;
   }
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 void ShardSet::mark_failed(size_t i, std::string message) {
@@ -257,7 +263,7 @@ void ShardSet::mark_failed(size_t i, std::string message) {
     state_[i] = 2;
     failure_[i] = std::move(message);
   }
-  cv_.notify_all();
+  cv_->notify_all();
 }
 
 bool ShardSet::is_ready(size_t i) {

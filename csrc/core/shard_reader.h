@@ -95,6 +95,9 @@ class ShardSet {
  public:
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
            std::vector<uint64_t> records, std::string schema_blob, bool pending = false);
+  ~ShardSet();
+  ShardSet(const ShardSet&) = delete;
+  ShardSet& operator=(const ShardSet&) = delete;
 
   size_t size() const noexcept { return paths_.size(); }
   const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
@@ -120,7 +123,7 @@ class ShardSet {
   std::vector<std::shared_ptr<const Shard>> open_;
   std::vector<uint8_t> state_;  // 0 ready to open, 1 pending, 2 failed
   std::vector<std::string> failure_;
-  std::condition_variable cv_;
+  std::unique_ptr<std::condition_variable> cv_ = std::make_unique<std::condition_variable>();
   pid_t pid_;
 };
 

@@ -1,0 +1,336 @@
+"""``pyloader cache``: warm, list, check and empty the node-local shard cache.
+
+``pyloader._cli`` wires it in with ``add_cache_parser(subparsers)`` and dispatches
+``args.cmd == "cache"`` to ``run_cache(args)``; ``python -m pyloader._cache_cli`` runs
+it alone.
+
+Exit codes (``EXIT_*``): 0 done; 1 done in part (a shard failed to download, a cached
+file failed verification and was removed, or shards in use were left in place when the
+target needed them gone); 2 bad usage, URL or manifest; 3 the cache cannot take the data
+(size limit too small, disk full, read-only); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+from . import _plan
+from ._cache import CacheError, CacheLimitError, ShardCache, dataset_key, parse_size
+from ._errors import ManifestError, PyloaderError
+from ._fetch import ShardFetcher, first_touch_order, open_remote
+from ._remote import FetchError, is_remote
+
+EXIT_OK = 0
+EXIT_PARTIAL = 1
+EXIT_USAGE = 2
+EXIT_CACHE = 3
+EXIT_INTERRUPTED = 130
+
+
+def _size_arg(s: str) -> int:
+    try:
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {s!r}")
+    return v
+
+
+def _nonneg(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {s!r}")
+    return v
+
+
+def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``cache`` (with warm/ls/stats/verify/evict/clear) to a ``pyloader`` subparsers object."""
+    p = subparsers.add_parser("cache", help="the node-local shard cache of remote datasets",
+                              description="Exit codes: 0 done; 1 done in part; 2 bad usage, URL or manifest; "
+                                          "3 the cache cannot take the data; 130 interrupted.")
+    sub = p.add_subparsers(dest="cache_cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
+        sp.add_argument("--cache-dir", default=None,
+                        help="cache directory (default: $PYLOADER_CACHE_DIR, else ~/.cache/pyloader)")
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="print a machine-readable result on stdout")
+
+    w = sub.add_parser("warm", help="download a remote dataset's shards into the cache (idempotent, resumable)")
+    w.add_argument("url", help="dataset URL (s3://, gs://, https://, ...)")
+    common(w)
+    w.add_argument("--jobs", type=_positive, default=8, help="parallel downloads (default 8)")
+    w.add_argument("--limit", type=_size_arg, default=None, help="cache size limit, e.g. 200G (LRU eviction)")
+    w.add_argument("--nodes", type=_positive, default=1, help="nodes in the job (default 1: warm everything)")
+    w.add_argument("--node-rank", type=_nonneg, default=0, help="this node's index")
+    w.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (processes) per node")
+    w.add_argument("--epoch", type=_nonneg, default=0)
+    w.add_argument("--seed", type=_nonneg, default=0)
+    w.add_argument("--shuffle", action="store_true", help="the readers shuffle (as ShardDataset(shuffle=True))")
+    w.add_argument("--shuffle-mode", choices=("global", "window"), default="global")
+    w.add_argument("--window", type=_positive, default=65536)
+    w.add_argument("--partition", choices=("pad", "drop"), default="pad")
+    w.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is no TTY")
+    w.add_argument("--storage-options", default=None, help="JSON object passed to fsspec")
+
+    common(sub.add_parser("ls", help="list cached datasets"))
+    common(sub.add_parser("stats", help="totals: shards, bytes, pinned, temp files"))
+    v = sub.add_parser("verify", help="re-hash cached shards against their manifests; remove bad ones")
+    v.add_argument("url", nargs="?", help="only this dataset")
+    common(v)
+    e = sub.add_parser("evict", help="evict least-recently-used shards not in use")
+    e.add_argument("url", nargs="?", help="only this dataset")
+    e.add_argument("--to", type=_size_arg, default=0, help="evict until the cache holds at most this (default 0)")
+    common(e)
+    c = sub.add_parser("clear", help="remove every shard not in use, and stale temp files")
+    c.add_argument("url", nargs="?", help="only this dataset")
+    common(c)
+    return p
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+    if getattr(args, "json", False):
+        json.dump(result, sys.stdout, indent=1, sort_keys=True)
+        print()
+    else:
+        print(text)
+
+
+def _err(args: argparse.Namespace, msg: str) -> None:
+    print(f"pyloader cache {args.cache_cmd}: error: {msg}", file=sys.stderr)
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """Runs a parsed ``pyloader cache ...`` command; returns the exit code."""
+    try:
+        return _COMMANDS[args.cache_cmd](args)
+    except KeyboardInterrupt:
+        _err(args, "interrupted")
+        return EXIT_INTERRUPTED
+    except (CacheLimitError, CacheError) as e:
+        _err(args, str(e))
+        return EXIT_CACHE
+    except (ManifestError, ValueError) as e:
+        _err(args, str(e))
+        return EXIT_USAGE
+    except FetchError as e:  # the manifest could not be read
+        _err(args, str(e))
+        return EXIT_USAGE if e.errno == errno.ENOENT else EXIT_PARTIAL
+    except (PyloaderError, OSError) as e:
+        _err(args, str(e))
+        return EXIT_PARTIAL
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def select_shards(records_per_shard: list[int], *, nodes: int, node_rank: int, ranks_per_node: int, epoch: int,
+                  seed: int, shuffle: bool, mode: str, window: int, partition: str) -> list[int]:
+    """Shards the ranks of one node read in ``epoch``, interleaved so every rank's first shards come first."""
+    if not 0 <= node_rank < nodes:
+        raise ValueError(f"--node-rank must be in [0, {nodes})")
+    world = nodes * ranks_per_node
+    orders = []
+    for r in range(node_rank * ranks_per_node, (node_rank + 1) * ranks_per_node):
+        sidx, _ = _plan.plan(records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, rank=r, world_size=world,
+                             worker=0, num_workers=1, mode=mode, window=window, policy=partition)
+        orders.append(first_touch_order(sidx))
+    out, seen = [], set()
+    for k in range(max((len(o) for o in orders), default=0)):
+        for o in orders:
+            if k < len(o) and o[k] not in seen:
+                seen.add(o[k])
+                out.append(o[k])
+    return out
+
+
+class _Progress:
+    """A one-line live progress bar on stderr: shards, bytes/s, ETA."""
+
+    def __init__(self, total_shards: int, total_bytes: int, fetcher: ShardFetcher, enabled: bool) -> None:
+        self.total_shards, self.total_bytes, self.fetcher, self.enabled = total_shards, total_bytes, fetcher, enabled
+        self.done_shards = 0
+        self.done_bytes = 0
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pyloader-progress")
+
+    def shard_done(self, i: int, nbytes: int, err: BaseException | None) -> None:
+        self.done_shards += 1
+        self.done_bytes += nbytes
+
+    def line(self) -> str:
+        el = max(time.monotonic() - self.t0, 1e-9)
+        rate = self.fetcher.bytes / el
+        left = max(self.total_bytes - self.done_bytes, 0)
+        eta = left / rate if rate > 0 else float("inf")
+        frac = self.done_bytes / self.total_bytes if self.total_bytes else 1.0
+        bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
+        eta_s = "--:--" if eta == float("inf") else time.strftime("%H:%M:%S", time.gmtime(eta))
+        return (f"\r[{bar}] {self.done_shards}/{self.total_shards} shards  "
+                f"{_fmt_bytes(rate)}/s  ETA {eta_s}  ")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            sys.stderr.write(self.line())
+            sys.stderr.flush()
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self._stop.set()
+        if self.enabled:
+            self._thread.join()
+            sys.stderr.write(self.line() + "\n")
+            sys.stderr.flush()
+
+
+def _warm(args: argparse.Namespace) -> int:
+    if not is_remote(args.url):
+        raise ValueError(f"{args.url!r} is local: only remote (fsspec) URLs are cached")
+    opts = json.loads(args.storage_options) if args.storage_options else None
+    if opts is not None and not isinstance(opts, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    dcache = open_remote(args.url, cache_dir=args.cache_dir, cache_limit=args.limit, storage_options=opts)
+    rps = [int(s["records"]) for s in dcache.shards]
+    order = select_shards(rps, nodes=args.nodes, node_rank=args.node_rank, ranks_per_node=args.ranks_per_node,
+                          epoch=args.epoch, seed=args.seed, shuffle=args.shuffle, mode=args.shuffle_mode,
+                          window=args.window, partition=args.partition)
+    total = sum(int(dcache.shards[i]["bytes"]) for i in order)
+    if args.limit is not None and total > args.limit:
+        raise CacheLimitError(f"the {len(order)} selected shards hold {total} bytes, more than --limit {args.limit}")
+    cached_before = sum(1 for i in order if dcache.is_published(i))
+    fetcher = ShardFetcher(dcache, None, jobs=args.jobs)
+    prog = _Progress(len(order), total, fetcher, args.progress or (sys.stderr.isatty() and not args.json))
+    fetcher.on_done = prog.shard_done
+    t0 = time.monotonic()
+    with prog:
+        try:
+            fetcher.schedule(order)
+            fetcher.wait()
+        except KeyboardInterrupt:
+            fetcher.close()
+            raise
+    dt = time.monotonic() - t0
+    errors = fetcher.errors
+    failed = [{"shard": dcache.shards[i]["path"], "url": dcache.shard_url(i), "error": str(e)}
+              for i, e in sorted(errors.items())]
+    result = {"url": dcache.url, "cache_dir": dcache.cache.base, "selected_shards": len(order),
+              "selected_bytes": total, "cached_before": cached_before, "downloaded": fetcher.downloaded,
+              "bytes_downloaded": fetcher.bytes, "failed": failed, "seconds": dt,
+              "bytes_per_s": fetcher.bytes / dt if dt > 0 else 0.0}
+    text = (f"{dcache.url}: {len(order)} shards ({_fmt_bytes(total)}) selected, {cached_before} already cached, "
+            f"{fetcher.downloaded} downloaded ({_fmt_bytes(fetcher.bytes)} in {dt:.1f} s), {len(failed)} failed")
+    for f in failed:
+        text += f"\n  failed: {f['error']}"
+    _emit(args, result, text)
+    if failed:
+        if all(isinstance(e, (CacheError, CacheLimitError)) for e in errors.values()):
+            return EXIT_CACHE
+        return EXIT_PARTIAL
+    return EXIT_OK
+
+
+def _cache(args: argparse.Namespace) -> ShardCache:
+    return ShardCache(args.cache_dir)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for d in _cache(args).datasets():
+        ents = d.entries()
+        refs = [e for e in ents if e.referenced]
+        rows.append({"url": d.url, "key": d.key, "shards_cached": len(refs), "shards_total": len(d.shards),
+                     "bytes_cached": sum(e.bytes for e in ents),
+                     "bytes_total": sum(int(s["bytes"]) for s in d.shards),
+                     "unreferenced_shards": len(ents) - len(refs),
+                     "last_used": max((e.mtime for e in ents), default=None)})
+    text = "\n".join(f"{r['key']}  {r['shards_cached']}/{r['shards_total']} shards  "
+                     f"{_fmt_bytes(r['bytes_cached'])}  {r['url']}" for r in rows) or "(cache is empty)"
+    _emit(args, {"cache_dir": _cache(args).base, "datasets": rows}, text)
+    return EXIT_OK
+
+
+def _stats(args: argparse.Namespace) -> int:
+    s: dict[str, Any] = _cache(args).stats()
+    text = (f"{s['cache_dir']}: {s['datasets']} datasets, {s['shards']} shards, {_fmt_bytes(s['bytes'])}; "
+            f"{s['pinned_shards']} in use; {s['temp_files']} temp files ({_fmt_bytes(s['temp_bytes'])})")
+    _emit(args, s, text)
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    stale = cache.clean_stale()
+    checked, bad = 0, []
+    for d in cache.datasets():
+        if args.url is not None and d.key != dataset_key(args.url):
+            continue
+        for e in d.entries():
+            problem = d.verify_entry(e)
+            checked += 1
+            if problem is not None:
+                d.remove_entry(e)
+                bad.append({"url": d.url, "file": e.path, "problem": problem})
+    text = f"verified {checked} cached shards: {len(bad)} bad (removed); {stale} stale temp files removed"
+    for b in bad:
+        text += f"\n  bad: {b['file']}: {b['problem']}"
+    _emit(args, {"checked": checked, "bad": bad, "stale_temp_removed": stale}, text)
+    return EXIT_PARTIAL if bad else EXIT_OK
+
+
+def _evict(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    evicted, busy = cache.evict(to_bytes=args.to, url=args.url)
+    left = cache.usage()
+    r = {"evicted": len(evicted), "evicted_bytes": sum(e.bytes for e in evicted), "in_use_skipped": len(busy),
+         "bytes_left": left}
+    _emit(args, r, f"evicted {r['evicted']} shards ({_fmt_bytes(r['evicted_bytes'])}); "
+                   f"{len(busy)} in use kept; {_fmt_bytes(left)} left")
+    return EXIT_OK if left <= args.to or args.url is not None and not busy else EXIT_PARTIAL
+
+
+def _clear(args: argparse.Namespace) -> int:
+    removed, busy = _cache(args).clear(args.url)
+    _emit(args, {"removed_files": removed, "in_use_kept": busy},
+          f"removed {removed} files; {busy} shards in use kept")
+    return EXIT_PARTIAL if busy else EXIT_OK
+
+
+_COMMANDS = {"warm": _warm, "ls": _ls, "stats": _stats, "verify": _verify, "evict": _evict, "clear": _clear}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pyloader")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_cache_parser(sub)
+    return run_cache(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

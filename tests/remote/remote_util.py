@@ -1,0 +1,40 @@
+"""Dataset helpers shared by the remote tests and the cache benchmark."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+import pyloader
+
+N_RECORDS = 300  # 4 KB shards: about 16 of them
+FIELDS = {"image": ("uint8", (3, 8, 8)), "label": ("int64", ()), "tokens": ("int32", (None,))}
+
+
+def sample(i: int) -> dict[str, Any]:
+    rng = np.random.default_rng(i)
+    return {"image": rng.integers(0, 255, (3, 8, 8), dtype=np.uint8), "label": i,
+            "tokens": np.arange(i % 9, dtype=np.int32)}
+
+
+
+def write_ds(d: str, n: int = N_RECORDS, offset: int = 0) -> str:
+    with pyloader.ShardWriter(d, FIELDS, compression="none", shard_bytes=4096, overwrite=True) as w:
+        for i in range(n):
+            s = sample(i)
+            s["label"] = i + offset
+            w.write(s)
+    return d
+
+
+def labels(ds: Any, **kw: Any) -> list[int]:
+    return sorted(int(x) for b in ds.batches(32, **kw) for x in b["label"])
+
+
+def temp_files(cache_dir: str) -> list[str]:
+    out = []
+    for root, _, files in os.walk(cache_dir):
+        out += [os.path.join(root, f) for f in files if f.endswith(".part")]
+    return out

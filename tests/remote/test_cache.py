@@ -1,0 +1,197 @@
+"""The shared node cache: many processes, kill -9, eviction with pins, limits, full and
+read-only disks."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from remote_servers import Fault, FaultServer
+from remote_util import N_RECORDS, labels, temp_files, write_ds
+
+import pyloader
+from pyloader._cache import CacheLimitError, ShardCache
+from pyloader._fetch import open_remote
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def published(cache_dir: str) -> list[str]:
+    out = []
+    for root, _, files in os.walk(cache_dir):
+        if os.path.basename(root) == "shards":
+            out += [os.path.join(root, f) for f in files]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_many_processes_share_one_download_per_shard(srv_root, cache_dir):
+    # Slow enough that the four readers overlap on every shard.
+    with FaultServer(srv_root, bandwidth=200_000, latency=0.01, max_life=80) as server:
+        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "remote_worker.py"), "read",
+                                   server.url + "/ds", cache_dir], stdout=subprocess.PIPE, env=_env())
+                 for _ in range(4)]
+        outs = [json.loads(p.communicate(timeout=80)[0]) for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+        assert outs == [{"n": N_RECORDS, "labels_ok": True}] * 4
+        gets = server.shard_gets()
+        assert len(gets) == 16 and set(gets.values()) == {1}, gets
+
+
+@pytest.mark.timeout(60)
+def test_kill_9_of_a_downloader_mid_shard_blocks_nobody(server, cache_dir):
+    shard0 = "ds/shard-000000.pyl"
+    server.inject(shard0, Fault("stall", seconds=30))  # the victim gets half a body, then nothing
+    env = _env()
+    env["PYLOADER_FETCH_STALL_TIMEOUT"] = "30"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "remote_worker.py"), "read", server.url + "/ds",
+                          cache_dir], stdout=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 30
+    while not any("shard-000000" in t for t in temp_files(cache_dir)):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
+    time.sleep(0.2)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert any("shard-000000" in t for t in temp_files(cache_dir))  # its partial file is left behind...
+    t0 = time.monotonic()
+    ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir)
+    assert labels(ds) == list(range(N_RECORDS))
+    assert time.monotonic() - t0 < 10  # ...but its lock died with it
+    assert temp_files(cache_dir) == []  # and the next lock holder removed the partial file
+    assert server.count(shard0) == 2
+    d = ShardCache(cache_dir).find(server.url + "/ds")
+    assert all(d.verify_entry(e) is None for e in d.entries())
+
+
+@pytest.mark.timeout(60)
+def test_stale_temp_files_are_cleaned(server, cache_dir):
+    dcache = open_remote(server.url + "/ds", cache_dir=cache_dir)
+    stale = os.path.join(dcache.tmp_dir, f"{dcache.names[3]}.999999.deadbeef.part")
+    with open(stale, "wb") as f:
+        f.write(b"partial")
+    assert ShardCache(cache_dir).stats()["temp_files"] == 1
+    assert ShardCache(cache_dir).clean_stale() == 1  # nobody holds its lock: its writer is dead
+    assert not os.path.exists(stale)
+
+
+def _sizes(root: str, name: str) -> int:
+    ds = pyloader.ShardDataset(os.path.join(root, name))
+    return sum(ds.shard_bytes)
+
+
+@pytest.mark.timeout(60)
+def test_limit_evicts_lru_but_never_a_pinned_shard(srv_root, server, cache_dir):
+    write_ds(os.path.join(srv_root, "ds2"), offset=5000)
+    a, b = _sizes(srv_root, "ds"), _sizes(srv_root, "ds2")
+    limit = max(a, b) + 4096  # room for one dataset at a time
+    ds_a = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit=limit)
+    assert labels(ds_a) == list(range(N_RECORDS))  # ds_a stays alive: all its shards are pinned
+    ds_b = pyloader.ShardDataset(server.url + "/ds2", cache_dir=cache_dir, cache_limit=limit)
+    with pytest.raises(pyloader.ShardIOError, match="is full"):
+        labels(ds_b)
+    assert len(published(cache_dir)) >= len(ds_a.shard_paths)  # nothing of ds_a was evicted
+    del ds_a, ds_b
+    gc.collect()
+    ds_b = pyloader.ShardDataset(server.url + "/ds2", cache_dir=cache_dir, cache_limit=limit)
+    assert labels(ds_b) == list(range(5000, 5000 + N_RECORDS))  # evicts ds_a's shards now
+    assert ShardCache(cache_dir).usage() <= limit
+
+
+@pytest.mark.timeout(30)
+def test_limit_too_small_for_a_reader_fails_at_construction(server, cache_dir):
+    with pytest.raises(CacheLimitError, match="cannot hold"):
+        pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit="20K")
+    assert server.shard_gets() == {}
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/bin/mount")
+
+
+@pytest.mark.timeout(60)
+def test_full_disk_tmpfs(server, tmp_path):
+    """A real ENOSPC: the cache on an 40 KB tmpfs (the dataset is ~100 KB)."""
+    if not _can_mount():
+        pytest.skip("needs root to mount a small tmpfs; test_full_disk_rlimit covers the same path")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=str(mnt), fetch_jobs=1)
+        with pytest.raises(pyloader.ShardIOError, match="no space"):
+            labels(ds)
+        del ds
+        gc.collect()
+        time.sleep(0.2)
+        assert temp_files(str(mnt)) == []
+        d = ShardCache(str(mnt)).find(server.url + "/ds")
+        ents = d.entries()
+        assert 0 < len(ents) < 16 and all(d.verify_entry(e) is None for e in ents)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.timeout(60)
+def test_full_disk_rlimit(server, cache_dir):
+    """Always runs: a file-size limit makes the reservation of a big shard fail (EFBIG)."""
+    code = f"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000))
+import pyloader
+ds = pyloader.ShardDataset({server.url + '/ds'!r}, cache_dir={cache_dir!r}, fetch_jobs=1)
+try:
+    sorted(int(x) for b in ds.batches(32) for x in b["label"])
+except pyloader.ShardIOError as e:
+    print("ERR", e)
+    sys.exit(3)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=50)
+    assert r.returncode == 3, r.stderr
+    assert "no space" in r.stdout and "shard-0000" in r.stdout and "File too large" in r.stdout
+    assert temp_files(cache_dir) == []
+    d = ShardCache(cache_dir).find(server.url + "/ds")
+    assert all(e.bytes <= 5000 and d.verify_entry(e) is None for e in d.entries())
+
+
+@pytest.mark.timeout(60)
+def test_read_only_cache_serves_cached_shards_and_names_missing_ones(server, srv_root, tmp_path):
+    cache = str(tmp_path / "rocache")
+    assert labels(pyloader.ShardDataset(server.url + "/ds", cache_dir=cache)) == list(range(N_RECORDS))
+    write_ds(os.path.join(srv_root, "other"))
+    gc.collect()
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "--bind", cache, cache], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", cache, cache], check=True)
+        undo = ["umount", "-l", cache]
+    else:
+        subprocess.run(["chmod", "-R", "a-w", cache], check=True)
+        undo = ["chmod", "-R", "u+w", cache]
+    try:
+        before = dict(server.shard_gets())
+        ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache)
+        assert labels(ds) == list(range(N_RECORDS))
+        assert server.shard_gets() == before
+        other = pyloader.ShardDataset(server.url + "/other", cache_dir=cache)
+        with pytest.raises(pyloader.ShardIOError, match="not writable"):
+            labels(other)
+    finally:
+        del ds
+        gc.collect()
+        subprocess.run(undo, check=True)

@@ -45,11 +45,18 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def lz4_blocks(ds: ShardDataset, limit_bytes: int = 32 << 20) -> list[tuple[bytes, int]]:
+def _local_files(ds: ShardDataset) -> list[str]:
+    """The shard files on this machine: in place, or in the node cache for a remote URL."""
+    if ds._remote is None:
+        return list(ds.shard_paths)
+    return [ds._remote.shard_file(i) for i in range(len(ds.shard_paths))]
+
+
+def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20) -> list[tuple[bytes, int]]:
     """The dataset's own LZ4-compressed values (up to limit_bytes decoded), for the decode stage."""
     out: list[tuple[bytes, int]] = []
     total = 0
-    for path in ds.shard_paths:
+    for path in paths:
         with open(path, "rb") as f:
             data = f.read()
         index_off, index_size, payload_off = struct.unpack_from("<QQQ", data, 48)
@@ -61,6 +68,28 @@ def lz4_blocks(ds: ShardDataset, limit_bytes: int = 32 << 20) -> list[tuple[byte
             if total >= limit_bytes:
                 return out
     return out
+
+
+class PadCollate:
+    """Torch's side of the comparison: collates samples into the same batch layout as
+    pyloader (variable fields zero-padded, plus ``<name>_lengths``)."""
+
+    def __init__(self, ds: ShardDataset) -> None:
+        self.fields = [(f.name, f.variable, f.dtype == "bytes") for f in ds.fields]
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, variable, is_bytes in self.fields:
+            vals = [s[name] for s in samples]
+            if is_bytes:
+                vals = [torch.frombuffer(bytearray(v), dtype=torch.uint8) if v else torch.zeros(0, dtype=torch.uint8)
+                        for v in vals]
+            if variable:
+                out[name] = torch.nn.utils.rnn.pad_sequence(vals, batch_first=True)
+                out[f"{name}_lengths"] = torch.tensor([len(v) for v in vals], dtype=torch.int64)
+            else:
+                out[name] = torch.stack(vals)
+        return out
 
 
 def _best_epoch(make_loader: Callable[[], Any], epochs: int) -> dict[str, Any]:
@@ -81,13 +110,28 @@ def _best_epoch(make_loader: Callable[[], Any], epochs: int) -> dict[str, Any]:
 def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, torch_workers: int,
                progress: Callable[[str], None]) -> dict[str, Any]:
     stages: dict[str, Any] = {}
+    stages["remote_fetch"] = None
+    if getattr(ds, "_remote", None) is not None:
+        progress("stage 0/5: remote fetch into the node cache")
+        ds._shard_set()  # creates the fetcher
+        fetcher = ds._fetcher
+        with B.CpuTimer() as t:
+            fetcher.schedule(range(len(ds.shard_paths)))
+            fetcher.wait()
+        if fetcher.errors:
+            raise next(iter(fetcher.errors.values()))
+        stages["remote_fetch"] = {"gbps": fetcher.bytes / t.wall / 1e9 if fetcher.bytes else None,
+                                  "bytes": fetcher.bytes, "shards_downloaded": fetcher.downloaded,
+                                  "shards_cached": len(ds.shard_paths) - fetcher.downloaded,
+                                  "wall_s": t.wall, "cpu_s": t.cpu}
+    local = _local_files(ds)
     progress("stage 1/5: storage read")
     with B.CpuTimer() as t:
-        gbps = B.read_gbps(ds.shard_paths)
+        gbps = B.read_gbps(local)
     stages["storage_read"] = {"gbps": gbps, "cpu_s": t.cpu, "wall_s": t.wall}
 
     progress("stage 2/5: LZ4 decode")
-    blocks = lz4_blocks(ds)
+    blocks = lz4_blocks(local)
     if blocks:
         with B.CpuTimer() as t:
             one = B.native_decode_gbps(blocks, 1, seconds=0.5)
@@ -113,7 +157,7 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
     progress(f"stage 5/5: torch DataLoader on the same data (num_workers={torch_workers})")
     stages["torch_dataloader"] = {
         **_best_epoch(lambda: torch.utils.data.DataLoader(
-            ds, batch_size=batch_size, num_workers=torch_workers,
+            ds, batch_size=batch_size, num_workers=torch_workers, collate_fn=PadCollate(ds),
             prefetch_factor=4 if torch_workers else None), epochs),
         "num_workers": torch_workers,
     }
@@ -139,12 +183,17 @@ def diagnose(st: dict[str, Any]) -> dict[str, Any]:
     read = st["storage_read"]["gbps"]
     dec = st["decode"]
     lz4_share = py["lz4_stored_bytes"] / py["stored_bytes"] if py["stored_bytes"] else 0.0
+    fetch = st.get("remote_fetch")
     limits = {"storage": read / max(e2e_stored, 1e-12),
               "collate": st["collate_limit"]["memcpy_gbps"] / max(py["gbps"], 1e-12)}
     if dec and lz4_share > 0.05:
         limits["decode"] = dec["gbps"] / max(py["gbps"] * lz4_share, 1e-12)
+    if fetch and fetch["gbps"]:
+        limits["network"] = fetch["gbps"] / max(e2e_stored, 1e-12)
     bound = min(limits, key=lambda k: limits[k])
     advice = {
+        "network": "the network bounds a cold epoch: run `pyloader cache warm URL` on each node before "
+                   "training, raise fetch_jobs, or compress the dataset (fewer bytes to move)",
         "storage": "storage bounds the loader: warm the node cache (pyloader cache warm), use faster "
                    "storage, or compress (LZ4 pays when storage is the bottleneck)",
         "decode": "LZ4 decode bounds the loader: add threads (--threads / num_workers), or write the "
@@ -250,7 +299,7 @@ def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]],
             "trials": [trials[k] for k in sorted(trials)]}
 
 
-def run_au(path: str, w: Workload, *, threads: int, torch_workers: int, batches: int, threshold: float,
+def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int, torch_workers: int, batches: int, threshold: float,
            cap: int, progress: Callable[[str], None]) -> dict[str, Any]:
     batch_bytes = w.record_bytes * w.batch_size
     try:
@@ -262,13 +311,14 @@ def run_au(path: str, w: Workload, *, threads: int, torch_workers: int, batches:
     cap = min(cap, mem_cap)
 
     def py_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
-        ds = ShardDataset(path, rank=rank, world_size=n)
+        ds = ShardDataset(path, rank=rank, world_size=n, cache_dir=cache_dir)
         loader = DataLoader(ds, batch_size=w.batch_size, num_workers=threads)
         return lambda: iter(loader)
 
     def torch_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
-        ds = ShardDataset(path, rank=rank, world_size=n)
+        ds = ShardDataset(path, rank=rank, world_size=n, cache_dir=cache_dir)
         loader = torch.utils.data.DataLoader(ds, batch_size=w.batch_size, num_workers=torch_workers,
+                                             collate_fn=PadCollate(ds),
                                              prefetch_factor=2 if torch_workers else None)
         return lambda: iter(loader)
 

@@ -41,7 +41,7 @@ def run_bench(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
             progress(f"generating the embedded dataset: {args.records} x {p.description}, LZ4")
             url = os.path.join(tmp, "data")
             B.write_profile_dataset(url, p, args.records, compression="lz4", seed=0)
-        ds = ShardDataset(url)
+        ds = ShardDataset(url, cache_dir=args.cache_dir) if args.url else ShardDataset(url)
         result["dataset"] = {"url": url if args.url else None, "generated": args.url is None,
                              "records": ds.num_records, "shards": len(ds.shard_paths),
                              "bytes": sum(ds.shard_bytes), "fields": [f.to_json() for f in ds.fields]}
@@ -66,7 +66,7 @@ def run_bench(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
             else:
                 au_path = url
             result["accelerator_utilization"] = R.run_au(
-                au_path, w, threads=args.au_threads, torch_workers=args.au_torch_workers,
+                au_path, w, cache_dir=args.cache_dir, threads=args.au_threads, torch_workers=args.au_torch_workers,
                 batches=R.au_batches(w, args.au_seconds), threshold=args.au_threshold,
                 cap=args.max_accelerators, progress=progress)
         return result
@@ -77,7 +77,12 @@ def run_bench(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
 def print_bench(r: dict[str, Any]) -> None:
     st, d, dg = r["stages"], r["dataset"], r["diagnosis"]
     print(f"\npyloader bench: {d['records']} records in {d['shards']} shards, {d['bytes'] / 1e6:.1f} MB stored")
-    rows = [("storage read", f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"])]
+    rows = []
+    rf = st.get("remote_fetch")
+    if rf:
+        speed = f"{rf['gbps']:.3f} GB/s" if rf["gbps"] else "all cached"
+        rows.append((f"remote fetch ({rf['shards_downloaded']} shards)", speed, rf["cpu_s"]))
+    rows.append(("storage read", f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"]))
     if st["decode"]:
         rows.append((f"LZ4 decode ({st['decode']['threads']} threads)", f"{st['decode']['gbps']:.2f} GB/s",
                      st["decode"]["cpu_s"]))
@@ -183,6 +188,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--au-threads", type=_positive(int), default=1, help="pyloader threads per accelerator")
     b.add_argument("--au-torch-workers", type=int, default=1, help="torch workers per accelerator")
     b.add_argument("--max-accelerators", type=_positive(int), default=32)
+    b.add_argument("--cache-dir", help="node cache directory for a remote URL (default: PYLOADER_CACHE_DIR)")
     b.add_argument("--json", action="store_true", help="print the result as JSON (docs/bench.md) on stdout")
     b.add_argument("--plot", metavar="FILE.png", help="plot stage throughput and AU (needs matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress messages")

@@ -1,0 +1,132 @@
+"""`pyloader bench` end to end: the CLI in a subprocess on tiny data, its JSON schema
+(docs/bench.md), its plot, and its errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyloader
+
+# A run small enough for the test suite: a 400-record generated dataset and a tiny
+# custom accelerator workload.
+TINY = ["--records", "400", "--epochs", "1", "--batch-size", "64", "--threads", "2", "--torch-workers", "0",
+        "--workload", "custom", "--record-bytes", "2048", "--au-batch-size", "8", "--compute-time", "0.002",
+        "--au-records", "64", "--max-accelerators", "2", "--au-seconds", "0.05"]
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pyloader", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_bench_json_schema_on_the_generated_dataset() -> None:
+    res = run_cli(*TINY, "--json", "--quiet")
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["schema_version"] == 1
+    assert r["dataset"]["generated"] is True and r["dataset"]["records"] == 400
+    st = r["stages"]
+    for key in ("storage_read", "decode", "collate_limit", "pyloader", "torch_dataloader"):
+        assert key in st, key
+    assert st["remote_fetch"] is None and st["h2d"] is None  # local data, no GPU here
+    assert st["storage_read"]["gbps"] > 0
+    assert st["decode"]["gbps"] > 0  # the generated dataset is LZ4-compressed
+    # Both loaders saw exactly the dataset, once per epoch.
+    assert st["pyloader"]["samples"] == 400
+    assert st["torch_dataloader"]["samples"] == 400
+    assert st["pyloader"]["bytes"] == st["torch_dataloader"]["bytes"] > 400 * 12288
+    assert 0.0 <= st["pyloader"]["wait_fraction"] <= 1.0
+    dg = r["diagnosis"]
+    assert dg["bound"] in ("storage", "decode", "collate", "network")
+    assert dg["notes"] and all(isinstance(n, str) for n in dg["notes"])
+    assert dg["speedup_vs_torch"] == pytest.approx(
+        st["pyloader"]["samples_per_s"] / st["torch_dataloader"]["samples_per_s"])
+    au = r["accelerator_utilization"]
+    assert au["workload"]["name"] == "custom" and au["workload"]["batch_size"] == 8
+    for key in ("pyloader", "torch_dataloader"):
+        trials = au[key]["trials"]
+        assert trials and all(0.0 < t["au"] <= 1.05 for t in trials)
+        assert 0 <= au[key]["max_accelerators"] <= 2
+        ns = [t["accelerators"] for t in trials]
+        assert ns == sorted(set(ns))
+
+
+@pytest.mark.timeout(300)
+def test_bench_table_and_plot(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    res = run_cli(*TINY, "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "pyloader / torch DataLoader:" in out and "bound by:" in out
+    assert "max accelerators at AU >= 90%" in out
+    assert "[pyloader bench] stage 4/5" in res.stderr  # live progress went to stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def _write(path: str, n: int) -> str:
+    with pyloader.ShardWriter(path, {"x": ("uint8", (1024,)), "label": ("int64", ())}, compression="none",
+                              shard_bytes=64 << 10) as w:
+        for i in range(n):
+            w.write({"x": np.full(1024, i % 256, np.uint8), "label": i})
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_bench_on_a_user_dataset(tmp_path) -> None:
+    path = _write(str(tmp_path / "ds"), 300)
+    res = run_cli(path, "--epochs", "1", "--torch-workers", "0", "--workload", "none", "--json", "--quiet")
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["dataset"]["generated"] is False and r["dataset"]["records"] == 300
+    assert r["stages"]["decode"] is None  # nothing in it is compressed
+    assert r["stages"]["pyloader"]["samples"] == 300
+    assert "accelerator_utilization" not in r
+
+
+@pytest.mark.timeout(120)
+def test_bench_bad_url_exits_2(tmp_path) -> None:
+    missing = str(tmp_path / "nowhere")
+    res = run_cli(missing, "--quiet")
+    assert res.returncode == 2
+    assert "nowhere" in res.stderr and "manifest" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_empty_dataset_exits_2(tmp_path) -> None:
+    path = str(tmp_path / "empty")
+    with pyloader.ShardWriter(path, {"x": ("uint8", (4,))}):
+        pass
+    res = run_cli(path, "--quiet")
+    assert res.returncode == 2
+    assert "no records" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_corrupt_dataset_exits_1_naming_the_shard(tmp_path) -> None:
+    path = _write(str(tmp_path / "bad"), 300)
+    ds = pyloader.ShardDataset(path)
+    victim = ds.shard_paths[1]
+    with open(victim, "r+b") as f:  # flip a payload byte near the end of the shard
+        f.seek(os.path.getsize(victim) - 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    res = run_cli(path, "--epochs", "1", "--torch-workers", "0", "--workload", "none", "--quiet")
+    assert res.returncode == 1
+    assert victim in res.stderr and "checksum" in res.stderr
+
+
+def test_bench_rejects_bad_arguments() -> None:
+    res = run_cli("--records", "0")
+    assert res.returncode == 2 and "must be > 0" in res.stderr
+    res = run_cli("--workload", "custom", "--quiet", "--records", "50")
+    assert res.returncode == 1 and "--workload custom needs" in res.stderr

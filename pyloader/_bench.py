@@ -206,7 +206,7 @@ def torch_loader(npy_path: str, shape: tuple[int, ...], dtype: str, batch_size: 
     ds = MemmapDataset(npy_path, shape, dtype)
     g = torch.Generator().manual_seed(0)
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-                                       generator=g, persistent_workers=False,
+                                       generator=g, persistent_workers=num_workers > 0,
                                        prefetch_factor=4 if num_workers else None)
 
 

@@ -85,6 +85,7 @@ void BatchPipeline::close() {
 }
 
 void BatchPipeline::worker_loop() {
+  std::vector<std::shared_ptr<const Shard>> open(shards_->size());
   for (;;) {
     size_t b;
     {
@@ -97,7 +98,7 @@ void BatchPipeline::worker_loop() {
     }
     Pending done;
     try {
-      fill(b, &done.batch);
+      fill(b, &done.batch, open);
     } catch (...) {
       done.batch = Batch();
       done.error = std::current_exception();
@@ -111,7 +112,7 @@ void BatchPipeline::worker_loop() {
   }
 }
 
-void BatchPipeline::fill(size_t b, Batch* out) {
+void BatchPipeline::fill(size_t b, Batch* out, std::vector<std::shared_ptr<const Shard>>& open) {
   const auto& fields = shards_->fields();
   const size_t nf = fields.size();
   const size_t begin = b * cfg_.batch_size;
@@ -119,10 +120,12 @@ void BatchPipeline::fill(size_t b, Batch* out) {
 
   // Pass 1: open the shards this batch touches and find each variable field's max length.
   const uint64_t t_open = now_ns();
-  std::vector<std::shared_ptr<const Shard>> shard_of(rows);
+  std::vector<const Shard*> shard_of(rows);
   std::vector<uint32_t> max_len(nf, 0);
   for (size_t i = 0; i < rows; ++i) {
-    shard_of[i] = shards_->get(size_t(shard_idx_[begin + i]), &cancel_);
+    auto& held = open[size_t(shard_idx_[begin + i])];
+    if (!held) held = shards_->get(size_t(shard_idx_[begin + i]), &cancel_);
+    shard_of[i] = held.get();
     for (size_t f = 0; f < nf; ++f)
       if (fields[f].variable)
         max_len[f] = std::max(max_len[f], shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading);

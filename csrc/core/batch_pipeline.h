@@ -79,7 +79,9 @@ class BatchPipeline {
   };
 
   void worker_loop();
-  void fill(size_t b, Batch* out);
+  // `open` is the calling worker's own table of shards it already holds (indexed by shard),
+  // so the hot loop takes no lock and touches no shared reference count per record.
+  void fill(size_t b, Batch* out, std::vector<std::shared_ptr<const Shard>>& open);
 
   std::shared_ptr<ShardSet> shards_;
   std::shared_ptr<SlotPool> pool_;

@@ -160,9 +160,24 @@ void BatchPipeline::fill(size_t b, Batch* out, std::vector<std::shared_ptr<const
     v.data = slot.data[f].data();
   }
 
-  // Pass 2: verify, decode and place every record's fields into its row.
+  // Pass 2: verify, decode and place every record's fields into its row. Rows are
+  // visited in storage order (shard, then record), not batch order: a shuffled batch
+  // then reads its sources at ascending addresses, which the TLB and the hardware
+  // prefetcher handle far better. Each record still lands in its own row.
+  std::vector<uint32_t> visit(rows);
+  for (size_t i = 0; i < rows; ++i) visit[i] = uint32_t(i);
+  std::sort(visit.begin(), visit.end(), [&](uint32_t a, uint32_t b) {
+    int32_t sa = shard_idx_[begin + a], sb = shard_idx_[begin + b];
+    return sa != sb ? sa < sb : record_idx_[begin + a] < record_idx_[begin + b];
+  });
   uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
-  for (size_t i = 0; i < rows; ++i) {
+  for (size_t k = 0; k < rows; ++k) {
+    const size_t i = visit[k];
+    if (k + 1 < rows) {  // start fetching the next record's index entry and first bytes
+      const Shard& nx = *shard_of[visit[k + 1]];
+      const IndexEntry ne = nx.entry(uint64_t(record_idx_[begin + visit[k + 1]]), 0);
+      __builtin_prefetch(nx.payload() + ne.offset);
+    }
     const Shard& sh = *shard_of[i];
     const uint64_t rec = uint64_t(record_idx_[begin + i]);
     const uint8_t* payload = sh.payload();

@@ -1,4 +1,4 @@
-"""The ``pyloader`` command line: ``pyloader bench`` and ``pyloader cache``."""
+"""The ``pyloader`` command line: ``pyloader bench``, ``pyloader cache`` and ``pyloader convert``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 from . import _bench as B
 from . import _bench_run as R
 from ._cache_cli import add_cache_parser, run_cache
+from ._convert_cli import add_convert_parser, run_convert
 from ._dataset import ShardDataset
 from ._errors import ManifestError, PyloaderError
 
@@ -226,11 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_bench_parser(sub)
     add_cache_parser(sub)
+    add_convert_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         return bench_main(args)
     if args.cmd == "cache":
         return run_cache(args)
+    if args.cmd == "convert":
+        return run_convert(args)
     return 2
 
 

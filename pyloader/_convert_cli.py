@@ -1,0 +1,126 @@
+"""``pyloader convert SRC DST``: the command line of pyloader._convert.
+
+Exit codes: 0 converted (and verified, with ``--verify``); 1 the source could not be
+converted or read (the message names the file, column and row), or DST already holds a
+dataset without ``--overwrite``; 2 bad arguments; 3 ``--verify``/``--verify-only`` found
+a record that differs from its source; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from . import _convert as C
+from ._errors import PyloaderError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def parse_fields(text: str | None) -> Any:
+    """``"a,b:int32,c"`` -> ``{"a": None, "b": "int32", "c": None}`` (or a list without casts)."""
+    if text is None:
+        return None
+    out: dict[str, str | None] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, dtype = part.partition(":")
+        if name in out:
+            raise ValueError(f"--fields names {name!r} twice")
+        out[name] = dtype or None
+    if not out:
+        raise ValueError("--fields names no column")
+    return out if any(v is not None for v in out.values()) else list(out)
+
+
+def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "convert", help="convert Parquet/Arrow, numpy, a folder of files or WebDataset tars to pyloader shards",
+        description="Convert SRC into a pyloader dataset at DST (shards + manifest.json). SRC is a Parquet file "
+        "or folder, an Arrow IPC file, a .npy/.npz file or folder of .npy files, WebDataset .tar shards, or "
+        "any other folder (each file a record). Exit codes: 0 ok, 1 conversion failed, 2 bad arguments, "
+        "3 verification found a difference.")
+    p.add_argument("src", help="source file or folder")
+    p.add_argument("dst", help="dataset folder to write")
+    p.add_argument("--kind", choices=C.KINDS, help="source kind (default: guessed from the file names)")
+    p.add_argument("--fields", help="columns to convert, in order: a,b,c; name:dtype casts a Parquet/Arrow column "
+                   "(checked: lossy casts fail)")
+    p.add_argument("--compression", default="auto", choices=C.COMPRESSIONS,
+                   help="auto (default): LZ4 only for fields where it saves >= 10%% on a sample")
+    p.add_argument("--shard-size", default="64M", help="payload bytes per shard, e.g. 64M (default), 256M, 1G")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--nulls", default="error", choices=C.NULL_POLICIES,
+                   help="error (default): a null fails naming its column and row; zero: store zeros / empty values")
+    p.add_argument("--labels", action="store_true", help="folder of files: add an int64 label from the class folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
+    p.add_argument("--verify", action="store_true", help="after converting, compare every record with the source")
+    p.add_argument("--verify-only", action="store_true", help="only compare an existing DST with SRC")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_convert)
+    return p
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    err = sys.stderr
+    try:
+        fields = parse_fields(args.fields)
+        if args.jobs < 1:
+            raise ValueError("--jobs must be >= 1")
+        C.parse_size(args.shard_size)
+    except ValueError as e:
+        print(f"pyloader convert: {e}", file=err)
+        return EXIT_USAGE
+    opts = {"kind": args.kind, "fields": fields, "nulls": args.nulls, "labels": args.labels}
+    try:
+        if args.verify_only:
+            out: dict[str, Any] = {"verified": C.verify_dataset(args.src, args.dst, **opts)}
+        else:
+            res = C.convert(args.src, args.dst, compression=args.compression, shard_size=args.shard_size,
+                            jobs=args.jobs, overwrite=args.overwrite, progress=not args.quiet and not args.json,
+                            verify=args.verify, **opts)
+            out = dataclasses.asdict(res)
+            out["mb_per_s"] = res.mb_per_s
+    except C.VerifyError as e:
+        print(f"pyloader convert: verification failed: {e}", file=err)
+        return EXIT_MISMATCH
+    except (PyloaderError, OSError) as e:
+        print(f"pyloader convert: {e}", file=err)
+        return EXIT_FAILED
+    except ValueError as e:  # invalid option combinations found while opening the source
+        print(f"pyloader convert: {e}", file=err)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("pyloader convert: interrupted; no dataset was written", file=err)
+        return EXIT_INTERRUPTED
+    if args.json:
+        print(json.dumps(out))
+        return EXIT_OK
+    v = out.get("verified")
+    if not args.verify_only:
+        comp = ", ".join(f"{k}={c}" for k, c in out["compression"].items())
+        print(f"wrote {out['records']:,} records in {out['shards']} shards to {out['path']}: "
+              f"{out['bytes_in'] / 1e6:.1f} MB of values -> {out['bytes_out'] / 1e6:.1f} MB, "
+              f"{out['seconds']:.2f}s ({out['mb_per_s']:.1f} MB/s, {out['jobs']} jobs); compression: {comp}")
+    if v is not None:
+        print(f"verified: {v['records']:,} records x {v['fields']} fields equal the source "
+              f"({v['bytes'] / 1e6:.1f} MB in {v['seconds']:.2f}s)")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m pyloader._convert_cli``) until ``pyloader convert`` is wired in."""
+    ap = argparse.ArgumentParser(prog="pyloader")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_convert_parser(sub)
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

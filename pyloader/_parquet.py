@@ -1,0 +1,657 @@
+"""ParquetDataset: Parquet read directly, with pyloader's plan, node cache, prefetch and staging.
+
+Row groups play the part of shards: the epoch plan (``pyloader._plan``) orders and
+partitions rows exactly as ``ShardDataset`` orders records, with row group ``g`` as
+"shard" ``g`` (row groups numbered file by file, files sorted by path).
+
+NOTE [row group lifetime]: a batch iterator knows the whole plan, so it decodes a row
+group when the first batch that reads it is submitted (or up to ``num_threads`` row
+groups earlier, so decoding overlaps) and drops it right after the last batch that reads
+it has been handed out. Memory is therefore the row groups the plan
+keeps open at once: one or two unshuffled; about ``window / rows_per_group + 1`` in
+``shuffle_mode="window"`` (the default here); every row group in ``"global"`` mode, which
+is only sensible for data that fits in memory.
+
+What is native and what is not: pyarrow (C++) reads and decodes row groups on
+``num_threads`` threads without the GIL; Arrow's buffers become numpy arrays without a
+copy where a column is fixed-width and null-free; collation into reusable staging
+buffers is numpy (fancy-index copies, which release the GIL), on ``num_threads``
+threads. pyloader's C++ batch pipeline is not involved: it reads pyloader shards.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import errno
+import os
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import _C, _plan
+from ._cache import DatasetCache, ShardCache, _cache_error, _fsync_dir, normalize_url
+from ._convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
+from ._dataset import resolve_rank
+from ._errors import PyloaderError
+from ._format import MANIFEST_FORMAT, VERSION, Field, dump_manifest
+from ._remote import RetryPolicy, download_into, filesystem, is_remote, with_retries
+
+_SHUFFLE_MODES = ("global", "window")
+_POLICIES = ("pad", "drop")
+_SAMPLE_MODE_BATCH = 64
+
+
+class ParquetReadError(PyloaderError, ValueError):
+    """A Parquet file or row group cannot be read or does not match the dataset's columns."""
+
+
+# ---------------------------------------------------------------------------------------
+# Remote files through the node cache.
+class _ParquetFileCache(DatasetCache):
+    """The node cache (pyloader._cache) for Parquet files.
+
+    A Parquet file has no XXH64 in a manifest, so the cache manifest we synthesize
+    carries an identity instead (XXH64 of path, size and the store's ETag or mtime): a
+    changed object gets a new cache name, never a mix. A download is published under
+    NOTE [cache publish] with check (3) replaced by: exactly the listed size, and the
+    Parquet magic ``PAR1`` at both ends; pyarrow then checks the footer when it opens it.
+    """
+
+    def _download_locked(self, i: int, cancel: threading.Event | None, on_bytes: Any) -> None:
+        name, info = self.names[i], self.shards[i]
+        size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
+        for n in os.listdir(self.tmp_dir):  # only the lock holder writes temps: these are dead
+            if n.startswith(name + ".") and n.endswith(".part"):
+                try:
+                    os.unlink(os.path.join(self.tmp_dir, n))
+                except FileNotFoundError:
+                    pass
+        tmp = os.path.join(self.tmp_dir, f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part")
+        fd = -1
+        try:
+            with self.cache.space_lock():
+                self.cache.make_room(size, shard=shard)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        raise _cache_error(e.errno, f"{url}: no space in cache {self.cache.base} for {size} bytes",
+                                           shard) from None
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+            fs, root = self._filesystem()
+            path = root.rstrip("/") + "/" + shard
+            with_retries(lambda: download_into(fd, fs, path, size, url=url, shard=shard, cancel=cancel,
+                                               on_bytes=on_bytes),
+                         self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
+            os.fsync(fd)
+            head, tail = os.pread(fd, 4, 0), os.pread(fd, 4, max(0, size - 4))
+            if head != b"PAR1" or tail != b"PAR1":
+                raise ParquetReadError(f"{url}: not a Parquet file (no PAR1 magic at both ends)")
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, self.shard_file(i))
+            _fsync_dir(self.shard_dir)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
+class _Readiness:
+    """Stands in for a pending ``_C.ShardSet`` for ``_fetch.ShardFetcher``: one event per file."""
+
+    def __init__(self, n: int) -> None:
+        self.events = [threading.Event() for _ in range(n)]
+        self.paths: list[str | None] = [None] * n
+        self.errors: list[str | None] = [None] * n
+
+    def mark_ready(self, i: int, path: str) -> None:
+        self.paths[i] = path
+        self.events[i].set()
+
+    def mark_failed(self, i: int, message: str) -> None:
+        self.errors[i] = message
+        self.events[i].set()
+
+    def wait(self, i: int) -> str:
+        self.events[i].wait()
+        if self.errors[i] is not None:
+            raise ParquetReadError(self.errors[i])
+        assert self.paths[i] is not None
+        return self.paths[i]  # type: ignore[return-value]
+
+
+def _list_remote(url: str, storage_options: dict[str, Any] | None) -> tuple[str, list[tuple[str, int, str]]]:
+    """(root URL, [(relative path, size, identity)]) of the Parquet files at ``url``."""
+    fs, path = filesystem(url, storage_options, RetryPolicy.from_env().stall_timeout)
+    proto = url.split("://", 1)[0]
+    infos: list[dict[str, Any]]
+    if fs.isdir(path):
+        root = path.rstrip("/")
+        infos = [i for i in fs.find(root, detail=True).values() if i["name"].lower().endswith(_PARQUET_EXT)]
+    else:
+        root = path.rsplit("/", 1)[0]
+        infos = [fs.info(path)]
+    out = []
+    for info in sorted(infos, key=lambda i: i["name"]):
+        name = info["name"]
+        rel = name[len(root):].lstrip("/") if name.startswith(root) else name.rsplit("/", 1)[-1]
+        tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+        size = int(info["size"])
+        ident = f"{_C.xxh64(f'{rel}|{size}|{tag}'.encode()):016x}"
+        out.append((rel, int(info["size"]), ident))
+    root_url = f"{proto}://{root}" if not root.startswith(f"{proto}://") else root
+    return root_url, out
+
+
+# ---------------------------------------------------------------------------------------
+class ParquetDataset(IterableDataset):
+    """An iterable dataset over Parquet files, local or at any fsspec URL.
+
+    ``columns`` selects and orders the columns (default: all); each must map to a
+    pyloader field (see ``docs/convert.md``): numeric and bool columns become fixed
+    fields, fixed-size lists fixed shapes, lists variable fields (batched as
+    ``name`` + ``name_lengths``, zero-padded), binary/string columns bytes (UTF-8).
+    Nulls raise ``ParquetReadError`` naming the column and row unless ``nulls="zero"``.
+
+    Ordering, shuffling and partitioning are ``ShardDataset``'s (same arguments, same
+    guarantees), with row groups as shards; ``shuffle_mode`` defaults to ``"window"``
+    because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs are
+    fetched whole into the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
+    ``storage_options`` as for ShardDataset), in the order the plan first needs them.
+    """
+
+    def __init__(self, url: str | os.PathLike[str] | list[str], columns: list[str] | None = None, *,
+                 shuffle: bool = False, seed: int = 0, shuffle_mode: str = "window", window: int = 65536,
+                 rank: int | None = None, world_size: int | None = None, partition: str = "pad",
+                 nulls: str = "error", cache_dir: str | os.PathLike[str] | None = None,
+                 cache_limit: int | str | None = None, fetch_jobs: int = 4,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        pa = _pa()
+        import pyarrow.parquet as pq
+
+        if shuffle_mode not in _SHUFFLE_MODES:
+            raise ValueError(f"shuffle_mode must be one of {_SHUFFLE_MODES}, got {shuffle_mode!r}")
+        if partition not in _POLICIES:
+            raise ValueError(f"partition must be one of {_POLICIES}, got {partition!r}")
+        if nulls not in ("error", "zero"):
+            raise ValueError(f"nulls must be 'error' or 'zero', got {nulls!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError("seed must be a non-negative int")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError("window must be a positive int")
+        if not isinstance(fetch_jobs, int) or fetch_jobs < 1:
+            raise ValueError("fetch_jobs must be a positive int")
+        self.shuffle, self.seed, self.shuffle_mode, self.window = bool(shuffle), seed, shuffle_mode, window
+        self.rank, self.world_size, self.partition, self.nulls = rank, world_size, partition, nulls
+        self.fetch_jobs = fetch_jobs
+        self.epoch = 0
+        self._cache: _ParquetFileCache | None = None
+        self._readiness: _Readiness | None = None
+        self._fetcher: Any = None
+        self._fetch_pid = -1
+        urls = [os.fspath(u) for u in url] if isinstance(url, (list, tuple)) else [os.fspath(url)]
+        self.url = urls[0] if len(urls) == 1 else urls
+        remote = [is_remote(u) for u in urls]
+        metas: list[Any] = []
+        if any(remote):
+            if len(urls) != 1:
+                raise ValueError("a remote ParquetDataset takes one URL (a file or a folder)")
+            root, files = _list_remote(urls[0], storage_options)
+            if not files:
+                raise ParquetReadError(f"{urls[0]}: holds no Parquet files")
+            body = {"format": MANIFEST_FORMAT, "version": VERSION, "fields": [], "records": 0,
+                    "shards": [{"path": rel, "records": 0, "bytes": size, "xxh64": ident}
+                               for rel, size, ident in files]}
+            self._cache = _ParquetFileCache(ShardCache(cache_dir, limit=cache_limit), normalize_url(root),
+                                            dump_manifest(body, _C.xxh64), storage_options=storage_options)
+            self._cache.store_manifest()
+            self.files = [self._cache.shard_url(i) for i in range(len(files))]
+            fs, _ = filesystem(root, storage_options, RetryPolicy.from_env().stall_timeout)
+            for i in range(len(files)):
+                if self._cache.is_published(i):
+                    metas.append(self._metadata(self._cache.shard_file(i), self.files[i]))
+                else:
+                    path = fs._strip_protocol(self.files[i])
+                    with fs.open(path, "rb") as fh:
+                        metas.append(self._metadata(fh, self.files[i]))
+        else:
+            files_local: list[str] = []
+            for u in urls:
+                p = u.removeprefix("file://")
+                if os.path.isdir(p):
+                    found = sorted(os.path.join(d, f) for d, _, fs_ in os.walk(p) for f in fs_
+                                   if f.lower().endswith(_PARQUET_EXT) and not f.startswith((".", "_")))
+                    if not found:
+                        raise ParquetReadError(f"{p}: holds no Parquet files")
+                    files_local.extend(found)
+                elif os.path.exists(p):
+                    files_local.append(p)
+                else:
+                    raise FileNotFoundError(f"no such Parquet file or folder: {p!r}")
+            self.files = files_local
+            metas = [self._metadata(p, p) for p in files_local]
+        # Fields: the same mapping as `pyloader convert` (pyloader._convert.arrow_field).
+        schema0 = metas[0].schema.to_arrow_schema()
+        self.columns = list(columns) if columns is not None else list(schema0.names)
+        if not self.columns:
+            raise ValueError("columns must name at least one column")
+        self.fields: list[Field] = []
+        for i, md in enumerate(metas):
+            schema = md.schema.to_arrow_schema()
+            fl = []
+            for c in self.columns:
+                if c not in schema.names:
+                    raise ParquetReadError(f"{self.files[i]}: has no column {c!r} (columns: {', '.join(schema.names)})")
+                try:
+                    fl.append(arrow_field(c, schema.field(c).type))
+                except ConvertError as e:
+                    raise ParquetReadError(f"{self.files[i]}: {e}") from None
+            if i == 0:
+                self.fields = fl
+            elif fl != self.fields:
+                bad = next(c for c, a, b in zip(self.columns, fl, self.fields) if a != b)
+                raise ParquetReadError(f"{self.files[i]}: column {bad!r} has another type than in {self.files[0]}")
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names) or any(f"{f.name}_lengths" in names for f in self.fields if f.variable):
+            raise ParquetReadError(f"columns {self.columns} map to colliding field names {names}")
+        self.group_file: list[int] = []
+        self.group_index: list[int] = []
+        self.records_per_group: list[int] = []
+        self.group_row0: list[int] = []  # first row of each group within its file (for errors)
+        for i, md in enumerate(metas):
+            r = 0
+            for j in range(md.num_row_groups):
+                self.group_file.append(i)
+                self.group_index.append(j)
+                self.group_row0.append(r)
+                self.records_per_group.append(md.row_group(j).num_rows)
+                r += md.row_group(j).num_rows
+        self.num_records = int(sum(self.records_per_group))
+        if self.num_records == 0:
+            raise ParquetReadError(f"{self.url}: the Parquet data holds no rows")
+        self._local = threading.local()
+        del pa, pq
+
+    @staticmethod
+    def _metadata(src: Any, name: str) -> Any:
+        pa = _pa()
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_metadata(src)
+        except (pa.ArrowInvalid, OSError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ParquetReadError(f"{name}: not a readable Parquet file: {e}") from None
+
+    # -- planning (as ShardDataset) ------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError("epoch must be a non-negative int")
+        self.epoch = epoch
+
+    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
+             shuffle: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(row group index, row index) arrays this rank/worker reads in ``epoch``, in order."""
+        rank, world = resolve_rank(self.rank, self.world_size)
+        return _plan.plan(
+            self.records_per_group, shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed,
+            epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
+            num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
+        )
+
+    def __len__(self) -> int:
+        _, world = resolve_rank(self.rank, self.world_size)
+        n = self.num_records
+        return -(-n // world) if self.partition == "pad" else n // world
+
+    # -- reading -------------------------------------------------------------------------
+    def _ensure_fetcher(self) -> None:
+        if self._cache is None or self._fetch_pid == os.getpid():
+            return
+        from ._fetch import ShardFetcher
+
+        self._readiness = _Readiness(len(self.files))
+        self._fetcher = ShardFetcher(self._cache, self._readiness, jobs=self.fetch_jobs)
+        self._fetch_pid = os.getpid()
+        weakref.finalize(self, self._fetcher.close)
+
+    def _local_path(self, i: int) -> str:
+        if self._cache is None:
+            return self.files[i]
+        assert self._readiness is not None
+        return self._readiness.wait(i)
+
+    def _parquet_file(self, i: int) -> Any:
+        import pyarrow.parquet as pq
+
+        if not hasattr(self, "_local"):
+            self._local = threading.local()
+        files = getattr(self._local, "files", None)
+        if files is None or getattr(self._local, "pid", -1) != os.getpid():
+            files = self._local.files = {}
+            self._local.pid = os.getpid()
+        pf = files.get(i)
+        if pf is None:  # one ParquetFile per thread: its reader is not shared across threads
+            pf = files[i] = pq.ParquetFile(self._local_path(i), memory_map=True)
+        return pf
+
+    def decode_group(self, g: int) -> list[Any]:
+        """Row group ``g``'s columns: ndarrays ``[rows, *shape]`` or VarColumns. Runs without the
+        GIL inside pyarrow; zero-copy for fixed-width null-free columns."""
+        pa = _pa()
+        i, j = self.group_file[g], self.group_index[g]
+        where = f"{self.files[i]}: row group {j}"
+        try:
+            table = self._parquet_file(i).read_row_group(j, columns=self.columns, use_threads=False)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ParquetReadError(f"{where}: cannot be read: {e}") from None
+        if table.num_rows != self.records_per_group[g]:
+            raise ParquetReadError(f"{where}: holds {table.num_rows} rows, its footer said {self.records_per_group[g]}")
+        row0 = self.group_row0[g]
+        try:
+            return [arrow_to_column(table.column(k), f, c, where, row0, self.nulls)
+                    for k, (c, f) in enumerate(zip(self.columns, self.fields))]
+        except ConvertError as e:
+            raise ParquetReadError(str(e)) from None
+
+    def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
+                prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
+                worker: int = 0, num_workers: int = 1, pool: Any = None) -> ParquetBatchIterator:
+        """Batches (dicts of tensors) for this rank (and optional worker split), in plan order.
+
+        ``pool`` is accepted for ``pyloader.DataLoader`` and ignored: staging buffers are this
+        iterator's own (reused once no tensor views them)."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError("batch_size must be a positive int")
+        if not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError("num_threads must be a positive int")
+        prefetch = 2 * num_threads if prefetch is None else prefetch
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError("prefetch must be a positive int")
+        gidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
+        self._ensure_fetcher()
+        if self._fetcher is not None:
+            from ._fetch import first_touch_order
+
+            files = np.asarray(self.group_file, np.int64)[gidx] if gidx.size else gidx
+            self._fetcher.schedule(first_touch_order(files))
+        return ParquetBatchIterator(self, gidx, ridx, batch_size, drop_last, num_threads, prefetch)
+
+    # -- per-sample iteration for torch's DataLoader -----------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        it = self.batches(_SAMPLE_MODE_BATCH, num_threads=1, prefetch=2, worker=worker, num_workers=num_workers)
+        try:
+            for batch in it:
+                rows = next(iter(batch.values())).shape[0]
+                for r in range(rows):
+                    out: dict[str, Any] = {}
+                    for f in self.fields:
+                        t = batch[f.name][r]
+                        if f.variable:
+                            t = t[: int(batch[f"{f.name}_lengths"][r])]
+                        out[f.name] = bytes(t.numpy()) if f.dtype == "bytes" else t.clone()
+                    yield out
+        finally:
+            it.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        s = self.__dict__.copy()
+        s["_local"] = None
+        s["_fetcher"], s["_readiness"], s["_fetch_pid"] = None, None, -1
+        return s
+
+    def __setstate__(self, s: dict[str, Any]) -> None:
+        self.__dict__.update(s)
+        self._local = threading.local()
+
+
+class _Staging:
+    """Reusable byte buffers for batches. NOTE [staging reuse]: a buffer is handed out again only
+    when nothing but this pool refers to it: ``torch.from_numpy`` keeps the array (and a view
+    keeps its base) alive, so a live tensor pins its buffer."""
+
+    def __init__(self, limit: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._mu = threading.Lock()
+        self._limit = limit
+        self.created = 0
+
+    def get(self, nbytes: int) -> np.ndarray:
+        with self._mu:
+            for buf in self._free:
+                # refs: the list, `buf`, getrefcount's argument (no enumerate: its tuple holds one)
+                if buf.nbytes >= nbytes and sys.getrefcount(buf) <= 3:
+                    return buf[:nbytes]
+            buf = np.empty(max(nbytes, 1), np.uint8)
+            self.created += 1
+            if len(self._free) < self._limit:
+                self._free.append(buf)
+            return buf[:nbytes]
+
+
+class ParquetBatchIterator:
+    """Batches of a ParquetDataset, in plan order; row groups decode and batches collate ahead
+    on ``num_threads`` threads each (NOTE [row group lifetime]). Errors surface in ``next()``
+    with the file, row group and column. Dropping it or ``close()`` stops the work."""
+
+    def __init__(self, ds: ParquetDataset, gidx: np.ndarray, ridx: np.ndarray, batch_size: int, drop_last: bool,
+                 num_threads: int, prefetch: int) -> None:
+        self._ds = ds
+        self._fields = ds.fields
+        self._g, self._r = gidx, ridx
+        n = gidx.size
+        self._bs = batch_size
+        self._nb = n // batch_size if drop_last else -(-n // batch_size)
+        self._prefetch = prefetch
+        self._threads = num_threads
+        # Last batch that reads each row group: dropped right after it (NOTE [row group lifetime]).
+        used = gidx[: self._nb * batch_size] if drop_last else gidx
+        self._last: dict[int, int] = {}
+        if used.size:
+            rev_u, rev_first = np.unique(used[::-1], return_index=True)
+            for g, k in zip(rev_u.tolist(), ((used.size - 1 - rev_first) // batch_size).tolist()):
+                self._last[g] = k
+        # Row groups in the order the plan first reads them, and the batch that first does:
+        # decoding runs up to `num_threads` row groups ahead of the batches submitted.
+        if gidx.size:
+            uniq, first = np.unique(gidx, return_index=True)
+            o = np.argsort(first, kind="stable")
+            self._touch, self._touch_batch = uniq[o].tolist(), (first[o] // batch_size).tolist()
+        else:
+            self._touch, self._touch_batch = [], []
+        self._touch_next = 0
+        self._decoded: dict[int, Future] = {}
+        self._queue: collections.deque[Future] = collections.deque()
+        self._submitted = 0
+        self._yielded = 0
+        self._decode_pool = ThreadPoolExecutor(num_threads, thread_name_prefix="pyloader-parquet-decode")
+        self._collate_pool = ThreadPoolExecutor(num_threads, thread_name_prefix="pyloader-parquet-collate")
+        self._staging = _Staging(limit=4 * len(ds.fields) * (prefetch + 2))
+        self._mu = threading.Lock()
+        self._counters = {"decode_ns": 0, "collate_ns": 0, "wait_ns": 0, "groups": 0, "records": 0, "bytes": 0}
+        self._start = time.perf_counter()
+        self._end: float | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        self.on_finish: Any = None
+
+    def __iter__(self) -> ParquetBatchIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self._nb
+
+    def _decode(self, g: int) -> list[Any]:
+        t = time.perf_counter_ns()
+        cols = self._ds.decode_group(g)
+        with self._mu:
+            self._counters["decode_ns"] += time.perf_counter_ns() - t
+            self._counters["groups"] += 1
+        return cols
+
+    def _submit(self, k: int) -> None:
+        a, b = k * self._bs, min((k + 1) * self._bs, self._g.size)
+        groups = np.unique(self._g[a:b]).tolist()
+        t = self._touch_next
+        due = bisect.bisect_right(self._touch_batch, k)  # groups that batches <= k read
+        while t < len(self._touch) and (t < due or t - due < self._threads):
+            g = self._touch[t]
+            if g not in self._decoded and self._last.get(g, -1) >= k:
+                self._decoded[g] = self._decode_pool.submit(self._decode, g)
+            t += 1
+        self._touch_next = t
+        futs = {}
+        for g in groups:
+            f = self._decoded.get(g)
+            if f is None:
+                f = self._decoded[g] = self._decode_pool.submit(self._decode, g)
+            futs[g] = f
+        self._queue.append(self._collate_pool.submit(self._collate, a, b, futs))
+
+    def _collate(self, a: int, b: int, futs: dict[int, Future]) -> dict[str, torch.Tensor]:
+        cols = {g: f.result() for g, f in futs.items()}  # re-raises a decode error here
+        t0 = time.perf_counter_ns()
+        gs, rs = self._g[a:b], self._r[a:b]
+        n = b - a
+        if len(cols) == 1:
+            groups = [(next(iter(cols)), slice(None), rs)]
+        else:
+            order = np.argsort(gs, kind="stable")
+            sg = gs[order]
+            cuts = np.flatnonzero(np.diff(sg)) + 1
+            groups = [(int(gs[p[0]]), p, rs[p]) for p in np.split(order, cuts)]
+        out: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        for j, f in enumerate(self._fields):
+            if not f.variable:
+                buf = self._staging.get(n * f.row_bytes).view(f.np_dtype).reshape((n, *f.shape))
+                for g, pos, rows in groups:
+                    src = cols[g][j]
+                    if isinstance(pos, slice) and rows.size and rows[-1] - rows[0] == n - 1 and \
+                            np.array_equal(rows, np.arange(rows[0], rows[0] + n)):
+                        buf[...] = src[rows[0] : rows[0] + n]  # contiguous rows: one memcpy
+                    else:
+                        buf[pos] = src[rows]
+                out[f.name] = torch.from_numpy(buf)
+                nbytes += buf.nbytes
+                continue
+            lens = np.empty(n, np.int64)
+            for g, pos, rows in groups:
+                lens[pos] = cols[g][j].lengths[rows]
+            lmax = int(lens.max()) if n else 0
+            rb = f.row_bytes
+            width = lmax * rb
+            flat = self._staging.get(n * width)
+            flat[...] = 0  # padding is zeros (docs/format.md, "Batches")
+            rows2d = flat.reshape(n, width)
+            for g, pos, rows in groups:
+                vc: VarColumn = cols[g][j]
+                data, offs = vc.data, vc.offsets
+                dst_rows = range(n)[pos] if isinstance(pos, slice) else pos.tolist()
+                for d, r in zip(dst_rows, rows.tolist()):
+                    o0, o1 = int(offs[r]), int(offs[r + 1])
+                    rows2d[d, : o1 - o0] = data[o0:o1]
+            shape = (n, lmax, *f.shape[1:])
+            out[f.name] = torch.from_numpy(flat.view(f.np_dtype).reshape(shape))
+            out[f"{f.name}_lengths"] = torch.from_numpy(lens)
+            nbytes += int(lens.sum()) * rb
+        with self._mu:
+            self._counters["collate_ns"] += time.perf_counter_ns() - t0
+            self._counters["records"] += n
+            self._counters["bytes"] += nbytes
+        return out
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if os.getpid() != self._pid:
+            raise PyloaderError("iterator used in a forked child; create a new iterator after fork")
+        if self._closed or self._yielded >= self._nb:
+            self._finish()
+            raise StopIteration
+        while self._submitted < self._nb and self._submitted < self._yielded + self._prefetch:
+            self._submit(self._submitted)
+            self._submitted += 1
+        fut = self._queue.popleft()
+        t = time.perf_counter_ns()
+        try:
+            batch = fut.result()
+        except BaseException:
+            self.close()
+            raise
+        self._counters["wait_ns"] += time.perf_counter_ns() - t
+        k = self._yielded
+        self._yielded += 1
+        for g in np.unique(self._g[k * self._bs : (k + 1) * self._bs]).tolist():
+            if self._last.get(g) == k:
+                self._decoded.pop(g, None)
+        return batch
+
+    def close(self) -> None:
+        """Cancels pending work and stops the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for f in self._queue:
+            f.cancel()
+        self._queue.clear()
+        self._decoded.clear()
+        self._collate_pool.shutdown(wait=False, cancel_futures=True)
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._end is None:
+            self._end = time.perf_counter()
+        if self._yielded >= self._nb and not self._closed:
+            self._closed = True
+            self._collate_pool.shutdown(wait=False)
+            self._decode_pool.shutdown(wait=False)
+        cb, self.on_finish = self.on_finish, None
+        if cb is not None:
+            cb(self.stats())
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # never raise from a finalizer
+            self.close()
+
+    def counters(self) -> dict[str, int]:
+        with self._mu:
+            return dict(self._counters, batches=self._yielded)
+
+    def stats(self) -> dict[str, Any]:
+        """Like ``BatchIterator.stats``: decode and collate time (summed over threads), the
+        consumer's wait, and rates."""
+        c = self.counters()
+        wall = (self._end or time.perf_counter()) - self._start
+        waited = c["wait_ns"] / 1e9
+        return {
+            "batches": c["batches"], "records": c["records"], "row_groups": c["groups"],
+            "decoded_bytes": c["bytes"], "threads": self._threads, "decode_s": c["decode_ns"] / 1e9,
+            "collate_s": c["collate_ns"] / 1e9, "consumer_wait_s": waited, "wall_s": wall,
+            "wait_fraction": waited / wall if wall > 0 else 0.0,
+            "decoded_gbps": c["bytes"] / wall / 1e9 if wall > 0 else 0.0,
+            "staging_buffers": self._staging.created, "finished": self._end is not None,
+        }
+
+
+__all__ = ["ParquetBatchIterator", "ParquetDataset", "ParquetReadError"]

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from pyloader import _bench as B
 import pyloader
+from pyloader import _bench as B
 
 
 def h2d(device: str, nbytes: int = 256 << 20, reps: int = 10) -> dict[str, float]:

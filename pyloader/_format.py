@@ -10,8 +10,9 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 

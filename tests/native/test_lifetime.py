@@ -301,7 +301,7 @@ def test_kept_batches_stay_correct_and_the_pool_grows(write_dataset) -> None:
     del kept0, kept1, kept, batch
     gc.collect()
     assert pool.free == created
-    for batch in loader:  # a third epoch takes slots from the free list only
+    for batch in loader:  # noqa: B007 - a third epoch takes slots from the free list only
         pass
     del batch
     assert pool.created == created

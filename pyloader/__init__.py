@@ -31,6 +31,7 @@ _LAZY = {
     "ShardDataset": "._dataset",
     "ParquetDataset": "._parquet",
     "ParquetReadError": "._parquet",
+    "ResumeError": "._state",
 }
 
 
@@ -57,6 +58,7 @@ __all__ = [
     "ParquetDataset",
     "ParquetReadError",
     "PyloaderError",
+    "ResumeError",
     "SchemaError",
     "ShardCorruptError",
     "ShardDataset",

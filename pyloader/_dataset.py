@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,15 @@ def batch_to_torch(fields: list[Field], arrays: list[Any], lengths: list[Any]) -
     return out
 
 
+class ConsumedCount:
+    """How many batches an iterator has returned to its caller."""
+
+    __slots__ = ("batches",)
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+
 class BatchIterator:
     """Native batched iterator: dicts of tensors, collated in C++ threads, in plan order.
 
@@ -77,6 +87,9 @@ class BatchIterator:
         self._start = time.perf_counter()
         self._end: float | None = None
         self.on_finish: Any = None  # called with stats() when the iterator ends or closes
+        # Batches handed to the caller, prefetched ones not counted. A separate object so that
+        # pyloader.DataLoader still knows its position once the iterator is gone (NOTE [resume state]).
+        self.consumed = ConsumedCount()
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -94,7 +107,9 @@ class BatchIterator:
                 self._finish()
             raise StopIteration
         _, _, arrays, lengths = item
-        return batch_to_torch(self._fields, arrays, lengths)
+        batch = batch_to_torch(self._fields, arrays, lengths)
+        self.consumed.batches += 1
+        return batch
 
     def close(self) -> None:
         """Stops and joins the native threads. Idempotent."""
@@ -262,8 +277,13 @@ class ShardDataset(IterableDataset):
 
     def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
-                worker: int = 0, num_workers: int = 1, pool: Any = None) -> BatchIterator:
-        """The native batched iterator for this rank (and optional worker split)."""
+                worker: int = 0, num_workers: int = 1, pool: Any = None,
+                plan: tuple[np.ndarray, np.ndarray] | None = None) -> BatchIterator:
+        """The native batched iterator for this rank (and optional worker split).
+
+        ``plan``: precomputed (shard index, record index) arrays to read instead of
+        ``self.plan(epoch=..., ...)``, e.g. the rest of an epoch (``pyloader._plan.resume_plan``).
+        """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError("batch_size must be a positive int")
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -271,7 +291,10 @@ class ShardDataset(IterableDataset):
         prefetch = 2 * num_threads if prefetch is None else prefetch
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be a positive int")
-        sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
+        if plan is None:
+            sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
+        else:
+            sidx, ridx = plan
         if pool is None:
             pool = _C.SlotPool(num_fields=len(self.fields))
         shards = self._shard_set()

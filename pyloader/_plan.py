@@ -286,3 +286,185 @@ def plan(
     )
     shard, record = locate(mine, records_per_shard)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
+
+
+# -- resumption ------------------------------------------------------------------------
+# NOTE [resume segments]: how an epoch that was stopped and resumed (maybe at another
+# world size) is read. The epoch is consumed in *segments*; segment k ran at world size
+# W_k with batch size B_k, and every rank took s_k batches (DDP ranks step together).
+# Each segment starts from ``rest``: the samples of the epoch order that no earlier
+# segment has read, in epoch order (the first segment: the whole order). Its ``n``
+# samples are partitioned exactly as ``partition`` does: ``per = ceil(n / W)`` (pad) or
+# ``floor(n / W)`` (drop); rank r's block is positions ``[r * per, (r + 1) * per)``.
+# Rank r has read the first ``c = min(s * B, per)`` positions of its block. The next
+# segment's ``rest`` is every position ``j < n`` not read, i.e. ``j % per >= c`` or (drop)
+# ``j >= W * per`` -- the dropped tail stays unread, so another world size may still
+# read it.
+#
+# Pad fillers (positions ``j >= n``) are repeats. They are drawn from one *filler
+# stream* per epoch, ``order[0], order[1], ...`` (wrapping after N): the i-th filler
+# slot of a segment takes the i-th stream index that no earlier segment's filler has
+# read. With no segments this is exactly ``partition`` (which repeats the order from its
+# start). Because the unread filler slots of a stopped segment are the lowest unread
+# stream indices, resuming at the same world size reads exactly what the uninterrupted
+# epoch would have read, batch for batch, fillers included (whatever the batch sizes).
+# At another world size every sample not yet read is read exactly once, plus fewer than
+# W' new fillers. Everything is a pure function of (order, segments, policy): the state
+# stores no per-sample list.
+
+
+def _segment_arg(i: int, seg: object) -> tuple[int, int, int]:
+    if not isinstance(seg, (tuple, list)) or len(seg) != 3:
+        raise ValueError(f"segment {i} must be (world_size, batch_size, steps), got {seg!r}")
+    w = _int_arg(f"segment {i} world_size", seg[0], 1, 1 << 31)
+    b = _int_arg(f"segment {i} batch_size", seg[1], 1, 1 << 62)
+    s = _int_arg(f"segment {i} steps", seg[2], 0, 1 << 62)
+    return w, b, s
+
+
+def _per_rank(n: int, world_size: int, policy: str) -> int:
+    return n // world_size if policy == "drop" else -(-n // world_size)
+
+
+def _first_unread(taken: set[int], count: int) -> list[int]:
+    """The ``count`` lowest non-negative integers not in ``taken``."""
+    out: list[int] = []
+    k = 0
+    while len(out) < count:
+        if k not in taken:
+            out.append(k)
+        k += 1
+    return out
+
+
+def _segment_read(i: int, n: int, w: int, b: int, s: int, policy: str) -> tuple[int, int]:
+    """(per-rank block size, samples each rank read) of segment ``i`` over ``n`` unread samples."""
+    per = _per_rank(n, w, policy)
+    if s > -(-per // b):
+        raise ValueError(
+            f"segment {i} took {s} steps but {n} unread samples over world size {w} "
+            f"give only {-(-per // b)} batches of {b} per rank (the state does not match "
+            "this dataset or partition policy)"
+        )
+    return per, min(s * b, per)
+
+
+def unread_count(num_samples: int, *, policy: str = "pad",
+                 segments: Sequence[Sequence[int]] = ()) -> int:
+    """``unread(order, ...).size`` for any order of ``num_samples``, in O(len(segments)).
+
+    Validates the segments as ``resume_partition`` does (ValueError).
+    """
+    n = _int_arg("num_samples", num_samples, 0, 1 << 62)
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    for i, seg in enumerate(segments):
+        w, b, s = _segment_arg(i, seg)
+        per, c = _segment_read(i, n, w, b, s, policy)
+        if c:  # positions j < min(n, w * per) with j % per < c were read
+            m = min(n, w * per)
+            n -= (m // per) * c + min(m % per, c)
+    return n
+
+
+def _resume_point(
+    order: np.ndarray, segments: Sequence[Sequence[int]], policy: str
+) -> tuple[np.ndarray, set[int]]:
+    """(unread samples in epoch order, filler stream indices read) after ``segments``."""
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    rest = _int_array("order", order)
+    taken: set[int] = set()
+    for i, seg in enumerate(segments):
+        w, b, s = _segment_arg(i, seg)
+        n = rest.size
+        per, c = _segment_read(i, n, w, b, s, policy)
+        if c == 0:
+            continue
+        if policy == "pad" and w * per > n:
+            slots = np.arange(n, w * per, dtype=np.int64)  # fewer than w filler positions
+            read = np.flatnonzero(slots % per < c)
+            stream = _first_unread(taken, slots.size)
+            taken.update(stream[j] for j in read.tolist())
+        pos = np.arange(n, dtype=np.int64)
+        rest = rest[(pos % per >= c) | (pos >= w * per)]
+    return np.array(rest), taken
+
+
+def resume_partition(
+    order: np.ndarray,
+    *,
+    rank: int,
+    world_size: int,
+    policy: str = "pad",
+    segments: Sequence[Sequence[int]] = (),
+) -> np.ndarray:
+    """Rank ``rank``'s block of what ``segments`` left unread of ``order``.
+
+    ``segments`` lists how the epoch was consumed so far, as
+    ``(world_size, batch_size, steps)`` per segment: NOTE [resume segments]. With no
+    segments this equals ``partition(order, ...)``. Every rank gets the same count; when
+    nothing is left, every rank gets an empty block.
+    """
+    world_size = _int_arg("world_size", world_size, 1, 1 << 31)
+    rank = _int_arg("rank", rank, 0, world_size)
+    full = _int_array("order", order)
+    rest, taken = _resume_point(full, segments, policy)
+    n = rest.size
+    if n == 0:
+        return np.zeros(0, np.int64)
+    per = _per_rank(n, world_size, policy)
+    start, stop = rank * per, (rank + 1) * per
+    if stop <= n:
+        return np.array(rest[start:stop])
+    slots = np.arange(n, world_size * per, dtype=np.int64)
+    stream = np.asarray(_first_unread(taken, slots.size), dtype=np.int64)
+    ext = np.concatenate([rest[start:], full[stream % full.size]])
+    return ext[: stop - start] if start < n else np.array(ext[start - n : stop - n])
+
+
+def unread(order: np.ndarray, *, policy: str = "pad",
+           segments: Sequence[Sequence[int]] = ()) -> np.ndarray:
+    """The samples of ``order`` that ``segments`` have not read (fillers aside), in epoch order."""
+    return _resume_point(order, segments, policy)[0]
+
+
+def resume_plan(
+    records_per_shard: Sequence[int],
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    segments: Sequence[Sequence[int]] = (),
+    worker: int = 0,
+    num_workers: int = 1,
+    mode: str = "global",
+    window: int = 65536,
+    policy: str = "pad",
+) -> tuple[np.ndarray, np.ndarray]:
+    """``plan`` for the rest of an epoch already consumed by ``segments``.
+
+    ``epoch_order`` -> ``resume_partition`` -> ``split_workers`` -> ``locate``. With no
+    segments it equals ``plan``.
+    """
+    world_size = _int_arg("world_size", world_size, 1, 1 << 31)
+    _int_arg("rank", rank, 0, world_size)
+    num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
+    _int_arg("worker", worker, 0, num_workers)
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    segs = [_segment_arg(i, s) for i, s in enumerate(segments)]
+    order = epoch_order(
+        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, mode=mode, window=window
+    )
+    if order.size == 0:
+        raise ValueError("cannot partition an empty order (the dataset has no samples)")
+    mine = split_workers(
+        resume_partition(order, rank=rank, world_size=world_size, policy=policy, segments=segs),
+        worker=worker,
+        num_workers=num_workers,
+    )
+    shard, record = locate(mine, records_per_shard)
+    return np.ascontiguousarray(shard), np.ascontiguousarray(record)

@@ -120,10 +120,7 @@ def test_torch_dataloader_workers_split_the_rows(pq_dir):
 
 def test_pyloader_dataloader_drives_it(pq_dir):
     ds = pyloader.ParquetDataset(pq_dir, columns=["id"], shuffle=True, rank=0, world_size=1)
-    try:
-        loader = pyloader.DataLoader(ds, batch_size=50, num_workers=2)
-    except TypeError:
-        pytest.skip("pyloader.DataLoader accepts only ShardDataset until _loader.py's type check is relaxed")
+    loader = pyloader.DataLoader(ds, batch_size=50, num_workers=2)
     e0 = [int(x) for b in loader for x in b["id"]]
     e1 = [int(x) for b in loader for x in b["id"]]
     assert sorted(e0) == sorted(e1) == list(range(207)) and e0 != e1 and len(loader) == 5

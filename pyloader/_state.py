@@ -1,0 +1,141 @@
+"""Loader state for exact, elastic resumption: what ``DataLoader.state_dict()`` returns.
+
+NOTE [resume state]: a state is a small JSON-able dict that names a position in the
+epoch, never the samples themselves::
+
+    {"version": 1,
+     "dataset": "<16 hex digits>",   # fingerprint of the manifest's fields and shards
+     "records": N,                    # samples in the dataset
+     "shuffle": bool, "seed": int, "shuffle_mode": "global"|"window", "window": int,
+     "partition": "pad"|"drop",       # together: the epoch order and the pad/drop rule
+     "epoch": e,                      # the epoch in progress (or the next one)
+     "segments": [[world_size, batch_size, steps], ...]}   # how epoch e was consumed
+
+Its size grows only with the number of times the epoch was resumed at another world
+size or batch size (consecutive segments with equal (world_size, batch_size) merge).
+From the epoch order and the segments, ``pyloader._plan.resume_partition`` recomputes
+which samples are still unread and gives them to the new world size
+(NOTE [resume segments]). ``steps`` counts batches the caller *received*: batches the
+native threads prefetched but the caller never saw are not consumed, so they are read
+again after a resume.
+
+A rank's loader only knows its own count; the state describes the global position
+because DDP ranks take the same number of batches per step (every rank's plan has the
+same length, NOTE [resume segments]), so any rank's state, e.g. rank 0's, is *the*
+state. Check that with ``all_gather_object`` when in doubt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import _C
+from ._errors import PyloaderError
+
+STATE_VERSION = 1
+_KEYS = ("version", "dataset", "records", "shuffle", "seed", "shuffle_mode", "window", "partition",
+         "epoch", "segments")
+
+
+class ResumeError(PyloaderError, ValueError):
+    """A loader state does not fit this loader: another dataset, order or a malformed state."""
+
+
+def dataset_fingerprint(manifest: Mapping[str, Any]) -> str:
+    """XXH64 (hex) of the manifest's fields and shard list (path, records, bytes, checksum).
+
+    The same dataset read from another URL or cache has the same fingerprint; a rewritten
+    one (any shard's checksum or size changes) has another.
+    """
+    body = {"fields": manifest["fields"],
+            "shards": [[s["path"], s["records"], s["bytes"], s["xxh64"]] for s in manifest["shards"]]}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"{_C.xxh64(raw):016x}"
+
+
+def order_settings(*, shuffle: bool, seed: int, shuffle_mode: str, window: int,
+                   partition: str) -> dict[str, Any]:
+    return {"shuffle": bool(shuffle), "seed": int(seed), "shuffle_mode": shuffle_mode,
+            "window": int(window), "partition": partition}
+
+
+def make_state(fingerprint: str, records: int, settings: Mapping[str, Any], epoch: int,
+               segments: Sequence[Sequence[int]]) -> dict[str, Any]:
+    state: dict[str, Any] = {"version": STATE_VERSION, "dataset": fingerprint, "records": records}
+    state.update(settings)
+    state["epoch"] = epoch
+    state["segments"] = [list(s) for s in segments]
+    return state
+
+
+def add_segment(segments: Sequence[Sequence[int]], world_size: int, batch_size: int,
+                steps: int) -> list[list[int]]:
+    """``segments`` followed by one more; merged into the last one when (world, batch) match.
+
+    Merging is exact: at an unchanged world size a resumed segment continues each rank's
+    block where it stopped (NOTE [resume segments]). A segment of 0 steps reads nothing
+    and is left out.
+    """
+    out = [list(s) for s in segments]
+    if steps == 0:
+        return out
+    if out and out[-1][0] == world_size and out[-1][1] == batch_size:
+        out[-1][2] += steps
+    else:
+        out.append([world_size, batch_size, steps])
+    return out
+
+
+def _relevant(settings: Mapping[str, Any]) -> list[str]:
+    """The settings that change the epoch order or the partition."""
+    keys = ["shuffle", "partition"]
+    if settings["shuffle"]:
+        keys += ["seed", "shuffle_mode"]
+        if settings["shuffle_mode"] == "window":
+            keys.append("window")
+    return keys
+
+
+def check_state(state: object, *, fingerprint: str, records: int,
+                settings: Mapping[str, Any]) -> tuple[int, list[list[int]]]:
+    """(epoch, segments) of ``state`` if it fits this dataset and order, else ResumeError.
+
+    The segments are checked against the dataset later, when the plan is computed
+    (``pyloader._plan.resume_partition`` raises ValueError for steps beyond a segment).
+    """
+    if not isinstance(state, Mapping):
+        raise ResumeError(f"a loader state must be a dict, got {type(state).__name__}")
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise ResumeError(f"not a pyloader loader state: missing {', '.join(missing)}")
+    if state["version"] != STATE_VERSION:
+        raise ResumeError(f"unsupported loader state version {state['version']!r} (this pyloader "
+                          f"reads version {STATE_VERSION})")
+    if state["dataset"] != fingerprint or state["records"] != records:
+        raise ResumeError(
+            f"the state was saved for another dataset (fingerprint {state['dataset']!r}, "
+            f"{state['records']!r} records); this one is {fingerprint!r} with {records} records. "
+            "Resume with the same shards (same manifest) the state was taken from")
+    for key in _relevant(settings):
+        if state[key] != settings[key]:
+            raise ResumeError(
+                f"the state was saved with {key}={state[key]!r} but this loader uses {key}={settings[key]!r}; "
+                "the epoch order would differ, so the consumed samples cannot be recomputed")
+    epoch = state["epoch"]
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ResumeError(f"state epoch must be a non-negative int, got {epoch!r}")
+    segs = state["segments"]
+    if not isinstance(segs, (list, tuple)):
+        raise ResumeError(f"state segments must be a list, got {type(segs).__name__}")
+    out: list[list[int]] = []
+    for i, s in enumerate(segs):
+        ok = (isinstance(s, (list, tuple)) and len(s) == 3
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+              and s[0] >= 1 and s[1] >= 1 and s[2] >= 0)
+        if not ok:
+            raise ResumeError(f"state segment {i} must be [world_size >= 1, batch_size >= 1, steps >= 0], "
+                              f"got {s!r}")
+        out.append([int(x) for x in s])
+    return epoch, out

@@ -159,7 +159,48 @@ class BatchIterator:
         }
 
 
-class ShardDataset(IterableDataset):
+class PlannedDataset:
+    """Epoch planning shared by the datasets: ``set_epoch``, ``plan`` and ``len``.
+
+    A subclass sets ``_plan_units`` (records per planning unit: shards, or Parquet row
+    groups), ``num_records``, ``shuffle``, ``seed``, ``epoch``, ``shuffle_mode``,
+    ``window``, ``rank``, ``world_size`` and ``partition``.
+    """
+
+    _plan_units: list[int]
+    num_records: int
+    shuffle: bool
+    seed: int
+    epoch: int
+    shuffle_mode: str
+    window: int
+    rank: int | None
+    world_size: int | None
+    partition: str
+
+    def set_epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError("epoch must be a non-negative int")
+        self.epoch = epoch
+
+    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
+             shuffle: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(unit index, record index) arrays this rank/worker reads in ``epoch``, in order."""
+        rank, world = resolve_rank(self.rank, self.world_size)
+        return _plan.plan(
+            self._plan_units, shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed,
+            epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
+            num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
+        )
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch (after padding or dropping)."""
+        _, world = resolve_rank(self.rank, self.world_size)
+        n = self.num_records
+        return -(-n // world) if self.partition == "pad" else n // world
+
+
+class ShardDataset(PlannedDataset, IterableDataset):
     """An iterable dataset over the shards listed in a manifest.
 
     With torch's ``DataLoader`` it yields samples (dicts of tensors) and splits work by
@@ -229,6 +270,7 @@ class ShardDataset(IterableDataset):
         self.shard_paths = [os.path.join(self.root, s["path"]) for s in shards]
         self.shard_bytes = [int(s["bytes"]) for s in shards]
         self.records_per_shard = [int(s["records"]) for s in shards]
+        self._plan_units = self.records_per_shard
         self.num_records = int(self.manifest["records"])
         if self.num_records == 0:
             raise ManifestError(f"manifest {mpath!r}: the dataset holds no records")
@@ -245,22 +287,6 @@ class ShardDataset(IterableDataset):
         self._shards_pid = -1
         if self._remote is not None:
             _fetch.check_limit(self._remote, self.plan()[0])
-
-    # -- planning ----------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError("epoch must be a non-negative int")
-        self.epoch = epoch
-
-    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
-             shuffle: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(shard index, record index) arrays this rank/worker reads in ``epoch``, in order."""
-        rank, world = resolve_rank(self.rank, self.world_size)
-        return _plan.plan(
-            self.records_per_shard, shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed,
-            epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
-            num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
-        )
 
     def _shard_set(self) -> Any:
         # Mappings and locks do not survive fork safely: each process opens its own set.
@@ -327,12 +353,6 @@ class ShardDataset(IterableDataset):
                 t = t[: int(batch[f"{f.name}_lengths"][i])]
             out[f.name] = bytes(t.numpy()) if f.dtype == "bytes" else t
         return out
-
-    def __len__(self) -> int:
-        """Samples this rank reads per epoch (after padding or dropping)."""
-        _, world = resolve_rank(self.rank, self.world_size)
-        n = self.num_records
-        return -(-n // world) if self.partition == "pad" else n // world
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import _C, _plan
+from . import _C
 from ._cache import DatasetCache, ShardCache, _cache_error, _fsync_dir, normalize_url
 from ._convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
-from ._dataset import resolve_rank
+from ._dataset import PlannedDataset
 from ._errors import PyloaderError
 from ._format import MANIFEST_FORMAT, VERSION, Field, dump_manifest
 from ._remote import RetryPolicy, download_into, filesystem, is_remote, with_retries
@@ -161,7 +161,7 @@ def _list_remote(url: str, storage_options: dict[str, Any] | None) -> tuple[str,
 
 
 # ---------------------------------------------------------------------------------------
-class ParquetDataset(IterableDataset):
+class ParquetDataset(PlannedDataset, IterableDataset):
     """An iterable dataset over Parquet files, local or at any fsspec URL.
 
     ``columns`` selects and orders the columns (default: all); each must map to a
@@ -275,6 +275,7 @@ class ParquetDataset(IterableDataset):
         self.group_file: list[int] = []
         self.group_index: list[int] = []
         self.records_per_group: list[int] = []
+        self._plan_units = self.records_per_group  # PlannedDataset plans by row group
         self.group_row0: list[int] = []  # first row of each group within its file (for errors)
         for i, md in enumerate(metas):
             r = 0
@@ -301,27 +302,6 @@ class ParquetDataset(IterableDataset):
             if isinstance(e, FileNotFoundError):
                 raise
             raise ParquetReadError(f"{name}: not a readable Parquet file: {e}") from None
-
-    # -- planning (as ShardDataset) ------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError("epoch must be a non-negative int")
-        self.epoch = epoch
-
-    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
-             shuffle: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(row group index, row index) arrays this rank/worker reads in ``epoch``, in order."""
-        rank, world = resolve_rank(self.rank, self.world_size)
-        return _plan.plan(
-            self.records_per_group, shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed,
-            epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
-            num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
-        )
-
-    def __len__(self) -> int:
-        _, world = resolve_rank(self.rank, self.world_size)
-        n = self.num_records
-        return -(-n // world) if self.partition == "pad" else n // world
 
     # -- reading -------------------------------------------------------------------------
     def _ensure_fetcher(self) -> None:

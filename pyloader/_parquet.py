@@ -217,7 +217,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
             root, files = _list_remote(urls[0], storage_options)
             if not files:
                 raise ParquetReadError(f"{urls[0]}: holds no Parquet files")
-            body = {"format": MANIFEST_FORMAT, "version": VERSION, "fields": [], "records": 0,
+            body = {"format": MANIFEST_FORMAT, "version": VERSION, "fields": [], "records": 0, "content_hash": False,
                     "shards": [{"path": rel, "records": 0, "bytes": size, "xxh64": ident}
                                for rel, size, ident in files]}
             self._cache = _ParquetFileCache(ShardCache(cache_dir, limit=cache_limit), normalize_url(root),

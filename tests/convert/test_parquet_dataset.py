@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import glob
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -146,5 +149,16 @@ def test_remote_url_through_the_node_cache(tmp_path):
         again = pyloader.ParquetDataset("memory://pyl-test/data", columns=["id"], cache_dir=cache,
                                         rank=0, world_size=1)
         assert _ids(again.batches(16)) == list(range(80)) and again._fetcher.downloaded == 0
+        del ds, again
+        # `pyloader cache verify` accepts the cached Parquet files (their manifest entry
+        # names the remote object, not its bytes) and still catches a damaged one.
+        from pyloader._cache_cli import main as cache_main
+
+        assert cache_main(["cache", "verify", "--cache-dir", cache]) == 0
+        victim = next(p for p in glob.glob(os.path.join(cache, "**", "*.parquet.*"), recursive=True)
+                      if os.path.isfile(p))
+        with open(victim, "r+b") as f:
+            f.write(b"XXXX")
+        assert cache_main(["cache", "verify", "--cache-dir", cache]) == 1
     finally:
         mem.rm("/pyl-test", recursive=True)

@@ -155,7 +155,7 @@ def test_remote_url_through_the_node_cache(tmp_path):
         from pyloader._cache_cli import main as cache_main
 
         assert cache_main(["cache", "verify", "--cache-dir", cache]) == 0
-        victim = next(p for p in glob.glob(os.path.join(cache, "**", "*.parquet.*"), recursive=True)
+        victim = next(p for p in glob.glob(os.path.join(cache, "**", "shards", "p0.parquet.*"), recursive=True)
                       if os.path.isfile(p))
         with open(victim, "r+b") as f:
             f.write(b"XXXX")

@@ -643,7 +643,6 @@ class DatasetCache:
                          on_bytes: Callable[[int], None] | None) -> None:
         name, info = self.names[i], self.shards[i]
         size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
-        expected = int(info["xxh64"], 16)
         # Only the lock holder writes temps of this shard: any left are from dead writers.
         for n in os.listdir(self.tmp_dir):
             if n.startswith(name + ".") and n.endswith(".part"):
@@ -667,22 +666,16 @@ class DatasetCache:
                         raise
             fs, root = self._filesystem()
             path = root.rstrip("/") + "/" + shard
-            for check in range(2):
+            for attempt in range(2):
                 with_retries(lambda: download_into(fd, fs, path, size, url=url, shard=shard, cancel=cancel,
                                                    on_bytes=on_bytes),
                              self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
                 os.fsync(fd)
-                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-                    got = _C.xxh64(mm)
-                if got == expected:
+                problem = self.content_problem(fd, size, i)
+                if problem is None:
                     break
-                if check == 1:
-                    changed = RemoteChangedError(
-                        errno.EIO, f"{url}: shard {shard!r} has XXH64 {got:016x}, the manifest says "
-                        f"{expected:016x} (twice): the object changed after the manifest was read; re-open "
-                        "the dataset to read the new manifest")
-                    changed.url, changed.shard = url, shard
-                    raise changed
+                if attempt == 1 or not self.retry_bad_content:
+                    raise self.content_error(url, shard, problem)
             os.close(fd)
             fd = -1
             os.replace(tmp, self.shard_file(i))
@@ -711,20 +704,40 @@ class DatasetCache:
         info = self.shards[i]
         if e.bytes != info["bytes"]:
             return f"size {e.bytes}, manifest says {info['bytes']}"
+        fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return self.content_problem(fd, e.bytes, i)
+        finally:
+            os.close(fd)
+
+    # Whether a download whose bytes fail content_problem() is fetched once more (the object
+    # may have been mid-replacement) before content_error() is raised.
+    retry_bad_content = True
+
+    def content_problem(self, fd: int, size: int, i: int) -> str | None:
+        """None if the ``size`` bytes in ``fd`` are shard ``i`` of the manifest; else what is wrong.
+
+        The one check behind both publishing a download and ``pyloader cache verify``. A
+        manifest with ``"content_hash": false`` (cached Parquet files, pyloader._parquet)
+        names each remote object by identity, not by its bytes: there the Parquet magic at
+        both ends is checked instead."""
+        info = self.shards[i]
         if self.manifest.get("content_hash") is False:
-            # A cached Parquet file (pyloader._parquet): its "xxh64" names the remote
-            # object (path, size, ETag), not its bytes; check the Parquet magic instead.
-            with open(e.path, "rb") as f:
-                head = f.read(4)
-                f.seek(max(0, e.bytes - 4))
-                tail = f.read(4)
-            return None if head == tail == b"PAR1" else "not a Parquet file (bad magic)"
-        with open(e.path, "rb") as f:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if e.bytes else _Empty() as mm:
-                got = _C.xxh64(mm)
+            head, tail = os.pread(fd, 4, 0), os.pread(fd, 4, max(0, size - 4))
+            return None if head == tail == b"PAR1" else "not a Parquet file (no PAR1 magic at both ends)"
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else _Empty() as mm:
+            got = _C.xxh64(mm)
         if got != int(info["xxh64"], 16):
             return f"XXH64 {got:016x}, manifest says {info['xxh64']}"
         return None
+
+    def content_error(self, url: str, shard: str, problem: str) -> PyloaderError:
+        """The error for a download that failed content_problem() (twice, if retried)."""
+        changed = RemoteChangedError(
+            errno.EIO, f"{url}: shard {shard!r}: {problem} (twice): the object changed after the manifest "
+            "was read; re-open the dataset to read the new manifest")
+        changed.url, changed.shard = url, shard
+        return changed
 
     def remove_entry(self, e: Entry) -> None:
         """Removes a bad file even if pinned: a mapper keeps its inode (NOTE [cache pins])."""

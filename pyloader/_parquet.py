@@ -24,12 +24,10 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import errno
 import os
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,12 +38,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import _C
-from ._cache import DatasetCache, ShardCache, _cache_error, _fsync_dir, normalize_url
+from ._cache import DatasetCache, ShardCache, normalize_url
 from ._convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
 from ._dataset import PlannedDataset
 from ._errors import PyloaderError
 from ._format import MANIFEST_FORMAT, VERSION, Field, dump_manifest
-from ._remote import RetryPolicy, download_into, filesystem, is_remote, with_retries
+from ._remote import RetryPolicy, filesystem, is_remote
 
 _SHUFFLE_MODES = ("global", "window")
 _POLICIES = ("pad", "drop")
@@ -65,52 +63,14 @@ class _ParquetFileCache(DatasetCache):
     carries an identity instead (XXH64 of path, size and the store's ETag or mtime): a
     changed object gets a new cache name, never a mix. A download is published under
     NOTE [cache publish] with check (3) replaced by: exactly the listed size, and the
-    Parquet magic ``PAR1`` at both ends; pyarrow then checks the footer when it opens it.
+    Parquet magic ``PAR1`` at both ends (``"content_hash": false`` in the manifest, see
+    ``DatasetCache.content_problem``); pyarrow then checks the footer when it opens it.
     """
 
-    def _download_locked(self, i: int, cancel: threading.Event | None, on_bytes: Any) -> None:
-        name, info = self.names[i], self.shards[i]
-        size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
-        for n in os.listdir(self.tmp_dir):  # only the lock holder writes temps: these are dead
-            if n.startswith(name + ".") and n.endswith(".part"):
-                try:
-                    os.unlink(os.path.join(self.tmp_dir, n))
-                except FileNotFoundError:
-                    pass
-        tmp = os.path.join(self.tmp_dir, f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part")
-        fd = -1
-        try:
-            with self.cache.space_lock():
-                self.cache.make_room(size, shard=shard)
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                        raise _cache_error(e.errno, f"{url}: no space in cache {self.cache.base} for {size} bytes",
-                                           shard) from None
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-            fs, root = self._filesystem()
-            path = root.rstrip("/") + "/" + shard
-            with_retries(lambda: download_into(fd, fs, path, size, url=url, shard=shard, cancel=cancel,
-                                               on_bytes=on_bytes),
-                         self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
-            os.fsync(fd)
-            head, tail = os.pread(fd, 4, 0), os.pread(fd, 4, max(0, size - 4))
-            if head != b"PAR1" or tail != b"PAR1":
-                raise ParquetReadError(f"{url}: not a Parquet file (no PAR1 magic at both ends)")
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, self.shard_file(i))
-            _fsync_dir(self.shard_dir)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+    retry_bad_content = False  # a file that is not Parquet will not become one on a retry
+
+    def content_error(self, url: str, shard: str, problem: str) -> PyloaderError:
+        return ParquetReadError(f"{url}: {problem}")
 
 
 class _Readiness:

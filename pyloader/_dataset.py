@@ -160,7 +160,7 @@ class BatchIterator:
 
 
 class PlannedDataset:
-    """Epoch planning shared by the datasets: ``set_epoch``, ``plan`` and ``len``.
+    """What the datasets share: ``set_epoch``, ``plan``, ``len`` and per-sample iteration.
 
     A subclass sets ``_plan_units`` (records per planning unit: shards, or Parquet row
     groups), ``num_records``, ``shuffle``, ``seed``, ``epoch``, ``shuffle_mode``,
@@ -177,6 +177,10 @@ class PlannedDataset:
     rank: int | None
     world_size: int | None
     partition: str
+    fields: list[Field]
+    # Per-sample tensors are views of the batch unless the batch buffers may be reused
+    # while a view is alive (ParquetDataset's staging buffers are).
+    _clone_samples = False
 
     def set_epoch(self, epoch: int) -> None:
         if not isinstance(epoch, int) or epoch < 0:
@@ -198,6 +202,31 @@ class PlannedDataset:
         _, world = resolve_rank(self.rank, self.world_size)
         n = self.num_records
         return -(-n // world) if self.partition == "pad" else n // world
+
+    # -- per-sample iteration for torch's DataLoader -----------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        it = self.batches(_SAMPLE_MODE_BATCH, num_threads=1, prefetch=2, worker=worker, num_workers=num_workers)
+        try:
+            for batch in it:
+                rows = next(iter(batch.values())).shape[0]
+                for i in range(rows):
+                    yield self._sample(batch, i)
+        finally:
+            it.close()
+
+    def _sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            t = batch[f.name][i]
+            if f.variable:
+                t = t[: int(batch[f"{f.name}_lengths"][i])]
+            if f.dtype == "bytes":
+                out[f.name] = bytes(t.numpy())
+            else:
+                out[f.name] = t.clone() if self._clone_samples else t
+        return out
 
 
 class ShardDataset(PlannedDataset, IterableDataset):
@@ -331,28 +360,6 @@ class ShardDataset(PlannedDataset, IterableDataset):
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
         )
         return BatchIterator(self, pipeline, num_threads)
-
-    # -- per-sample iteration for torch's DataLoader -----------------------------------
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        it = self.batches(_SAMPLE_MODE_BATCH, num_threads=1, prefetch=2, worker=worker, num_workers=num_workers)
-        try:
-            for batch in it:
-                rows = next(iter(batch.values())).shape[0]
-                for i in range(rows):
-                    yield self._sample(batch, i)
-        finally:
-            it.close()
-
-    def _sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in self.fields:
-            t = batch[f.name][i]
-            if f.variable:
-                t = t[: int(batch[f"{f.name}_lengths"][i])]
-            out[f.name] = bytes(t.numpy()) if f.dtype == "bytes" else t
-        return out
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

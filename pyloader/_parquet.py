@@ -29,13 +29,12 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from . import _C
 from ._cache import DatasetCache, ShardCache, normalize_url
@@ -47,7 +46,6 @@ from ._remote import RetryPolicy, filesystem, is_remote
 
 _SHUFFLE_MODES = ("global", "window")
 _POLICIES = ("pad", "drop")
-_SAMPLE_MODE_BATCH = 64
 
 
 class ParquetReadError(PyloaderError, ValueError):
@@ -136,6 +134,8 @@ class ParquetDataset(PlannedDataset, IterableDataset):
     fetched whole into the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
     ``storage_options`` as for ShardDataset), in the order the plan first needs them.
     """
+
+    _clone_samples = True  # staging buffers are recycled (NOTE [staging reuse])
 
     def __init__(self, url: str | os.PathLike[str] | list[str], columns: list[str] | None = None, *,
                  shuffle: bool = False, seed: int = 0, shuffle_mode: str = "window", window: int = 65536,
@@ -337,24 +337,6 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         return ParquetBatchIterator(self, gidx, ridx, batch_size, drop_last, num_threads, prefetch)
 
     # -- per-sample iteration for torch's DataLoader -----------------------------------
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        it = self.batches(_SAMPLE_MODE_BATCH, num_threads=1, prefetch=2, worker=worker, num_workers=num_workers)
-        try:
-            for batch in it:
-                rows = next(iter(batch.values())).shape[0]
-                for r in range(rows):
-                    out: dict[str, Any] = {}
-                    for f in self.fields:
-                        t = batch[f.name][r]
-                        if f.variable:
-                            t = t[: int(batch[f"{f.name}_lengths"][r])]
-                        out[f.name] = bytes(t.numpy()) if f.dtype == "bytes" else t.clone()
-                    yield out
-        finally:
-            it.close()
-
     def __getstate__(self) -> dict[str, Any]:
         s = self.__dict__.copy()
         s["_local"] = None

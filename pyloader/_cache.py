@@ -60,6 +60,7 @@ from ._remote import (
     filesystem,
     with_retries,
 )
+from ._writer import _atomic_write
 
 LAYOUT = "v1"
 _LOCK_POLL_S = 0.02
@@ -129,22 +130,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _open_lockfile(path: str) -> int | None:
@@ -475,10 +460,10 @@ class DatasetCache:
             except FileNotFoundError:
                 same = False
             if not same:
-                _atomic_write(mpath, self.manifest_bytes)
+                _atomic_write(mpath, [self.manifest_bytes])
             upath = os.path.join(self.dir, "url")
             if not os.path.exists(upath):
-                _atomic_write(upath, self.url.encode("utf-8") + b"\n")
+                _atomic_write(upath, [self.url.encode("utf-8") + b"\n"])
         except OSError as e:
             if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise

@@ -35,8 +35,11 @@ def _xxh64(b: Any) -> int:
 
 
 def _atomic_write(path: str, chunks: list[Any]) -> None:
-    """Writes to a unique temp file, fsyncs, then renames: readers never see a partial file."""
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """Writes to a unique temp file, fsyncs, then renames: readers never see a partial file.
+
+    The temp name ends in ``.part`` and carries the writer's pid, which is how the node
+    cache recognises (and later removes) the leftovers of a dead writer."""
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
     try:
         with open(tmp, "wb") as f:
             for c in chunks:
@@ -47,7 +50,7 @@ def _atomic_write(path: str, chunks: list[Any]) -> None:
     except BaseException:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:
             pass
         raise
 

@@ -42,12 +42,7 @@ void register_pipeline(py::module_& m) {
            "A pending shard's file is verified and in place at `path` (NOTE [shard readiness]).")
       .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"),
            "A pending shard could not be fetched; readers of it raise ShardIOError(message).")
-      .def("is_ready", &ShardSet::is_ready, py::arg("index"))
-      .def("__len__", &ShardSet::size)
-      .def("open", [](ShardSet& s, size_t i) {
-             without_gil([&] { s.get(i); });
-           }, py::arg("index"), "Opens and validates shard `index` now (raises on a bad shard).")
-      .def("release", &ShardSet::release, py::arg("index"));
+      .def("__len__", &ShardSet::size);
 
   py::class_<SlotPool, std::shared_ptr<SlotPool>>(m, "SlotPool", "Reusable batch buffers.")
       .def(py::init([](size_t num_fields) { return std::make_shared<SlotPool>(num_fields); }),

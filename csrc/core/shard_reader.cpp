@@ -265,15 +265,4 @@ void ShardSet::mark_failed(size_t i, std::string message) {
   }
   cv_->notify_all();
 }
-
-bool ShardSet::is_ready(size_t i) {
-  std::lock_guard<std::mutex> lk(mu_);
-  return i < state_.size() && (open_[i] || state_[i] == 0);
-}
-
-void ShardSet::release(size_t i) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (i < open_.size()) open_[i].reset();
-}
-
 }  // namespace pyloader

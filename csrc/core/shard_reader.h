@@ -108,9 +108,6 @@ class ShardSet {
   std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr);
   void mark_ready(size_t i, std::string path);
   void mark_failed(size_t i, std::string message);
-  bool is_ready(size_t i);
-  // Drops the mapping of shard i (e.g. before the cache evicts its file).
-  void release(size_t i);
   pid_t owner_pid() const noexcept { return pid_; }
 
  private:

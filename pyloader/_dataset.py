@@ -90,6 +90,7 @@ class BatchIterator:
         # Batches handed to the caller, prefetched ones not counted. A separate object so that
         # pyloader.DataLoader still knows its position once the iterator is gone (NOTE [resume state]).
         self.consumed = ConsumedCount()
+        self.timeout = 0.0  # seconds next() waits for a batch before LoaderTimeoutError (0: forever)
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -100,16 +101,30 @@ class BatchIterator:
     def __next__(self) -> dict[str, torch.Tensor]:
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
-        item = self._pipeline.next()
+        item = self._pipeline.next(self.timeout)
         if item is None:
-            if self._end is None:
-                self._end = time.perf_counter()
-                self._finish()
-            raise StopIteration
+            self._ended()
         _, _, arrays, lengths = item
         batch = batch_to_torch(self._fields, arrays, lengths)
         self.consumed.batches += 1
         return batch
+
+    def next_host(self) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The next batch as (HostBatch, tensors) for the copy engine, which keeps the
+        HostBatch (and so the slot) until its copies completed. Not counted in ``consumed``."""
+        if os.getpid() != self._pid:
+            raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
+        item = self._pipeline.next_host(self.timeout)
+        if item is None:
+            self._ended()
+        host, arrays, lengths = item
+        return host, batch_to_torch(self._fields, arrays, lengths)
+
+    def _ended(self) -> None:
+        if self._end is None:
+            self._end = time.perf_counter()
+            self._finish()
+        raise StopIteration
 
     def close(self) -> None:
         """Stops and joins the native threads. Idempotent."""
@@ -188,11 +203,12 @@ class PlannedDataset:
         self.epoch = epoch
 
     def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
-             shuffle: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+             shuffle: bool | None = None, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(unit index, record index) arrays this rank/worker reads in ``epoch``, in order."""
         rank, world = resolve_rank(self.rank, self.world_size)
         return _plan.plan(
-            self._plan_units, shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed,
+            self._plan_units, shuffle=self.shuffle if shuffle is None else shuffle,
+            seed=self.seed if seed is None else seed,
             epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
             num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
         )
@@ -333,7 +349,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
     def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
                 worker: int = 0, num_workers: int = 1, pool: Any = None,
-                plan: tuple[np.ndarray, np.ndarray] | None = None) -> BatchIterator:
+                plan: tuple[np.ndarray, np.ndarray] | None = None, seed: int | None = None) -> BatchIterator:
         """The native batched iterator for this rank (and optional worker split).
 
         ``plan``: precomputed (shard index, record index) arrays to read instead of
@@ -347,7 +363,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be a positive int")
         if plan is None:
-            sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
+            sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle, seed=seed)
         else:
             sidx, ridx = plan
         if pool is None:

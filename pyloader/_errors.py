@@ -46,6 +46,10 @@ class LoaderTimeoutError(PyloaderError, RuntimeError):
     """No batch arrived within the DataLoader's ``timeout`` (torch raises RuntimeError too)."""
 
 
+class DeviceError(PyloaderError, RuntimeError):
+    """A CUDA driver call failed (or no driver is available for a device that was asked for)."""
+
+
 # Kind codes are those of csrc/core/errors.h (ErrorKind).
 _KINDS: dict[int, type[PyloaderError]] = {
     0: ShardFormatError,
@@ -54,6 +58,7 @@ _KINDS: dict[int, type[PyloaderError]] = {
     3: ShardIOError,
     4: LoaderStateError,
     5: LoaderTimeoutError,
+    6: DeviceError,
 }
 
 
@@ -89,4 +94,5 @@ __all__ = [
     "ShardIOError",
     "LoaderStateError",
     "LoaderTimeoutError",
+    "DeviceError",
 ]

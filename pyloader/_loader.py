@@ -1,16 +1,20 @@
-"""pyloader.DataLoader over a ShardDataset: the native batched path."""
+"""pyloader.DataLoader: a drop-in replacement for ``torch.utils.data.DataLoader``."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.data
 
-from . import _C, _plan, _state
-from ._dataset import BatchIterator, ConsumedCount, ShardDataset, resolve_rank
+from . import _plan, _state, _transfer
+from ._dataset import ConsumedCount, ShardDataset, resolve_rank
+
+# Records per native batch when the loader yields single samples (batch_size=None).
+_SAMPLE_BATCH = 64
 
 
 @dataclass
@@ -25,100 +29,289 @@ class _Run:
     batches: int  # this iteration's batches per rank
 
 
+def _is_native(dataset: Any) -> bool:
+    """A pyloader dataset (ShardDataset, ParquetDataset): planned and collated natively."""
+    return isinstance(dataset, ShardDataset) or (callable(getattr(dataset, "batches", None))
+                                                 and hasattr(dataset, "_plan_units"))
+
+
+def _check_common(num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: bool,
+                  device_prefetch: Any, pin_memory_device: Any) -> None:
+    """The checks torch's DataLoader makes, with its messages, plus pyloader's own."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+    if not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError("timeout option should be non-negative")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError("prefetch_factor option could only be specified in multiprocessing."
+                         "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None.")
+    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 0):
+        raise ValueError("prefetch_factor option should be non-negative")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers option needs num_workers > 0")
+    if not isinstance(device_prefetch, int) or isinstance(device_prefetch, bool) or device_prefetch < 1:
+        raise ValueError("device_prefetch must be a positive int (batches in flight to the device)")
+    if not isinstance(pin_memory_device, str):
+        raise ValueError(f"pin_memory_device must be a str, got {pin_memory_device!r}")
+
+
+def _pin_device_index(pin_memory_device: str) -> int:
+    """The GPU whose context pins the memory (any GPU can read it: it is portable)."""
+    if not pin_memory_device:
+        return 0
+    try:
+        dev = torch.device(pin_memory_device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"pin_memory_device={pin_memory_device!r}: pyloader pins memory for 'cuda[:N]' only")
+    return dev.index or 0
+
+
 class DataLoader:
-    """Batches a :class:`ShardDataset` with native threads and yields dicts of tensors.
+    """A drop-in replacement for ``torch.utils.data.DataLoader``: same constructor, same
+    iteration semantics, plus native staging and device prefetch.
 
-    ``num_workers`` sets the number of native collation threads (0 means one); there are
-    no worker processes, no pickling and no shared-memory files. ``shuffle=None`` keeps
-    the dataset's setting; ``True``/``False`` overrides it.
+    Two paths, chosen by the dataset:
 
-    Epochs: the k-th ``iter()`` of this loader reads epoch ``e + k``, where ``e`` is the
-    dataset's epoch when the loader was built, so a shuffled order changes every epoch
-    as with torch's DataLoader. ``set_epoch(n)`` makes the next ``iter()`` read epoch ``n``.
+    * A ``pyloader.ShardDataset`` (or ``ParquetDataset``) takes the native path: the epoch
+      order is planned in Python, and reading, decoding and collation run on
+      ``max(1, num_workers)`` native threads -- no worker processes, no pickling, no
+      ``/dev/shm``. ``prefetch_factor`` batches per thread are collated ahead. ``shuffle``
+      (None: the dataset's setting) and ``generator`` (its ``initial_seed()`` replaces the
+      dataset's seed) set the order; ``sampler``, ``batch_sampler``, ``worker_init_fn`` and
+      ``multiprocessing_context`` need worker processes or per-index sampling and raise
+      ``ValueError``. ``collate_fn`` receives the list of samples, as torch's does.
+    * Any other dataset is loaded exactly as ``torch.utils.data.DataLoader`` loads it (its
+      samplers, worker processes, ``get_worker_info()``, error re-raising), and pyloader
+      adds the staging and device prefetch below.
 
-    Resumption (torchdata's ``StatefulDataLoader`` names): ``state_dict()`` may be called at
-    any step and returns a small JSON-able dict (NOTE [resume state] in pyloader/_state.py);
-    ``load_state_dict(state)`` makes the next ``iter()`` read exactly the rest of that
-    epoch, without reading what was consumed, at this loader's world size and batch size,
-    which may differ from the saving job's (NOTE [resume segments] in pyloader/_plan.py).
-    See docs/resume.md.
+    Staging and device prefetch (keyword-only extras):
+
+    * ``pin_memory=True``: batches land in page-locked host memory from the CUDA driver --
+      for the native path collated there directly, in a ring of buffers allocated once.
+      Without a driver, pageable buffers are used, with one warning.
+    * ``device="cuda[:N]"``: a native thread copies each batch to the GPU on its own
+      non-blocking stream, ``device_prefetch`` batches ahead; the consumer's current stream
+      is ordered after the copies with an event, so batches arrive as CUDA tensors ready to
+      use. ``device="cpu"`` runs the same engine with its CPU copy backend.
+
+    Epochs: the k-th ``iter()`` of a native loader reads epoch ``e + k``, where ``e`` is the
+    dataset's epoch when the loader was built; ``set_epoch(n)`` makes the next ``iter()``
+    read epoch ``n``. ``state_dict()``/``load_state_dict()`` resume a native loader over a
+    ShardDataset mid-epoch (docs/resume.md).
     """
 
-    def __init__(self, dataset: ShardDataset, batch_size: int | None = 1, shuffle: bool | None = None,
-                 num_workers: int = 0, drop_last: bool = False, *, prefetch: int | None = None) -> None:
-        if not isinstance(dataset, ShardDataset) and not callable(getattr(dataset, "batches", None)):
-            raise TypeError(f"pyloader.DataLoader needs a pyloader.ShardDataset or ParquetDataset, "
-                            f"got {type(dataset).__name__}")
-        if batch_size is None or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError("batch_size must be a positive int")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError("num_workers must be a non-negative int")
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
+                 collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False, drop_last: bool = False,
+                 timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, generator: torch.Generator | None = None, *,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory_device: str = "",
+                 in_order: bool = True, device: str | torch.device | int | None = None, device_prefetch: int = 2,
+                 prefetch: int | None = None) -> None:
+        _check_common(num_workers, timeout, prefetch_factor, persistent_workers, device_prefetch, pin_memory_device)
         self.dataset = dataset
         self.batch_size = batch_size
-        self.shuffle = shuffle
         self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.pin_memory = bool(pin_memory)
+        self.pin_memory_device = pin_memory_device
         self.drop_last = drop_last
-        self.prefetch = prefetch
-        self._next_epoch = dataset.epoch
-        self._pool = _C.SlotPool(num_fields=len(dataset.fields))
-        # A weak reference: an epoch abandoned by the user (`for b in loader: break`) must
-        # stop its threads as soon as the iterator is dropped, as torch's workers do.
-        self._active: weakref.ref[BatchIterator] | None = None
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+        self.device = _transfer.resolve_device(device)
+        self.device_prefetch = device_prefetch
+        self._pin_index = _pin_device_index(pin_memory_device)
+        if self.device is not None and self.device.type == "cuda":
+            self._pin_index = self.device.index or 0
+        self._active: weakref.ref[Any] | None = None
         self._last_stats: dict[str, Any] = {}
         self._run: _Run | None = None
-        self._resume: list[list[int]] = []  # segments the next iter() resumes after (load_state_dict)
-        # Resumable state is defined for shard datasets (their manifest fingerprints them).
-        self._fingerprint = (_state.dataset_fingerprint(dataset.manifest)
-                             if isinstance(dataset, ShardDataset) else None)
+        self._resume: list[list[int]] = []
+        self._native = _is_native(dataset)
+        if self._native:
+            self._init_native(shuffle, sampler, batch_sampler, prefetch)
+        else:
+            if prefetch is not None:
+                raise ValueError("prefetch= sets native collation depth and needs a pyloader dataset; "
+                                 "use prefetch_factor with worker processes")
+            self._init_torch(shuffle, sampler, batch_sampler)
 
+    # -- construction ------------------------------------------------------------------
+    def _init_native(self, shuffle: bool | None, sampler: Any, batch_sampler: Any, prefetch: int | None) -> None:
+        name = type(self.dataset).__name__
+        for arg, value in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+            if value is not None:
+                raise ValueError(f"DataLoader over a {name}: {arg} is not supported; the order is planned natively "
+                                 f"from (seed, epoch, rank, world size): use shuffle=, generator= or the dataset's "
+                                 f"shuffle/seed/shuffle_mode")
+        if self.worker_init_fn is not None:
+            raise ValueError(f"DataLoader over a {name}: worker_init_fn is not supported; the native path has no "
+                             f"worker processes to initialise (num_workers sets native threads)")
+        if self.multiprocessing_context is not None:
+            raise ValueError(f"DataLoader over a {name}: multiprocessing_context is not supported; the native path "
+                             f"starts no processes")
+        bs = self.batch_size
+        if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs < 1):
+            raise ValueError(f"batch_size should be a positive integer value, but got batch_size={bs}")
+        if bs is None and self.drop_last:
+            raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
+        if shuffle is not None and not isinstance(shuffle, bool):
+            raise ValueError(f"shuffle must be None, True or False, got {shuffle!r}")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(self.generator).__name__}")
+        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+            raise ValueError("prefetch must be a positive int")
+        self.shuffle = shuffle
+        self.sampler = None
+        self.batch_sampler = None
+        self._threads = max(1, self.num_workers)
+        self.prefetch = prefetch if prefetch is not None else (
+            None if self.prefetch_factor is None else max(1, self.prefetch_factor * self._threads))
+        self._seed = None if self.generator is None else int(self.generator.initial_seed())
+        self._next_epoch = self.dataset.epoch
+        # Collation writes straight into these buffers: pinned when asked (NOTE [slot reuse]).
+        pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
+        self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=pinned, device_index=self._pin_index)
+        self._staging_pool: Any = None
+        self._inner = None
+        # Resumable state is defined for shard datasets (their manifest fingerprints them).
+        self._fingerprint = (_state.dataset_fingerprint(self.dataset.manifest)
+                             if isinstance(self.dataset, ShardDataset) else None)
+
+    def _init_torch(self, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> None:
+        # torch's DataLoader does the loading (and its own argument checks); pyloader's copy
+        # engine does the pinning and the device copies, so torch's pin thread is off.
+        self._inner = torch.utils.data.DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=False, drop_last=self.drop_last,
+            timeout=self.timeout, worker_init_fn=self.worker_init_fn,
+            multiprocessing_context=self.multiprocessing_context, generator=self.generator,
+            prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers, in_order=self.in_order)
+        inner = self._inner
+        self.batch_size = inner.batch_size
+        self.drop_last = inner.drop_last
+        self.sampler = inner.sampler
+        self.batch_sampler = inner.batch_sampler
+        self.collate_fn = inner.collate_fn
+        self.prefetch_factor = inner.prefetch_factor
+        self.shuffle = shuffle
+        self._staging_pool = None
+
+    @property
+    def _stages(self) -> bool:
+        """Whether batches go through the copy engine on the generic path."""
+        return self.device is not None or self.pin_memory
+
+    # -- iteration ---------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        prev = self._active() if self._active is not None else None
+        if prev is not None:
+            prev.close()  # like torch: a new iter() ends the previous one
+        it = self._iter_native() if self._native else self._iter_torch()
+        self._active = weakref.ref(it)
+        return it
+
+    def _new_stage(self, device: torch.device | None, pool: Any) -> _transfer.DeviceStage:
+        return _transfer.DeviceStage(device, pin=self.pin_memory, depth=self.device_prefetch, timeout=self.timeout,
+                                     staging_pool=pool)
+
+    def _iter_torch(self) -> Any:
+        assert self._inner is not None
+        source = iter(self._inner)
+        if not self._stages:
+            return source  # torch's own iterator: nothing is added
+        stage = self._new_stage(self.device, self._staging())
+        gen = _transfer.staged(source, stage, stage.submit_tree)
+        return _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
+
+    def _iter_native(self) -> _LoaderIterator:
+        ds = self.dataset
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        segments, self._resume = self._resume, []
+        rank, world = resolve_rank(ds.rank, ds.world_size)
+        kwargs: dict[str, Any] = {}
+        if segments:
+            st = self._settings
+            kwargs["plan"] = _plan.resume_plan(
+                ds.records_per_shard, shuffle=st["shuffle"], seed=st["seed"], epoch=epoch, rank=rank,
+                world_size=world, segments=segments, mode=ds.shuffle_mode, window=ds.window, policy=ds.partition)
+        if self._seed is not None:
+            kwargs["seed"] = self._seed
+        batched = self.batch_size is not None
+        native_bs = self.batch_size if batched else _SAMPLE_BATCH
+        src = ds.batches(native_bs, drop_last=self.drop_last, num_threads=self._threads, prefetch=self.prefetch,
+                         epoch=epoch, shuffle=self.shuffle, pool=self._pool, **kwargs)
+        src.timeout = float(self.timeout)
+        src.on_finish = self._keep_stats
+        consumed = ConsumedCount()
+        length = len(src)
+        if batched and self._fingerprint is not None:
+            self._run = _Run(epoch, world, native_bs, segments, consumed, length)
+        else:
+            self._run = None
+        stage = None
+        if batched and self.collate_fn is None:
+            if self.device is None:
+                gen: Iterator[Any] = src  # batches collated in the (pinned) slots: nothing to add
+            elif hasattr(src, "next_host"):
+                # Zero-copy: the pinned slot a batch was collated into is the copy's source.
+                stage = self._new_stage(self.device, self._staging())
+                gen = _transfer.staged(_host_batches(src), stage, lambda item: stage.submit_host(*item))
+            else:
+                stage = self._new_stage(self.device, self._staging())
+                gen = _transfer.staged(src, stage, stage.submit_tree)
+        else:
+            # Per-sample semantics (batch_size=None, or a collate_fn over the list of samples),
+            # on the host; the results are then staged like any batch.
+            items = _samples(src, ds, self.batch_size, self.collate_fn)
+            if self.device is not None or (self.pin_memory and self.collate_fn is not None):
+                stage = self._new_stage(self.device, self._staging())
+                gen = _transfer.staged(items, stage, stage.submit_tree)
+            else:
+                gen = items
+            if not batched:
+                length = len(ds)
+        return _LoaderIterator(gen, length, src, stage, consumed=consumed)
+
+    def _staging(self) -> Any:
+        if self._staging_pool is None:
+            pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
+            self._staging_pool = _transfer.slot_pool(1, pinned=pinned, device_index=self._pin_index)
+        return self._staging_pool
+
+    # -- epochs and resumption (native path) ---------------------------------------------
     @property
     def _settings(self) -> dict[str, Any]:
         """What the epoch order and partition depend on (read now: the dataset's may change)."""
         ds = self.dataset
         return _state.order_settings(
-            shuffle=ds.shuffle if self.shuffle is None else self.shuffle, seed=ds.seed,
+            shuffle=ds.shuffle if self.shuffle is None else self.shuffle,
+            seed=ds.seed if self._seed is None else self._seed,
             shuffle_mode=ds.shuffle_mode, window=ds.window, partition=ds.partition)
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` reads epoch ``epoch`` from its start (a loaded state is dropped)."""
+        self._require_native("set_epoch()")
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError("epoch must be a non-negative int")
         self._next_epoch = epoch
         self._run = None
         self._resume = []
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        prev = self._active() if self._active is not None else None
-        if prev is not None:
-            prev.close()  # like torch: a new iter() ends the previous one
-        epoch = self._next_epoch
-        self._next_epoch += 1
-        segments, self._resume = self._resume, []
-        rank, world = resolve_rank(self.dataset.rank, self.dataset.world_size)
-        plan = None
-        if segments:
-            ds, st = self.dataset, self._settings
-            plan = _plan.resume_plan(
-                ds.records_per_shard, shuffle=st["shuffle"], seed=ds.seed, epoch=epoch, rank=rank,
-                world_size=world, segments=segments, mode=ds.shuffle_mode, window=ds.window,
-                policy=ds.partition)
-        kwargs: dict[str, Any] = {} if plan is None else {"plan": plan}
-        it = self.dataset.batches(
-            self.batch_size, drop_last=self.drop_last, num_threads=max(1, self.num_workers),
-            prefetch=self.prefetch, epoch=epoch, shuffle=self.shuffle, pool=self._pool, **kwargs,
-        )
-        consumed = getattr(it, "consumed", None)
-        self._run = None if consumed is None else _Run(epoch, world, self.batch_size, segments, consumed, len(it))
-        self._active = weakref.ref(it)
-        it.on_finish = self._keep_stats
-        return it
-
     def state_dict(self) -> dict[str, Any]:
         """This loader's position: where the next ``iter()`` of a restored loader starts.
 
-        Mid-epoch it counts the batches the caller received (not those prefetched). Once
-        every batch of an epoch was received the state names the next epoch's start.
-        Cheap: no per-sample work (NOTE [resume state]).
+        Mid-epoch it counts the batches the caller received (not those prefetched or in
+        flight to the device). Once every batch of an epoch was received the state names
+        the next epoch's start. Cheap: no per-sample work (NOTE [resume state]).
         """
         self._require_resumable()
         run = self._run
@@ -150,21 +343,120 @@ class DataLoader:
         self._resume = segments
         self._run = None
 
+    def _require_native(self, what: str) -> None:
+        if not self._native:
+            raise TypeError(f"{what} needs a pyloader dataset (ShardDataset or ParquetDataset), "
+                            f"not {type(self.dataset).__name__}")
+
     def _require_resumable(self) -> None:
-        if self._fingerprint is None:
+        if self._fingerprint is None or not self._native:
             raise TypeError(f"state_dict()/load_state_dict() need a ShardDataset, not {type(self.dataset).__name__}")
+        if self.batch_size is None:
+            raise TypeError("state_dict()/load_state_dict() need batched iteration (batch_size=None counts samples)")
 
     def _keep_stats(self, stats: dict[str, Any]) -> None:
         self._last_stats = stats
 
     def __len__(self) -> int:
+        if not self._native:
+            assert self._inner is not None
+            return len(self._inner)
         n = len(self.dataset)
+        if self.batch_size is None:
+            return n
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def stats(self) -> dict[str, Any]:
-        """Per-stage counters of the current (or last) epoch: see ``BatchIterator.stats``.
-
-        Empty before the first ``iter()``.
-        """
+        """Per-stage counters of the current (or last) epoch: see ``BatchIterator.stats``;
+        with a copy engine, its counters under ``"copy"``. Empty before the first ``iter()``."""
         it = self._active() if self._active is not None else None
-        return it.stats() if it is not None else dict(self._last_stats)
+        if isinstance(it, _LoaderIterator):
+            return it.stats()
+        return dict(self._last_stats)
+
+
+def _has_len(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
+
+
+def _host_batches(src: Any) -> Iterator[Any]:
+    while True:
+        try:
+            item = src.next_host()
+        except StopIteration:
+            return
+        yield item
+
+
+def _samples(src: Any, ds: Any, batch_size: int | None, collate_fn: Callable[[Any], Any] | None) -> Iterator[Any]:
+    """Per-sample semantics on top of native batches: with ``batch_size=None`` each sample
+    (through ``collate_fn`` when given, as torch applies it to single samples); else
+    ``collate_fn(list of the batch's samples)``."""
+    for batch in src:
+        rows = next(iter(batch.values())).shape[0]
+        samples = [ds._sample(batch, i) for i in range(rows)]
+        if batch_size is None:
+            for s in samples:
+                yield s if collate_fn is None else collate_fn(s)
+        else:
+            assert collate_fn is not None
+            yield collate_fn(samples)
+
+
+class _LoaderIterator:
+    """The iterator of a pyloader.DataLoader epoch (native path, or a staged torch path).
+
+    Dropping it or ``close()`` stops its native threads (the collation pipeline and the
+    copy engine) as torch's iterators stop their workers.
+    """
+
+    def __init__(self, gen: Iterator[Any], length: int | None, source: Any, stage: Any,
+                 consumed: ConsumedCount | None = None) -> None:
+        self._gen = gen
+        self._len = length
+        self._source = source
+        self._stage = stage
+        self._consumed = consumed if consumed is not None else ConsumedCount()
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __len__(self) -> int:
+        if self._len is None:
+            raise TypeError("this loader's dataset has no len()")
+        return self._len
+
+    def __next__(self) -> Any:
+        item = next(self._gen)
+        self._consumed.batches += 1
+        return item
+
+    def close(self) -> None:
+        """Stops the native threads and the copy engine. Idempotent."""
+        gen, self._gen = self._gen, iter(())
+        close = getattr(gen, "close", None)
+        if close is not None:
+            close()
+        src = self._source
+        if src is not None and hasattr(src, "close"):
+            src.close()
+        elif src is not None and hasattr(src, "_shutdown_workers"):
+            src._shutdown_workers()  # torch's multiprocessing iterator
+        if self._stage is not None:
+            self._stage.close()
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self._source.stats()) if hasattr(self._source, "stats") else {}
+        if self._stage is not None:
+            s["copy"] = self._stage.counters()
+        return s
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass

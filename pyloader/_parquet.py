@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from . import _C
 from ._cache import DatasetCache, ShardCache, normalize_url
 from ._convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
 from ._dataset import PlannedDataset
-from ._errors import PyloaderError
+from ._errors import LoaderTimeoutError, PyloaderError
 from ._format import MANIFEST_FORMAT, VERSION, Field, dump_manifest
 from ._remote import RetryPolicy, filesystem, is_remote
 
@@ -315,7 +316,8 @@ class ParquetDataset(PlannedDataset, IterableDataset):
 
     def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
-                worker: int = 0, num_workers: int = 1, pool: Any = None) -> ParquetBatchIterator:
+                worker: int = 0, num_workers: int = 1, pool: Any = None,
+                seed: int | None = None) -> ParquetBatchIterator:
         """Batches (dicts of tensors) for this rank (and optional worker split), in plan order.
 
         ``pool`` is accepted for ``pyloader.DataLoader`` and ignored: staging buffers are this
@@ -327,7 +329,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         prefetch = 2 * num_threads if prefetch is None else prefetch
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be a positive int")
-        gidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle)
+        gidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle, seed=seed)
         self._ensure_fetcher()
         if self._fetcher is not None:
             from ._fetch import first_touch_order
@@ -417,6 +419,7 @@ class ParquetBatchIterator:
         self._closed = False
         self._pid = os.getpid()
         self.on_finish: Any = None
+        self.timeout = 0.0  # seconds next() waits for a batch before LoaderTimeoutError (0: forever)
 
     def __iter__(self) -> ParquetBatchIterator:
         return self
@@ -516,7 +519,10 @@ class ParquetBatchIterator:
         fut = self._queue.popleft()
         t = time.perf_counter_ns()
         try:
-            batch = fut.result()
+            batch = fut.result(timeout=self.timeout or None)
+        except FuturesTimeout:
+            self.close()
+            raise LoaderTimeoutError(f"no batch arrived within the timeout of {self.timeout} s") from None
         except BaseException:
             self.close()
             raise

@@ -8,5 +8,6 @@ namespace pyloader {
 void register_errors(pybind11::module_& m);
 void register_codec(pybind11::module_& m);
 void register_pipeline(pybind11::module_& m);
+void register_copy(pybind11::module_& m);
 
 }  // namespace pyloader

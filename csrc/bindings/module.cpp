@@ -2,12 +2,13 @@
 #include "bindings/gil_release.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyloader native core: shard reader, LZ4 decoder, collation pipeline";
+  m.doc() = "pyloader native core: shard reader, LZ4 decoder, collation pipeline, pinned staging, copy engine";
   pyloader::main_thread_ident().store(
       pybind11::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   pyloader::register_errors(m);
   pyloader::register_codec(m);
   pyloader::register_pipeline(m);
+  pyloader::register_copy(m);
 }
 
 namespace pyloader {

@@ -9,6 +9,8 @@
 #include "bindings/dlpack_export.h"
 #include "bindings/gil_release.h"
 #include "core/batch_pipeline.h"
+#include "core/cuda_driver.h"
+#include "core/host_memory.h"
 #include "core/dtype.h"
 #include "core/errors.h"
 #include "core/shard_reader.h"
@@ -20,6 +22,36 @@ namespace pyloader {
 namespace {
 
 constexpr int64_t kSignalPollMs = 50;
+
+// Waits for the next batch in bounded slices without the GIL, running Python signal
+// handlers (Ctrl-C) between them. False at the end of the plan.
+bool next_batch(BatchPipeline& p, Batch* b, double timeout) {
+  auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    BatchPipeline::Next r = without_gil([&] { return p.next(b, kSignalPollMs); });
+    if (r == BatchPipeline::Next::kEnd) return false;
+    if (r == BatchPipeline::Next::kBatch) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (timeout > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout)
+      throw LoaderError(ErrorKind::kTimeout, "", -1, "",
+                        "no batch arrived within the timeout of " + std::to_string(timeout) + " s");
+  }
+}
+
+// (index, rows, [capsule per field], [lengths capsule per field or None]); each capsule
+// holds the batch's slot (NOTE [DLPack lifetime]).
+py::tuple export_batch(const Batch& b, const std::vector<FieldSpec>& fspec) {
+  py::list arrays, lengths;
+  for (size_t f = 0; f < b.fields.size(); ++f) {
+    const FieldView& v = b.fields[f];
+    arrays.append(to_dlpack(v.data, v.shape, dlpack_dtype(fspec[f].dtype), b.slot));
+    if (v.lengths)
+      lengths.append(to_dlpack(v.lengths, {int64_t(b.rows)}, dlpack_dtype(uint8_t(DType::kInt64)), b.slot));
+    else
+      lengths.append(py::none());
+  }
+  return py::make_tuple(b.index, b.rows, arrays, lengths);
+}
 
 template <typename T>
 std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
@@ -45,10 +77,25 @@ void register_pipeline(py::module_& m) {
       .def("__len__", &ShardSet::size);
 
   py::class_<SlotPool, std::shared_ptr<SlotPool>>(m, "SlotPool", "Reusable batch buffers.")
-      .def(py::init([](size_t num_fields) { return std::make_shared<SlotPool>(num_fields); }),
-           py::kw_only(), py::arg("num_fields"))
+      .def(py::init([](size_t num_fields, bool pinned, int device) {
+             if (!pinned) return std::make_shared<SlotPool>(num_fields);
+             std::string why;
+             const cuda::Driver* d = cuda::driver(&why);
+             if (!d) throw LoaderError(ErrorKind::kDevice, "", -1, "", "pinned memory needs the CUDA driver: " + why);
+             auto alloc = without_gil([&] { return std::make_shared<PinnedAllocator>(*d, device); });
+             return std::make_shared<SlotPool>(num_fields, std::move(alloc));
+           }),
+           py::kw_only(), py::arg("num_fields"), py::arg("pinned") = false, py::arg("device") = 0,
+           "pinned=True: page-locked buffers from the CUDA driver (raises without one).")
+      .def_property_readonly("pinned", &SlotPool::pinned)
       .def_property_readonly("created", &SlotPool::created)
       .def_property_readonly("free", &SlotPool::free_count);
+
+  py::class_<Batch>(m, "HostBatch",
+      "One collated batch in its host slot; the slot is reused only when this object and "
+      "every array exported from it are gone.")
+      .def_readonly("index", &Batch::index)
+      .def_readonly("rows", &Batch::rows);
 
   py::class_<BatchPipeline, std::shared_ptr<BatchPipeline>>(m, "BatchPipeline",
       "Collates the planned records into batches on native threads; yields them in plan order.")
@@ -76,35 +123,26 @@ void register_pipeline(py::module_& m) {
           "next",
           [](BatchPipeline& p, double timeout) -> py::object {
             Batch b;
-            auto start = std::chrono::steady_clock::now();
-            for (;;) {
-              BatchPipeline::Next r = without_gil([&] { return p.next(&b, kSignalPollMs); });
-              if (r == BatchPipeline::Next::kEnd) return py::none();
-              if (r == BatchPipeline::Next::kBatch) break;
-              // Waiting: let Python run signal handlers (Ctrl-C) between bounded waits.
-              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-              if (timeout > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout)
-                throw LoaderError(ErrorKind::kTimeout, "", -1, "",
-                                  "no batch arrived within the timeout of " + std::to_string(timeout) + " s");
-            }
-            const auto& specs = b.fields;
-            const auto& fspec = p.fields();
-            py::list arrays, lengths;
-            for (size_t f = 0; f < specs.size(); ++f) {
-              const FieldView& v = specs[f];
-              arrays.append(to_dlpack(v.data, v.shape, dlpack_dtype(fspec[f].dtype), b.slot));
-              if (v.lengths)
-                lengths.append(to_dlpack(v.lengths, {int64_t(b.rows)}, dlpack_dtype(uint8_t(DType::kInt64)), b.slot));
-              else
-                lengths.append(py::none());
-            }
+            if (!next_batch(p, &b, timeout)) return py::none();
+            py::tuple out = export_batch(b, p.fields());
             b.slot.reset();
-            return py::make_tuple(b.index, b.rows, arrays, lengths);
+            return out;
           },
           py::arg("timeout") = 0.0,
           "The next batch as (index, rows, [DLPack capsule per field], [lengths capsule per field or "
           "None]), or None at the end. Releases the GIL while waiting. The capsules view the slot's "
           "memory (NOTE [DLPack lifetime] in bindings/dlpack_export.h).")
+      .def(
+          "next_host",
+          [](BatchPipeline& p, double timeout) -> py::object {
+            Batch b;
+            if (!next_batch(p, &b, timeout)) return py::none();
+            py::tuple arrays = export_batch(b, p.fields());
+            return py::make_tuple(py::cast(std::move(b)), arrays[2], arrays[3]);
+          },
+          py::arg("timeout") = 0.0,
+          "Like next(), but returns (HostBatch, arrays, lengths): the HostBatch can be handed "
+          "to a CopyEngine, which keeps its slot until the copies completed.")
       .def("close", [](BatchPipeline& p) {
              without_gil([&] { p.close(); });
            })

@@ -15,6 +15,7 @@ enum class ErrorKind : int {
   kIO = 3,        // open/stat/mmap failed
   kState = 4,     // API misuse (e.g. use after fork, after close)
   kTimeout = 5,   // no batch within the caller's timeout
+  kDevice = 6,    // a CUDA driver call failed
 };
 
 class LoaderError : public std::runtime_error {

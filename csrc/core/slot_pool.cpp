@@ -1,6 +1,5 @@
 #include "core/slot_pool.h"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,23 +12,19 @@ constexpr size_t kAlign = 4096;
 constexpr size_t kHugeAlign = size_t(2) << 20;
 }
 
-HostBuffer::~HostBuffer() { std::free(data_); }
+HostBuffer::~HostBuffer() {
+  if (data_) alloc_->release(data_, cap_);
+}
 
 void HostBuffer::reserve(size_t n) {
   if (n <= cap_) return;
   // Grow by at least 1/8 so that slowly rising variable lengths do not reallocate every batch.
   size_t want = n + n / 8;
-  // Large buffers are 2 MiB-aligned and offered to transparent huge pages: a new slot
-  // then takes one page fault per 2 MiB instead of per 4 KiB, and copies into it miss
-  // the TLB far less. The kernel may decline; the buffer works either way.
+  // Large buffers are 2 MiB-aligned (huge pages, see PageableAllocator).
   const size_t align = want >= kHugeAlign ? kHugeAlign : kAlign;
   want = (want + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, want);
-  if (!p) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-  if (align == kHugeAlign) (void)::madvise(p, want, MADV_HUGEPAGE);
-#endif
-  std::free(data_);
+  void* p = alloc_->allocate(want, align);
+  if (data_) alloc_->release(data_, cap_);
   data_ = static_cast<uint8_t*>(p);
   cap_ = want;
 }
@@ -49,8 +44,12 @@ std::shared_ptr<Slot> SlotPool::acquire() {
   }
   if (!s) {
     s = new Slot();
-    s->data.resize(num_fields_);
-    s->lengths.resize(num_fields_);
+    s->data.reserve(num_fields_);
+    s->lengths.reserve(num_fields_);
+    for (size_t f = 0; f < num_fields_; ++f) {
+      s->data.emplace_back(alloc_.get());
+      s->lengths.emplace_back(alloc_.get());
+    }
     std::lock_guard<std::mutex> lk(mu_);
     ++created_;
   }

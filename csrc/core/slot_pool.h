@@ -14,16 +14,18 @@
 #include <mutex>
 #include <vector>
 
+#include "core/host_memory.h"
+
 namespace pyloader {
 
-// Page-aligned host memory. A later allocator may page-lock it; the ring logic is the same.
+// Page-aligned host memory from the pool's allocator (pageable or pinned).
 class HostBuffer {
  public:
-  HostBuffer() = default;
+  explicit HostBuffer(HostAllocator* alloc = nullptr) : alloc_(alloc) {}
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
-  HostBuffer(HostBuffer&& o) noexcept : data_(o.data_), cap_(o.cap_) {
+  HostBuffer(HostBuffer&& o) noexcept : alloc_(o.alloc_), data_(o.data_), cap_(o.cap_) {
     o.data_ = nullptr;
     o.cap_ = 0;
   }
@@ -35,6 +37,7 @@ class HostBuffer {
   size_t capacity() const noexcept { return cap_; }
 
  private:
+  HostAllocator* alloc_;  // owned by the pool, which outlives its slots
   uint8_t* data_ = nullptr;
   size_t cap_ = 0;
 };
@@ -47,7 +50,8 @@ struct Slot {
 
 class SlotPool : public std::enable_shared_from_this<SlotPool> {
  public:
-  explicit SlotPool(size_t num_fields) : num_fields_(num_fields), pid_(::getpid()) {}
+  explicit SlotPool(size_t num_fields, std::shared_ptr<HostAllocator> alloc = pageable_allocator())
+      : num_fields_(num_fields), alloc_(std::move(alloc)), pid_(::getpid()) {}
   ~SlotPool();
 
   // A free slot, or a new one when all are in use. The returned pointer returns the
@@ -56,11 +60,13 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
 
   size_t created() const;
   size_t free_count() const;
+  bool pinned() const noexcept { return alloc_->pinned(); }
 
  private:
   void give_back(Slot* s) noexcept;
 
   size_t num_fields_;
+  std::shared_ptr<HostAllocator> alloc_;
   pid_t pid_;
   mutable std::mutex mu_;
   std::vector<Slot*> free_;

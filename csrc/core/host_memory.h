@@ -1,0 +1,54 @@
+// Where batch buffers live: pageable memory, or page-locked ("pinned") memory from the
+// CUDA driver, which a DMA engine reads directly so host-to-device copies run at full
+// PCIe bandwidth and truly asynchronously. The slot pool and the ring logic are the same
+// for both (NOTE [slot reuse] in core/slot_pool.h).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "core/cuda_driver.h"
+
+namespace pyloader {
+
+class HostAllocator {
+ public:
+  virtual ~HostAllocator() = default;
+  // At least `bytes` bytes aligned to `align` (a power of two, at most 2 MiB); throws
+  // std::bad_alloc or LoaderError on failure.
+  virtual void* allocate(size_t bytes, size_t align) = 0;
+  virtual void release(void* p, size_t bytes) noexcept = 0;
+  virtual bool pinned() const noexcept = 0;
+};
+
+// aligned_alloc; buffers of 2 MiB and more are offered to transparent huge pages.
+class PageableAllocator final : public HostAllocator {
+ public:
+  void* allocate(size_t bytes, size_t align) override;
+  void release(void* p, size_t bytes) noexcept override;
+  bool pinned() const noexcept override { return false; }
+};
+
+// cuMemHostAlloc(PORTABLE) in the primary context of one device: page-locked for every
+// context. In a forked child the memory is leaked, never freed (the parent's CUDA state is
+// not usable there).
+class PinnedAllocator final : public HostAllocator {
+ public:
+  PinnedAllocator(const cuda::Driver& d, int device);
+  void* allocate(size_t bytes, size_t align) override;
+  void release(void* p, size_t bytes) noexcept override;
+  bool pinned() const noexcept override { return true; }
+
+ private:
+  const cuda::Driver& d_;
+  cuda::PrimaryContext ctx_;
+  pid_t pid_;
+};
+
+// The process-wide pageable allocator.
+std::shared_ptr<HostAllocator> pageable_allocator();
+
+}  // namespace pyloader

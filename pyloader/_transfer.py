@@ -1,0 +1,221 @@
+"""Pinned staging and device prefetch: the Python half of the native copy engine.
+
+Python plans each copy (which buffers, which destination tensor from torch's caching
+allocator); the engine thread does the byte moving and the ordering (NOTE [copy ordering]
+in csrc/core/copy_engine.h). With ``device="cuda"`` the copies run on a dedicated
+non-blocking CUDA stream; with ``device="cpu"`` the same engine runs with its CPU copy
+backend, which is how CI exercises the ring, the ordering and the shutdown.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import _C
+from ._errors import DeviceError
+
+_warned_pageable = False
+
+
+def driver_error() -> str | None:
+    """None when the CUDA driver loaded and sees a device, else why not."""
+    return _C.cuda_driver_error()
+
+
+def _warn_pageable(reason: str) -> None:
+    global _warned_pageable
+    if not _warned_pageable:  # one warning per process, as torch's DataLoader does
+        _warned_pageable = True
+        warnings.warn(f"pyloader: pin_memory needs the CUDA driver ({reason}); batches are staged in "
+                      f"pageable memory instead", RuntimeWarning, stacklevel=4)
+
+
+def resolve_device(device: str | torch.device | int | None) -> torch.device | None:
+    """The target device of ``DataLoader(device=...)``: None, ``cpu`` or ``cuda[:N]``."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device: {e}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r}: pyloader copies batches to 'cuda[:N]' or 'cpu' devices only")
+    why = driver_error()
+    if why is not None:
+        raise DeviceError(f"device={device!r} needs a CUDA GPU: {why}")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device={device!r}: this torch build has no CUDA support (torch {torch.__version__})")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise DeviceError(f"device={device!r}: no such GPU (this machine has {torch.cuda.device_count()})")
+    return torch.device("cuda", index)
+
+
+def slot_pool(num_fields: int, *, pinned: bool, device_index: int = 0) -> Any:
+    """A pool of batch buffers, page-locked when asked and the driver allows (else pageable,
+    with one warning)."""
+    if pinned:
+        why = driver_error()
+        if why is None:
+            return _C.SlotPool(num_fields=num_fields, pinned=True, device=device_index)
+        _warn_pageable(why)
+    return _C.SlotPool(num_fields=num_fields)
+
+
+class _Pending:
+    """One submitted job: its ticket, where its results go, and what must stay alive."""
+
+    __slots__ = ("ticket", "stream", "outputs", "keep", "build")
+
+    def __init__(self, ticket: int, stream: int, outputs: list[Any], keep: Any, build: Callable[[list[Any]], Any]):
+        self.ticket = ticket
+        self.stream = stream
+        self.outputs = outputs  # destination tensors, or (dtype, shape) for staged results
+        self.keep = keep  # sources the engine reads until take()
+        self.build = build
+
+
+def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Callable[[list[Any]], Any]:
+    """Collects the CPU tensors of a batch (dicts, lists, tuples, namedtuples) into
+    ``leaves`` and returns a function that rebuilds the batch from replacements."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            return lambda out: obj
+        i = len(leaves)
+        leaves.append(obj)
+        return lambda out: out[i]
+    if isinstance(obj, dict):
+        parts = [(k, _flatten(v, leaves)) for k, v in obj.items()]
+        kind = type(obj)
+
+        def build_dict(out: list[Any]) -> Any:
+            d = {k: f(out) for k, f in parts}
+            return d if kind is dict else _remake(kind, d)
+        return build_dict
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        fs = [_flatten(v, leaves) for v in obj]
+        return lambda out: type(obj)(*(f(out) for f in fs))
+    if isinstance(obj, (list, tuple)):
+        fs = [_flatten(v, leaves) for v in obj]
+        kind = type(obj)
+        return lambda out: kind(f(out) for f in fs) if kind in (list, tuple) else _remake(kind, [f(out) for f in fs])
+    return lambda out: obj
+
+
+def _remake(kind: type, value: Any) -> Any:
+    try:
+        return kind(value)
+    except TypeError:  # a subclass that cannot be built from its items (as torch's pin_memory)
+        return value
+
+
+class DeviceStage:
+    """Moves batches through the copy engine, ``depth`` in flight, onto ``device``.
+
+    ``device=None`` with ``pin=True`` stages batches into page-locked memory only (the
+    result stays on the CPU). Destination tensors come from torch's allocator on the
+    consumer's current stream; the engine orders the copies after it and the consumer's
+    stream after the copies (NOTE [copy ordering]).
+    """
+
+    def __init__(self, device: torch.device | None, *, pin: bool, depth: int, timeout: float = 0.0,
+                 staging_pool: Any = None) -> None:
+        self.device = device
+        self.depth = depth
+        self.timeout = float(timeout)
+        self._cuda = device is not None and device.type == "cuda"
+        index = device.index if self._cuda and device is not None else 0
+        pool = staging_pool if staging_pool is not None else slot_pool(1, pinned=pin or self._cuda, device_index=index or 0)
+        self.pinned = bool(pool.pinned)
+        self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
+                                     staging=pool)
+
+    def _stream(self) -> int:
+        return int(torch.cuda.current_stream(self.device).cuda_stream) if self._cuda else 0
+
+    def submit_host(self, host_batch: Any, tensors: dict[str, torch.Tensor]) -> _Pending:
+        """A native batch (already in a pinned slot): copied straight to the device."""
+        assert self.device is not None
+        outs = {k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in tensors.items()}
+        segs = [(v.data_ptr(), outs[k].data_ptr(), v.nbytes) for k, v in tensors.items()]
+        stream = self._stream()
+        ticket = self._engine.submit(segs, stream=stream, source=host_batch, timeout=self.timeout)
+        return _Pending(ticket, stream, list(outs.values()), None, lambda _res: outs)
+
+    def submit_tree(self, batch: Any) -> _Pending:
+        """Any batch structure: its CPU tensors are packed into a staging slot by the engine
+        thread, then copied to the device (or returned as the pinned copies)."""
+        leaves: list[torch.Tensor] = []
+        build = _flatten(batch, leaves)
+        srcs = [t.contiguous() for t in leaves]
+        stream = self._stream()
+        if self.device is not None:
+            outs: list[Any] = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in srcs]
+            segs = [(t.data_ptr(), o.data_ptr(), t.nbytes) for t, o in zip(srcs, outs)]
+        else:
+            outs = [(t.dtype, t.shape) for t in srcs]
+            segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
+        ticket = self._engine.submit(segs, stream=stream, stage=True, timeout=self.timeout)
+        return _Pending(ticket, stream, outs, srcs, build)
+
+    def take(self, p: _Pending) -> Any:
+        stream = self._stream()
+        res = self._engine.take(p.ticket, stream=stream, timeout=self.timeout)
+        p.keep = None
+        outs = p.outputs
+        if self.device is None:  # staged results: views of the (pinned) staging slot
+            outs = [torch.from_dlpack(cap).view(dtype).reshape(shape) for cap, (dtype, shape) in zip(res, p.outputs)]
+        elif self._cuda and stream != p.stream:
+            # Allocated on another stream than the one that now uses them: keep torch's
+            # allocator from reusing the memory before this stream is done with it.
+            cur = torch.cuda.current_stream(self.device)
+            for t in outs:
+                t.record_stream(cur)
+        return p.build(outs)
+
+    def counters(self) -> dict[str, Any]:
+        c = self._engine.counters()
+        return {"backend": self._engine.backend, "pinned": self.pinned, "depth": self.depth, "jobs": c["jobs"],
+                "bytes": c["bytes"], "staged_bytes": c["staged_bytes"], "issue_s": c["issue_ns"] / 1e9,
+                "complete_s": c["complete_ns"] / 1e9, "take_wait_s": c["take_wait_ns"] / 1e9,
+                "submit_wait_s": c["submit_wait_ns"] / 1e9}
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def staged(source: Iterator[Any], stage: DeviceStage, submit: Callable[[Any], _Pending]) -> Iterator[Any]:
+    """Yields ``source``'s items after the copy engine moved them, ``stage.depth`` ahead.
+
+    An exception from ``source`` is raised (with its own traceback) only after the items
+    before it were delivered, as the loader would without prefetch.
+    """
+    pending: collections.deque[_Pending] = collections.deque()
+    done = False
+    error: Exception | None = None
+    try:
+        while True:
+            while not done and len(pending) < stage.depth:
+                try:
+                    item = next(source)
+                except StopIteration:
+                    done = True
+                except Exception as e:  # noqa: BLE001 - delivered in order below
+                    done, error = True, e
+                else:
+                    pending.append(submit(item))
+            if not pending:
+                if error is not None:
+                    raise error
+                return
+            yield stage.take(pending.popleft())
+    finally:
+        pending.clear()
+        stage.close()

@@ -259,8 +259,12 @@ class DataLoader:
             self._run = None
         stage = None
         if batched and self.collate_fn is None:
-            if self.device is None:
+            if self.device is None and (not self.pin_memory or hasattr(src, "next_host")):
                 gen: Iterator[Any] = src  # batches collated in the (pinned) slots: nothing to add
+            elif self.device is None:
+                # ParquetDataset collates in its own pageable buffers: pin by staging.
+                stage = self._new_stage(None, self._staging())
+                gen = _transfer.staged(src, stage, stage.submit_tree)
             elif hasattr(src, "next_host"):
                 # Zero-copy: the pinned slot a batch was collated into is the copy's source.
                 stage = self._new_stage(self.device, self._staging())
@@ -375,6 +379,13 @@ class DataLoader:
         return dict(self._last_stats)
 
 
+def _native_iterator_types() -> tuple[type, ...]:
+    from ._dataset import BatchIterator
+    from ._parquet import ParquetBatchIterator
+
+    return BatchIterator, ParquetBatchIterator
+
+
 def _has_len(loader: Any) -> bool:
     try:
         len(loader)
@@ -442,15 +453,17 @@ class _LoaderIterator:
         if close is not None:
             close()
         src = self._source
-        if src is not None and hasattr(src, "close"):
+        if isinstance(src, _NATIVE_ITERATORS):
             src.close()
-        elif src is not None and hasattr(src, "_shutdown_workers"):
-            src._shutdown_workers()  # torch's multiprocessing iterator
+        # torch's own iterator is left to torch (its workers stop when it is dropped, or
+        # persist with persistent_workers=True).
+        self._source = None
         if self._stage is not None:
             self._stage.close()
 
     def stats(self) -> dict[str, Any]:
-        s = dict(self._source.stats()) if hasattr(self._source, "stats") else {}
+        src = self._source
+        s = dict(src.stats()) if isinstance(src, _NATIVE_ITERATORS) else {}
         if self._stage is not None:
             s["copy"] = self._stage.counters()
         return s
@@ -460,3 +473,6 @@ class _LoaderIterator:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+_NATIVE_ITERATORS = _native_iterator_types()

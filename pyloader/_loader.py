@@ -134,6 +134,10 @@ class DataLoader:
         self._last_stats: dict[str, Any] = {}
         self._run: _Run | None = None
         self._resume: list[list[int]] = []
+        self._fingerprint: str | None = None  # set for a ShardDataset (resumable)
+        self.sampler: Any = None
+        self.batch_sampler: Any = None
+        self.shuffle: bool | None = shuffle
         self._native = _is_native(dataset)
         if self._native:
             self._init_native(shuffle, sampler, batch_sampler, prefetch)
@@ -168,9 +172,6 @@ class DataLoader:
             raise ValueError(f"generator must be a torch.Generator, got {type(self.generator).__name__}")
         if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
             raise ValueError("prefetch must be a positive int")
-        self.shuffle = shuffle
-        self.sampler = None
-        self.batch_sampler = None
         self._threads = max(1, self.num_workers)
         self.prefetch = prefetch if prefetch is not None else (
             None if self.prefetch_factor is None else max(1, self.prefetch_factor * self._threads))
@@ -180,28 +181,27 @@ class DataLoader:
         pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
         self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=pinned, device_index=self._pin_index)
         self._staging_pool: Any = None
-        self._inner = None
+        self._inner: torch.utils.data.DataLoader[Any] | None = None
         # Resumable state is defined for shard datasets (their manifest fingerprints them).
-        self._fingerprint = (_state.dataset_fingerprint(self.dataset.manifest)
-                             if isinstance(self.dataset, ShardDataset) else None)
+        if isinstance(self.dataset, ShardDataset):
+            self._fingerprint = _state.dataset_fingerprint(self.dataset.manifest)
 
     def _init_torch(self, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> None:
         # torch's DataLoader does the loading (and its own argument checks); pyloader's copy
         # engine does the pinning and the device copies, so torch's pin thread is off.
-        self._inner = torch.utils.data.DataLoader(
+        inner: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
             self.dataset, batch_size=self.batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=False, drop_last=self.drop_last,
             timeout=self.timeout, worker_init_fn=self.worker_init_fn,
             multiprocessing_context=self.multiprocessing_context, generator=self.generator,
             prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers, in_order=self.in_order)
-        inner = self._inner
+        self._inner = inner
         self.batch_size = inner.batch_size
         self.drop_last = inner.drop_last
         self.sampler = inner.sampler
         self.batch_sampler = inner.batch_sampler
         self.collate_fn = inner.collate_fn
         self.prefetch_factor = inner.prefetch_factor
-        self.shuffle = shuffle
         self._staging_pool = None
 
     @property
@@ -253,8 +253,8 @@ class DataLoader:
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
         length = len(src)
-        if batched and self._fingerprint is not None:
-            self._run = _Run(epoch, world, native_bs, segments, consumed, length)
+        if self.batch_size is not None and self._fingerprint is not None:
+            self._run = _Run(epoch, world, self.batch_size, segments, consumed, length)
         else:
             self._run = None
         stage = None
@@ -267,8 +267,8 @@ class DataLoader:
                 gen = _transfer.staged(src, stage, stage.submit_tree)
             elif hasattr(src, "next_host"):
                 # Zero-copy: the pinned slot a batch was collated into is the copy's source.
-                stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.staged(_host_batches(src), stage, lambda item: stage.submit_host(*item))
+                stage = dev_stage = self._new_stage(self.device, self._staging())
+                gen = _transfer.staged(_host_batches(src), stage, lambda item: dev_stage.submit_host(*item))
             else:
                 stage = self._new_stage(self.device, self._staging())
                 gen = _transfer.staged(src, stage, stage.submit_tree)
@@ -317,7 +317,7 @@ class DataLoader:
         flight to the device). Once every batch of an epoch was received the state names
         the next epoch's start. Cheap: no per-sample work (NOTE [resume state]).
         """
-        self._require_resumable()
+        fingerprint = self._require_resumable()
         run = self._run
         if run is None:  # nothing read since construction, set_epoch or load_state_dict
             epoch, segments = self._next_epoch, self._resume
@@ -326,7 +326,7 @@ class DataLoader:
         else:
             epoch = run.epoch
             segments = _state.add_segment(run.segments, run.world_size, run.batch_size, run.consumed.batches)
-        return _state.make_state(self._fingerprint, self.dataset.num_records, self._settings, epoch, segments)
+        return _state.make_state(fingerprint, self.dataset.num_records, self._settings, epoch, segments)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next ``iter()`` read the rest of ``state``'s epoch, then epochs continue.
@@ -336,9 +336,9 @@ class DataLoader:
         (docs/resume.md). Raises ``ResumeError`` (a ``ValueError``) for a state taken on
         another dataset or epoch order, or one that is malformed or inconsistent.
         """
-        self._require_resumable()
+        fingerprint = self._require_resumable()
         epoch, segments = _state.check_state(
-            state, fingerprint=self._fingerprint, records=self.dataset.num_records, settings=self._settings)
+            state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings)
         try:  # validates the segments against the dataset now, not at the next iter()
             _plan.unread_count(self.dataset.num_records, policy=self.dataset.partition, segments=segments)
         except ValueError as e:
@@ -352,11 +352,12 @@ class DataLoader:
             raise TypeError(f"{what} needs a pyloader dataset (ShardDataset or ParquetDataset), "
                             f"not {type(self.dataset).__name__}")
 
-    def _require_resumable(self) -> None:
+    def _require_resumable(self) -> str:
         if self._fingerprint is None or not self._native:
             raise TypeError(f"state_dict()/load_state_dict() need a ShardDataset, not {type(self.dataset).__name__}")
         if self.batch_size is None:
             raise TypeError("state_dict()/load_state_dict() need batched iteration (batch_size=None counts samples)")
+        return self._fingerprint
 
     def _keep_stats(self, stats: dict[str, Any]) -> None:
         self._last_stats = stats
@@ -429,7 +430,7 @@ class _LoaderIterator:
                  consumed: ConsumedCount | None = None) -> None:
         self._gen = gen
         self._len = length
-        self._source = source
+        self._source: Any = source
         self._stage = stage
         self._consumed = consumed if consumed is not None else ConsumedCount()
 

@@ -103,9 +103,10 @@ def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Callable[[list[Any]], Any]
         fs = [_flatten(v, leaves) for v in obj]
         return lambda out: type(obj)(*(f(out) for f in fs))
     if isinstance(obj, (list, tuple)):
-        fs = [_flatten(v, leaves) for v in obj]
-        kind = type(obj)
-        return lambda out: kind(f(out) for f in fs) if kind in (list, tuple) else _remake(kind, [f(out) for f in fs])
+        items = [_flatten(v, leaves) for v in obj]
+        seq_kind = type(obj)
+        return lambda out: (seq_kind(f(out) for f in items) if seq_kind in (list, tuple)
+                            else _remake(seq_kind, [f(out) for f in items]))
     return lambda out: obj
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from ._convert import ConvertError, ConvertResult, VerifyError, convert
 from ._convert import verify_dataset as verify_conversion
 from ._errors import (
+    DeviceError,
     LoaderStateError,
     LoaderTimeoutError,
     ManifestError,
@@ -54,6 +55,7 @@ __all__ = [
     "DataLoader",
     "LoaderStateError",
     "LoaderTimeoutError",
+    "DeviceError",
     "ManifestError",
     "ParquetDataset",
     "ParquetReadError",

@@ -283,7 +283,9 @@ class DataLoader:
                 gen = items
             if not batched:
                 length = len(ds)
-        return _LoaderIterator(gen, length, src, stage, consumed=consumed)
+        it = _LoaderIterator(gen, length, src, stage, consumed=consumed)
+        it.on_close = self._keep_stats
+        return it
 
     def _staging(self) -> Any:
         if self._staging_pool is None:
@@ -433,6 +435,8 @@ class _LoaderIterator:
         self._source: Any = source
         self._stage = stage
         self._consumed = consumed if consumed is not None else ConsumedCount()
+        self._closed = False
+        self.on_close: Callable[[dict[str, Any]], None] | None = None
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -443,12 +447,21 @@ class _LoaderIterator:
         return self._len
 
     def __next__(self) -> Any:
-        item = next(self._gen)
+        try:
+            item = next(self._gen)
+        except StopIteration:
+            self.close()
+            raise
         self._consumed.batches += 1
         return item
 
     def close(self) -> None:
         """Stops the native threads and the copy engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.on_close is not None:
+            self.on_close(self.stats())  # the loader keeps the last epoch's figures
         gen, self._gen = self._gen, iter(())
         close = getattr(gen, "close", None)
         if close is not None:

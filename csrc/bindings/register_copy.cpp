@@ -60,7 +60,7 @@ void register_copy(py::module_& m) {
                throw std::invalid_argument("backend must be 'cpu' or 'cuda'");
              return std::make_shared<CopyEngine>(std::move(b), std::move(staging), depth);
            }),
-           py::kw_only(), py::arg("backend"), py::arg("device") = 0, py::arg("depth") = 2, py::arg("staging"))
+           py::kw_only(), py::arg("backend"), py::arg("device") = 0, py::arg("depth") = 2, py::arg("staging").none(false))
       .def(
           "submit",
           [](CopyEngine& e, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& segments, uintptr_t stream,

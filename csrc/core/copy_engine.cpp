@@ -116,6 +116,7 @@ std::unique_ptr<CopyBackend> make_cuda_copy_backend(int device, size_t depth) {
 CopyEngine::CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<SlotPool> staging, size_t depth)
     : backend_(std::move(backend)), staging_(std::move(staging)), pid_(::getpid()) {
   if (depth < 1) throw std::invalid_argument("depth must be >= 1");
+  if (!staging_ || staging_->num_fields() < 1) throw std::invalid_argument("staging must be a SlotPool with a field");
   ring_.resize(depth);
   thread_ = std::thread([this] { thread_loop(); });
 }

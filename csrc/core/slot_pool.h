@@ -61,6 +61,7 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   size_t created() const;
   size_t free_count() const;
   bool pinned() const noexcept { return alloc_->pinned(); }
+  size_t num_fields() const noexcept { return num_fields_; }
 
  private:
   void give_back(Slot* s) noexcept;

@@ -213,9 +213,9 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         prev = self._active() if self._active is not None else None
         if prev is not None:
-            prev.close()  # like torch: a new iter() ends the previous one
+            prev.close()  # a new iter() ends the previous one (torch's own iterators manage themselves)
         it = self._iter_native() if self._native else self._iter_torch()
-        self._active = weakref.ref(it)
+        self._active = weakref.ref(it) if isinstance(it, _LoaderIterator) else None
         return it
 
     def _new_stage(self, device: torch.device | None, pool: Any) -> _transfer.DeviceStage:
@@ -225,8 +225,10 @@ class DataLoader:
     def _iter_torch(self) -> Any:
         assert self._inner is not None
         source = iter(self._inner)
-        if not self._stages:
-            return source  # torch's own iterator: nothing is added
+        if not self._stages or (self.device is None and not self._staging().pinned):
+            # Nothing to add: no device, and no pinned memory to stage into (no driver:
+            # warned once) -- a pageable staging copy would only cost time.
+            return source
         stage = self._new_stage(self.device, self._staging())
         gen = _transfer.staged(source, stage, stage.submit_tree)
         return _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
@@ -261,6 +263,8 @@ class DataLoader:
         if batched and self.collate_fn is None:
             if self.device is None and (not self.pin_memory or hasattr(src, "next_host")):
                 gen: Iterator[Any] = src  # batches collated in the (pinned) slots: nothing to add
+            elif self.device is None and not self._staging().pinned:
+                gen = src  # no driver (warned once): nothing to pin into
             elif self.device is None:
                 # ParquetDataset collates in its own pageable buffers: pin by staging.
                 stage = self._new_stage(None, self._staging())
@@ -276,7 +280,7 @@ class DataLoader:
             # Per-sample semantics (batch_size=None, or a collate_fn over the list of samples),
             # on the host; the results are then staged like any batch.
             items = _samples(src, ds, self.batch_size, self.collate_fn)
-            if self.device is not None or (self.pin_memory and self.collate_fn is not None):
+            if self.device is not None or (self.pin_memory and self.collate_fn is not None and self._staging().pinned):
                 stage = self._new_stage(self.device, self._staging())
                 gen = _transfer.staged(items, stage, stage.submit_tree)
             else:

@@ -1,98 +1,295 @@
 """GPU-side measurements for benchmarks/gpu_check.sh, printed as one short table.
 
-(a) host-to-device GB/s: torch pinned `copy_(non_blocking=True)`, torch pageable, and
-    pyloader batches (pyloader's own pinned ring and copy engine are the DataLoader
-    issue's work; until then its batches are pageable and copied by torch);
-(b) busy fraction of a synthetic training step (a fixed chain of matmuls of about 5 ms)
-    fed by pyloader vs torch's DataLoader (pin_memory=True, best num_workers), on 12 KB
-    and 150 KB record datasets: busy = GPU time of the steps / wall time of the loop,
-    with GPU time taken from CUDA events around each step.
+(a) Host-to-device GB/s, 64 MB segments, interleaved rounds (median):
+      raw torch  ``dst.copy_(src, non_blocking=True)`` from a pinned source, and from a
+                 pageable one;
+      engine     pyloader's copy engine driven directly (``_C.CopyEngine``; sources are
+                 batches collated into a pinned ``_C.SlotPool(pinned=True)``, destinations
+                 preallocated), and through ``_transfer.DeviceStage.submit_host`` (fresh
+                 destinations from torch's caching allocator, as the loader does);
+      loader     ``pyloader.DataLoader(ShardDataset, device="cuda", num_workers=cores)``
+                 over 1 MB records, 64 MB batches: bytes delivered / wall time (reading
+                 the page cache and collating into pinned slots included);
+    and each pyloader figure over raw pinned (target >= 0.9 for the engine).
+(b) GPU busy fraction of a synthetic step (a fixed chain of bf16 matmuls calibrated to
+    ~5 ms) fed by pyloader (device="cuda", num_workers = cores) vs torch's DataLoader
+    (pin_memory=True, the best of a few num_workers, batches moved with
+    ``.to(non_blocking=True)``), on 12 KB and 150 KB record datasets, batch 256:
+    busy = sum of the steps' GPU times (CUDA events) / wall time of the loop.
 
-    python benchmarks/gpu_bench.py [--device cuda] [--json FILE]
-`--device cpu` runs the same code paths without a GPU (for checking the script).
+    python benchmarks/gpu_bench.py [--device cuda|cpu] [--quick] [--json FILE]
+
+``--device cpu`` runs the same code paths without a GPU (pyloader with device="cpu", the
+engine's CPU backend, pageable memory, perf_counter instead of CUDA events) to check the
+script; its figures mean nothing for a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import torch
+import torch.utils.data
 
 import pyloader
+from pyloader import _C, _transfer
 from pyloader import _bench as B
 
 
-def h2d(device: str, nbytes: int = 256 << 20, reps: int = 10) -> dict[str, float]:
-    out = {}
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for name, pin in (("torch_pinned", True), ("torch_pageable", False)):
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        if pin and device.startswith("cuda"):
-            src = src.pin_memory()
-        dst.copy_(src, non_blocking=True)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dst.copy_(src, non_blocking=True)
-        _sync(device)
-        out[name] = reps * nbytes / (time.perf_counter() - t0) / 1e9
+class Ctx:
+    """The target device and how to time on it."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            dev = torch.device(device)
+            self.dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+            torch.cuda.set_device(self.dev)
+        else:
+            self.dev = torch.device("cpu")
+        self.index = (self.dev.index or 0) if self.cuda else 0
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    def stream_handle(self) -> int:
+        return int(torch.cuda.current_stream(self.dev).cuda_stream) if self.cuda else 0
+
+    def host_pool(self, num_fields: int) -> Any:
+        """Pinned slots on a GPU machine; pageable (no warning) for --device cpu."""
+        if self.cuda:
+            return _C.SlotPool(num_fields=num_fields, pinned=True, device=self.index)
+        return _C.SlotPool(num_fields=num_fields)
+
+
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    names = list(variants)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(variants[name]())
     return out
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+# -- (a) host-to-device bandwidth ----------------------------------------------------------
+def write_big_dataset(path: str, record_bytes: int, records: int) -> None:
+    base = (np.arange(record_bytes, dtype=np.uint32) % 251).astype(np.uint8)
+    with pyloader.ShardWriter(path, {"payload": ("uint8", (record_bytes,)), "label": ("int64", ())},
+                              compression="none", shard_bytes=256 << 20, overwrite=True) as w:
+        for i in range(records):
+            base[:8] = i % 256
+            w.write({"payload": base, "label": i})
 
 
-def make_step(device: str, target_ms: float = 5.0):
-    """A fixed chain of matmuls calibrated to take about target_ms on this device."""
-    n = 2048 if device.startswith("cuda") else 256
-    w = torch.randn(n, n, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    rec = args.record_bytes
+    per_batch = max(1, args.segment_bytes // rec)
+    seg = per_batch * rec
+    reps = max(4, int(args.h2d_bytes // seg))
+    total = reps * seg
+    path = os.path.join(tmp, "big")
+    write_big_dataset(path, rec, args.big_records)
+    ds = pyloader.ShardDataset(path)
+    threads = os.cpu_count() or 1
+
+    # Sources for the engine: batches collated by the native pipeline into a pinned slot pool.
+    src_pool = ctx.host_pool(len(ds.fields))
+    it = ds.batches(per_batch, num_threads=min(4, threads), pool=src_pool)
+    nsrc = 3
+    srcs = [it.next_host() for _ in range(nsrc)]
+    it.close()
+    assert all(t["payload"].nbytes == seg for _, t in srcs)
+
+    def torch_copy(pinned: bool) -> Callable[[], float]:
+        src = torch.empty(seg, dtype=torch.uint8, pin_memory=pinned and ctx.cuda)
+        src.fill_(7)
+        dst = torch.empty(seg, dtype=torch.uint8, device=ctx.dev)
+
+        def run() -> float:
+            ctx.sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dst.copy_(src, non_blocking=True)
+            ctx.sync()
+            return time.perf_counter() - t0
+        return run
+
+    depth = args.depth
+    staging = ctx.host_pool(1)
+
+    def engine_direct() -> float:
+        eng = _C.CopyEngine(backend="cuda" if ctx.cuda else "cpu", device=ctx.index, depth=depth, staging=staging)
+        dsts = [torch.empty(seg, dtype=torch.uint8, device=ctx.dev) for _ in range(depth)]
+        stream = ctx.stream_handle()
+        tickets: collections.deque[int] = collections.deque()
+        ctx.sync()
+        t0 = time.perf_counter()
+        for j in range(reps):
+            if len(tickets) == depth:
+                eng.take(tickets.popleft(), stream=stream)
+            host, tensors = srcs[j % nsrc]
+            x = tensors["payload"]
+            tickets.append(eng.submit([(x.data_ptr(), dsts[j % depth].data_ptr(), x.nbytes)], stream=stream,
+                                      source=host))
+        while tickets:
+            eng.take(tickets.popleft(), stream=stream)
+        ctx.sync()
+        dt = time.perf_counter() - t0
+        eng.close()
+        return dt
+
+    def engine_stage() -> float:
+        stage = _transfer.DeviceStage(ctx.dev, pin=ctx.cuda, depth=depth, staging_pool=staging)
+        items = ((h, {"payload": t["payload"]}) for h, t in (srcs[j % nsrc] for j in range(reps)))
+        ctx.sync()
+        t0 = time.perf_counter()
+        for b in _transfer.staged(items, stage, lambda item: stage.submit_host(*item)):
+            assert b["payload"].device == ctx.dev
+        ctx.sync()
+        return time.perf_counter() - t0
+
+    loader = pyloader.DataLoader(ds, batch_size=per_batch, num_workers=threads, device=ctx.dev)
+    epoch_bytes = len(ds) * (rec + 8)
+    epochs = max(1, int(round(args.h2d_bytes / epoch_bytes)))
+    loader_bytes = [0]
+
+    def run_loader() -> float:
+        n = 0
+        ctx.sync()
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            for b in loader:
+                n += b["payload"].nbytes + b["label"].nbytes
+        ctx.sync()
+        loader_bytes[0] = n
+        return time.perf_counter() - t0
+
+    variants = {"raw_pinned": torch_copy(True), "raw_pageable": torch_copy(False), "engine_direct": engine_direct,
+                "engine_stage": engine_stage, "loader": run_loader}
+    for fn in variants.values():  # warm-up: pools, contexts, checksums, caching allocator
+        fn()
+    raw = interleaved(variants, args.rounds)
+    bytes_of = {k: (loader_bytes[0] if k == "loader" else total) for k in raw}
+    gbps = {k: bytes_of[k] / med(v) / 1e9 for k, v in raw.items()}
+    ratios = {k: med([bytes_of[k] / a / (total / b) for a, b in zip(raw[k], raw["raw_pinned"])])
+              for k in ("engine_direct", "engine_stage", "loader", "raw_pageable")}
+    return {"segment_bytes": seg, "reps": reps, "record_bytes": rec, "records": len(ds), "loader_epochs": epochs,
+            "loader_threads": threads, "sources_pinned": bool(src_pool.pinned), "seconds": raw, "bytes": bytes_of,
+            "gbps": gbps, "over_raw_pinned": ratios, "loader_pool_slots": loader._pool.created,
+            "loader_stats": loader.stats()}
+
+
+# -- (b) busy fraction of a synthetic step -------------------------------------------------
+def make_step(ctx: Ctx, target_ms: float) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, Any]]:
+    """A fixed chain of k matmuls (bf16 4096^2 on a GPU) with k calibrated to ~target_ms."""
+    n, dtype = (4096, torch.bfloat16) if ctx.cuda else (256, torch.float32)
+    g = torch.Generator(device=ctx.dev).manual_seed(0)
+    w = (torch.randn(n, n, device=ctx.dev, generator=g) / n ** 0.5).to(dtype)
 
     def chain(k: int) -> torch.Tensor:
-        x = w
+        y = w
         for _ in range(k):
-            x = x @ w
-        return x
+            y = y @ w
+        return y
 
-    chain(2)
-    _sync(device)
-    k = 1
-    while True:
-        t0 = time.perf_counter()
-        chain(k)
-        _sync(device)
-        if (time.perf_counter() - t0) * 1e3 >= target_ms or k > 1 << 16:
+    def gpu_ms(fn: Callable[[], Any], reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            if ctx.cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return med(times)
+
+    # Warm up first (clocks ramp from idle, cuBLAS picks its kernels), then refine k until
+    # the chain takes target_ms within 10%.
+    t_end = time.perf_counter() + 0.3
+    while time.perf_counter() < t_end:
+        chain(8)
+        ctx.sync()
+    probe = 32 if ctx.cuda else 8
+    per_mm = gpu_ms(lambda: chain(probe), 5) / probe
+    k = max(1, int(round(target_ms / per_mm)))
+    for _ in range(4):
+        ms = gpu_ms(lambda: chain(k), 5)
+        if abs(ms - target_ms) <= 0.1 * target_ms:
             break
-        k *= 2
-    return lambda batch: chain(k) + batch.float().mean()
+        k = max(1, int(round(k * target_ms / ms)))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        # The step reads its whole batch on a GPU (~0.1 ms for 40 MB); on the CPU that would
+        # swamp the 5 ms chain, so --device cpu reads a slice.
+        xs = x if ctx.cuda else x.reshape(-1)[:65536]
+        return chain(k).float().mean() + xs.float().mean()
+
+    info = {"matmul_n": n, "dtype": str(dtype), "k": k, "matmul_ms_probe": per_mm,
+            "chain_ms": gpu_ms(lambda: chain(k), 5)}
+    return step, info
 
 
-def busy_fraction(loader, device: str, step, steps: int) -> float:
-    is_cuda = device.startswith("cuda")
-    events = []
-    it = iter(loader)
-    first = next(it)
-    x = first[next(iter(first))] if isinstance(first, dict) else first[0]
-    step(x.to(device, non_blocking=True))
-    _sync(device)
-    t0 = time.perf_counter()
-    busy_cpu = 0.0
-    n = 0
-    while n < steps:
+def payload(batch: Any) -> Any:
+    return next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+
+
+def busy_fraction(ctx: Ctx, loader: Any, step: Callable[[torch.Tensor], torch.Tensor], steps: int, warm: int,
+                  move: bool) -> dict[str, float]:
+    """Runs warm + steps training steps over the loader (a new epoch whenever one ends);
+    busy = GPU time of the timed steps / their wall time."""
+    state: dict[str, Iterator[Any]] = {"it": iter(loader)}
+    epochs = [1]
+
+    def next_batch() -> Any:
         try:
-            batch = next(it)
+            return next(state["it"])
         except StopIteration:
-            it = iter(loader)
-            continue
-        x = batch[next(iter(batch))] if isinstance(batch, dict) else batch[0]
-        x = x.to(device, non_blocking=True)
-        if is_cuda:
+            state["it"] = iter(loader)
+            epochs[0] += 1
+            return next(state["it"])
+
+    def to_device(batch: Any) -> Any:
+        if not move:
+            return batch
+        if isinstance(batch, dict):
+            return {k: v.to(ctx.dev, non_blocking=True) for k, v in batch.items()}
+        return [v.to(ctx.dev, non_blocking=True) for v in batch]
+
+    for _ in range(warm):
+        step(payload(to_device(next_batch())))
+    ctx.sync()
+    events = []
+    busy_cpu = 0.0
+    samples = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = to_device(next_batch())
+        x = payload(batch)
+        samples += int(x.shape[0])
+        if ctx.cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             step(x)
@@ -102,60 +299,175 @@ def busy_fraction(loader, device: str, step, steps: int) -> float:
             c0 = time.perf_counter()
             step(x)
             busy_cpu += time.perf_counter() - c0
-        n += 1
-    _sync(device)
+    ctx.sync()
     wall = time.perf_counter() - t0
-    busy = sum(s.elapsed_time(e) for s, e in events) / 1e3 if is_cuda else busy_cpu
-    return busy / wall
+    busy = sum(s.elapsed_time(e) for s, e in events) / 1e3 if ctx.cuda else busy_cpu
+    close = getattr(state["it"], "close", None)
+    if close is not None:
+        close()
+    return {"busy": busy / wall, "wall_s": wall, "busy_s": busy, "samples_per_s": samples / wall,
+            "epochs": epochs[0]}
+
+
+def shm_free() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def busy(ctx: Ctx, args: argparse.Namespace, tmp: str, step: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    out: dict[str, Any] = {}
+    threads = os.cpu_count() or 1
+    for pname, n in args.busy_profiles:
+        p = B.PROFILES[pname]
+        path = os.path.join(tmp, pname)
+        recs = B.write_profile_dataset(path, p, n, compression="none")
+        npy = path + ".npy"
+        np.save(npy, recs)
+        shape, dtype = recs.shape, str(recs.dtype)
+        del recs
+        ds = pyloader.ShardDataset(path, shuffle=True)
+        ldr = pyloader.DataLoader(ds, batch_size=args.batch, num_workers=threads, device=ctx.dev)
+        r: dict[str, Any] = {"records": n, "record_bytes": p.record_bytes, "batch_size": args.batch}
+        try:
+            r["pyloader"] = busy_fraction(ctx, ldr, step, args.steps, args.warm, move=False)
+            r["pyloader"].update(num_workers=threads, pool_slots=ldr._pool.created)
+            print(f"  {pname} pyloader: busy {100 * r['pyloader']['busy']:.1f}%", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - reported; torch's side still runs
+            traceback.print_exc()
+            r["pyloader"] = {"error": repr(e)}
+        del ldr
+        best: dict[str, Any] | None = None
+        r["torch"] = {}
+        batch_bytes = args.batch * (p.record_bytes + 8)
+        for w in args.torch_workers:
+            # Worker batches travel through /dev/shm: skip what would not fit there.
+            need = 2 * w * 2 * batch_bytes  # workers x prefetch_factor 2, with room to spare
+            if w > 0 and need > shm_free():
+                r["torch"][f"w{w}"] = {"skipped": f"/dev/shm has {shm_free() >> 20} MB free, needs ~{need >> 20} MB"}
+                print(f"  {pname} torch w={w}: skipped ({r['torch'][f'w{w}']['skipped']})", file=sys.stderr)
+                continue
+            try:
+                dl = torch.utils.data.DataLoader(
+                    B.MemmapDataset(npy, shape, dtype), batch_size=args.batch, shuffle=True, num_workers=w,
+                    pin_memory=ctx.cuda, persistent_workers=w > 0, generator=torch.Generator().manual_seed(0))
+                b = busy_fraction(ctx, dl, step, args.steps, args.warm, move=True)
+                del dl
+            except Exception as e:  # noqa: BLE001 - a failed configuration is reported, the rest still runs
+                r["torch"][f"w{w}"] = {"error": repr(e)}
+                print(f"  {pname} torch w={w}: FAILED {e!r}", file=sys.stderr, flush=True)
+                continue
+            b["num_workers"] = w
+            r["torch"][f"w{w}"] = b
+            print(f"  {pname} torch w={w}: busy {100 * b['busy']:.1f}%", file=sys.stderr, flush=True)
+            if best is None or b["busy"] > best["busy"]:
+                best = b
+        r["torch_best"] = best
+        out[pname] = r
+    return out
+
+
+# -- report ----------------------------------------------------------------------------------
+def print_table(res: dict[str, Any]) -> None:
+    where = res.get("gpu", "cpu (script check only)")
+    print(f"\n{where}; torch {res['environment']['torch']}, {res['environment']['cpus']} cpus; "
+          f"medians of {res['config']['rounds']} interleaved rounds")
+    a = res.get("h2d")
+    if a:
+        print(f"\n(a) H2D, {a['segment_bytes'] >> 20} MB segments{'':<14}{'GB/s':>8}{'/raw pinned':>13}")
+        names = {"raw_pinned": "torch copy_, pinned src", "raw_pageable": "torch copy_, pageable src",
+                 "engine_direct": "pyloader engine (_C.CopyEngine)",
+                 "engine_stage": "pyloader DeviceStage.submit_host",
+                 "loader": f"pyloader DataLoader({a['loader_threads']} thr)"}
+        for k, label in names.items():
+            r = a["over_raw_pinned"].get(k)
+            print(f"  {label:<40}{a['gbps'][k]:>8.2f}{'' if r is None else f'{r:>12.2f}x'}")
+        print("  (target: engine / raw pinned >= 0.9)")
+    s = res.get("step")
+    if s and res.get("busy"):
+        print(f"\n(b) busy fraction, step = {s['k']} x {s['matmul_n']}^2 {s['dtype'].split('.')[-1]} matmuls "
+              f"= {s['chain_ms']:.1f} ms, batch {res['config']['batch']}")
+        print(f"  {'records':<10}{'pyloader':>10}{'torch DL':>10}{'  (best num_workers)':<22}"
+              f"{'samples/s py/torch':>19}")
+        for k, v in res["busy"].items():
+            py, tb = v["pyloader"], v["torch_best"]
+            py_s = f"{100 * py['busy']:>9.1f}%" if "busy" in py else f"{'FAILED':>10}"
+            tb_s = f"{100 * tb['busy']:>9.1f}%  (w={tb['num_workers']:<3})" if tb else f"{'n/a':>10}  (none ran)"
+            ratio = f"{py['samples_per_s'] / tb['samples_per_s']:>10.2f}x" if tb and "busy" in py else ""
+            print(f"  {k:<10}{py_s}{tb_s:<22}{'':<2}{ratio:>17}")
+    for name, err in res.get("errors", {}).items():
+        print(f"\n({name} FAILED: {err})")
+    print(f"\n({res['wall_s']:.0f} s)")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="small sizes (script check)")
+    ap.add_argument("--steps", type=int, help="timed steps per busy-fraction run")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds for the H2D figures")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu to check the script", file=sys.stderr)
         return 2
-    res: dict = {"environment": B.environment(), "device": args.device}
-    if args.device.startswith("cuda"):
-        res["gpu"] = torch.cuda.get_device_name()
-    res["h2d_gbps"] = h2d(args.device)
-    step = make_step(args.device)
-    res["busy"] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for pname, n in (("image12k", 20000), ("blob150k", 2000)):
-            p = B.PROFILES[pname]
-            path = os.path.join(tmp, pname)
-            recs = B.write_profile_dataset(path, p, n)
-            npy = path + ".npy"
-            import numpy as np
-
-            np.save(npy, recs)
-            ds = pyloader.ShardDataset(path, shuffle=True)
-            threads = min(8, os.cpu_count() or 1)
-            py = busy_fraction(pyloader.DataLoader(ds, batch_size=256, num_workers=threads), args.device, step,
-                               args.steps)
-            best_t, best_w = 0.0, 0
-            for w in (2, 4, 8):
-                dl = torch.utils.data.DataLoader(B.MemmapDataset(npy, recs.shape, str(recs.dtype)), batch_size=256,
-                                                 shuffle=True, num_workers=w, pin_memory=args.device != "cpu",
-                                                 persistent_workers=True)
-                b = busy_fraction(dl, args.device, step, args.steps)
-                if b > best_t:
-                    best_t, best_w = b, w
-            res["busy"][pname] = {"pyloader": py, "torch": best_t, "torch_workers": best_w}
-    print(f"\n{'H2D (256 MB)':<34}{'GB/s':>10}")
-    for k, v in res["h2d_gbps"].items():
-        print(f"  {k:<32}{v:>10.2f}")
-    print(f"\n{'busy fraction, ~5 ms step':<34}{'pyloader':>10}{'torch DL':>10}")
-    for k, v in res["busy"].items():
-        print(f"  {k:<32}{100 * v['pyloader']:>9.1f}%{100 * v['torch']:>9.1f}%  (torch workers={v['torch_workers']})")
+    t_start = time.perf_counter()
+    ctx = Ctx(args.device)
+    q = args.quick or not ctx.cuda
+    args.segment_bytes = 64 << 20 if ctx.cuda else 16 << 20
+    args.record_bytes = 1 << 20 if ctx.cuda else 256 << 10
+    args.big_records = 1024 if ctx.cuda else 256  # 1 GB (64 MB on the CPU)
+    args.h2d_bytes = (4 << 30) if ctx.cuda else (256 << 20)
+    args.depth = 2
+    args.rounds = args.rounds or (5 if ctx.cuda else 2)
+    args.batch = 256
+    if args.steps is None:
+        args.steps = 10 if q else 200
+    args.warm = 5 if q else 20
+    if ctx.cuda:
+        args.busy_profiles = [("image12k", 4000), ("blob150k", 1000)] if args.quick else [("image12k", 20000),
+                                                                                            ("blob150k", 4000)]
+        args.torch_workers = [4, 8] if args.quick else [4, 8, 16]
+    else:
+        args.busy_profiles = [("image12k", 1500), ("blob150k", 300)]
+        args.torch_workers = [0, 2]
+    env = B.environment()
+    env["dev_shm_free_mb"] = shm_free() >> 20
+    res: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "environment": env,
+                           "device": str(ctx.dev)}
+    if ctx.cuda:
+        res["gpu"] = torch.cuda.get_device_name(ctx.dev)
+    with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory(prefix="pyloader-gpu-") as tmp:
+        warnings.simplefilter("always")
+        res["errors"] = {}
+        print("== (a) H2D", file=sys.stderr, flush=True)
+        try:
+            res["h2d"] = h2d(ctx, args, tmp)
+            print("  " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["h2d"]["gbps"].items()), file=sys.stderr,
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - one device call: report it and still run (b)
+            traceback.print_exc()
+            res["errors"]["h2d"] = repr(e)
+        print("== (b) busy fraction", file=sys.stderr, flush=True)
+        try:
+            step, res["step"] = make_step(ctx, 5.0)
+            print(f"  step: {res['step']}", file=sys.stderr, flush=True)
+            res["busy"] = busy(ctx, args, tmp, step)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res["errors"]["busy"] = repr(e)
+    res["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+    res["wall_s"] = time.perf_counter() - t_start
+    print_table(res)
+    if res["warnings"]:
+        print("warnings: " + "; ".join(res["warnings"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+            json.dump(res, f, indent=1, default=str)
+    failed = bool(res["errors"]) or any("error" in v["pyloader"] for v in res.get("busy", {}).values())
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -230,7 +231,7 @@ class DataLoader:
             # warned once) -- a pageable staging copy would only cost time.
             return source
         stage = self._new_stage(self.device, self._staging())
-        gen = _transfer.staged(source, stage, stage.submit_tree)
+        gen = _transfer.Staged(source, stage, stage.submit_tree, go_on_after_error=True)
         return _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
 
     def _iter_native(self) -> _LoaderIterator:
@@ -268,21 +269,22 @@ class DataLoader:
             elif self.device is None:
                 # ParquetDataset collates in its own pageable buffers: pin by staging.
                 stage = self._new_stage(None, self._staging())
-                gen = _transfer.staged(src, stage, stage.submit_tree)
+                gen = _transfer.Staged(src, stage, stage.submit_tree, go_on_after_error=False)
             elif hasattr(src, "next_host"):
                 # Zero-copy: the pinned slot a batch was collated into is the copy's source.
                 stage = dev_stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.staged(_host_batches(src), stage, lambda item: dev_stage.submit_host(*item))
+                gen = _transfer.Staged(_host_batches(src), stage, lambda item: dev_stage.submit_host(*item),
+                                       go_on_after_error=False)
             else:
                 stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.staged(src, stage, stage.submit_tree)
+                gen = _transfer.Staged(src, stage, stage.submit_tree, go_on_after_error=False)
         else:
             # Per-sample semantics (batch_size=None, or a collate_fn over the list of samples),
             # on the host; the results are then staged like any batch.
-            items = _samples(src, ds, self.batch_size, self.collate_fn)
+            items = _Samples(src, ds, self.batch_size, self.collate_fn)
             if self.device is not None or (self.pin_memory and self.collate_fn is not None and self._staging().pinned):
                 stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.staged(items, stage, stage.submit_tree)
+                gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=True)
             else:
                 gen = items
             if not batched:
@@ -410,19 +412,43 @@ def _host_batches(src: Any) -> Iterator[Any]:
         yield item
 
 
-def _samples(src: Any, ds: Any, batch_size: int | None, collate_fn: Callable[[Any], Any] | None) -> Iterator[Any]:
+class _Samples:
     """Per-sample semantics on top of native batches: with ``batch_size=None`` each sample
     (through ``collate_fn`` when given, as torch applies it to single samples); else
-    ``collate_fn(list of the batch's samples)``."""
-    for batch in src:
+    ``collate_fn(list of the batch's samples)``. An exception from ``collate_fn`` leaves
+    the iteration usable (as torch's); one from the native pipeline ends it."""
+
+    def __init__(self, src: Any, ds: Any, batch_size: int | None, collate_fn: Callable[[Any], Any] | None) -> None:
+        self._src = src
+        self._ds = ds
+        self._batch_size = batch_size
+        self._collate_fn = collate_fn
+        self._buf: collections.deque[Any] = collections.deque()
+        self._ended = False
+
+    def __iter__(self) -> _Samples:
+        return self
+
+    def _next_samples(self) -> list[Any]:
+        if self._ended:
+            raise StopIteration
+        try:
+            batch = next(self._src)
+        except BaseException:
+            self._ended = True
+            raise
         rows = next(iter(batch.values())).shape[0]
-        samples = [ds._sample(batch, i) for i in range(rows)]
-        if batch_size is None:
-            for s in samples:
-                yield s if collate_fn is None else collate_fn(s)
-        else:
-            assert collate_fn is not None
-            yield collate_fn(samples)
+        return [self._ds._sample(batch, i) for i in range(rows)]
+
+    def __next__(self) -> Any:
+        fn = self._collate_fn
+        if self._batch_size is None:
+            while not self._buf:
+                self._buf.extend(self._next_samples())
+            sample = self._buf.popleft()
+            return sample if fn is None else fn(sample)
+        assert fn is not None
+        return fn(self._next_samples())
 
 
 class _LoaderIterator:
@@ -440,6 +466,7 @@ class _LoaderIterator:
         self._stage = stage
         self._consumed = consumed if consumed is not None else ConsumedCount()
         self._closed = False
+        self._final_stats: dict[str, Any] | None = None
         self.on_close: Callable[[dict[str, Any]], None] | None = None
 
     def __iter__(self) -> _LoaderIterator:
@@ -464,8 +491,9 @@ class _LoaderIterator:
         if self._closed:
             return
         self._closed = True
+        self._final_stats = self.stats()
         if self.on_close is not None:
-            self.on_close(self.stats())  # the loader keeps the last epoch's figures
+            self.on_close(self._final_stats)  # the loader keeps the last epoch's figures
         gen, self._gen = self._gen, iter(())
         close = getattr(gen, "close", None)
         if close is not None:
@@ -480,6 +508,8 @@ class _LoaderIterator:
             self._stage.close()
 
     def stats(self) -> dict[str, Any]:
+        if self._final_stats is not None:
+            return dict(self._final_stats)
         src = self._source
         s = dict(src.stats()) if isinstance(src, _NATIVE_ITERATORS) else {}
         if self._stage is not None:

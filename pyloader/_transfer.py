@@ -10,6 +10,8 @@ backend, which is how CI exercises the ring, the ordering and the shutdown.
 from __future__ import annotations
 
 import collections
+import collections.abc
+import copy
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,38 +85,59 @@ class _Pending:
 
 
 def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Callable[[list[Any]], Any]:
-    """Collects the CPU tensors of a batch (dicts, lists, tuples, namedtuples) into
-    ``leaves`` and returns a function that rebuilds the batch from replacements."""
+    """Collects the CPU tensors of a batch (mappings, sequences, namedtuples) into
+    ``leaves`` and returns a function that rebuilds the batch from replacements. Container
+    types are kept as torch's ``pin_memory`` keeps them (a copy of a mutable container
+    with its items replaced; else the type rebuilt from its items; else a plain one) --
+    except that a tuple stays a tuple."""
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             return lambda out: obj
         i = len(leaves)
         leaves.append(obj)
         return lambda out: out[i]
-    if isinstance(obj, dict):
+    if isinstance(obj, (str, bytes)):
+        return lambda out: obj
+    if isinstance(obj, collections.abc.Mapping):
         parts = [(k, _flatten(v, leaves)) for k, v in obj.items()]
-        kind = type(obj)
-
-        def build_dict(out: list[Any]) -> Any:
-            d = {k: f(out) for k, f in parts}
-            return d if kind is dict else _remake(kind, d)
-        return build_dict
+        return lambda out: _rebuild_mapping(obj, {k: f(out) for k, f in parts})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         fs = [_flatten(v, leaves) for v in obj]
         return lambda out: type(obj)(*(f(out) for f in fs))
-    if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, leaves) for v in obj]
-        seq_kind = type(obj)
-        return lambda out: (seq_kind(f(out) for f in items) if seq_kind in (list, tuple)
-                            else _remake(seq_kind, [f(out) for f in items]))
+    if isinstance(obj, tuple):
+        fs = [_flatten(v, leaves) for v in obj]
+        return lambda out: _rebuild_sequence(obj, [f(out) for f in fs])
+    if isinstance(obj, collections.abc.Sequence):
+        fs = [_flatten(v, leaves) for v in obj]
+        return lambda out: _rebuild_sequence(obj, [f(out) for f in fs])
     return lambda out: obj
 
 
-def _remake(kind: type, value: Any) -> Any:
+def _rebuild_mapping(obj: Any, items: dict[Any, Any]) -> Any:
+    if type(obj) is dict:
+        return items
     try:
-        return kind(value)
-    except TypeError:  # a subclass that cannot be built from its items (as torch's pin_memory)
-        return value
+        if isinstance(obj, collections.abc.MutableMapping):
+            clone = copy.copy(obj)
+            clone.update(items)
+            return clone
+        return type(obj)(items)
+    except TypeError:  # cannot be copied or built from its items
+        return items
+
+
+def _rebuild_sequence(obj: Any, items: list[Any]) -> Any:
+    if type(obj) in (list, tuple):
+        return type(obj)(items)
+    try:
+        if isinstance(obj, collections.abc.MutableSequence):
+            clone = copy.copy(obj)
+            for i, v in enumerate(items):
+                clone[i] = v
+            return clone
+        return type(obj)(items)
+    except TypeError:
+        return items
 
 
 class DeviceStage:
@@ -192,31 +215,61 @@ class DeviceStage:
         self._engine.close()
 
 
-def staged(source: Iterator[Any], stage: DeviceStage, submit: Callable[[Any], _Pending]) -> Iterator[Any]:
+class Staged:
     """Yields ``source``'s items after the copy engine moved them, ``stage.depth`` ahead.
 
-    An exception from ``source`` is raised (with its own traceback) only after the items
-    before it were delivered, as the loader would without prefetch.
+    An exception from ``source`` is raised (with its own traceback) in its place in the
+    order, after the items before it were delivered. With ``go_on_after_error`` the
+    iteration then continues, as torch's DataLoader iterator does after a failing batch;
+    without it (a native pipeline, which ends at its first error) the iteration ends.
     """
-    pending: collections.deque[_Pending] = collections.deque()
-    done = False
-    error: Exception | None = None
-    try:
-        while True:
-            while not done and len(pending) < stage.depth:
-                try:
-                    item = next(source)
-                except StopIteration:
-                    done = True
-                except Exception as e:  # noqa: BLE001 - delivered in order below
-                    done, error = True, e
-                else:
-                    pending.append(submit(item))
-            if not pending:
-                if error is not None:
-                    raise error
-                return
-            yield stage.take(pending.popleft())
-    finally:
-        pending.clear()
-        stage.close()
+
+    def __init__(self, source: Iterator[Any], stage: DeviceStage, submit: Callable[[Any], _Pending], *,
+                 go_on_after_error: bool) -> None:
+        self._source = source
+        self._stage = stage
+        self._submit = submit
+        self._go_on = go_on_after_error
+        self._pending: collections.deque[_Pending | Exception] = collections.deque()
+        self._done = False
+        self._closed = False
+
+    def __iter__(self) -> Staged:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        while not self._done and len(self._pending) < self._stage.depth:
+            try:
+                item = next(self._source)
+            except StopIteration:
+                self._done = True
+            except Exception as e:  # noqa: BLE001 - delivered in order below
+                self._pending.append(e)
+                self._done = not self._go_on
+            else:
+                self._pending.append(self._submit(item))
+        if not self._pending:
+            self.close()
+            raise StopIteration
+        p = self._pending.popleft()
+        if isinstance(p, Exception):
+            raise p
+        return self._stage.take(p)
+
+    def close(self) -> None:
+        """Stops the engine -- it first waits for every copy already issued -- and only
+        then lets go of the jobs' sources and destinations. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stage.close()
+        self._pending.clear()
+        self._source = iter(())
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass

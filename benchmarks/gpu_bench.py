@@ -161,7 +161,7 @@ def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
         items = ((h, {"payload": t["payload"]}) for h, t in (srcs[j % nsrc] for j in range(reps)))
         ctx.sync()
         t0 = time.perf_counter()
-        for b in _transfer.staged(items, stage, lambda item: stage.submit_host(*item)):
+        for b in _transfer.Staged(items, stage, lambda item: stage.submit_host(*item), go_on_after_error=False):
             assert b["payload"].device == ctx.dev
         ctx.sync()
         return time.perf_counter() - t0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import collections.abc
 import copy
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,7 +36,17 @@ def _warn_pageable(reason: str) -> None:
     if not _warned_pageable:  # one warning per process, as torch's DataLoader does
         _warned_pageable = True
         warnings.warn(f"pyloader: pin_memory needs the CUDA driver ({reason}); batches are staged in "
-                      f"pageable memory instead", RuntimeWarning, stacklevel=4)
+                      f"pageable memory instead", RuntimeWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside pyloader: warnings point at the user's line."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        level += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return level
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device | None:

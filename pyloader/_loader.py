@@ -58,15 +58,19 @@ def _check_common(num_workers: Any, timeout: Any, prefetch_factor: Any, persiste
 
 def _pin_device_index(pin_memory_device: str) -> int:
     """The GPU whose context pins the memory (any GPU can read it: it is portable)."""
-    if not pin_memory_device:
-        return 0
-    try:
-        dev = torch.device(pin_memory_device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type != "cuda":
-        raise ValueError(f"pin_memory_device={pin_memory_device!r}: pyloader pins memory for 'cuda[:N]' only")
-    return dev.index or 0
+    dev = None
+    if pin_memory_device:
+        try:
+            dev = torch.device(pin_memory_device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type != "cuda":
+            raise ValueError(f"pin_memory_device={pin_memory_device!r}: pyloader pins memory for 'cuda[:N]' only")
+        if dev.index is not None:
+            return dev.index
+    # As torch pins: in the current device's context, so that each rank of a job (after
+    # torch.cuda.set_device(local_rank)) touches only its own GPU.
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 class DataLoader:
@@ -220,8 +224,9 @@ class DataLoader:
         return it
 
     def _new_stage(self, device: torch.device | None, pool: Any) -> _transfer.DeviceStage:
-        return _transfer.DeviceStage(device, pin=self.pin_memory, depth=self.device_prefetch, timeout=self.timeout,
-                                     staging_pool=pool)
+        # No timeout on the engine: `timeout` bounds waiting for data (as torch's bounds
+        # waiting for workers), not waiting for the GPU to finish the loop's own work.
+        return _transfer.DeviceStage(device, pin=self.pin_memory, depth=self.device_prefetch, staging_pool=pool)
 
     def _iter_torch(self) -> Any:
         assert self._inner is not None
@@ -232,7 +237,9 @@ class DataLoader:
             return source
         stage = self._new_stage(self.device, self._staging())
         gen = _transfer.Staged(source, stage, stage.submit_tree, go_on_after_error=True)
-        return _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
+        it = _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
+        it.fence = self._fence(stage)
+        return it
 
     def _iter_native(self) -> _LoaderIterator:
         ds = self.dataset
@@ -291,7 +298,16 @@ class DataLoader:
                 length = len(ds)
         it = _LoaderIterator(gen, length, src, stage, consumed=consumed)
         it.on_close = self._keep_stats
+        it.fence = self._fence(stage)
         return it
+
+    def _fence(self, stage: _transfer.DeviceStage | None) -> _transfer.PinnedFence | None:
+        """A fence when the loop receives batches in pyloader's pinned memory and could
+        queue GPU copies from them (NOTE [pinned batch fence])."""
+        if self.device is not None or not torch.cuda.is_available():
+            return None
+        pinned = stage.pinned if stage is not None else self._native and self._pool.pinned
+        return _transfer.PinnedFence() if pinned else None
 
     def _staging(self) -> Any:
         if self._staging_pool is None:
@@ -467,6 +483,7 @@ class _LoaderIterator:
         self._consumed = consumed if consumed is not None else ConsumedCount()
         self._closed = False
         self._final_stats: dict[str, Any] | None = None
+        self.fence: _transfer.PinnedFence | None = None
         self.on_close: Callable[[dict[str, Any]], None] | None = None
 
     def __iter__(self) -> _LoaderIterator:
@@ -484,6 +501,8 @@ class _LoaderIterator:
             self.close()
             raise
         self._consumed.batches += 1
+        if self.fence is not None:
+            self.fence.hold(item)  # NOTE [pinned batch fence]
         return item
 
     def close(self) -> None:
@@ -506,6 +525,8 @@ class _LoaderIterator:
         self._source = None
         if self._stage is not None:
             self._stage.close()
+        if self.fence is not None:
+            self.fence.release()
 
     def stats(self) -> dict[str, Any]:
         if self._final_stats is not None:

@@ -96,7 +96,8 @@ class _Pending:
         self.build = build
 
 
-def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Callable[[list[Any]], Any]:
+def _flatten(obj: Any, leaves: list[torch.Tensor],
+             other_layout: Callable[[torch.Tensor], Any] = lambda t: t) -> Callable[[list[Any]], Any]:
     """Collects the CPU tensors of a batch (mappings, sequences, namedtuples) into
     ``leaves`` and returns a function that rebuilds the batch from replacements. Container
     types are kept as torch's ``pin_memory`` keeps them (a copy of a mutable container
@@ -105,22 +106,25 @@ def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Callable[[list[Any]], Any]
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             return lambda out: obj
+        if obj.layout != torch.strided:
+            moved = other_layout(obj)
+            return lambda out: moved
         i = len(leaves)
         leaves.append(obj)
         return lambda out: out[i]
     if isinstance(obj, (str, bytes)):
         return lambda out: obj
     if isinstance(obj, collections.abc.Mapping):
-        parts = [(k, _flatten(v, leaves)) for k, v in obj.items()]
+        parts = [(k, _flatten(v, leaves, other_layout)) for k, v in obj.items()]
         return lambda out: _rebuild_mapping(obj, {k: f(out) for k, f in parts})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        fs = [_flatten(v, leaves) for v in obj]
+        fs = [_flatten(v, leaves, other_layout) for v in obj]
         return lambda out: type(obj)(*(f(out) for f in fs))
     if isinstance(obj, tuple):
-        fs = [_flatten(v, leaves) for v in obj]
+        fs = [_flatten(v, leaves, other_layout) for v in obj]
         return lambda out: _rebuild_sequence(obj, [f(out) for f in fs])
     if isinstance(obj, collections.abc.Sequence):
-        fs = [_flatten(v, leaves) for v in obj]
+        fs = [_flatten(v, leaves, other_layout) for v in obj]
         return lambda out: _rebuild_sequence(obj, [f(out) for f in fs])
     return lambda out: obj
 
@@ -189,8 +193,9 @@ class DeviceStage:
         """Any batch structure: its CPU tensors are packed into a staging slot by the engine
         thread, then copied to the device (or returned as the pinned copies)."""
         leaves: list[torch.Tensor] = []
-        build = _flatten(batch, leaves)
-        srcs = [t.contiguous() for t in leaves]
+        build = _flatten(batch, leaves, self._other_layout)
+        # Lazy conjugate/negative views must be materialised: the engine copies raw bytes.
+        srcs = [t.resolve_conj().resolve_neg().contiguous() for t in leaves]
         stream = self._stream()
         if self.device is not None:
             outs: list[Any] = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in srcs]
@@ -200,6 +205,16 @@ class DeviceStage:
             segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
         ticket = self._engine.submit(segs, stream=stream, stage=True, timeout=self.timeout)
         return _Pending(ticket, stream, outs, srcs, build)
+
+    def _other_layout(self, t: torch.Tensor) -> torch.Tensor:
+        """Sparse and other non-strided tensors: moved by torch (the engine copies flat bytes)."""
+        if self.device is not None:
+            return t.to(self.device)
+        return t.pin_memory() if self.pinned else t
+
+    def consumed(self, p: _Pending) -> bool:
+        """Whether the engine has consumed ``p``'s ticket (a take() that raised may not have)."""
+        return bool(self._engine.taken > p.ticket)
 
     def take(self, p: _Pending) -> Any:
         stream = self._stream()
@@ -245,6 +260,7 @@ class Staged:
         self._pending: collections.deque[_Pending | Exception] = collections.deque()
         self._done = False
         self._closed = False
+        self._unsubmitted: tuple[Any] | None = None  # an item read but not yet accepted by the engine
 
     def __iter__(self) -> Staged:
         return self
@@ -253,22 +269,41 @@ class Staged:
         if self._closed:
             raise StopIteration
         while not self._done and len(self._pending) < self._stage.depth:
+            if self._unsubmitted is None:
+                try:
+                    self._unsubmitted = (next(self._source),)
+                except StopIteration:
+                    self._done = True
+                    break
+                except Exception as e:  # noqa: BLE001 - delivered in order below
+                    self._pending.append(e)
+                    self._done = not self._go_on
+                    continue
             try:
-                item = next(self._source)
-            except StopIteration:
-                self._done = True
-            except Exception as e:  # noqa: BLE001 - delivered in order below
-                self._pending.append(e)
-                self._done = not self._go_on
-            else:
-                self._pending.append(self._submit(item))
+                p = self._submit(self._unsubmitted[0])
+            except Exception as e:  # noqa: BLE001 - e.g. device out of memory: this item fails, in order
+                p = e
+            # A KeyboardInterrupt while waiting for room keeps the item for the next call.
+            self._unsubmitted = None
+            self._pending.append(p)
         if not self._pending:
             self.close()
             raise StopIteration
-        p = self._pending.popleft()
-        if isinstance(p, Exception):
-            raise p
-        return self._stage.take(p)
+        head = self._pending[0]
+        if isinstance(head, Exception):
+            self._pending.popleft()
+            raise head
+        try:
+            out = self._stage.take(head)
+        except BaseException:
+            # Interrupted or timed out while waiting: the job is still the engine's next
+            # one, so it stays queued (its buffers alive) for the next call. A job that
+            # failed was consumed.
+            if self._stage.consumed(head):
+                self._pending.popleft()
+            raise
+        self._pending.popleft()
+        return out
 
     def close(self) -> None:
         """Stops the engine -- it first waits for every copy already issued -- and only
@@ -278,6 +313,7 @@ class Staged:
         self._closed = True
         self._stage.close()
         self._pending.clear()
+        self._unsubmitted = None
         self._source = iter(())
 
     def __del__(self) -> None:
@@ -285,3 +321,50 @@ class Staged:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+class PinnedFence:
+    """Keeps delivered pinned batches alive until the GPU has read them.
+
+    NOTE [pinned batch fence]: a batch in pinned memory handed to the training loop may be
+    the source of a copy the loop queues itself (``batch["x"].cuda(non_blocking=True)``).
+    torch guards its own pinned blocks with an event recorded at such a copy; memory it did
+    not allocate gets no such guard, so once the loop drops the batch its slot could be
+    refilled by the next collation while the copy still waits in the stream. The loader
+    therefore holds each delivered batch until an event, recorded on the loop's current
+    stream when the next batch is taken (after every copy queued from this one on that
+    stream), has completed; at most ``limit`` batches are held (the oldest is waited for).
+    Copies queued on another stream must be synchronised by the caller.
+    """
+
+    def __init__(self, limit: int = 4, event: Callable[[], Any] | None = None) -> None:
+        self._limit = limit
+        self._event = event if event is not None else _cuda_event
+        self._held: collections.deque[list[Any]] = collections.deque()  # [event or None, batch]
+
+    def hold(self, batch: Any) -> None:
+        if self._held:
+            self._held[-1][0] = self._event()  # after every copy queued from the previous batch
+        while self._held and self._held[0][0] is not None:
+            ev = self._held[0][0]
+            if not ev.query():
+                if len(self._held) < self._limit:
+                    break
+                ev.synchronize()
+            self._held.popleft()
+        self._held.append([None, batch])
+
+    def release(self) -> None:
+        """Waits for the copies queued so far, then lets every held batch go."""
+        if self._held:
+            self._event().synchronize()
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def _cuda_event() -> Any:
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream())
+    return ev

@@ -43,7 +43,9 @@ void register_copy(py::module_& m) {
       "cuda_driver_error",
       []() -> py::object {
         std::string why;
-        if (cuda::driver(&why)) return py::none();
+        // The first call loads the driver and runs cuInit, which can take a while.
+        const cuda::Driver* d = without_gil([&] { return cuda::driver(&why); });
+        if (d) return py::none();
         return py::str(why);
       },
       "None when the CUDA driver (libcuda.so.1) loaded and sees a device, else why not.");
@@ -69,7 +71,7 @@ void register_copy(py::module_& m) {
             job.stage = stage;
             job.segments.reserve(segments.size());
             for (const auto& [src, dst, bytes] : segments) {
-              if (!stage && dst == 0) throw std::invalid_argument("a segment without a destination needs stage=True");
+              if (!stage && dst == 0 && bytes) throw std::invalid_argument("a segment without a destination needs stage=True");
               if (bytes && src == 0) throw std::invalid_argument("a segment has a null source");
               job.segments.push_back({reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(dst), bytes});
             }
@@ -105,6 +107,7 @@ void register_copy(py::module_& m) {
           "(None for the others); else None.")
       .def("close", [](CopyEngine& e) { without_gil([&] { e.close(); }); })
       .def_property_readonly("depth", &CopyEngine::depth)
+      .def_property_readonly("taken", &CopyEngine::taken)
       .def_property_readonly("backend", [](const CopyEngine& e) { return std::string(e.backend_name()); })
       .def("counters", [](const CopyEngine& e) {
         const auto& c = e.counters();

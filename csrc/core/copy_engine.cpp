@@ -202,7 +202,7 @@ CopyEngine::Wait CopyEngine::take(uint64_t ticket, uintptr_t stream, int64_t tim
     counters_.take_wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return Wait::kTimeout;
   }
-  if (issued_ <= ticket) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine was closed while waiting");
+  if (stop_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine was closed while waiting");
   Entry& e = ring_[size_t(ticket % ring_.size())];
   ++taken_;
   std::exception_ptr err = e.error;
@@ -282,6 +282,12 @@ void CopyEngine::thread_loop() {
           run_job(e, m);
         } catch (...) {
           err = std::current_exception();
+          // Copies queued before the failing one may still run: let them finish before
+          // the consumer hears of the error and releases the destinations.
+          try {
+            backend_->sync_all();
+          } catch (...) {
+          }
         }
       }
       counters_.issue_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);

@@ -116,6 +116,11 @@ class CopyEngine {
   void close();
 
   size_t depth() const noexcept { return ring_.size(); }
+  // Jobs taken so far: a take() that threw consumed its ticket iff this passed it.
+  uint64_t taken() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return taken_;
+  }
   const char* backend_name() const noexcept { return backend_->name(); }
   const CopyCounters& counters() const noexcept { return counters_; }
 

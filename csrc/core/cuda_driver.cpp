@@ -76,6 +76,11 @@ Loaded load() {
 
 const Driver* driver(std::string* why) {
   static Loaded* loaded = new Loaded(load());  // leaked: usable by destructors at exit
+  static const pid_t loaded_pid = ::getpid();
+  if (loaded->ok && ::getpid() != loaded_pid) {
+    if (why) *why = "the CUDA driver was initialised before this process forked; it cannot be used in a forked child";
+    return nullptr;
+  }
   if (!loaded->ok) {
     if (why) *why = loaded->why;
     return nullptr;

@@ -1,0 +1,162 @@
+"""Staging details of pyloader._transfer: interrupted takes, empty fields, lazy views,
+non-strided tensors, and the pinned batch fence's bookkeeping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import pyloader
+from pyloader import _C, _transfer
+
+
+class _Map(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1000,), i, dtype=torch.int64)
+
+
+class _InterruptOnce:
+    """A DeviceStage whose first take() is interrupted before the engine consumed the job,
+    as a Ctrl-C (or a timeout) arriving while take() waits leaves it."""
+
+    def __init__(self, stage: _transfer.DeviceStage) -> None:
+        self._stage = stage
+        self.depth = stage.depth
+        self.interrupted = False
+
+    def submit_tree(self, batch: Any) -> Any:
+        return self._stage.submit_tree(batch)
+
+    def take(self, p: Any) -> Any:
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return self._stage.take(p)
+
+    def consumed(self, p: Any) -> bool:
+        return self._stage.consumed(p)
+
+    def close(self) -> None:
+        self._stage.close()
+
+
+def test_an_interrupted_take_loses_no_batch() -> None:
+    source = iter(torch.utils.data.DataLoader(_Map(40), batch_size=4))
+    stage = _InterruptOnce(_transfer.DeviceStage(torch.device("cpu"), pin=False, depth=2))
+    staged = _transfer.Staged(source, stage, stage.submit_tree, go_on_after_error=True)  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):
+        next(staged)
+    got = [b[:, 0].tolist() for b in staged]
+    assert stage.interrupted
+    assert got == [[4 * k + j for j in range(4)] for k in range(10)]
+
+
+def test_a_failed_submit_takes_its_place_and_iteration_goes_on() -> None:
+    stage = _transfer.DeviceStage(torch.device("cpu"), pin=False, depth=2)
+    calls = [0]
+
+    def submit(item: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise MemoryError("no room for batch 2")
+        return stage.submit_tree(item)
+
+    staged = _transfer.Staged(iter([torch.full((3,), k) for k in range(5)]), stage, submit, go_on_after_error=True)
+    assert int(next(staged)[0]) == 0
+    assert int(next(staged)[0]) == 1
+    with pytest.raises(MemoryError, match="batch 2"):
+        next(staged)
+    assert [int(b[0]) for b in staged] == [3, 4]
+
+
+def test_a_batch_whose_variable_field_is_empty_is_copied(write_dataset) -> None:
+    fields = {"t": ("int32", (None,)), "y": ("int64", ())}
+    path = write_dataset(12, fields, lambda i: {"t": np.arange(i % 3 if i >= 4 else 0, dtype=np.int32), "y": i})
+    ds = pyloader.ShardDataset(path)
+    plain = list(pyloader.DataLoader(ds, batch_size=4))
+    staged = list(pyloader.DataLoader(ds, batch_size=4, device="cpu"))
+    assert plain[0]["t"].shape == (4, 0)  # the case under test: a zero-size field
+    assert len(plain) == len(staged) == 3
+    for a, b in zip(plain, staged):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].shape == b[k].shape and torch.equal(a[k], b[k])
+
+
+def test_lazy_conjugate_and_negative_views_are_materialised() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    x = torch.arange(4.0)
+    batch = {"conj": z.conj(), "neg": x._neg_view(), "plain": x.t()}
+    assert batch["conj"].is_conj() and batch["neg"].is_neg()
+    stage = _transfer.DeviceStage(torch.device("cpu"), pin=False, depth=1)
+    out = next(_transfer.Staged(iter([batch]), stage, stage.submit_tree, go_on_after_error=False))
+    assert torch.equal(out["conj"].resolve_conj(), torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
+    assert torch.equal(out["neg"].resolve_neg(), -x)
+    assert torch.equal(out["plain"], x)
+
+
+def test_sparse_tensors_pass_through_staging() -> None:
+    s = torch.sparse_coo_tensor([[0, 2]], [5.0, 7.0], (4,), check_invariants=True)
+    stage = _transfer.DeviceStage(torch.device("cpu"), pin=False, depth=1)
+    out = next(_transfer.Staged(iter([{"s": s, "d": torch.ones(3)}]), stage, stage.submit_tree,
+                                go_on_after_error=False))
+    assert out["s"].layout == torch.sparse_coo
+    assert torch.equal(out["s"].to_dense(), torch.tensor([5.0, 0.0, 7.0, 0.0]))
+    assert torch.equal(out["d"], torch.ones(3))
+
+
+class _Event:
+    """A GPU event stand-in: completes when the test says so."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.done = False
+        self.log = log
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+        self.done = True
+
+
+def test_pinned_fence_holds_each_batch_until_the_event_after_it_completed() -> None:
+    log: list[str] = []
+    events: list[_Event] = []
+
+    def event() -> _Event:
+        events.append(_Event(log))
+        return events[-1]
+
+    fence = _transfer.PinnedFence(limit=3, event=event)
+    fence.hold("b0")
+    assert len(fence) == 1 and not events  # nothing recorded before the next batch is taken
+    fence.hold("b1")  # the event for b0 is recorded now; not complete: b0 stays held
+    assert len(fence) == 2 and len(events) == 1
+    events[0].done = True
+    fence.hold("b2")  # b0's event completed: b0 goes; b1's event is new and pending
+    assert len(fence) == 2
+    fence.hold("b3")
+    assert len(fence) == 3 and log == []
+    fence.hold("b4")  # over the limit: the oldest pending event is waited for
+    assert log == ["sync"] and len(fence) == 3
+    fence.release()
+    assert len(fence) == 0 and log[-1] == "sync"
+
+
+def test_no_fence_without_a_gpu(write_dataset) -> None:
+    path = write_dataset(8, {"y": ("int64", ())}, lambda i: {"y": i})
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=4)
+    it = iter(loader)
+    next(it)
+    assert it.fence is None  # type: ignore[attr-defined]
+    assert _C.cuda_driver_error() is not None or torch.cuda.is_available()

@@ -281,3 +281,36 @@ def test_no_warning_emitted(wide_dataset: str) -> None:
             b["x"].sum()
         torch.cuda.synchronize()
     assert not caught, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["shard-dataset", "map-dataset"])
+def test_loop_own_non_blocking_copies_read_the_right_batch(wide_dataset: str, native: bool) -> None:
+    """NOTE [pinned batch fence]: with pin_memory=True (no device=) the loop queues its own
+    non_blocking copies behind busy GPU work and drops each batch at once; the copies must
+    still read the batch they were queued from, not the next batch collated into a reused
+    slot."""
+    dev = cuda_dev()
+    if native:
+        ds: Any = pyloader.ShardDataset(wide_dataset)
+        ref = [b["x"] for b in cpu_reference(wide_dataset, 32)]
+    else:
+        class Wide(torch.utils.data.Dataset):
+            def __len__(self) -> int:
+                return 256
+
+            def __getitem__(self, i: int) -> torch.Tensor:
+                return torch.from_numpy(wide_sample(i)["x"])
+        ds = Wide()
+        ref = list(torch.utils.data.DataLoader(ds, batch_size=32))
+    loader = pyloader.DataLoader(ds, batch_size=32, pin_memory=True, num_workers=2)
+    out = []
+    for batch in loader:
+        x = batch["x"] if native else batch
+        assert x.is_pinned()
+        keep_busy(ms=3.0)  # the copy below waits behind this work on the current stream
+        out.append(x.to(dev, non_blocking=True))
+        del batch, x  # the loop lets go of the pinned batch before the copy ran
+    torch.cuda.synchronize()
+    assert len(out) == len(ref)
+    for got, want in zip(out, ref):
+        assert torch.equal(got.cpu(), want)

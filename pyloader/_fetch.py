@@ -10,11 +10,13 @@ waits on the fetcher. Native workers never call into Python: they wait on the Sh
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -75,6 +77,13 @@ def first_touch_order(shard_idx: Iterable[int] | np.ndarray) -> list[int]:
     return [int(x) for x in uniq[np.argsort(first, kind="stable")]]
 
 
+def _close_at_exit(ref: weakref.ref[ShardFetcher], wait_s: float = 2.0) -> None:
+    fetcher = ref()
+    if fetcher is not None and os.getpid() == fetcher._pid:
+        fetcher.close()
+        fetcher.wait(timeout=wait_s)  # running downloads see the cancel and remove their temps
+
+
 class ShardFetcher:
     """Fetches shards of ``dcache`` in scheduled order on up to ``jobs`` threads.
 
@@ -101,6 +110,10 @@ class ShardFetcher:
         self.downloaded = 0  # shards this fetcher downloaded (not found in the cache)
         self.bytes = 0  # bytes received so far
         self._pid = os.getpid()
+        # At interpreter exit the download threads (daemons) would be stopped mid-file,
+        # leaving their temp files for a later process to clean: cancel them first.
+        ref = weakref.ref(self)
+        atexit.register(_close_at_exit, ref)
 
     # -- control -------------------------------------------------------------------------
     def schedule(self, order: Iterable[int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -65,8 +66,9 @@ def test_order_equals_shard_dataset_order(pq_dir, tmp_path, world, policy):
 
 
 def test_window_shuffle_is_deterministic_and_changes_by_epoch(pq_dir):
-    mk = lambda: pyloader.ParquetDataset(pq_dir, columns=["id"], shuffle=True, seed=5, window=50,
-                                         rank=0, world_size=1)
+    def mk():
+        return pyloader.ParquetDataset(pq_dir, columns=["id"], shuffle=True, seed=5, window=50,
+                                             rank=0, world_size=1)
     e0, again, e1 = _ids(mk().batches(20, epoch=0)), _ids(mk().batches(20, epoch=0)), _ids(mk().batches(20, epoch=1))
     assert e0 == again and e0 != e1 and sorted(e0) == sorted(e1) == list(range(207))
 
@@ -162,3 +164,24 @@ def test_remote_url_through_the_node_cache(tmp_path):
         assert cache_main(["cache", "verify", "--cache-dir", cache]) == 1
     finally:
         mem.rm("/pyl-test", recursive=True)
+
+
+@pytest.mark.parametrize("kwargs", [{"device": "cpu"}, {"pin_memory": True}, {"device": "cpu", "num_workers": 2}],
+                         ids=["device-cpu", "pin-memory", "device-cpu-2-threads"])
+def test_dataloader_staging_keeps_parquet_batches(pq_dir, kwargs):
+    """ParquetDataset collates into its own pageable buffers: the loader stages them
+    (device="cpu": through the copy engine) and must deliver the same batches."""
+    cols = ["id", "vec", "mat", "tokens", "flag"]
+    ds = pyloader.ParquetDataset(pq_dir, columns=cols, shuffle=True, seed=3)
+    ref = [{k: v.clone() for k, v in b.items()} for b in pyloader.DataLoader(ds, batch_size=20)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="pyloader: pin_memory", category=RuntimeWarning)  # no driver here
+        loader = pyloader.DataLoader(ds, batch_size=20, **kwargs)
+        got = [{k: v.clone() for k, v in b.items()} for b in loader]
+    assert len(got) == len(ref) == 11
+    for a, b in zip(ref, got):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    if kwargs.get("device") == "cpu":
+        assert loader.stats()["copy"]["jobs"] == 11

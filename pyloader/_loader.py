@@ -56,21 +56,17 @@ def _check_common(num_workers: Any, timeout: Any, prefetch_factor: Any, persiste
         raise ValueError(f"pin_memory_device must be a str, got {pin_memory_device!r}")
 
 
-def _pin_device_index(pin_memory_device: str) -> int:
-    """The GPU whose context pins the memory (any GPU can read it: it is portable)."""
-    dev = None
-    if pin_memory_device:
-        try:
-            dev = torch.device(pin_memory_device)
-        except (RuntimeError, TypeError):
-            dev = None
-        if dev is None or dev.type != "cuda":
-            raise ValueError(f"pin_memory_device={pin_memory_device!r}: pyloader pins memory for 'cuda[:N]' only")
-        if dev.index is not None:
-            return dev.index
-    # As torch pins: in the current device's context, so that each rank of a job (after
-    # torch.cuda.set_device(local_rank)) touches only its own GPU.
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+def _pin_device_index(pin_memory_device: str) -> int | None:
+    """The GPU named by ``pin_memory_device`` (None: not named). Validates the string."""
+    if not pin_memory_device:
+        return None
+    try:
+        dev = torch.device(pin_memory_device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"pin_memory_device={pin_memory_device!r}: pyloader pins memory for 'cuda[:N]' only")
+    return dev.index
 
 
 class DataLoader:
@@ -132,9 +128,9 @@ class DataLoader:
         self.in_order = in_order
         self.device = _transfer.resolve_device(device)
         self.device_prefetch = device_prefetch
-        self._pin_index = _pin_device_index(pin_memory_device)
+        self._pin_named = _pin_device_index(pin_memory_device)
         if self.device is not None and self.device.type == "cuda":
-            self._pin_index = self.device.index or 0
+            self._pin_named = self.device.index
         self._active: weakref.ref[Any] | None = None
         self._last_stats: dict[str, Any] = {}
         self._run: _Run | None = None
@@ -184,7 +180,8 @@ class DataLoader:
         self._next_epoch = self.dataset.epoch
         # Collation writes straight into these buffers: pinned when asked (NOTE [slot reuse]).
         pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
-        self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=pinned, device_index=self._pin_index)
+        self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=pinned,
+                                         device_index=self._pin_index if pinned else 0)
         self._staging_pool: Any = None
         self._inner: torch.utils.data.DataLoader[Any] | None = None
         # Resumable state is defined for shard datasets (their manifest fingerprints them).
@@ -208,6 +205,15 @@ class DataLoader:
         self.collate_fn = inner.collate_fn
         self.prefetch_factor = inner.prefetch_factor
         self._staging_pool = None
+
+    @property
+    def _pin_index(self) -> int:
+        """The GPU whose context pins memory (the memory is portable to every GPU). Asked
+        only when pinning: as torch pins, in the current device's context, so that each rank
+        of a job (after torch.cuda.set_device(local_rank)) touches only its own GPU."""
+        if self._pin_named is not None:
+            return self._pin_named
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
     @property
     def _stages(self) -> bool:
@@ -312,7 +318,7 @@ class DataLoader:
     def _staging(self) -> Any:
         if self._staging_pool is None:
             pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
-            self._staging_pool = _transfer.slot_pool(1, pinned=pinned, device_index=self._pin_index)
+            self._staging_pool = _transfer.slot_pool(1, pinned=pinned, device_index=self._pin_index if pinned else 0)
         return self._staging_pool
 
     # -- epochs and resumption (native path) ---------------------------------------------

@@ -136,6 +136,9 @@ void CopyEngine::close() {
     closed_ = true;
     return;
   }
+  // A second close() waits for the first: when it returns, the thread is joined and
+  // every issued copy has completed, whoever closed.
+  std::lock_guard<std::mutex> closing(close_mu_);
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;

@@ -138,6 +138,7 @@ class CopyEngine {
   std::unique_ptr<CopyBackend> backend_;
   std::shared_ptr<SlotPool> staging_;
   pid_t pid_;
+  std::mutex close_mu_;  // serialises close()
   std::mutex mu_;
   // Heap-allocated so that a forked child can leak them (as in BatchPipeline).
   std::unique_ptr<std::condition_variable> cv_engine_ = std::make_unique<std::condition_variable>();

@@ -77,11 +77,16 @@ def first_touch_order(shard_idx: Iterable[int] | np.ndarray) -> list[int]:
     return [int(x) for x in uniq[np.argsort(first, kind="stable")]]
 
 
-def _close_at_exit(ref: weakref.ref[ShardFetcher], wait_s: float = 2.0) -> None:
+def _close_at_exit(ref: weakref.ref[ShardFetcher], finish_s: float = 5.0, cancel_s: float = 2.0) -> None:
     fetcher = ref()
-    if fetcher is not None and os.getpid() == fetcher._pid:
-        fetcher.close()
-        fetcher.wait(timeout=wait_s)  # running downloads see the cancel and remove their temps
+    if fetcher is None or os.getpid() != fetcher._pid:
+        return
+    # No new downloads; the running ones may finish and publish (their bytes are not
+    # wasted), else they are cancelled and remove their temps.
+    fetcher._drop_queue()
+    fetcher.wait(timeout=finish_s)
+    fetcher.close()
+    fetcher.wait(timeout=cancel_s)
 
 
 class ShardFetcher:
@@ -154,6 +159,12 @@ class ShardFetcher:
         if os.getpid() != self._pid:
             return
         self._stop.set()
+        self._drop_queue()
+        if self.shards is not None:
+            self.dcache.unpin_all()
+
+    def _drop_queue(self) -> None:
+        """Forgets the queued (not yet running) downloads; their readers get an error."""
         with self._cv:
             dropped = list(self._queue)
             self._queue.clear()
@@ -161,8 +172,6 @@ class ShardFetcher:
             self._state[i] = _FAILED
             if self.shards is not None:
                 self.shards.mark_failed(i, f"{self.dcache.shard_url(i)}: the fetcher was closed")
-        if self.shards is not None:
-            self.dcache.unpin_all()
 
     def check_limit(self, order: Iterable[int]) -> None:
         """Raises CacheLimitError if the cache limit cannot hold ``order``'s shards at once."""

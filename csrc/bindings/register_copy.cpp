@@ -3,11 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
-
 #include "bindings/bindings.h"
 #include "bindings/dlpack_export.h"
 #include "bindings/gil_release.h"
+#include "bindings/interruptible_wait.h"
 #include "core/batch_pipeline.h"
 #include "core/copy_engine.h"
 #include "core/cuda_driver.h"
@@ -17,26 +16,6 @@
 namespace py = pybind11;
 
 namespace pyloader {
-namespace {
-
-constexpr int64_t kSignalPollMs = 50;
-
-// Runs wait(ms) without the GIL in bounded slices, running Python signal handlers
-// (Ctrl-C) between them, until it returns kDone or `timeout` seconds (> 0) pass.
-template <typename Fn>
-void wait_polling(Fn&& wait, double timeout, const char* what) {
-  auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    CopyEngine::Wait r = without_gil([&] { return wait(kSignalPollMs); });
-    if (r == CopyEngine::Wait::kDone) return;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    if (timeout > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout)
-      throw LoaderError(ErrorKind::kTimeout, "", -1, "",
-                        std::string(what) + " did not finish within the timeout of " + std::to_string(timeout) + " s");
-  }
-}
-
-}  // namespace
 
 void register_copy(py::module_& m) {
   m.def(
@@ -77,7 +56,9 @@ void register_copy(py::module_& m) {
             }
             if (!source.is_none()) job.source = source.cast<Batch&>().slot;
             uint64_t ticket = 0;
-            wait_polling([&](int64_t ms) { return e.submit(job, stream, ms, &ticket); }, timeout, "copy engine submit");
+            wait_interruptibly(
+                [&](int64_t ms) { return e.submit(job, stream, ms, &ticket) == CopyEngine::Wait::kDone; }, timeout,
+                "copy engine submit did not finish");
             return ticket;
           },
           py::arg("segments"), py::kw_only(), py::arg("stream") = 0, py::arg("source") = py::none(),
@@ -89,7 +70,8 @@ void register_copy(py::module_& m) {
           "take",
           [](CopyEngine& e, uint64_t ticket, uintptr_t stream, double timeout) -> py::object {
             CopyResult res;
-            wait_polling([&](int64_t ms) { return e.take(ticket, stream, ms, &res); }, timeout, "copy engine take");
+            wait_interruptibly([&](int64_t ms) { return e.take(ticket, stream, ms, &res) == CopyEngine::Wait::kDone; },
+                               timeout, "copy engine take did not finish");
             if (!res.staged) return py::none();
             py::list out;
             for (size_t i = 0; i < res.offsets.size(); ++i) {

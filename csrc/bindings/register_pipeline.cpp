@@ -1,13 +1,13 @@
 // ShardSet, SlotPool and BatchPipeline. Batches reach Python zero-copy: every array
 // holds a reference to its slot (NOTE [slot reuse] in core/slot_pool.h).
 #include <pybind11/numpy.h>
-#include <chrono>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
 #include "bindings/dlpack_export.h"
 #include "bindings/gil_release.h"
+#include "bindings/interruptible_wait.h"
 #include "core/batch_pipeline.h"
 #include "core/cuda_driver.h"
 #include "core/host_memory.h"
@@ -21,21 +21,12 @@ namespace py = pybind11;
 namespace pyloader {
 namespace {
 
-constexpr int64_t kSignalPollMs = 50;
-
-// Waits for the next batch in bounded slices without the GIL, running Python signal
-// handlers (Ctrl-C) between them. False at the end of the plan.
+// The next batch; false at the end of the plan.
 bool next_batch(BatchPipeline& p, Batch* b, double timeout) {
-  auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    BatchPipeline::Next r = without_gil([&] { return p.next(b, kSignalPollMs); });
-    if (r == BatchPipeline::Next::kEnd) return false;
-    if (r == BatchPipeline::Next::kBatch) return true;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    if (timeout > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout)
-      throw LoaderError(ErrorKind::kTimeout, "", -1, "",
-                        "no batch arrived within the timeout of " + std::to_string(timeout) + " s");
-  }
+  BatchPipeline::Next r = BatchPipeline::Next::kTimeout;
+  wait_interruptibly([&](int64_t ms) { return (r = p.next(b, ms)) != BatchPipeline::Next::kTimeout; }, timeout,
+                     "no batch arrived");
+  return r == BatchPipeline::Next::kBatch;
 }
 
 // (index, rows, [capsule per field], [lengths capsule per field or None]); each capsule

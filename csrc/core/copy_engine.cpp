@@ -13,6 +13,16 @@ namespace {
 
 constexpr size_t kStageAlign = 64;
 
+// Waits until pred() holds or timeout_ms (< 0: forever) passed; false on timeout.
+template <typename Pred>
+bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, int64_t timeout_ms, Pred pred) {
+  if (timeout_ms < 0) {
+    cv.wait(lk, pred);
+    return true;
+  }
+  return cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
+}
+
 uint64_t now_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now().time_since_epoch())
@@ -164,10 +174,7 @@ CopyEngine::Wait CopyEngine::submit(CopyJob& job, uintptr_t stream, int64_t time
   if (t >= depth && taken_ < t - depth + 1)
     throw LoaderError(ErrorKind::kState, "", -1, "",
                       "copy engine: more than " + std::to_string(depth) + " jobs outstanding (take them in order)");
-  auto room = [&] { return stop_ || t < completed_ + depth; };
-  if (timeout_ms < 0) {
-    cv_consumer_->wait(lk, room);
-  } else if (!cv_consumer_->wait_for(lk, std::chrono::milliseconds(timeout_ms), room)) {
+  if (!wait_for(*cv_consumer_, lk, timeout_ms, [&] { return stop_ || t < completed_ + depth; })) {
     counters_.submit_wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return Wait::kTimeout;
   }
@@ -198,10 +205,7 @@ CopyEngine::Wait CopyEngine::take(uint64_t ticket, uintptr_t stream, int64_t tim
     throw LoaderError(ErrorKind::kState, "", -1, "",
                       "copy engine: take(" + std::to_string(ticket) + ") out of order (next is " +
                           std::to_string(taken_) + ", submitted " + std::to_string(submitted_) + ")");
-  auto ready = [&] { return stop_ || issued_ > ticket; };
-  if (timeout_ms < 0) {
-    cv_consumer_->wait(lk, ready);
-  } else if (!cv_consumer_->wait_for(lk, std::chrono::milliseconds(timeout_ms), ready)) {
+  if (!wait_for(*cv_consumer_, lk, timeout_ms, [&] { return stop_ || issued_ > ticket; })) {
     counters_.take_wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return Wait::kTimeout;
   }

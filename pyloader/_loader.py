@@ -139,6 +139,8 @@ class DataLoader:
         self.sampler: Any = None
         self.batch_sampler: Any = None
         self.shuffle: bool | None = shuffle
+        self._staging_pool: Any = None  # see _staging()
+        self._inner: torch.utils.data.DataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
         if self._native:
             self._init_native(shuffle, sampler, batch_sampler, prefetch)
@@ -179,11 +181,8 @@ class DataLoader:
         self._seed = None if self.generator is None else int(self.generator.initial_seed())
         self._next_epoch = self.dataset.epoch
         # Collation writes straight into these buffers: pinned when asked (NOTE [slot reuse]).
-        pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
-        self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=pinned,
-                                         device_index=self._pin_index if pinned else 0)
-        self._staging_pool: Any = None
-        self._inner: torch.utils.data.DataLoader[Any] | None = None
+        self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=self._pinned,
+                                         device_index=self._pin_index if self._pinned else 0)
         # Resumable state is defined for shard datasets (their manifest fingerprints them).
         if isinstance(self.dataset, ShardDataset):
             self._fingerprint = _state.dataset_fingerprint(self.dataset.manifest)
@@ -204,7 +203,6 @@ class DataLoader:
         self.batch_sampler = inner.batch_sampler
         self.collate_fn = inner.collate_fn
         self.prefetch_factor = inner.prefetch_factor
-        self._staging_pool = None
 
     @property
     def _pin_index(self) -> int:
@@ -216,9 +214,9 @@ class DataLoader:
         return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
     @property
-    def _stages(self) -> bool:
-        """Whether batches go through the copy engine on the generic path."""
-        return self.device is not None or self.pin_memory
+    def _pinned(self) -> bool:
+        """Whether host buffers should be page-locked: asked for, or needed by a GPU copy."""
+        return self.pin_memory or (self.device is not None and self.device.type == "cuda")
 
     # -- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -229,19 +227,23 @@ class DataLoader:
         self._active = weakref.ref(it) if isinstance(it, _LoaderIterator) else None
         return it
 
-    def _new_stage(self, device: torch.device | None, pool: Any) -> _transfer.DeviceStage:
-        # No timeout on the engine: `timeout` bounds waiting for data (as torch's bounds
-        # waiting for workers), not waiting for the GPU to finish the loop's own work.
-        return _transfer.DeviceStage(device, pin=self.pin_memory, depth=self.device_prefetch, staging_pool=pool)
+    def _new_stage(self, in_slots: bool) -> _transfer.DeviceStage | None:
+        """The copy engine for this epoch's batches, or None when they need none: no device,
+        and either no pinning asked, batches already in pinned slots (``in_slots``), or no
+        pinned memory to stage into (no driver: warned once; a pageable copy would only cost
+        time). No timeout on the engine: ``timeout`` bounds waiting for data (as torch's
+        bounds waiting for workers), not waiting for the GPU to finish the loop's own work."""
+        if self.device is None and (not self.pin_memory or in_slots or not self._staging().pinned):
+            return None
+        return _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
+                                     staging_pool=self._staging())
 
     def _iter_torch(self) -> Any:
         assert self._inner is not None
         source = iter(self._inner)
-        if not self._stages or (self.device is None and not self._staging().pinned):
-            # Nothing to add: no device, and no pinned memory to stage into (no driver:
-            # warned once) -- a pageable staging copy would only cost time.
-            return source
-        stage = self._new_stage(self.device, self._staging())
+        stage = self._new_stage(in_slots=False)
+        if stage is None:
+            return source  # torch's own iterator: nothing to add
         gen = _transfer.Staged(source, stage, stage.submit_tree, go_on_after_error=True)
         it = _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
         it.fence = self._fence(stage)
@@ -273,35 +275,25 @@ class DataLoader:
             self._run = _Run(epoch, world, self.batch_size, segments, consumed, length)
         else:
             self._run = None
-        stage = None
-        if batched and self.collate_fn is None:
-            if self.device is None and (not self.pin_memory or hasattr(src, "next_host")):
-                gen: Iterator[Any] = src  # batches collated in the (pinned) slots: nothing to add
-            elif self.device is None and not self._staging().pinned:
-                gen = src  # no driver (warned once): nothing to pin into
-            elif self.device is None:
-                # ParquetDataset collates in its own pageable buffers: pin by staging.
-                stage = self._new_stage(None, self._staging())
-                gen = _transfer.Staged(src, stage, stage.submit_tree, go_on_after_error=False)
-            elif hasattr(src, "next_host"):
-                # Zero-copy: the pinned slot a batch was collated into is the copy's source.
-                stage = dev_stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.Staged(_host_batches(src), stage, lambda item: dev_stage.submit_host(*item),
-                                       go_on_after_error=False)
-            else:
-                stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.Staged(src, stage, stage.submit_tree, go_on_after_error=False)
+        # Per-sample semantics (batch_size=None, or a collate_fn over the list of samples)
+        # run on the host; their results are staged like any batch.
+        per_sample = not batched or self.collate_fn is not None
+        items: Iterator[Any] = _Samples(src, ds, self.batch_size, self.collate_fn) if per_sample else src
+        if not batched:
+            length = len(ds)
+        # ShardDataset batches (and their samples) are views of the loader's own slots,
+        # pinned when asked: nothing to stage them into.
+        in_slots = hasattr(src, "next_host") and self.collate_fn is None
+        stage = self._new_stage(in_slots)
+        if stage is None:
+            gen = items
+        elif in_slots and not per_sample:
+            # Zero-copy: the pinned slot a batch was collated into is the copy's source.
+            submit_host = stage.submit_host
+            gen = _transfer.Staged(_host_batches(src), stage, lambda item: submit_host(*item),
+                                   go_on_after_error=False)
         else:
-            # Per-sample semantics (batch_size=None, or a collate_fn over the list of samples),
-            # on the host; the results are then staged like any batch.
-            items = _Samples(src, ds, self.batch_size, self.collate_fn)
-            if self.device is not None or (self.pin_memory and self.collate_fn is not None and self._staging().pinned):
-                stage = self._new_stage(self.device, self._staging())
-                gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=True)
-            else:
-                gen = items
-            if not batched:
-                length = len(ds)
+            gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=per_sample)
         it = _LoaderIterator(gen, length, src, stage, consumed=consumed)
         it.on_close = self._keep_stats
         it.fence = self._fence(stage)
@@ -316,9 +308,10 @@ class DataLoader:
         return _transfer.PinnedFence() if pinned else None
 
     def _staging(self) -> Any:
+        """The engine's staging buffers, made on first use and kept across epochs."""
         if self._staging_pool is None:
-            pinned = self.pin_memory or (self.device is not None and self.device.type == "cuda")
-            self._staging_pool = _transfer.slot_pool(1, pinned=pinned, device_index=self._pin_index if pinned else 0)
+            self._staging_pool = _transfer.slot_pool(1, pinned=self._pinned,
+                                                     device_index=self._pin_index if self._pinned else 0)
         return self._staging_pool
 
     # -- epochs and resumption (native path) ---------------------------------------------

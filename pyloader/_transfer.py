@@ -165,11 +165,9 @@ class DeviceStage:
     stream after the copies (NOTE [copy ordering]).
     """
 
-    def __init__(self, device: torch.device | None, *, pin: bool, depth: int, timeout: float = 0.0,
-                 staging_pool: Any = None) -> None:
+    def __init__(self, device: torch.device | None, *, pin: bool, depth: int, staging_pool: Any = None) -> None:
         self.device = device
         self.depth = depth
-        self.timeout = float(timeout)
         self._cuda = device is not None and device.type == "cuda"
         index = device.index if self._cuda and device is not None else 0
         pool = staging_pool if staging_pool is not None else slot_pool(1, pinned=pin or self._cuda, device_index=index or 0)
@@ -186,7 +184,7 @@ class DeviceStage:
         outs = {k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in tensors.items()}
         segs = [(v.data_ptr(), outs[k].data_ptr(), v.nbytes) for k, v in tensors.items()]
         stream = self._stream()
-        ticket = self._engine.submit(segs, stream=stream, source=host_batch, timeout=self.timeout)
+        ticket = self._engine.submit(segs, stream=stream, source=host_batch)
         return _Pending(ticket, stream, list(outs.values()), None, lambda _res: outs)
 
     def submit_tree(self, batch: Any) -> _Pending:
@@ -203,7 +201,7 @@ class DeviceStage:
         else:
             outs = [(t.dtype, t.shape) for t in srcs]
             segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
-        ticket = self._engine.submit(segs, stream=stream, stage=True, timeout=self.timeout)
+        ticket = self._engine.submit(segs, stream=stream, stage=True)
         return _Pending(ticket, stream, outs, srcs, build)
 
     def _other_layout(self, t: torch.Tensor) -> torch.Tensor:
@@ -218,7 +216,7 @@ class DeviceStage:
 
     def take(self, p: _Pending) -> Any:
         stream = self._stream()
-        res = self._engine.take(p.ticket, stream=stream, timeout=self.timeout)
+        res = self._engine.take(p.ticket, stream=stream)
         p.keep = None
         outs = p.outputs
         if self.device is None:  # staged results: views of the (pinned) staging slot

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from native_util import fork_quietly, threads_now, wait_child, wait_threads
 
 import pyloader
 from pyloader import _format
@@ -82,20 +82,8 @@ def check_batch(batch: dict[str, torch.Tensor], labels: list[int]) -> None:
             assert not toks[row, n:].any(), "variable-field padding must be zero"
 
 
-def threads_now() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
-def wait_threads(at_most: int, timeout: float = 5.0) -> int:
-    """The thread count once it is <= at_most, or the last count seen after ``timeout`` s.
-
-    A joined thread can linger in /proc for a moment after pthread_join returns."""
-    deadline = time.monotonic() + timeout
-    n = threads_now()
-    while n > at_most and time.monotonic() < deadline:
-        time.sleep(0.005)
-        n = threads_now()
-    return n
 
 
 def rss_bytes() -> int:
@@ -164,25 +152,8 @@ def assert_clean_exit(res: subprocess.CompletedProcess[str]) -> None:
     assert res.returncode == 0, report
 
 
-def wait_child(pid: int, timeout: float) -> int | None:
-    """Exit code of forked child ``pid``, or None if it outlived ``timeout`` (it is then killed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
 
 
-def fork_quietly() -> int:
-    # Python >= 3.12 warns about fork() in a multi-threaded process; forking with live
-    # native threads is exactly what these tests are about.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return os.fork()
 
 
 # --- abandonment --------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from native_util import fork_quietly, threads_now, wait_child, wait_threads
 
 import pyloader
 
@@ -79,18 +80,8 @@ def check_batch(batch: Any, first: int, rows: int) -> None:
 # --- /proc -------------------------------------------------------------------------------
 
 
-def threads_now() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
-def wait_threads(at_most: int, timeout: float = 5.0) -> int:
-    """The thread count once it is <= at_most, or the last count after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    n = threads_now()
-    while n > at_most and time.monotonic() < deadline:
-        time.sleep(0.005)
-        n = threads_now()
-    return n
 
 
 def _proc_stats() -> list[tuple[int, str, int, int]]:
@@ -128,23 +119,8 @@ def wait_gone(list_fn: Callable[[], list[tuple[int, str]]], timeout: float = 5.0
     return left
 
 
-def fork_quietly() -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # Python >= 3.12: fork with threads
-        return os.fork()
 
 
-def wait_child(pid: int, timeout: float) -> int | None:
-    """Exit code of forked child ``pid``, or None if it outlived ``timeout`` (then killed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
 
 
 # --- create / iterate / break / del ------------------------------------------------------

@@ -62,25 +62,9 @@ def drain(it: Iterator[Any], consume: Callable[[Any], Any] | None = None) -> tup
     return n, nbytes
 
 
-def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Runs each variant once per round, the order rotated every round; returns the raw
-    figure (seconds) of every round per variant."""
-    names = list(variants)
-    out: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            out[name].append(variants[name]())
-    return out
-
-
-def med(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
 def paired_ratio(a: list[float], b: list[float]) -> float:
     """Median over rounds of a[i] / b[i] (both measured in the same round)."""
-    return med([x / y for x, y in zip(a, b)])
+    return statistics.median([x / y for x, y in zip(a, b)])
 
 
 def ratio_range(a: list[float], b: list[float]) -> list[float]:
@@ -162,7 +146,7 @@ def bench_native(p: B.Profile, args: argparse.Namespace, tmp: str) -> dict[str, 
             return dt
         return run
 
-    raw = interleaved({k: timer(k) for k in iters}, args.rounds_a)
+    raw = B.interleaved({k: timer(k) for k in iters}, args.rounds_a)
     res = {"profile": p.name, "records": n, "record_bytes": p.record_bytes, "batch_size": bs, "threads": t,
            "epochs_per_sample": epochs, "seconds": raw,
            "samples_per_sample": {k: v[0] for k, v in counts.items()},
@@ -170,12 +154,12 @@ def bench_native(p: B.Profile, args: argparse.Namespace, tmp: str) -> dict[str, 
            "copy_counters_one_epoch": copy_counters}
     res["overhead_pct"] = 100 * (paired_ratio(raw["loader"], raw["bare"]) - 1)
     res["overhead_pct_range"] = [100 * (x - 1) for x in ratio_range(raw["loader"], raw["bare"])]
-    res["overhead_pct_of_medians"] = 100 * (med(raw["loader"]) / med(raw["bare"]) - 1)
+    res["overhead_pct_of_medians"] = 100 * (statistics.median(raw["loader"]) / statistics.median(raw["bare"]) - 1)
     res["cpu_overhead_pct"] = 100 * (paired_ratio(raw["loader_cpu"], raw["bare_clone"]) - 1)
-    res["cpu_overhead_pct_of_medians"] = 100 * (med(raw["loader_cpu"]) / med(raw["bare_clone"]) - 1)
+    res["cpu_overhead_pct_of_medians"] = 100 * (statistics.median(raw["loader_cpu"]) / statistics.median(raw["bare_clone"]) - 1)
     res["cpu_vs_prealloc_pct"] = 100 * (paired_ratio(raw["loader_cpu"], raw["bare_copy_prealloc"]) - 1)
     res["clone_vs_prealloc_pct"] = 100 * (paired_ratio(raw["bare_clone"], raw["bare_copy_prealloc"]) - 1)
-    res["bare_gbps"] = counts["bare"][1] / med(raw["bare"]) / 1e9
+    res["bare_gbps"] = counts["bare"][1] / statistics.median(raw["bare"]) / 1e9
     return res
 
 
@@ -251,7 +235,7 @@ def bench_generic(args: argparse.Namespace) -> dict[str, Any]:
         for name in loaders:
             timer(name)()
         what.clear()
-        raw = interleaved({k: timer(k) for k in loaders}, args.rounds_b)
+        raw = B.interleaved({k: timer(k) for k in loaders}, args.rounds_b)
     warned = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     res: dict[str, Any] = {"batch_size": bs, "image_shape": [3, side, side], "seconds": raw,
                            "samples": counts, "pin_memory_behaviour": what, "warnings": warned, "ratios": {}}
@@ -260,8 +244,8 @@ def bench_generic(args: argparse.Namespace) -> dict[str, Any]:
         res["ratios"][tag] = {
             "pyloader_over_torch_samples_per_s": paired_ratio(t_torch, t_py),
             "range": ratio_range(t_torch, t_py),
-            "torch_samples_per_s": counts[f"{tag}/torch"] / med(t_torch),
-            "pyloader_samples_per_s": counts[f"{tag}/pyloader"] / med(t_py),
+            "torch_samples_per_s": counts[f"{tag}/torch"] / statistics.median(t_torch),
+            "pyloader_samples_per_s": counts[f"{tag}/pyloader"] / statistics.median(t_py),
         }
     return res
 
@@ -310,8 +294,8 @@ def bench_staging(args: argparse.Namespace) -> dict[str, Any]:
                     "engine_stage_copy_cpu": engine(torch.device("cpu"))}
         for fn in variants.values():  # warm-up: faults in destinations and staging slots
             fn()
-        raw = interleaved(variants, args.rounds_c)
-        gbps = {k: total / med(v) / 1e9 for k, v in raw.items()}
+        raw = B.interleaved(variants, args.rounds_c)
+        gbps = {k: total / statistics.median(v) / 1e9 for k, v in raw.items()}
         out[f"{seg_mb}MB"] = {
             "segment_bytes": nbytes, "jobs": jobs, "bytes": total, "staging_pinned": pinned, "seconds": raw,
             "gbps": gbps,

@@ -75,20 +75,6 @@ class Ctx:
         return _C.SlotPool(num_fields=num_fields)
 
 
-def med(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    names = list(variants)
-    out: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            out[name].append(variants[name]())
-    return out
-
-
 # -- (a) host-to-device bandwidth ----------------------------------------------------------
 def write_big_dataset(path: str, record_bytes: int, records: int) -> None:
     base = (np.arange(record_bytes, dtype=np.uint32) % 251).astype(np.uint8)
@@ -186,10 +172,10 @@ def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
                 "engine_stage": engine_stage, "loader": run_loader}
     for fn in variants.values():  # warm-up: pools, contexts, checksums, caching allocator
         fn()
-    raw = interleaved(variants, args.rounds)
+    raw = B.interleaved(variants, args.rounds)
     bytes_of = {k: (loader_bytes[0] if k == "loader" else total) for k in raw}
-    gbps = {k: bytes_of[k] / med(v) / 1e9 for k, v in raw.items()}
-    ratios = {k: med([bytes_of[k] / a / (total / b) for a, b in zip(raw[k], raw["raw_pinned"])])
+    gbps = {k: bytes_of[k] / statistics.median(v) / 1e9 for k, v in raw.items()}
+    ratios = {k: statistics.median([bytes_of[k] / a / (total / b) for a, b in zip(raw[k], raw["raw_pinned"])])
               for k in ("engine_direct", "engine_stage", "loader", "raw_pageable")}
     return {"segment_bytes": seg, "reps": reps, "record_bytes": rec, "records": len(ds), "loader_epochs": epochs,
             "loader_threads": threads, "sources_pinned": bool(src_pool.pinned), "seconds": raw, "bytes": bytes_of,
@@ -224,7 +210,7 @@ def make_step(ctx: Ctx, target_ms: float) -> tuple[Callable[[torch.Tensor], torc
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
-        return med(times)
+        return statistics.median(times)
 
     # Warm up first (clocks ramp from idle, cuBLAS picks its kernels), then refine k until
     # the chain takes target_ms within 10%.

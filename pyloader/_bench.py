@@ -103,6 +103,18 @@ def best_of(fn: Callable[[], float], repeats: int) -> float:
     return max(fn() for _ in range(repeats))
 
 
+def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Runs each variant once per round, the order rotated every round, so that load from
+    other processes hits every variant alike; returns each variant's figure of every round."""
+    names = list(variants)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(variants[name]())
+    return out
+
+
 def parallel(fn: Callable[[], None], threads: int) -> float:
     """Wall seconds for `threads` Python threads each running fn (fn must release the GIL)."""
     ts = [threading.Thread(target=fn) for _ in range(threads)]

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "remote"))
 from remote_servers import FaultServer
 
 import pyloader
-from pyloader._fetch import ShardFetcher, open_remote
+from pyloader.remote.fetch import ShardFetcher, open_remote
 
 
 def write_dataset(d: str, records: int, record_bytes: int, shard_bytes: int) -> None:

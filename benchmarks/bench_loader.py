@@ -44,10 +44,9 @@ import torch
 import torch.utils.data
 
 import pyloader
-from pyloader import _C, _transfer
-from pyloader import _bench as B
-
-
+from pyloader import _C
+from pyloader.loader import transfer as _transfer
+from pyloader.bench import measure as B
 # -- helpers -----------------------------------------------------------------------------
 def drain(it: Iterator[Any], consume: Callable[[Any], Any] | None = None) -> tuple[int, int]:
     """Iterates to the end; returns (samples, bytes of every tensor yielded)."""

@@ -44,10 +44,9 @@ import torch
 import torch.utils.data
 
 import pyloader
-from pyloader import _C, _transfer
-from pyloader import _bench as B
-
-
+from pyloader import _C
+from pyloader.loader import transfer as _transfer
+from pyloader.bench import measure as B
 class Ctx:
     """The target device and how to time on it."""
 

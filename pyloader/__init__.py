@@ -10,29 +10,35 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._convert import ConvertError, ConvertResult, VerifyError, convert
-from ._convert import verify_dataset as verify_conversion
-from ._errors import (
+from .errors import (
+    CacheError,
+    CacheLimitError,
+    ConvertError,
     DeviceError,
+    FetchError,
     LoaderStateError,
     LoaderTimeoutError,
     ManifestError,
+    ParquetReadError,
     PyloaderError,
+    RemoteChangedError,
+    ResumeError,
     SchemaError,
     ShardCorruptError,
     ShardFormatError,
     ShardIOError,
+    VerifyError,
 )
-from ._writer import ShardWriter
+from .write.convert import ConvertResult, convert
+from .write.convert import verify_dataset as verify_conversion
+from .write.writer import ShardWriter
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DataLoader": "._loader",
-    "ShardDataset": "._dataset",
-    "ParquetDataset": "._parquet",
-    "ParquetReadError": "._parquet",
-    "ResumeError": "._state",
+    "DataLoader": ".loader.dataloader",
+    "ShardDataset": ".read.shards",
+    "ParquetDataset": ".read.parquet",
 }
 
 
@@ -50,16 +56,20 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CacheError",
+    "CacheLimitError",
     "ConvertError",
     "ConvertResult",
     "DataLoader",
+    "DeviceError",
+    "FetchError",
     "LoaderStateError",
     "LoaderTimeoutError",
-    "DeviceError",
     "ManifestError",
     "ParquetDataset",
     "ParquetReadError",
     "PyloaderError",
+    "RemoteChangedError",
     "ResumeError",
     "SchemaError",
     "ShardCorruptError",

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _bench as B
-from . import _bench_run as R
-from ._cache_cli import add_cache_parser, run_cache
-from ._convert_cli import add_convert_parser, run_convert
-from ._dataset import ShardDataset
-from ._errors import ManifestError, PyloaderError
+from .bench import measure as B
+from .bench import stages as R
+from .remote.cli import add_cache_parser, run_cache
+from .write.cli import add_convert_parser, run_convert
+from .read.shards import ShardDataset
+from .errors import ManifestError, PyloaderError
 
 
 def _generate(tmp: str, name: str, record_bytes: int, records: int, compression: str) -> str:

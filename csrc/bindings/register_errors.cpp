@@ -15,7 +15,7 @@ void register_errors(py::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const LoaderError& e) {
-      py::object from_native = py::module_::import("pyloader._errors").attr("from_native");
+      py::object from_native = py::module_::import("pyloader.errors").attr("from_native");
       py::object exc = from_native(int(e.kind()), e.what(), e.shard(), e.record(), e.field(), e.sys_errno());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }

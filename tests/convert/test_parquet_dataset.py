@@ -12,7 +12,7 @@ import torch
 from convert_util import mixed_table, pa, write_parquet
 
 import pyloader
-from pyloader._parquet import ParquetReadError
+from pyloader.read.parquet import ParquetReadError
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_remote_url_through_the_node_cache(tmp_path):
         del ds, again
         # `pyloader cache verify` accepts the cached Parquet files (their manifest entry
         # names the remote object, not its bytes) and still catches a damaged one.
-        from pyloader._cache_cli import main as cache_main
+        from pyloader.remote.cli import main as cache_main
 
         assert cache_main(["cache", "verify", "--cache-dir", cache]) == 0
         victim = next(p for p in glob.glob(os.path.join(cache, "**", "shards", "p0.parquet.*"), recursive=True)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import pyloader
-from pyloader import _plan
-from pyloader._state import ResumeError
+from pyloader.read import order as _plan
+from pyloader.loader.state import ResumeError
 
 N = 203
 FIELDS = {"label": ("int64", ()), "tokens": ("int32", (None,))}

@@ -1,4 +1,4 @@
-"""pyloader._plan's resumption functions against a plain-Python model and the laws of
+"""pyloader.read.order's resumption functions against a plain-Python model and the laws of
 NOTE [resume segments]: same world size -> the uninterrupted epoch; any world sizes ->
 every sample read once, plus fillers drawn from the filler stream."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyloader import _plan
-from pyloader._plan import partition, resume_partition, resume_plan, unread, unread_count
+from pyloader.read import order as _plan
+from pyloader.read.order import partition, resume_partition, resume_plan, unread, unread_count
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -32,8 +32,7 @@ from remote_servers import FaultServer
 from remote_util import write_ds
 
 import pyloader
-from pyloader import _plan
-
+from pyloader.read import order as _plan
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "torchrun_worker.py")
@@ -143,7 +142,7 @@ def records() -> list[int]:
 
 
 def planned_batches(epoch: int, rank: int, world: int, batch: int, segments: list[list[int]] = ()) -> list[list[int]]:
-    """Labels (= global ids here) of each batch rank ``rank`` reads, from pyloader._plan alone."""
+    """Labels (= global ids here) of each batch rank ``rank`` reads, from pyloader.read.order alone."""
     counts = records()
     order = _plan.epoch_order(counts, shuffle=True, seed=SEED, epoch=epoch)
     mine = _plan.resume_partition(order, rank=rank, world_size=world, policy="pad", segments=segments)

@@ -31,7 +31,6 @@ import torch
 
 import pyloader
 from pyloader import _C
-
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
 
 ROOT = Path(pyloader.__file__).resolve().parents[1]
@@ -386,7 +385,7 @@ def test_counters_add_up() -> None:
 
 @pytest.mark.skipif(_C.cuda_driver_error() is None, reason="a CUDA driver is present")
 def test_cuda_backend_without_a_driver_raises_device_error() -> None:
-    from pyloader._errors import DeviceError
+    from pyloader.errors import DeviceError
 
     with pytest.raises(DeviceError, match="libcuda.so.1") as ei:
         _C.CopyEngine(backend="cuda", staging=_C.SlotPool(num_fields=1))
@@ -398,7 +397,7 @@ def test_cuda_backend_without_a_driver_raises_device_error() -> None:
 def test_device_error_is_exported() -> None:
     # The copy engine's errors are documented as pyloader.LoaderStateError,
     # pyloader.LoaderTimeoutError and pyloader.DeviceError: a caller must be able to catch each.
-    from pyloader._errors import DeviceError
+    from pyloader.errors import DeviceError
 
     assert getattr(pyloader, "DeviceError", None) is DeviceError, "pyloader.DeviceError is not exported"
     assert "DeviceError" in pyloader.__all__
@@ -685,7 +684,7 @@ s2 = stats()
 check_clean(s2, allocs_live=0)
 assert s2["frees"] == s2["allocs"]
 assert s2["retained"] == 0, "the pinned allocator did not release the primary context"
-from pyloader._errors import DeviceError
+from pyloader.errors import DeviceError
 for make in (lambda: _C.SlotPool(num_fields=1, pinned=True, device=1),
              lambda: _C.CopyEngine(backend="cuda", device=1, staging=_C.SlotPool(num_fields=1))):
     try:
@@ -952,7 +951,7 @@ def test_fake_driver_close_waits_for_copies_in_flight(fake_cuda, write_dataset) 
 
 
 _CUDA_COPY_ERROR = r"""
-from pyloader._errors import DeviceError
+from pyloader.errors import DeviceError
 FAKE.fake_cuda_fail_copies.argtypes = [ctypes.c_long, ctypes.c_int]
 staging = _C.SlotPool(num_fields=1, pinned=True)
 e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)

@@ -30,8 +30,7 @@ import torch
 from native_util import fork_quietly, threads_now, wait_child, wait_threads
 
 import pyloader
-from pyloader import _format
-
+from pyloader.format import spec as _format
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
 ROOT = Path(pyloader.__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from remote_servers import Fault, FaultServer
 from remote_util import N_RECORDS, labels, temp_files, write_ds
 
 import pyloader
-from pyloader._cache import CacheLimitError, ShardCache
-from pyloader._fetch import open_remote
+from pyloader.remote.cache import CacheLimitError, ShardCache
+from pyloader.remote.fetch import open_remote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -9,9 +9,9 @@ import pytest
 from remote_util import N_RECORDS, labels
 
 import pyloader
-from pyloader import _plan
-from pyloader._cache_cli import EXIT_CACHE, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, main
-from pyloader._fetch import first_touch_order
+from pyloader.read import order as _plan
+from pyloader.remote.cli import EXIT_CACHE, EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, main
+from pyloader.remote.fetch import first_touch_order
 
 
 def run(capsys, *argv: str) -> tuple[int, dict]:

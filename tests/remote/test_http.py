@@ -10,9 +10,9 @@ from remote_servers import Fault
 from remote_util import N_RECORDS, labels, write_ds
 
 import pyloader
-from pyloader._cache import ShardCache
-from pyloader._fetch import open_remote
-from pyloader._remote import FetchError, RemoteChangedError
+from pyloader.remote.cache import ShardCache
+from pyloader.remote.fetch import open_remote
+from pyloader.remote.fs import FetchError, RemoteChangedError
 
 SHARD1 = "ds/shard-000001.pyl"
 

@@ -9,7 +9,7 @@ from remote_servers import S3Server
 from remote_util import N_RECORDS, labels
 
 import pyloader
-from pyloader._cache_cli import EXIT_OK, main
+from pyloader.remote.cli import EXIT_OK, main
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import pyloader
-from pyloader import _C, _format
-
+from pyloader import _C
+from pyloader.format import spec as _format
 # Override to replay another seed: PYLOADER_FUZZ_SEED=123 pytest tests/unit/test_corruption.py
 SEED = int(os.environ.get("PYLOADER_FUZZ_SEED", "20240611"))
 
@@ -78,7 +78,7 @@ def write_dataset(path: str, n: int = NUM_RECORDS, fields: dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------------------------
-# Shard layout, written from the format description (independently of pyloader._format).
+# Shard layout, written from the format description (independently of pyloader.format.spec).
 HEADER = struct.Struct("<8sIIQIIQQQQQQQQQ16sQ")
 HEADER_NAMES = ("magic", "version", "header_size", "num_records", "num_fields", "entry_size",
                 "schema_off", "schema_size", "index_off", "index_size", "payload_off",

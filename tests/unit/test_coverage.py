@@ -79,7 +79,7 @@ def check_coverage(per_rank: list[list[int]], n: int, world: int, partition: str
         dups = Counter({i: c - 1 for i, c in counts.items() if c > 1})
         assert sum(dups.values()) == padded, "the duplicates are exactly the padded count"
         assert max(counts.values()) <= 1 + -(-padded // n)
-        # The padding repeats the epoch order from its start (pyloader._plan.partition).
+        # The padding repeats the epoch order from its start (pyloader.read.order.partition).
         assert dups == Counter(epoch_order[i % n] for i in range(padded))
     else:
         assert max(counts.values()) == 1, "drop: every sample at most once"

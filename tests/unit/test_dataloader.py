@@ -11,7 +11,7 @@ their type and traceback text, timeouts, persistent workers -- with and without 
 engine staging the batches.
 
 On a machine without the CUDA driver ``pin_memory=True`` warns once per process
-(``pyloader._transfer._warned_pageable``); every test starts in the "already warned"
+(``pyloader.loader.transfer._warned_pageable``); every test starts in the "already warned"
 state so that tests are order-independent, and the tests of the warning reset it.
 """
 
@@ -35,8 +35,9 @@ import torch
 import torch.utils.data as tud
 
 import pyloader
-from pyloader import _C, _transfer
-from pyloader._errors import DeviceError
+from pyloader import _C
+from pyloader.loader import transfer as _transfer
+from pyloader.errors import DeviceError
 
 # Fixed-shape fields, so that torch's default collation can batch them too.
 FIELDS: dict[str, Any] = {

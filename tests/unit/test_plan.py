@@ -1,4 +1,4 @@
-"""Unit tests for pyloader._plan: epoch order, rank/worker partitioning, locate."""
+"""Unit tests for pyloader.read.order: epoch order, rank/worker partitioning, locate."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyloader import _plan
-from pyloader._plan import epoch_order, locate, mix64, partition, plan, sample_keys, split_workers
+from pyloader.read import order as _plan
+from pyloader.read.order import epoch_order, locate, mix64, partition, plan, sample_keys, split_workers
 
 U64 = (1 << 64) - 1
 FAST = settings(max_examples=60, deadline=None)

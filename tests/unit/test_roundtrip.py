@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 
 import pyloader
 from pyloader import _C
-
 INT_DTYPES = ["uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"]
 FLOAT_DTYPES = ["float16", "float32", "float64"]
 ALL_DTYPES = ["bool", *INT_DTYPES, *FLOAT_DTYPES, "bfloat16"]  # bytes is tested on its own
@@ -866,7 +865,6 @@ _GUARD_CHILD = r"""
 import ctypes, mmap, sys
 import numpy as np, lz4.block
 from pyloader import _C, ShardFormatError
-
 PAGE = mmap.PAGESIZE
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -1,4 +1,4 @@
-"""Staging details of pyloader._transfer: interrupted takes, empty fields, lazy views,
+"""Staging details of pyloader.loader.transfer: interrupted takes, empty fields, lazy views,
 non-strided tensors, and the pinned batch fence's bookkeeping."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import pyloader
-from pyloader import _C, _transfer
-
-
+from pyloader import _C
+from pyloader.loader import transfer as _transfer
 class _Map(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:
         self.n = n

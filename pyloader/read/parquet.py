@@ -1,6 +1,6 @@
 """ParquetDataset: Parquet read directly, with pyloader's plan, node cache, prefetch and staging.
 
-Row groups play the part of shards: the epoch plan (``pyloader._plan``) orders and
+Row groups play the part of shards: the epoch plan (``pyloader.read.order``) orders and
 partitions rows exactly as ``ShardDataset`` orders records, with row group ``g`` as
 "shard" ``g`` (row groups numbered file by file, files sorted by path).
 
@@ -37,26 +37,22 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from . import _C
-from ._cache import DatasetCache, ShardCache, normalize_url
-from ._convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
-from ._dataset import PlannedDataset
-from ._errors import LoaderTimeoutError, PyloaderError
-from ._format import MANIFEST_FORMAT, VERSION, Field, dump_manifest
-from ._remote import RetryPolicy, filesystem, is_remote
+from .. import _C
+from ..remote.cache import DatasetCache, ShardCache, normalize_url
+from ..write.convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
+from .shards import PlannedDataset
+from ..errors import LoaderTimeoutError, ParquetReadError, PyloaderError
+from ..format.spec import MANIFEST_FORMAT, VERSION, Field, dump_manifest
+from ..remote.fs import RetryPolicy, filesystem, is_remote
 
 _SHUFFLE_MODES = ("global", "window")
 _POLICIES = ("pad", "drop")
 
 
-class ParquetReadError(PyloaderError, ValueError):
-    """A Parquet file or row group cannot be read or does not match the dataset's columns."""
-
-
 # ---------------------------------------------------------------------------------------
 # Remote files through the node cache.
 class _ParquetFileCache(DatasetCache):
-    """The node cache (pyloader._cache) for Parquet files.
+    """The node cache (pyloader.remote.cache) for Parquet files.
 
     A Parquet file has no XXH64 in a manifest, so the cache manifest we synthesize
     carries an identity instead (XXH64 of path, size and the store's ETag or mtime): a
@@ -209,7 +205,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
                     raise FileNotFoundError(f"no such Parquet file or folder: {p!r}")
             self.files = files_local
             metas = [self._metadata(p, p) for p in files_local]
-        # Fields: the same mapping as `pyloader convert` (pyloader._convert.arrow_field).
+        # Fields: the same mapping as `pyloader convert` (pyloader.write.convert.arrow_field).
         schema0 = metas[0].schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema0.names)
         if not self.columns:
@@ -268,7 +264,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
     def _ensure_fetcher(self) -> None:
         if self._cache is None or self._fetch_pid == os.getpid():
             return
-        from ._fetch import ShardFetcher
+        from ..remote.fetch import ShardFetcher
 
         self._readiness = _Readiness(len(self.files))
         self._fetcher = ShardFetcher(self._cache, self._readiness, jobs=self.fetch_jobs)
@@ -332,7 +328,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         gidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle, seed=seed)
         self._ensure_fetcher()
         if self._fetcher is not None:
-            from ._fetch import first_touch_order
+            from ..remote.fetch import first_touch_order
 
             files = np.asarray(self.group_file, np.int64)[gidx] if gidx.size else gidx
             self._fetcher.schedule(first_touch_order(files))

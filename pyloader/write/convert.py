@@ -41,9 +41,9 @@ from typing import Any
 import lz4.block
 import numpy as np
 
-from . import _C
-from ._errors import PyloaderError, SchemaError
-from ._format import (
+from .. import _C
+from ..errors import ConvertError, PyloaderError, SchemaError, VerifyError
+from ..format.spec import (
     INDEX_DTYPE,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -56,7 +56,7 @@ from ._format import (
     pack_header,
     parse_manifest,
 )
-from ._writer import _atomic_write
+from .writer import _atomic_write
 
 KINDS = ("parquet", "arrow", "numpy", "files", "tar")
 COMPRESSIONS = ("auto", "lz4", "none")
@@ -70,14 +70,6 @@ _PARQUET_EXT = (".parquet", ".pq", ".parq")
 _ARROW_EXT = (".arrow", ".feather", ".ipc", ".arrows")
 _TAR_EXT = (".tar", ".tar.gz", ".tgz")
 _IDENT_BAD = re.compile(r"[^A-Za-z0-9_]")
-
-
-class ConvertError(PyloaderError, ValueError):
-    """A source cannot be converted; the message names the file, column/field and row."""
-
-
-class VerifyError(ConvertError):
-    """``verify`` found a converted record that differs from its source record."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -1268,7 +1260,7 @@ def _run_parallel(source: Source, root: str, compress: list[bool], shard_bytes: 
     # (seconds each); workers fork from that clean, thread-free process. spawn elsewhere.
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["pyloader._convert"])
+        ctx.set_forkserver_preload(["pyloader.write.convert"])
     else:
         ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -1330,7 +1322,7 @@ def verify_dataset(src: Any, dst: str | os.PathLike[str], *, kind: str | None = 
     the source. Returns ``{"records", "fields", "bytes", "seconds"}``; raises VerifyError
     naming the first record and field that differ.
     """
-    from ._dataset import ShardDataset
+    from ..read.shards import ShardDataset
 
     t0 = time.perf_counter()
     source = src if isinstance(src, Source) else open_source(src, kind=kind, fields=fields, nulls=nulls,

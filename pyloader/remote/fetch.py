@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _C
-from ._cache import CacheLimitError, DatasetCache, ShardCache, normalize_url
-from ._errors import ManifestError
-from ._format import MANIFEST_NAME, parse_manifest
-from ._remote import FetchError, RetryPolicy, read_object
+from .. import _C
+from .cache import CacheLimitError, DatasetCache, ShardCache, normalize_url
+from ..errors import ManifestError
+from ..format.spec import MANIFEST_NAME, parse_manifest
+from .fs import FetchError, RetryPolicy, read_object
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
 

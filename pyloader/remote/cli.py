@@ -1,7 +1,7 @@
 """``pyloader cache``: warm, list, check and empty the node-local shard cache.
 
 ``pyloader._cli`` wires it in with ``add_cache_parser(subparsers)`` and dispatches
-``args.cmd == "cache"`` to ``run_cache(args)``; ``python -m pyloader._cache_cli`` runs
+``args.cmd == "cache"`` to ``run_cache(args)``; ``python -m pyloader.remote.cli`` runs
 it alone.
 
 Exit codes (``EXIT_*``): 0 done; 1 done in part (a shard failed to download, a cached
@@ -20,11 +20,11 @@ import threading
 import time
 from typing import Any
 
-from . import _plan
-from ._cache import CacheError, CacheLimitError, ShardCache, dataset_key, parse_size
-from ._errors import ManifestError, PyloaderError
-from ._fetch import ShardFetcher, first_touch_order, open_remote
-from ._remote import FetchError, is_remote
+from ..read import order as _plan
+from .cache import CacheError, CacheLimitError, ShardCache, dataset_key, parse_size
+from ..errors import ManifestError, PyloaderError
+from .fetch import ShardFetcher, first_touch_order, open_remote
+from .fs import FetchError, is_remote
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from . import _C
-from ._errors import DeviceError
+from .. import _C
+from ..errors import DeviceError
 
 _warned_pageable = False
 

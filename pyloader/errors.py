@@ -50,6 +50,47 @@ class DeviceError(PyloaderError, RuntimeError):
     """A CUDA driver call failed (or no driver is available for a device that was asked for)."""
 
 
+class ConvertError(PyloaderError, ValueError):
+    """A source cannot be converted; the message names the file, column/field and row."""
+
+
+class VerifyError(ConvertError):
+    """``verify`` found a converted record that differs from its source record."""
+
+
+class FetchError(PyloaderError, OSError):
+    """A remote object could not be fetched (after retries, or at once for a permanent error)."""
+
+    url: str | None = None
+    transient: bool = False
+
+    def __str__(self) -> str:  # OSError's str() would prefix "[Errno N]"
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+class RemoteChangedError(FetchError):
+    """A remote shard no longer matches the manifest (size or checksum): re-read the manifest."""
+
+
+class CacheError(PyloaderError, OSError):
+    """The cache directory cannot take a shard: full, read-only or unusable."""
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+class CacheLimitError(PyloaderError, ValueError):
+    """The cache's size limit cannot hold the shards that must be on disk at once."""
+
+
+class ParquetReadError(PyloaderError, ValueError):
+    """A Parquet file or row group cannot be read or does not match the dataset's columns."""
+
+
+class ResumeError(PyloaderError, ValueError):
+    """A loader state does not fit this loader: another dataset, order or a malformed state."""
+
+
 # Kind codes are those of csrc/core/errors.h (ErrorKind).
 _KINDS: dict[int, type[PyloaderError]] = {
     0: ShardFormatError,
@@ -87,6 +128,14 @@ class _ShardNotFound(ShardIOError, FileNotFoundError):
 
 __all__ = [
     "PyloaderError",
+    "ConvertError",
+    "VerifyError",
+    "FetchError",
+    "RemoteChangedError",
+    "CacheError",
+    "CacheLimitError",
+    "ParquetReadError",
+    "ResumeError",
     "ShardFormatError",
     "ShardCorruptError",
     "SchemaError",

@@ -49,10 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _C
-from ._errors import PyloaderError
-from ._format import MANIFEST_NAME, parse_manifest
-from ._remote import (
+from .. import _C
+from ..errors import CacheError, CacheLimitError, PyloaderError
+from ..format.spec import MANIFEST_NAME, parse_manifest
+from .fs import (
     FetchError,
     RemoteChangedError,
     RetryPolicy,
@@ -60,21 +60,10 @@ from ._remote import (
     filesystem,
     with_retries,
 )
-from ._writer import _atomic_write
+from ..write.writer import _atomic_write
 
 LAYOUT = "v1"
 _LOCK_POLL_S = 0.02
-
-
-class CacheError(PyloaderError, OSError):
-    """The cache directory cannot take a shard: full, read-only or unusable."""
-
-    def __str__(self) -> str:
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
-
-
-class CacheLimitError(PyloaderError, ValueError):
-    """The cache's size limit cannot hold the shards that must be on disk at once."""
 
 
 def _cache_error(err: int, message: str, shard: str | None = None) -> CacheError:
@@ -703,7 +692,7 @@ class DatasetCache:
         """None if the ``size`` bytes in ``fd`` are shard ``i`` of the manifest; else what is wrong.
 
         The one check behind both publishing a download and ``pyloader cache verify``. A
-        manifest with ``"content_hash": false`` (cached Parquet files, pyloader._parquet)
+        manifest with ``"content_hash": false`` (cached Parquet files, pyloader.read.parquet)
         names each remote object by identity, not by its bytes: there the Parquet magic at
         both ends is checked instead."""
         info = self.shards[i]

@@ -1,4 +1,4 @@
-"""``pyloader convert SRC DST``: the command line of pyloader._convert.
+"""``pyloader convert SRC DST``: the command line of pyloader.write.convert.
 
 Exit codes: 0 converted (and verified, with ``--verify``); 1 the source could not be
 converted or read (the message names the file, column and row), or DST already holds a
@@ -14,8 +14,8 @@ import json
 import sys
 from typing import Any
 
-from . import _convert as C
-from ._errors import PyloaderError
+from . import convert as C
+from ..errors import PyloaderError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -114,7 +114,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m pyloader._convert_cli``) until ``pyloader convert`` is wired in."""
+    """Standalone entry (``python -m pyloader.write.cli``) until ``pyloader convert`` is wired in."""
     ap = argparse.ArgumentParser(prog="pyloader")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_convert_parser(sub)

@@ -11,8 +11,12 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from . import _plan, _state, _transfer
-from ._dataset import ConsumedCount, ShardDataset, resolve_rank
+from ..read import order as _plan
+
+from . import state as _state
+
+from . import transfer as _transfer
+from ..read.shards import ConsumedCount, ShardDataset, resolve_rank
 
 # Records per native batch when the loader yields single samples (batch_size=None).
 _SAMPLE_BATCH = 64
@@ -404,8 +408,8 @@ class DataLoader:
 
 
 def _native_iterator_types() -> tuple[type, ...]:
-    from ._dataset import BatchIterator
-    from ._parquet import ParquetBatchIterator
+    from ..read.shards import BatchIterator
+    from ..read.parquet import ParquetBatchIterator
 
     return BatchIterator, ParquetBatchIterator
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ManifestError, SchemaError
+from ..errors import ManifestError, SchemaError
 
 MAGIC = b"PYLSHARD"
 VERSION = 1

@@ -13,10 +13,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
-from . import _C, _fetch, _plan
-from ._errors import LoaderStateError, ManifestError
-from ._format import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
-from ._remote import is_remote
+from .. import _C
+
+from ..remote import fetch as _fetch
+
+from . import order as _plan
+from ..errors import LoaderStateError, ManifestError
+from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
+from ..remote.fs import is_remote
 
 _SHUFFLE_MODES = ("global", "window")
 _POLICIES = ("pad", "drop")
@@ -251,7 +255,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
     With torch's ``DataLoader`` it yields samples (dicts of tensors) and splits work by
     ``get_worker_info()``; ``batches()`` is the native batched path that
     ``pyloader.DataLoader`` drives. The order is a pure function of (seed, epoch, rank,
-    world size, worker): see ``pyloader._plan``.
+    world size, worker): see ``pyloader.read.order``.
 
     Args:
         path: dataset directory (or its ``manifest.json``), a local path or ``file://`` URL.
@@ -274,7 +278,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
             in plan order, ``fetch_jobs`` at a time, into the node cache at ``cache_dir``
             (default ``$PYLOADER_CACHE_DIR``, else the user's cache dir), whose size is
             capped at ``cache_limit`` bytes (or ``"20G"``); ``storage_options`` go to
-            fsspec. See ``pyloader._cache``.
+            fsspec. See ``pyloader.remote.cache``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
@@ -292,7 +296,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
         if not isinstance(window, int) or window < 1:
             raise ValueError("window must be a positive int")
         self.url = os.fspath(path)
-        self._remote: Any = None  # the node cache of a remote dataset (pyloader._cache.DatasetCache)
+        self._remote: Any = None  # the node cache of a remote dataset (pyloader.remote.cache.DatasetCache)
         self._fetcher: Any = None
         self.fetch_jobs = fetch_jobs
         if is_remote(self.url):
@@ -353,7 +357,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
         """The native batched iterator for this rank (and optional worker split).
 
         ``plan``: precomputed (shard index, record index) arrays to read instead of
-        ``self.plan(epoch=..., ...)``, e.g. the rest of an epoch (``pyloader._plan.resume_plan``).
+        ``self.plan(epoch=..., ...)``, e.g. the rest of an epoch (``pyloader.read.order.resume_plan``).
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError("batch_size must be a positive int")

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _bench as B
-from ._dataset import ShardDataset
-from ._format import CODEC_LZ4, INDEX_DTYPE
-from ._loader import DataLoader
+from . import measure as B
+from ..read.shards import ShardDataset
+from ..format.spec import CODEC_LZ4, INDEX_DTYPE
+from ..loader.dataloader import DataLoader
 
 SCHEMA_VERSION = 1
 

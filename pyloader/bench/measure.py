@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _C
-from ._dataset import ShardDataset
-from ._loader import DataLoader
-from ._writer import ShardWriter
+from .. import _C
+from ..read.shards import ShardDataset
+from ..loader.dataloader import DataLoader
+from ..write.writer import ShardWriter
 
 
 @dataclass(frozen=True)

@@ -29,21 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import PyloaderError
-
-
-class FetchError(PyloaderError, OSError):
-    """A remote object could not be fetched (after retries, or at once for a permanent error)."""
-
-    url: str | None = None
-    transient: bool = False
-
-    def __str__(self) -> str:  # OSError's str() would prefix "[Errno N]"
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
-
-
-class RemoteChangedError(FetchError):
-    """A remote shard no longer matches the manifest (size or checksum): re-read the manifest."""
+from ..errors import FetchError, PyloaderError, RemoteChangedError
 
 
 def _fetch_error(cls: type[FetchError], message: str, url: str, shard: str | None, err: int = errno.EIO,

@@ -10,9 +10,9 @@ from typing import Any
 import lz4.block
 import numpy as np
 
-from . import _C
-from ._errors import SchemaError
-from ._format import (
+from .. import _C
+from ..errors import SchemaError
+from ..format.spec import (
     CODEC_LZ4,
     CODEC_RAW,
     INDEX_DTYPE,

@@ -13,7 +13,7 @@ epoch, never the samples themselves::
 
 Its size grows only with the number of times the epoch was resumed at another world
 size or batch size (consecutive segments with equal (world_size, batch_size) merge).
-From the epoch order and the segments, ``pyloader._plan.resume_partition`` recomputes
+From the epoch order and the segments, ``pyloader.read.order.resume_partition`` recomputes
 which samples are still unread and gives them to the new world size
 (NOTE [resume segments]). ``steps`` counts batches the caller *received*: batches the
 native threads prefetched but the caller never saw are not consumed, so they are read
@@ -31,16 +31,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _C
-from ._errors import PyloaderError
+from .. import _C
+from ..errors import PyloaderError, ResumeError
 
 STATE_VERSION = 1
 _KEYS = ("version", "dataset", "records", "shuffle", "seed", "shuffle_mode", "window", "partition",
          "epoch", "segments")
-
-
-class ResumeError(PyloaderError, ValueError):
-    """A loader state does not fit this loader: another dataset, order or a malformed state."""
 
 
 def dataset_fingerprint(manifest: Mapping[str, Any]) -> str:
@@ -103,7 +99,7 @@ def check_state(state: object, *, fingerprint: str, records: int,
     """(epoch, segments) of ``state`` if it fits this dataset and order, else ResumeError.
 
     The segments are checked against the dataset later, when the plan is computed
-    (``pyloader._plan.resume_partition`` raises ValueError for steps beyond a segment).
+    (``pyloader.read.order.resume_partition`` raises ValueError for steps beyond a segment).
     """
     if not isinstance(state, Mapping):
         raise ResumeError(f"a loader state must be a dict, got {type(state).__name__}")

@@ -30,7 +30,7 @@ import torch
 import pyloader
 from pyloader import _C
 from pyloader.format import spec as _format
-# Override to replay another seed: PYLOADER_FUZZ_SEED=123 pytest tests/unit/test_corruption.py
+# Override to replay another seed: PYLOADER_FUZZ_SEED=123 pytest tests/read/test_corruption.py
 SEED = int(os.environ.get("PYLOADER_FUZZ_SEED", "20240611"))
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,224 @@
+"""``pyloader bench [URL]``: the command line of the benchmark (pyloader.bench.stages measures).
+
+``pyloader._cli`` wires it in with ``add_bench_parser(subparsers)`` and dispatches
+``args.cmd == "bench"`` to ``run_bench(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from ..errors import ManifestError, PyloaderError
+from ..read.shards import ShardDataset
+from . import measure as B
+from . import stages as R
+
+
+def _generate(tmp: str, name: str, record_bytes: int, records: int, compression: str) -> str:
+    path = os.path.join(tmp, name)
+    kind = "image"
+    p = B.Profile(name, record_bytes, kind, name)
+    B.write_profile_dataset(path, p, records, compression=compression, seed=0)
+    return path
+
+
+def bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="pyloader-bench-")
+    result: dict[str, Any] = {
+        "schema_version": R.SCHEMA_VERSION,
+        "environment": B.environment(),
+        "config": {k: v for k, v in vars(args).items() if k not in ("cmd", "func")},
+    }
+    try:
+        url = args.url
+        if url is None:
+            p = B.PROFILES["image12k"]
+            progress(f"generating the embedded dataset: {args.records} x {p.description}, LZ4")
+            url = os.path.join(tmp, "data")
+            B.write_profile_dataset(url, p, args.records, compression="lz4", seed=0)
+        ds = ShardDataset(url, cache_dir=args.cache_dir) if args.url else ShardDataset(url)
+        result["dataset"] = {"url": url if args.url else None, "generated": args.url is None,
+                             "records": ds.num_records, "shards": len(ds.shard_paths),
+                             "bytes": sum(ds.shard_bytes), "fields": [f.to_json() for f in ds.fields]}
+        stages = R.run_stages(ds, batch_size=args.batch_size, threads=args.threads, epochs=args.epochs,
+                              torch_workers=args.torch_workers, progress=progress)
+        result["stages"] = stages
+        result["diagnosis"] = R.diagnose(stages)
+
+        if args.workload != "none":
+            if args.workload == "custom":
+                if not (args.record_bytes and args.compute_time and args.au_batch_size):
+                    raise ValueError("--workload custom needs --record-bytes, --au-batch-size and --compute-time")
+                w = R.Workload("custom", args.record_bytes, args.au_batch_size, args.compute_time,
+                               args.au_records or max(64, 4 * args.au_batch_size))
+            else:
+                w = R.WORKLOADS[args.workload]
+                if args.au_records:
+                    w = R.Workload(w.name, w.record_bytes, w.batch_size, w.compute_s, args.au_records)
+            if args.url is None:
+                progress(f"generating the {w.name} dataset: {w.records} x {w.record_bytes / 1e3:.1f} KB records")
+                au_path = _generate(tmp, f"au-{w.name}", w.record_bytes, w.records, "none")
+            else:
+                au_path = url
+            result["accelerator_utilization"] = R.run_au(
+                au_path, w, cache_dir=args.cache_dir, threads=args.au_threads, torch_workers=args.au_torch_workers,
+                batches=R.au_batches(w, args.au_seconds), threshold=args.au_threshold,
+                cap=args.max_accelerators, progress=progress)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_bench(r: dict[str, Any]) -> None:
+    st, d, dg = r["stages"], r["dataset"], r["diagnosis"]
+    print(f"\npyloader bench: {d['records']} records in {d['shards']} shards, {d['bytes'] / 1e6:.1f} MB stored")
+    rows = []
+    rf = st.get("remote_fetch")
+    if rf:
+        speed = f"{rf['gbps']:.3f} GB/s" if rf["gbps"] else "all cached"
+        rows.append((f"remote fetch ({rf['shards_downloaded']} shards)", speed, rf["cpu_s"]))
+    rows.append(("storage read", f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"]))
+    if st["decode"]:
+        rows.append((f"LZ4 decode ({st['decode']['threads']} threads)", f"{st['decode']['gbps']:.2f} GB/s",
+                     st["decode"]["cpu_s"]))
+    rows.append((f"collation limit: memcpy ({st['collate_limit']['threads']} thr)",
+                 f"{st['collate_limit']['memcpy_gbps']:.2f} GB/s", st["collate_limit"]["cpu_s"]))
+    for key, label in (("pyloader", f"pyloader, end to end ({st['pyloader']['threads']} thr)"),
+                       ("torch_dataloader", f"torch DataLoader (workers={st['torch_dataloader']['num_workers']})")):
+        s = st[key]
+        rows.append((label, f"{s['samples_per_s']:,.0f} samples/s", s["cpu_s"]))
+        rows.append(("", f"{s['gbps']:.2f} GB/s", None))
+    if st.get("h2d"):
+        rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
+    print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")
+    for name, val, cpu in rows:
+        print(f"  {name:<40}{val:>22}{'' if cpu is None else f'{cpu:8.2f}'}")
+    print(f"\n  pyloader / torch DataLoader: {dg['speedup_vs_torch']:.2f}x samples/s")
+    print(f"  bound by: {dg['bound']} (headroom of each stage over the loader: "
+          + ", ".join(f"{k} {v}x" for k, v in dg["headroom"].items()) + ")")
+    for n in dg["notes"]:
+        print(f"  - {n}")
+    au = r.get("accelerator_utilization")
+    if au:
+        w = au["workload"]
+        print(f"\n  accelerator utilization, {w['name']}: {w['record_bytes'] / 1e3:.1f} KB records, batch "
+              f"{w['batch_size']}, {w['compute_s'] * 1e3:.1f} ms compute per batch (AU >= "
+              f"{100 * au['pyloader']['threshold']:.0f}% wanted, at most {au['cap']} accelerators tried)")
+        print(f"  {'accelerators':>14}{'AU pyloader':>14}{'AU torch':>12}")
+        py = {t["accelerators"]: t["au"] for t in au["pyloader"]["trials"]}
+        tc = {t["accelerators"]: t["au"] for t in au["torch_dataloader"]["trials"]}
+        for n in sorted(set(py) | set(tc)):
+            a = f"{100 * py[n]:.1f}%" if n in py else "-"
+            b = f"{100 * tc[n]:.1f}%" if n in tc else "-"
+            print(f"  {n:>14}{a:>14}{b:>12}")
+        print(f"  max accelerators at AU >= {100 * au['pyloader']['threshold']:.0f}%: pyloader "
+              f"{au['pyloader']['max_accelerators']}, torch DataLoader {au['torch_dataloader']['max_accelerators']}")
+
+
+def plot_bench(r: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'pyloader[plot]'") from None
+    st = r["stages"]
+    names, vals = ["storage read"], [st["storage_read"]["gbps"]]
+    if st["decode"]:
+        names.append("LZ4 decode")
+        vals.append(st["decode"]["gbps"])
+    names += ["memcpy limit", "pyloader", "torch DataLoader"]
+    vals += [st["collate_limit"]["memcpy_gbps"], st["pyloader"]["gbps"], st["torch_dataloader"]["gbps"]]
+    au = r.get("accelerator_utilization")
+    fig, axes = plt.subplots(1, 2 if au else 1, figsize=(11 if au else 6, 4))
+    ax = axes[0] if au else axes
+    ax.barh(names, vals, color=["#888"] * (len(names) - 2) + ["#1f77b4", "#ff7f0e"])
+    ax.set_xlabel("GB/s")
+    ax.set_title("throughput per stage")
+    if au:
+        ax2 = axes[1]
+        for key, label in (("pyloader", "pyloader"), ("torch_dataloader", "torch DataLoader")):
+            tr = au[key]["trials"]
+            ax2.plot([t["accelerators"] for t in tr], [100 * t["au"] for t in tr], "o-", label=label)
+        ax2.axhline(100 * au["pyloader"]["threshold"], color="gray", linestyle="--")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("simulated accelerators")
+        ax2.set_ylabel("AU %")
+        ax2.set_title(f"accelerator utilization ({au['workload']['name']})")
+        ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _positive(kind: type) -> Any:
+    def parse(s: str) -> Any:
+        v = kind(s)
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        return v
+    return parse
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="measure the data path, stage by stage (default: a generated dataset)",
+                       description="Measure what the data path delivers and which stage bounds it, with "
+                                   "torch's DataLoader on the same data. Without URL, generates a dataset.")
+    b.add_argument("url", nargs="?", help="dataset directory or manifest (default: generate one)")
+    b.add_argument("--batch-size", type=_positive(int), default=256)
+    b.add_argument("--threads", type=_positive(int), default=max(1, min(os.cpu_count() or 1, 8)),
+                   help="pyloader native threads")
+    b.add_argument("--epochs", type=_positive(int), default=2, help="epochs per measurement (best is kept)")
+    b.add_argument("--torch-workers", type=int, default=2, help="num_workers of the torch DataLoader baseline")
+    b.add_argument("--records", type=_positive(int), default=20000, help="records in the generated dataset")
+    b.add_argument("--workload", choices=[*R.WORKLOADS, "custom", "none"], default="resnet50",
+                   help="accelerator-utilization workload (MLPerf Storage H100 presets)")
+    b.add_argument("--record-bytes", type=_positive(int), help="custom workload: bytes per record")
+    b.add_argument("--au-batch-size", type=_positive(int), help="custom workload: batch size")
+    b.add_argument("--compute-time", type=_positive(float), help="custom workload: seconds of compute per batch")
+    b.add_argument("--au-records", type=_positive(int), help="records in the generated AU dataset")
+    b.add_argument("--au-seconds", type=_positive(float), default=1.0, help="steady-state seconds per AU trial")
+    b.add_argument("--au-threshold", type=float, default=0.9)
+    b.add_argument("--au-threads", type=_positive(int), default=1, help="pyloader threads per accelerator")
+    b.add_argument("--au-torch-workers", type=int, default=1, help="torch workers per accelerator")
+    b.add_argument("--max-accelerators", type=_positive(int), default=32)
+    b.add_argument("--cache-dir", help="node cache directory for a remote URL (default: PYLOADER_CACHE_DIR)")
+    b.add_argument("--json", action="store_true", help="print the result as JSON (docs/bench.md) on stdout")
+    b.add_argument("--plot", metavar="FILE.png", help="plot stage throughput and AU (needs matplotlib)")
+    b.add_argument("--quiet", action="store_true", help="no progress messages")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.torch_workers < 0 or args.au_torch_workers < 0:
+        print("pyloader bench: error: worker counts must be >= 0", file=sys.stderr)
+        return 2
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"[pyloader bench] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        r = bench_result(args, progress)
+        if args.plot:
+            plot_bench(r, args.plot)
+    except ManifestError as e:  # a bad URL or a dataset that is not one: like a usage error
+        print(f"pyloader bench: error: {e}", file=sys.stderr)
+        return 2
+    except (PyloaderError, OSError, ValueError) as e:
+        print(f"pyloader bench: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(r, sys.stdout, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        print()
+    else:
+        print_bench(r)
+    return 0

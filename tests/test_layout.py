@@ -1,0 +1,157 @@
+"""The package's shape: imports run one way through the stages, with no cycles.
+
+Stages, lowest first (pyloader/README.md): errors <- format <- write | remote <- read <- loader
+<- bench <- CLI. A module may import its own package and any lower stage, never a higher
+one nor a sibling of its own stage (write and remote are independent). The command-line
+modules (``_cli``, ``__main__`` and every ``<stage>/cli.py``) form the top stage, the
+package ``__init__`` re-exports the public API, and the native ``_C`` sits below all.
+Every import counts, including those inside functions (a lazy import is still a
+dependency). The graph is read from the source with ``ast``, so the test needs nothing built.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "pyloader"
+
+STAGES = {"errors": 0, "format": 1, "write": 2, "remote": 2, "read": 3, "loader": 4, "bench": 5}
+TOP = 9  # the CLI modules and the package __init__
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def stage(mod: str) -> tuple[int, str]:
+    """(level, stage name) of a pyloader module."""
+    parts = mod.split(".")
+    if mod == "pyloader._C":
+        return -1, "_C"
+    if mod in ("pyloader", "pyloader._cli", "pyloader.__main__") or parts[-1] == "cli":
+        return TOP, "cli"
+    if len(parts) < 2 or parts[1] not in STAGES:
+        raise AssertionError(f"{mod} belongs to no stage: add it to a stage package or to STAGES")
+    return STAGES[parts[1]], parts[1]
+
+
+def imports(mod: str, path: Path) -> set[str]:
+    """The pyloader modules ``mod`` imports (resolved to modules, not names in them)."""
+    known = modules()
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("pyloader"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[: len(base) - (node.level - 1)]
+                target = ".".join(anchor + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("pyloader"):
+                target = node.module
+            else:
+                continue
+            for a in node.names:  # `from pkg import module` names a module; else the target is one
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in known or sub == "pyloader._C" else target)
+    out.discard(mod)
+    return {m for m in out if m in known or m == "pyloader._C"}
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: imports(m, p) for m, p in modules().items()}
+
+
+def test_every_module_belongs_to_a_stage() -> None:
+    for m in modules():
+        stage(m)
+
+
+def test_imports_run_one_way() -> None:
+    bad = []
+    for m, deps in graph().items():
+        lm, sm = stage(m)
+        for d in deps:
+            ld, sd = stage(d)
+            if lm == TOP or sd == sm:
+                continue
+            if ld >= lm:
+                bad.append(f"{m} ({sm}) imports {d} ({sd})")
+    assert not bad, "imports against the stage order:\n  " + "\n  ".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    # A package __init__ that re-exports its own modules is not a cycle of dependencies.
+    real = [c for c in cycles if not any(a == "pyloader" or b == "pyloader" for a, b in zip(c, c[1:]))]
+    assert not real, "import cycles:\n  " + "\n  ".join(" -> ".join(c) for c in real)
+
+
+def test_each_stage_package_describes_its_files() -> None:
+    """Every stage folder's __init__ docstring names each of its modules."""
+    for pkg in sorted(p for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
+        missing = [f.name for f in sorted(pkg.glob("*.py")) if f.name != "__init__.py" and f.name not in doc]
+        assert doc and not missing, f"pyloader/{pkg.name}/__init__.py docstring does not list {missing or 'its files'}"
+
+
+def test_exceptions_live_in_errors_and_are_exported() -> None:
+    import pyloader
+    import pyloader.errors as errors
+
+    for m, p in modules().items():
+        if m == "pyloader.errors":
+            continue
+        tree = ast.parse(p.read_text())
+        raised_classes = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+                          and any(isinstance(b, ast.Name) and b.id.endswith(("Error", "Exception")) for b in n.bases)
+                          and not n.name.startswith("_")]
+        assert not raised_classes, f"{m} defines exception classes {raised_classes}: they belong in pyloader/errors.py"
+    classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)
+               and v.__module__ == errors.__name__ and not v.__name__.startswith("_")]
+    for cls in classes:
+        assert cls.__name__ in errors.__all__, f"{cls.__name__} missing from pyloader.errors.__all__"
+        assert cls.__name__ in pyloader.__all__, f"{cls.__name__} missing from pyloader.__all__"
+        assert getattr(pyloader, cls.__name__) is cls
+
+
+@pytest.mark.parametrize("name,builtin", [("FetchError", OSError), ("CacheError", OSError),
+                                          ("ShardIOError", OSError), ("ConvertError", ValueError),
+                                          ("ResumeError", ValueError), ("ParquetReadError", ValueError),
+                                          ("CacheLimitError", ValueError), ("LoaderTimeoutError", RuntimeError)])
+def test_exported_errors_subclass_the_builtin_they_name(name: str, builtin: type) -> None:
+    import pyloader
+
+    cls = getattr(pyloader, name)
+    assert issubclass(cls, pyloader.PyloaderError) and issubclass(cls, builtin)

@@ -58,7 +58,8 @@ py::capsule to_dlpack(void* data, std::vector<int64_t> shape, dl::DataType dtype
 dl::DataType dlpack_dtype(uint8_t code) {
   switch (static_cast<DType>(code)) {
     case DType::kBool: return {6, 8, 1};
-    case DType::kUInt8: case DType::kBytes: return {1, 8, 1};
+    case DType::kUInt8:
+    case DType::kBytes: return {1, 8, 1};
     case DType::kUInt16: return {1, 16, 1};
     case DType::kUInt32: return {1, 32, 1};
     case DType::kUInt64: return {1, 64, 1};

@@ -46,8 +46,8 @@ struct ManagedTensor {
 }  // namespace dl
 
 // A capsule named "dltensor" viewing `data` with `shape`, keeping `owner` alive.
-pybind11::capsule to_dlpack(void* data, std::vector<int64_t> shape, dl::DataType dtype,
-                            std::shared_ptr<Slot> owner, dl::Device device = {1, 0});
+pybind11::capsule to_dlpack(void* data, std::vector<int64_t> shape, dl::DataType dtype, std::shared_ptr<Slot> owner,
+                            dl::Device device = {1, 0});
 
 // The DLPack type of a format dtype code (docs/format.md).
 dl::DataType dlpack_dtype(uint8_t code);

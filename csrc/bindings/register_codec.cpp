@@ -43,9 +43,8 @@ void register_codec(py::module_& m) {
         ReadView v(src);
         py::bytes out(nullptr, decoded_size);
         char* dst = PyBytes_AS_STRING(out.ptr());
-        const char* err = without_gil([&] {
-          return lz4_decode_block(v.data(), v.size(), reinterpret_cast<uint8_t*>(dst), decoded_size);
-        });
+        const char* err = without_gil(
+            [&] { return lz4_decode_block(v.data(), v.size(), reinterpret_cast<uint8_t*>(dst), decoded_size); });
         if (err) throw LoaderError(ErrorKind::kFormat, "", -1, "", std::string("LZ4 block is malformed: ") + err);
         return out;
       },

@@ -29,8 +29,8 @@ void register_copy(py::module_& m) {
       },
       "None when the CUDA driver (libcuda.so.1) loaded and sees a device, else why not.");
 
-  py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine",
-      "A native thread that copies batches to their destination (NOTE [copy ordering]).")
+  py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(
+      m, "CopyEngine", "A native thread that copies batches to their destination (NOTE [copy ordering]).")
       .def(py::init([](const std::string& backend, int device, size_t depth, std::shared_ptr<SlotPool> staging) {
              std::unique_ptr<CopyBackend> b;
              if (backend == "cpu")
@@ -41,7 +41,8 @@ void register_copy(py::module_& m) {
                throw std::invalid_argument("backend must be 'cpu' or 'cuda'");
              return std::make_shared<CopyEngine>(std::move(b), std::move(staging), depth);
            }),
-           py::kw_only(), py::arg("backend"), py::arg("device") = 0, py::arg("depth") = 2, py::arg("staging").none(false))
+           py::kw_only(), py::arg("backend"), py::arg("device") = 0, py::arg("depth") = 2,
+           py::arg("staging").none(false))
       .def(
           "submit",
           [](CopyEngine& e, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& segments, uintptr_t stream,
@@ -50,7 +51,8 @@ void register_copy(py::module_& m) {
             job.stage = stage;
             job.segments.reserve(segments.size());
             for (const auto& [src, dst, bytes] : segments) {
-              if (!stage && dst == 0 && bytes) throw std::invalid_argument("a segment without a destination needs stage=True");
+              if (!stage && dst == 0 && bytes)
+                throw std::invalid_argument("a segment without a destination needs stage=True");
               if (bytes && src == 0) throw std::invalid_argument("a segment has a null source");
               job.segments.push_back({reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(dst), bytes});
             }
@@ -76,8 +78,8 @@ void register_copy(py::module_& m) {
             py::list out;
             for (size_t i = 0; i < res.offsets.size(); ++i) {
               if (res.result[i])
-                out.append(to_dlpack(res.base + res.offsets[i], {int64_t(res.bytes[i])}, dlpack_dtype(uint8_t(DType::kUInt8)),
-                                     res.staged));
+                out.append(to_dlpack(res.base + res.offsets[i], {int64_t(res.bytes[i])},
+                                     dlpack_dtype(uint8_t(DType::kUInt8)), res.staged));
               else
                 out.append(py::none());
             }

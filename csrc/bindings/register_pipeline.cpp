@@ -10,9 +10,9 @@
 #include "bindings/interruptible_wait.h"
 #include "core/batch_pipeline.h"
 #include "core/cuda_driver.h"
-#include "core/host_memory.h"
 #include "core/dtype.h"
 #include "core/errors.h"
+#include "core/host_memory.h"
 #include "core/shard_reader.h"
 #include "core/slot_pool.h"
 
@@ -52,10 +52,10 @@ std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::fo
 }  // namespace
 
 void register_pipeline(py::module_& m) {
-  py::class_<ShardSet, std::shared_ptr<ShardSet>>(m, "ShardSet",
-      "The shards of one dataset, each mapped and validated on first use, kept across epochs.")
-      .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes,
-                       std::vector<uint64_t> records, py::bytes schema, bool pending) {
+  py::class_<ShardSet, std::shared_ptr<ShardSet>>(
+      m, "ShardSet", "The shards of one dataset, each mapped and validated on first use, kept across epochs.")
+      .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
+                       py::bytes schema, bool pending) {
              return std::make_shared<ShardSet>(std::move(paths), std::move(bytes), std::move(records),
                                                std::string(schema), pending);
            }),
@@ -83,13 +83,13 @@ void register_pipeline(py::module_& m) {
       .def_property_readonly("free", &SlotPool::free_count);
 
   py::class_<Batch>(m, "HostBatch",
-      "One collated batch in its host slot; the slot is reused only when this object and "
-      "every array exported from it are gone.")
+                    "One collated batch in its host slot; the slot is reused only when this object and "
+                    "every array exported from it are gone.")
       .def_readonly("index", &Batch::index)
       .def_readonly("rows", &Batch::rows);
 
-  py::class_<BatchPipeline, std::shared_ptr<BatchPipeline>>(m, "BatchPipeline",
-      "Collates the planned records into batches on native threads; yields them in plan order.")
+  py::class_<BatchPipeline, std::shared_ptr<BatchPipeline>>(
+      m, "BatchPipeline", "Collates the planned records into batches on native threads; yields them in plan order.")
       .def(py::init([](std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
                        const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& shard_idx,
                        const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& record_idx,
@@ -102,13 +102,12 @@ void register_pipeline(py::module_& m) {
              auto s = to_vector<int32_t>(shard_idx);
              auto r = to_vector<int64_t>(record_idx);
              return without_gil([&] {
-               return std::make_shared<BatchPipeline>(std::move(shards), std::move(pool), std::move(s),
-                                                      std::move(r), cfg);
+               return std::make_shared<BatchPipeline>(std::move(shards), std::move(pool), std::move(s), std::move(r),
+                                                      cfg);
              });
            }),
            py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
-           py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1,
-           py::arg("prefetch") = 2)
+           py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1, py::arg("prefetch") = 2)
       .def("__len__", &BatchPipeline::num_batches)
       .def(
           "next",
@@ -134,9 +133,7 @@ void register_pipeline(py::module_& m) {
           py::arg("timeout") = 0.0,
           "Like next(), but returns (HostBatch, arrays, lengths): the HostBatch can be handed "
           "to a CopyEngine, which keeps its slot until the copies completed.")
-      .def("close", [](BatchPipeline& p) {
-             without_gil([&] { p.close(); });
-           })
+      .def("close", [](BatchPipeline& p) { without_gil([&] { p.close(); }); })
       .def("counters", [](const BatchPipeline& p) {
         const auto& c = p.counters();
         py::dict d;

@@ -1,8 +1,7 @@
 #include "core/batch_pipeline.h"
 
-#include <unistd.h>
-
 #include <emmintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -39,16 +38,15 @@ inline void copy_row(uint8_t* dst, const uint8_t* src, size_t n) {
 }
 
 uint64_t now_ns() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch())
-                      .count());
+  return uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 }
 
 }  // namespace
 
 BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
-                             std::vector<int32_t> shard_idx, std::vector<int64_t> record_idx,
-                             PipelineConfig cfg)
+                             std::vector<int32_t> shard_idx, std::vector<int64_t> record_idx, PipelineConfig cfg)
     : shards_(std::move(shards)),
       pool_(std::move(pool)),
       shard_idx_(std::move(shard_idx)),
@@ -250,7 +248,8 @@ void BatchPipeline::fill(size_t b, Batch* out, std::vector<std::shared_ptr<const
 
 BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   if (::getpid() != pid_)
-    throw LoaderError(ErrorKind::kState, "", -1, "", "iterator used in a forked child; create a new iterator after fork");
+    throw LoaderError(ErrorKind::kState, "", -1, "",
+                      "iterator used in a forked child; create a new iterator after fork");
   uint64_t t0 = now_ns();
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator is closed");

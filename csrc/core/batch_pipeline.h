@@ -44,18 +44,18 @@ struct PipelineCounters {
   std::atomic<uint64_t> records{0};
   std::atomic<uint64_t> stored_bytes{0};
   std::atomic<uint64_t> decoded_bytes{0};
-  std::atomic<uint64_t> lz4_stored_bytes{0};   // compressed bytes decoded
-  std::atomic<uint64_t> verified_bytes{0};     // bytes hashed (first read of a record)
-  std::atomic<uint64_t> shard_wait_ns{0};      // worker time opening shards / waiting for fetches
-  std::atomic<uint64_t> collate_ns{0};         // worker time verifying, decoding, copying
-  std::atomic<uint64_t> wait_ns{0};        // consumer time blocked in next()
+  std::atomic<uint64_t> lz4_stored_bytes{0};  // compressed bytes decoded
+  std::atomic<uint64_t> verified_bytes{0};    // bytes hashed (first read of a record)
+  std::atomic<uint64_t> shard_wait_ns{0};     // worker time opening shards / waiting for fetches
+  std::atomic<uint64_t> collate_ns{0};        // worker time verifying, decoding, copying
+  std::atomic<uint64_t> wait_ns{0};           // consumer time blocked in next()
   std::atomic<uint64_t> batches{0};
 };
 
 class BatchPipeline {
  public:
-  BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
-                std::vector<int32_t> shard_idx, std::vector<int64_t> record_idx, PipelineConfig cfg);
+  BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool, std::vector<int32_t> shard_idx,
+                std::vector<int64_t> record_idx, PipelineConfig cfg);
   ~BatchPipeline();
   BatchPipeline(const BatchPipeline&) = delete;
   BatchPipeline& operator=(const BatchPipeline&) = delete;
@@ -98,8 +98,9 @@ class BatchPipeline {
   // them instead of joining (joining or locking there could hang forever).
   std::mutex mu_;
   // Heap-allocated so that a forked child can leak them instead of destroying them.
-  std::unique_ptr<std::condition_variable> cv_work_ = std::make_unique<std::condition_variable>();   // workers wait for room
-  std::unique_ptr<std::condition_variable> cv_ready_ = std::make_unique<std::condition_variable>();  // consumer waits for a batch
+  // Workers wait on cv_work_ for room; the consumer waits on cv_ready_ for a batch.
+  std::unique_ptr<std::condition_variable> cv_work_ = std::make_unique<std::condition_variable>();
+  std::unique_ptr<std::condition_variable> cv_ready_ = std::make_unique<std::condition_variable>();
   bool stop_ = false;
   std::atomic<bool> cancel_{false};  // stop_, readable without mu_ (shard waits)
   bool closed_ = false;

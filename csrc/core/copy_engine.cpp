@@ -24,9 +24,9 @@ bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, int
 }
 
 uint64_t now_ns() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch())
-                      .count());
+  return uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 }
 
 class CpuCopyBackend final : public CopyBackend {
@@ -163,8 +163,7 @@ void CopyEngine::close() {
 }
 
 CopyEngine::Wait CopyEngine::submit(CopyJob& job, uintptr_t stream, int64_t timeout_ms, uint64_t* ticket) {
-  if (::getpid() != pid_)
-    throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
+  if (::getpid() != pid_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
   const uint64_t t0 = now_ns();
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine is closed");
@@ -196,8 +195,7 @@ CopyEngine::Wait CopyEngine::submit(CopyJob& job, uintptr_t stream, int64_t time
 }
 
 CopyEngine::Wait CopyEngine::take(uint64_t ticket, uintptr_t stream, int64_t timeout_ms, CopyResult* out) {
-  if (::getpid() != pid_)
-    throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
+  if (::getpid() != pid_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
   const uint64_t t0 = now_ns();
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine is closed");

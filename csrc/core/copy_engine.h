@@ -87,11 +87,11 @@ std::unique_ptr<CopyBackend> make_cuda_copy_backend(int device, size_t depth);
 
 struct CopyCounters {
   std::atomic<uint64_t> jobs{0};
-  std::atomic<uint64_t> bytes{0};        // bytes copied to destinations
-  std::atomic<uint64_t> staged_bytes{0};  // bytes packed into staging slots
-  std::atomic<uint64_t> issue_ns{0};     // engine thread: staging and queueing copies
-  std::atomic<uint64_t> complete_ns{0};  // engine thread: waiting for copies to complete
-  std::atomic<uint64_t> take_wait_ns{0};  // consumer: blocked in take()
+  std::atomic<uint64_t> bytes{0};           // bytes copied to destinations
+  std::atomic<uint64_t> staged_bytes{0};    // bytes packed into staging slots
+  std::atomic<uint64_t> issue_ns{0};        // engine thread: staging and queueing copies
+  std::atomic<uint64_t> complete_ns{0};     // engine thread: waiting for copies to complete
+  std::atomic<uint64_t> take_wait_ns{0};    // consumer: blocked in take()
   std::atomic<uint64_t> submit_wait_ns{0};  // consumer: blocked in submit() for a free ring entry
 };
 

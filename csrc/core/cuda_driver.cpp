@@ -97,7 +97,8 @@ std::string error_text(const Driver& d, CUresult r) {
 }
 
 void check(const Driver& d, CUresult r, const char* what) {
-  if (r != kSuccess) throw LoaderError(ErrorKind::kDevice, "", -1, "", std::string(what) + " failed: " + error_text(d, r));
+  if (r != kSuccess)
+    throw LoaderError(ErrorKind::kDevice, "", -1, "", std::string(what) + " failed: " + error_text(d, r));
 }
 
 PrimaryContext::PrimaryContext(const Driver& d, int ordinal) : d_(d), ordinal_(ordinal), pid_(::getpid()) {

@@ -29,21 +29,17 @@ inline size_t dtype_itemsize(uint8_t code) noexcept {
     case DType::kBool:
     case DType::kUInt8:
     case DType::kInt8:
-    case DType::kBytes:
-      return 1;
+    case DType::kBytes: return 1;
     case DType::kUInt16:
     case DType::kInt16:
     case DType::kFloat16:
-    case DType::kBFloat16:
-      return 2;
+    case DType::kBFloat16: return 2;
     case DType::kUInt32:
     case DType::kInt32:
-    case DType::kFloat32:
-      return 4;
+    case DType::kFloat32: return 4;
     case DType::kUInt64:
     case DType::kInt64:
-    case DType::kFloat64:
-      return 8;
+    case DType::kFloat64: return 8;
   }
   return 0;
 }

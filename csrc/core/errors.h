@@ -20,8 +20,8 @@ enum class ErrorKind : int {
 
 class LoaderError : public std::runtime_error {
  public:
-  LoaderError(ErrorKind kind, std::string shard, int64_t record, std::string field,
-              const std::string& what, int sys_errno = 0)
+  LoaderError(ErrorKind kind, std::string shard, int64_t record, std::string field, const std::string& what,
+              int sys_errno = 0)
       : std::runtime_error(compose(shard, record, field, what)),
         kind_(kind),
         shard_(std::move(shard)),

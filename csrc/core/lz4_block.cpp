@@ -59,8 +59,7 @@ enum class LengthStatus { kOk, kPastInput, kTooLong };
 // Adds the 255-continued length bytes that follow a length nibble of 15. Stops when the
 // input ends first or the length exceeds `limit`; the limit also keeps the sum far from
 // overflowing size_t.
-inline LengthStatus read_extra_length(const uint8_t*& ip, const uint8_t* iend, size_t limit,
-                                      size_t& len) noexcept {
+inline LengthStatus read_extra_length(const uint8_t*& ip, const uint8_t* iend, size_t limit, size_t& len) noexcept {
   for (;;) {
     if (PYLOADER_UNLIKELY(ip == iend)) return LengthStatus::kPastInput;
     const unsigned b = *ip++;
@@ -110,8 +109,7 @@ constexpr ShortDistanceTable kShortDistance{};
 
 // Bytes 0..7 and 8..15 of the period-d pattern that starts at m (d in [1, 15]). Reads
 // m[0, 16) at most, of which only m[0, d) matter. Little-endian only.
-inline void short_distance_pattern(const uint8_t* m, unsigned d, uint64_t& lo,
-                                   uint64_t& hi) noexcept {
+inline void short_distance_pattern(const uint8_t* m, unsigned d, uint64_t& lo, uint64_t& hi) noexcept {
   const ShortDistance& e = kShortDistance.e[d];
   if (d < 8) {
     lo = (load64(m) & e.mask) * e.mul;
@@ -170,8 +168,7 @@ inline void copy_match_wild(uint8_t* op, size_t count, size_t d) noexcept {
 
 }  // namespace
 
-const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst,
-                             size_t dst_size) noexcept {
+const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst, size_t dst_size) noexcept {
   if (src_size == 0) return "empty input (a block holds at least one token)";
   const uint8_t* ip = src;
   const uint8_t* const iend = src + src_size;

@@ -18,7 +18,6 @@ namespace pyloader {
 // ends exactly at the end of src, having produced exactly dst_size bytes. The optional
 // end-of-block restrictions of the format (last 5 bytes literals, last match 12 bytes
 // before the end) are not enforced, so every block liblz4 produces is accepted.
-const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst,
-                             size_t dst_size) noexcept;
+const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst, size_t dst_size) noexcept;
 
 }  // namespace pyloader

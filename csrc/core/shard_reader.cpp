@@ -67,7 +67,8 @@ std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std:
       if (d == 0 && spec.variable) {
         if (dim != -1) format_error(where, "variable field '" + spec.name + "' must have dims[0] == -1");
       } else {
-        if (dim < 0 || dim > (int64_t(1) << 32)) format_error(where, "schema field '" + spec.name + "' has an invalid dimension");
+        if (dim < 0 || dim > (int64_t(1) << 32))
+          format_error(where, "schema field '" + spec.name + "' has an invalid dimension");
         if (dim != 0 && row > std::numeric_limits<uint32_t>::max() / size_t(dim))
           format_error(where, "schema field '" + spec.name + "' is larger than 4 GiB per record");
         row *= size_t(dim);
@@ -83,8 +84,8 @@ std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std:
   return out;
 }
 
-Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records,
-             const std::string& schema_blob, const std::vector<FieldSpec>& fields)
+Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
+             const std::vector<FieldSpec>& fields)
     : path_(std::move(path)) {
   int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -122,8 +123,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "header checksum mismatch (corrupt header)");
     }
     uint32_t version = load_le<uint32_t>(h + 8);
-    if (version != kShardVersion)
-      format_error(path_, "unsupported shard version " + std::to_string(version));
+    if (version != kShardVersion) format_error(path_, "unsupported shard version " + std::to_string(version));
     if (load_le<uint32_t>(h + 12) != kHeaderSize) format_error(path_, "unexpected header size");
     num_records_ = load_le<uint64_t>(h + 16);
     num_fields_ = load_le<uint32_t>(h + 24);
@@ -164,12 +164,12 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
       for (size_t f = 0; f < num_fields_; ++f) {
         IndexEntry en = entry(r, f);
         const FieldSpec& spec = fields[f];
-        auto bad = [&](const char* what) {
-          throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what);
-        };
-        if (en.offset > payload_size || en.stored_size > payload_size - en.offset) bad("index entry points outside the payload");
+        auto bad = [&](const char* what) { throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what); };
+        if (en.offset > payload_size || en.stored_size > payload_size - en.offset)
+          bad("index entry points outside the payload");
         if (en.codec != kCodecRaw && en.codec != kCodecLZ4) bad("unknown codec");
-        if (en.codec == kCodecRaw && en.stored_size != en.decoded_size) bad("raw entry with stored size != decoded size");
+        if (en.codec == kCodecRaw && en.stored_size != en.decoded_size)
+          bad("raw entry with stored size != decoded size");
         uint64_t expect = spec.variable ? uint64_t(en.leading) * spec.row_bytes : spec.row_bytes;
         if (!spec.variable && en.leading != 0) bad("fixed-shape entry with a nonzero length");
         if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
@@ -199,8 +199,8 @@ IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
   return e;
 }
 
-ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
-                   std::vector<uint64_t> records, std::string schema_blob, bool pending)
+ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
+                   std::string schema_blob, bool pending)
     : paths_(std::move(paths)),
       bytes_(std::move(bytes)),
       records_(std::move(records)),
@@ -208,7 +208,8 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
       pid_(::getpid()) {
   if (paths_.size() != bytes_.size() || paths_.size() != records_.size())
     throw std::invalid_argument("paths, bytes and records must have the same length");
-  fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(), "<dataset schema>");
+  fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(),
+                         "<dataset schema>");
   open_.resize(paths_.size());
   state_.assign(paths_.size(), pending ? 1 : 0);
   failure_.resize(paths_.size());
@@ -216,7 +217,8 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
 
 std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel) {
   if (::getpid() != pid_)
-    throw LoaderError(ErrorKind::kState, "", -1, "", "shard set used in a forked child; create the dataset iterator after fork");
+    throw LoaderError(ErrorKind::kState, "", -1, "",
+                      "shard set used in a forked child; create the dataset iterator after fork");
   if (i >= paths_.size()) throw LoaderError(ErrorKind::kState, "", -1, "", "shard index out of range");
   std::string path;
   {

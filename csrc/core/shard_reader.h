@@ -4,9 +4,9 @@
 
 #include <sys/types.h>
 
-#include <cstdint>
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,10 +26,10 @@ inline constexpr uint8_t kCodecLZ4 = 1;
 struct FieldSpec {
   std::string name;
   uint8_t dtype = 0;
-  bool variable = false;         // leading dimension varies per record
-  std::vector<int64_t> dims;     // full shape; dims[0] == -1 when variable
+  bool variable = false;      // leading dimension varies per record
+  std::vector<int64_t> dims;  // full shape; dims[0] == -1 when variable
   size_t itemsize = 0;
-  size_t row_bytes = 0;          // variable: bytes per leading row; fixed: bytes per record
+  size_t row_bytes = 0;  // variable: bytes per leading row; fixed: bytes per record
 };
 
 // Parses the binary schema block; throws LoaderError(kFormat) naming `where` if malformed.
@@ -37,20 +37,20 @@ std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std:
 
 // One index entry, decoded from its 32 on-disk bytes.
 struct IndexEntry {
-  uint64_t offset;        // from the start of the payload
+  uint64_t offset;  // from the start of the payload
   uint32_t stored_size;
   uint32_t decoded_size;
-  uint32_t leading;       // rows in the leading dimension (variable fields), else 0
+  uint32_t leading;  // rows in the leading dimension (variable fields), else 0
   uint8_t codec;
-  uint64_t checksum;      // xxh64 of the stored bytes, seed 0
+  uint64_t checksum;  // xxh64 of the stored bytes, seed 0
 };
 
 class Shard {
  public:
   // Opens and validates. expected_bytes/records come from the manifest; schema must equal
   // the dataset schema byte for byte. Throws LoaderError.
-  Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records,
-        const std::string& schema_blob, const std::vector<FieldSpec>& fields);
+  Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
+        const std::vector<FieldSpec>& fields);
   ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
@@ -93,8 +93,8 @@ class Shard {
 // never waits on a download. Native threads never call into Python for this.
 class ShardSet {
  public:
-  ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes,
-           std::vector<uint64_t> records, std::string schema_blob, bool pending = false);
+  ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
+           std::string schema_blob, bool pending = false);
   ~ShardSet();
   ShardSet(const ShardSet&) = delete;
   ShardSet& operator=(const ShardSet&) = delete;

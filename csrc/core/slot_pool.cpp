@@ -10,7 +10,7 @@ namespace pyloader {
 namespace {
 constexpr size_t kAlign = 4096;
 constexpr size_t kHugeAlign = size_t(2) << 20;
-}
+}  // namespace
 
 HostBuffer::~HostBuffer() {
   if (data_) alloc_->release(data_, cap_);

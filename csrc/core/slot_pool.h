@@ -43,9 +43,9 @@ class HostBuffer {
 };
 
 struct Slot {
-  std::vector<HostBuffer> data;      // one per field: [rows, ...] (padded for variable fields)
-  std::vector<HostBuffer> lengths;   // one per field: int64 [rows] (used by variable fields)
-  size_t allocations = 0;            // how many times a buffer had to grow (for stats/tests)
+  std::vector<HostBuffer> data;     // one per field: [rows, ...] (padded for variable fields)
+  std::vector<HostBuffer> lengths;  // one per field: int64 [rows] (used by variable fields)
+  size_t allocations = 0;           // how many times a buffer had to grow (for stats/tests)
 };
 
 class SlotPool : public std::enable_shared_from_this<SlotPool> {

@@ -13,8 +13,7 @@ constexpr uint64_t kPrime3 = 0x165667B19E3779F9ULL;
 constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
 constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ULL;
 
-#if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && \
-    __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 constexpr bool kBigEndian = true;
 #else
 constexpr bool kBigEndian = false;
@@ -35,8 +34,8 @@ inline uint64_t load_le64(const uint8_t* p) noexcept {
 
 inline uint32_t load_le32(const uint8_t* p) noexcept {
   if constexpr (kBigEndian) {
-    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-           (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+           (static_cast<uint32_t>(p[3]) << 24);
   } else {
     uint32_t v;
     std::memcpy(&v, p, 4);
@@ -136,8 +135,7 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) noexcept {
 }
 
 uint64_t xxh64_copy(void* dst, const void* src, size_t len, uint64_t seed) noexcept {
-  return hash_impl<true>(static_cast<const uint8_t*>(src), len, seed,
-                         static_cast<uint8_t*>(dst));
+  return hash_impl<true>(static_cast<const uint8_t*>(src), len, seed, static_cast<uint8_t*>(dst));
 }
 
 }  // namespace pyloader

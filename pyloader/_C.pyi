@@ -1,0 +1,157 @@
+"""pyloader native core: shard reader, LZ4 decoder, collation pipeline, pinned staging, copy engine.
+
+Type stub for the pybind11 extension built from ``csrc/bindings/*.cpp``; keep it in step with
+those files (``python -m mypy.stubtest pyloader._C`` compares the two). Every blocking call
+releases the GIL. DLPack capsules ("dltensor") keep their batch slot alive until the tensor
+made from them is freed (NOTE [DLPack lifetime] in csrc/bindings/dlpack_export.h).
+"""
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer, CapsuleType
+
+# A "dltensor" PyCapsule: pass it to torch.from_dlpack (or numpy.from_dlpack).
+_DLPackCapsule: TypeAlias = CapsuleType
+# Any contiguous buffer-protocol object. numpy arrays are listed too: numpy's stubs give
+# ndarray __buffer__ only for Python >= 3.12, and mypy checks against 3.10.
+_BufferLike: TypeAlias = Buffer | npt.NDArray[Any]
+# Plan indices: converted to a C-contiguous int32 (shards) or int64 (records) array.
+_IndexArray: TypeAlias = npt.NDArray[np.integer[Any]] | Sequence[int]
+
+# register_codec.cpp
+
+def xxh64(data: _BufferLike, *, seed: int = 0) -> int:
+    """XXH64 of a contiguous buffer (the checksum of the shard format). Releases the GIL."""
+
+def lz4_decode_block(src: _BufferLike, decoded_size: int) -> bytes:
+    """Decodes one raw LZ4 block that must expand to exactly decoded_size bytes. Releases the GIL."""
+
+def lz4_decode_into(src: _BufferLike, dst: _BufferLike, *, repeat: int = 1) -> None:
+    """Decodes one LZ4 block into a writable buffer of exactly the decoded size, `repeat` times.
+
+    For benchmarks. Releases the GIL.
+    """
+
+# register_pipeline.cpp
+
+class ShardSet:
+    """The shards of one dataset, each mapped and validated on first use, kept across epochs."""
+
+    def __init__(
+        self,
+        *,
+        paths: Sequence[str],
+        bytes: Sequence[int],
+        records: Sequence[int],
+        schema: bytes,
+        pending: bool = False,
+    ) -> None: ...
+    def mark_ready(self, index: int, path: str) -> None:
+        """A pending shard's file is verified and in place at `path` (NOTE [shard readiness])."""
+
+    def mark_failed(self, index: int, message: str) -> None:
+        """A pending shard could not be fetched; readers of it raise ShardIOError(message)."""
+
+    def __len__(self) -> int: ...
+
+class SlotPool:
+    """Reusable batch buffers."""
+
+    def __init__(self, *, num_fields: int, pinned: bool = False, device: int = 0) -> None:
+        """pinned=True: page-locked buffers from the CUDA driver (raises without one)."""
+
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def created(self) -> int: ...
+    @property
+    def free(self) -> int: ...
+
+class HostBatch:
+    """One collated batch in its host slot.
+
+    The slot is reused only when this object and every array exported from it are gone.
+    Made only by BatchPipeline.next_host(); it has no constructor.
+    """
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+
+class BatchPipeline:
+    """Collates the planned records into batches on native threads; yields them in plan order."""
+
+    def __init__(
+        self,
+        *,
+        shards: ShardSet,
+        pool: SlotPool,
+        shard_idx: _IndexArray,
+        record_idx: _IndexArray,
+        batch_size: int,
+        drop_last: bool = False,
+        num_threads: int = 1,
+        prefetch: int = 2,
+    ) -> None: ...
+    def __len__(self) -> int: ...
+    def next(self, timeout: float = 0.0) -> tuple[int, int, list[_DLPackCapsule], list[_DLPackCapsule | None]] | None:
+        """The next batch as (index, rows, [capsule per field], [lengths capsule per field or None]).
+
+        None at the end. Releases the GIL while waiting. The capsules view the slot's memory
+        (NOTE [DLPack lifetime] in bindings/dlpack_export.h).
+        """
+
+    def next_host(
+        self, timeout: float = 0.0
+    ) -> tuple[HostBatch, list[_DLPackCapsule], list[_DLPackCapsule | None]] | None:
+        """Like next(), but returns (HostBatch, arrays, lengths).
+
+        The HostBatch can be handed to a CopyEngine, which keeps its slot until the copies completed.
+        """
+
+    def close(self) -> None: ...
+    def counters(self) -> dict[str, int]: ...
+
+# register_copy.cpp
+
+def cuda_driver_error() -> str | None:
+    """None when the CUDA driver (libcuda.so.1) loaded and sees a device, else why not."""
+
+class CopyEngine:
+    """A native thread that copies batches to their destination (NOTE [copy ordering])."""
+
+    def __init__(self, *, backend: str, device: int = 0, depth: int = 2, staging: SlotPool) -> None: ...
+    def submit(
+        self,
+        segments: Sequence[tuple[int, int, int]],
+        *,
+        stream: int = 0,
+        source: HostBatch | None = None,
+        stage: bool = False,
+        timeout: float = 0.0,
+    ) -> int:
+        """Queues copies [(src, dst, bytes)] and returns a ticket.
+
+        `source` (a HostBatch) stays referenced until the copies completed; with stage=True the
+        sources are packed into a staging slot first, and must stay alive until take().
+        """
+
+    def take(self, ticket: int, *, stream: int = 0, timeout: float = 0.0) -> list[_DLPackCapsule | None] | None:
+        """Waits for job `ticket` (the oldest not taken), orders `stream` after its copies.
+
+        For staged jobs returns one uint8 DLPack capsule per segment whose staged copy is the
+        result (None for the others); else None.
+        """
+
+    def close(self) -> None: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def taken(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    def counters(self) -> dict[str, int]: ...

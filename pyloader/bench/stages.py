@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import measure as B
-from ..read.shards import ShardDataset
-from ..format.spec import CODEC_LZ4, INDEX_DTYPE
+from ..format.spec import CODEC_LZ4, INDEX_DTYPE, unpack_header
 from ..loader.dataloader import DataLoader
+from ..read.shards import ShardDataset
+from . import measure as B
 
 SCHEMA_VERSION = 1
 
@@ -60,10 +59,11 @@ def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20) -> list[tuple[byte
     for path in paths:
         with open(path, "rb") as f:
             data = f.read()
-        index_off, index_size, payload_off = struct.unpack_from("<QQQ", data, 48)
-        index = np.frombuffer(data, INDEX_DTYPE, count=index_size // INDEX_DTYPE.itemsize, offset=index_off)
+        header = unpack_header(data)
+        index = np.frombuffer(data, INDEX_DTYPE, count=header.index_size // INDEX_DTYPE.itemsize,
+                              offset=header.index_offset)
         for e in index[index["codec"] == CODEC_LZ4]:
-            start = payload_off + int(e["offset"])
+            start = header.payload_offset + int(e["offset"])
             out.append((data[start : start + int(e["stored"])], int(e["decoded"])))
             total += int(e["decoded"])
             if total >= limit_bytes:
@@ -300,8 +300,8 @@ def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]],
             "trials": [trials[k] for k in sorted(trials)]}
 
 
-def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int, torch_workers: int, batches: int, threshold: float,
-           cap: int, progress: Callable[[str], None]) -> dict[str, Any]:
+def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int, torch_workers: int,
+           batches: int, threshold: float, cap: int, progress: Callable[[str], None]) -> dict[str, Any]:
     batch_bytes = w.record_bytes * w.batch_size
     try:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -10,13 +10,13 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ManifestError, SchemaError
+from ..errors import ManifestError, SchemaError, ShardFormatError
 
 MAGIC = b"PYLSHARD"
 VERSION = 1
@@ -44,7 +44,6 @@ DTYPES: dict[str, tuple[int, int, str]] = {
     "float64": (13, 8, "<f8"),
     "bytes": (14, 1, "u1"),
 }
-_CODE_TO_NAME = {code: name for name, (code, _, _) in DTYPES.items()}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Index entry: offset, stored size, decoded size, leading length, codec, 3 pad, xxh64.
 INDEX_DTYPE = np.dtype(
@@ -55,6 +54,8 @@ assert INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 _HEADER = struct.Struct("<8sIIQIIQQQQQQQQQ16s")  # everything before the header checksum
 assert _HEADER.size == HEADER_SIZE - 8
 MAX_FIELD_BYTES = 2**32 - 1
+# XXH64 (seed 0) of a bytes-like object: pyloader._C.xxh64, passed in by the caller.
+Hasher = Callable[[Any], int]
 
 
 def normalize_dtype(dtype: Any) -> str:
@@ -169,24 +170,8 @@ def encode_schema(fields: Iterable[Field]) -> bytes:
     return b"".join(parts)
 
 
-def decode_schema(blob: bytes) -> list[Field]:
-    (n,) = struct.unpack_from("<I", blob, 0)
-    pos, out = 4, []
-    for _ in range(n):
-        (ln,) = struct.unpack_from("<H", blob, pos)
-        name = blob[pos + 2 : pos + 2 + ln].decode("utf-8")
-        pos += 2 + ln
-        code, flags, ndim, _ = struct.unpack_from("<BBBB", blob, pos)
-        pos += 4
-        dims = struct.unpack_from(f"<{ndim}q", blob, pos)
-        pos += 8 * ndim
-        shape = tuple(None if (i == 0 and flags & 1) else d for i, d in enumerate(dims))
-        out.append(Field(name, _CODE_TO_NAME[code], shape))
-    return out
-
-
 def pack_header(*, num_records: int, num_fields: int, schema_size: int, index_size: int,
-                payload_size: int, schema_xxh64: int, index_xxh64: int, xxh64) -> bytes:
+                payload_size: int, schema_xxh64: int, index_xxh64: int, xxh64: Hasher) -> bytes:
     schema_off = HEADER_SIZE
     index_off = schema_off + schema_size
     payload_off = index_off + index_size
@@ -195,6 +180,36 @@ def pack_header(*, num_records: int, num_fields: int, schema_size: int, index_si
                         schema_off, schema_size, index_off, index_size, payload_off, payload_size,
                         file_size, schema_xxh64, index_xxh64, b"\0" * 16)
     return body + struct.pack("<Q", xxh64(body))
+
+
+class ShardHeader(NamedTuple):
+    """The fields of a shard header (docs/format.md, "Header"), offsets from the file start."""
+
+    version: int
+    header_size: int
+    num_records: int
+    num_fields: int
+    index_entry_size: int
+    schema_offset: int
+    schema_size: int
+    index_offset: int
+    index_size: int
+    payload_offset: int
+    payload_size: int
+    file_size: int
+    schema_xxh64: int
+    index_xxh64: int
+
+
+def unpack_header(data: bytes | memoryview) -> ShardHeader:
+    """The header at the start of a shard's bytes. Checks the magic only: the native reader
+    is what validates a shard (checksums, sizes); this serves tools that read shards it wrote."""
+    if len(data) < HEADER_SIZE:
+        raise ShardFormatError(f"a shard header is {HEADER_SIZE} bytes, got {len(data)}")
+    magic, *values, _reserved = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ShardFormatError(f"not a pyloader shard (magic {bytes(magic)!r})")
+    return ShardHeader(*values)
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,13 +224,13 @@ _PREFIX_LEN = len(_MANIFEST_PREFIX) + 16 + len(_MANIFEST_MID)
 _HEX16 = re.compile(rb"[0-9a-f]{16}")
 
 
-def dump_manifest(body: Mapping[str, Any], xxh64) -> bytes:
+def dump_manifest(body: Mapping[str, Any], xxh64: Hasher) -> bytes:
     raw = json.dumps(body, separators=(",", ":"), sort_keys=False).encode("utf-8")
     digest = f"{xxh64(raw):016x}".encode()
     return _MANIFEST_PREFIX + digest + _MANIFEST_MID + raw + _MANIFEST_SUFFIX
 
 
-def parse_manifest(data: bytes, where: str, xxh64) -> dict[str, Any]:
+def parse_manifest(data: bytes, where: str, xxh64: Hasher) -> dict[str, Any]:
     """Checks and parses manifest bytes; raises ManifestError naming ``where``."""
     if (
         len(data) < _PREFIX_LEN + len(_MANIFEST_SUFFIX)

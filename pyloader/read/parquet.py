@@ -39,9 +39,11 @@ from torch.utils.data import IterableDataset
 
 from .. import _C
 from ..remote.cache import DatasetCache, ShardCache, normalize_url
-from ..write.convert import _PARQUET_EXT, ConvertError, VarColumn, _pa, arrow_field, arrow_to_column
+from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
+from ..format.arrow import VarColumn, arrow_field, arrow_to_column
+from ..format.arrow import pyarrow_module as _pa
 from .shards import PlannedDataset
-from ..errors import LoaderTimeoutError, ParquetReadError, PyloaderError
+from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
 from ..format.spec import MANIFEST_FORMAT, VERSION, Field, dump_manifest
 from ..remote.fs import RetryPolicy, filesystem, is_remote
 

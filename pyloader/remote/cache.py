@@ -40,7 +40,6 @@ import errno
 import fcntl
 import mmap
 import os
-import re
 import threading
 import time
 import urllib.parse
@@ -51,6 +50,8 @@ from typing import Any
 
 from .. import _C
 from ..errors import CacheError, CacheLimitError, PyloaderError
+from ..format.encode import atomic_write as _atomic_write
+from ..format.sizes import parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
 from .fs import (
     FetchError,
@@ -60,7 +61,6 @@ from .fs import (
     filesystem,
     with_retries,
 )
-from ..write.writer import _atomic_write
 
 LAYOUT = "v1"
 _LOCK_POLL_S = 0.02
@@ -78,22 +78,6 @@ def default_cache_dir() -> str:
         return env
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pyloader")
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(s: str | int) -> int:
-    """Bytes from ``123``, ``"64M"``, ``"1.5GiB"``, ``"10GB"`` (every suffix is a power of 1024)."""
-    if isinstance(s, int) and not isinstance(s, bool):
-        if s < 0:
-            raise ValueError("a size must be >= 0")
-        return s
-    m = _SIZE_RE.match(str(s))
-    if not m:
-        raise ValueError(f"invalid size {s!r} (examples: 1000000, 512M, 20G, 1.5TiB)")
-    mult = 1024 ** " kmgtp".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * mult)
 
 
 def normalize_url(url: str) -> str:

@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from ..read import order as _plan
-from .cache import CacheError, CacheLimitError, ShardCache, dataset_key, parse_size
+from ..format.sizes import parse_size
+from .cache import CacheError, CacheLimitError, ShardCache, dataset_key
 from ..errors import ManifestError, PyloaderError
 from .fetch import ShardFetcher, first_touch_order, open_remote
 from .fs import FetchError, is_remote

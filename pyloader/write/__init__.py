@@ -1,0 +1,12 @@
+"""Stage ``write``: datasets made from samples (``ShardWriter``) or converted from other formats.
+
+| file | what it is for |
+|---|---|
+| ``writer.py`` | ``ShardWriter``: validates samples one by one, encodes them with ``ShardEncoder`` |
+| ``sources.py`` | convert's sources (Parquet/Arrow, numpy, files, tars): ``open_source``, units, chunks |
+| ``convert.py`` | ``convert()``: compression choice, parallel jobs that encode chunks, progress |
+| ``verify.py`` | ``verify_dataset``: reads a dataset back with the native core, compares it with its source |
+| ``cli.py`` | the ``pyloader convert`` command |
+
+Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C``: never read, loader, remote or bench.
+"""

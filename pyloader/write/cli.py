@@ -1,4 +1,4 @@
-"""``pyloader convert SRC DST``: the command line of pyloader.write.convert.
+"""``pyloader convert SRC DST``: the command line of pyloader.write.convert and .verify.
 
 Exit codes: 0 converted (and verified, with ``--verify``); 1 the source could not be
 converted or read (the message names the file, column and row), or DST already holds a
@@ -14,8 +14,11 @@ import json
 import sys
 from typing import Any
 
-from . import convert as C
-from ..errors import PyloaderError
+from ..errors import PyloaderError, VerifyError
+from ..format.sizes import parse_size
+from .convert import COMPRESSIONS, convert
+from .sources import KINDS, NULL_POLICIES
+from .verify import verify_dataset
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -47,14 +50,14 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
         "3 verification found a difference.")
     p.add_argument("src", help="source file or folder")
     p.add_argument("dst", help="dataset folder to write")
-    p.add_argument("--kind", choices=C.KINDS, help="source kind (default: guessed from the file names)")
+    p.add_argument("--kind", choices=KINDS, help="source kind (default: guessed from the file names)")
     p.add_argument("--fields", help="columns to convert, in order: a,b,c; name:dtype casts a Parquet/Arrow column "
                    "(checked: lossy casts fail)")
-    p.add_argument("--compression", default="auto", choices=C.COMPRESSIONS,
+    p.add_argument("--compression", default="auto", choices=COMPRESSIONS,
                    help="auto (default): LZ4 only for fields where it saves >= 10%% on a sample")
     p.add_argument("--shard-size", default="64M", help="payload bytes per shard, e.g. 64M (default), 256M, 1G")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--nulls", default="error", choices=C.NULL_POLICIES,
+    p.add_argument("--nulls", default="error", choices=NULL_POLICIES,
                    help="error (default): a null fails naming its column and row; zero: store zeros / empty values")
     p.add_argument("--labels", action="store_true", help="folder of files: add an int64 label from the class folder")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
@@ -72,21 +75,21 @@ def run_convert(args: argparse.Namespace) -> int:
         fields = parse_fields(args.fields)
         if args.jobs < 1:
             raise ValueError("--jobs must be >= 1")
-        C.parse_size(args.shard_size)
+        parse_size(args.shard_size, minimum=1)
     except ValueError as e:
         print(f"pyloader convert: {e}", file=err)
         return EXIT_USAGE
     opts = {"kind": args.kind, "fields": fields, "nulls": args.nulls, "labels": args.labels}
     try:
         if args.verify_only:
-            out: dict[str, Any] = {"verified": C.verify_dataset(args.src, args.dst, **opts)}
+            out: dict[str, Any] = {"verified": verify_dataset(args.src, args.dst, **opts)}
         else:
-            res = C.convert(args.src, args.dst, compression=args.compression, shard_size=args.shard_size,
+            res = convert(args.src, args.dst, compression=args.compression, shard_size=args.shard_size,
                             jobs=args.jobs, overwrite=args.overwrite, progress=not args.quiet and not args.json,
                             verify=args.verify, **opts)
             out = dataclasses.asdict(res)
             out["mb_per_s"] = res.mb_per_s
-    except C.VerifyError as e:
+    except VerifyError as e:
         print(f"pyloader convert: verification failed: {e}", file=err)
         return EXIT_MISMATCH
     except (PyloaderError, OSError) as e:

@@ -1,58 +1,22 @@
-"""ShardWriter: writes samples into shard files (format v1) and the dataset manifest."""
+"""ShardWriter: validates samples and writes them into shard files (format v1) and the dataset manifest.
+
+The bytes are laid out by ``pyloader.format.encode.ShardEncoder``, as for ``pyloader convert``.
+"""
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any
 
-import lz4.block
 import numpy as np
 
-from .. import _C
 from ..errors import SchemaError
-from ..format.spec import (
-    CODEC_LZ4,
-    CODEC_RAW,
-    INDEX_DTYPE,
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
-    VERSION,
-    Field,
-    dump_manifest,
-    encode_schema,
-    make_fields,
-    pack_header,
-    parse_manifest,
-)
+from ..format.encode import MIN_GAIN, ShardEncoder, publish_manifest, replace_token
+from ..format.spec import Field, make_fields
 
 _COMPRESSIONS = ("lz4", "none")
-
-
-def _xxh64(b: Any) -> int:
-    return _C.xxh64(b)
-
-
-def _atomic_write(path: str, chunks: list[Any]) -> None:
-    """Writes to a unique temp file, fsyncs, then renames: readers never see a partial file.
-
-    The temp name ends in ``.part`` and carries the writer's pid, which is how the node
-    cache recognises (and later removes) the leftovers of a dead writer."""
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class ShardWriter:
@@ -69,7 +33,7 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike[str], fields: Mapping[str, Any], *,
                  compression: str | Mapping[str, str] = "lz4", shard_bytes: int = 64 << 20,
-                 min_gain: float = 0.1, overwrite: bool = False) -> None:
+                 min_gain: float = MIN_GAIN, overwrite: bool = False) -> None:
         self._dir = os.fspath(path)
         self.fields: list[Field] = make_fields(fields)
         if isinstance(compression, str):
@@ -87,33 +51,13 @@ class ShardWriter:
             raise ValueError("shard_bytes must be a positive int")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError("min_gain must be in [0, 1)")
-        self._shard_bytes = shard_bytes
-        self._min_gain = min_gain
         os.makedirs(self._dir, exist_ok=True)
-        mpath = os.path.join(self._dir, MANIFEST_NAME)
-        if os.path.exists(mpath) and not overwrite:
-            raise FileExistsError(f"{self._dir!r} already holds a dataset (pass overwrite=True to replace it)")
-        # NOTE [overwrite]: a replacement dataset writes its shards under new names, so the
-        # old dataset stays whole until the new manifest replaces the old one atomically;
-        # only then are the old shards deleted. A failed rewrite leaves the old dataset.
-        self._prefix = "shard-"
-        self._replaced: list[str] = []
-        if os.path.exists(mpath):
-            self._prefix = f"shard-{uuid.uuid4().hex[:8]}-"
-            try:
-                with open(mpath, "rb") as fh:
-                    old = parse_manifest(fh.read(), mpath, _xxh64)
-                self._replaced = [sh["path"] for sh in old["shards"]]
-            except (OSError, ValueError):
-                self._replaced = []  # an unreadable old manifest: nothing of it is kept or removed
-        self._schema = encode_schema(self.fields)
-        self._schema_xxh = _xxh64(self._schema)
-        self._shards: list[dict[str, Any]] = []
-        self._blobs: list[Any] = []
-        self._entries: list[tuple[int, int, int, int, int, int]] = []
-        self._payload = 0
-        self._records_in_shard = 0
-        self._count = 0
+        # NOTE [overwrite] (pyloader/format/encode.py): new shards get a fresh token; the old
+        # ones are deleted only once the new manifest is in place.
+        token, self._replaced = replace_token(self._dir, overwrite=overwrite,
+                                              hint="pass overwrite=True to replace it")
+        self._encoder = ShardEncoder(self._dir, self.fields, self._codec, shard_bytes=shard_bytes,
+                                     prefix=f"shard-{token}", min_gain=min_gain)
         self._closed = False
 
     # -- sample validation -------------------------------------------------------------
@@ -200,99 +144,43 @@ class ShardWriter:
         """Validates one sample (a mapping with exactly the schema's fields) and appends it."""
         if self._closed:
             raise ValueError("ShardWriter is closed")
-        n = self._count
+        n = self._encoder.records
         if not isinstance(sample, Mapping):
             raise SchemaError(f"sample {n}: expected a mapping of field -> value, got {type(sample).__name__}")
         extra = set(sample) - {f.name for f in self.fields}
         if extra:
             raise SchemaError(f"sample {n}: unknown fields {sorted(extra)}")
-        staged = []
-        for f, compress in zip(self.fields, self._codec):
+        values = []
+        for f in self.fields:
             if f.name not in sample:
                 raise SchemaError(f"sample {n}: missing field {f.name!r}")
             arr = self._to_array(f, sample[f.name], n)
             leading = self._check_shape(f, arr, n)
-            raw = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-            stored, codec = raw, CODEC_RAW
-            if compress and len(raw) > 0:
-                comp = lz4.block.compress(raw, store_size=False)
-                if len(comp) <= (1.0 - self._min_gain) * len(raw):
-                    stored, codec = memoryview(comp), CODEC_LZ4
-            staged.append((stored, len(raw), leading, codec))
-        for stored, decoded, leading, codec in staged:
-            self._entries.append((self._payload, len(stored), decoded, leading, codec, _xxh64(stored)))
-            self._blobs.append(bytes(stored) if codec == CODEC_RAW else stored)
-            self._payload += len(stored)
-        self._records_in_shard += 1
-        self._count += 1
-        if self._payload >= self._shard_bytes:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._records_in_shard == 0:
-            return
-        index = np.zeros(len(self._entries), dtype=INDEX_DTYPE)
-        if self._entries:
-            cols = list(zip(*self._entries))
-            for name, col in zip(("offset", "stored", "decoded", "leading", "codec", "xxh64"), cols):
-                index[name] = np.asarray(col, dtype=np.uint64)
-        index_bytes = index.tobytes()
-        header = pack_header(
-            num_records=self._records_in_shard, num_fields=len(self.fields), schema_size=len(self._schema),
-            index_size=len(index_bytes), payload_size=self._payload, schema_xxh64=self._schema_xxh,
-            index_xxh64=_xxh64(index_bytes), xxh64=_xxh64,
-        )
-        name = f"{self._prefix}{len(self._shards):06d}.pyl"
-        data = b"".join([header, self._schema, index_bytes, *self._blobs])
-        file_hash = _xxh64(data)
-        _atomic_write(os.path.join(self._dir, name), [data])
-        size = len(data)
-        self._shards.append({"path": name, "records": self._records_in_shard, "bytes": size,
-                             "xxh64": f"{file_hash:016x}"})
-        self._blobs, self._entries = [], []
-        self._payload = 0
-        self._records_in_shard = 0
+            values.append((np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data, leading))
+        self._encoder.append_record(values)  # only a sample valid in every field is appended
 
     def close(self) -> None:
         """Flushes the last shard and writes the manifest. Idempotent."""
         if self._closed:
             return
-        self._flush()
-        body = {
-            "format": MANIFEST_FORMAT,
-            "version": VERSION,
-            "fields": [f.to_json() for f in self.fields],
-            "records": self._count,
-            "shards": self._shards,
-        }
-        _atomic_write(os.path.join(self._dir, MANIFEST_NAME), [dump_manifest(body, _xxh64)])
+        shards = self._encoder.close()
+        publish_manifest(self._dir, self.fields, shards, self._replaced)  # NOTE [overwrite]
         self._closed = True
-        kept = {sh["path"] for sh in self._shards}
-        for old in self._replaced:  # NOTE [overwrite]: the new manifest is in place
-            if old not in kept:
-                try:
-                    os.unlink(os.path.join(self._dir, old))
-                except OSError:
-                    pass
 
     def abort(self) -> None:
         """Discards everything this writer wrote (shards and no manifest)."""
         self._closed = True
-        for s in self._shards:
-            try:
-                os.unlink(os.path.join(self._dir, s["path"]))
-            except FileNotFoundError:
-                pass
-        self._shards, self._blobs, self._entries = [], [], []
+        self._encoder.abort()
 
     @property
     def records_written(self) -> int:
-        return self._count
+        return self._encoder.records
 
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
         else:

@@ -1,0 +1,33 @@
+"""Byte sizes written by people: ``"64M"``, ``"1.5GiB"``, ``"20g"``, ``1 << 26``.
+
+One parser for every size option (``convert --shard-size``, ``cache_limit``, ``cache --limit``).
+"""
+
+from __future__ import annotations
+
+import re
+
+# A number, then an optional unit letter, an optional "i" and an optional "B", any case.
+# Every unit is a power of 1024: "1M" == "1MiB" == "1MB" == 1 << 20.
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)i?b?\s*", re.IGNORECASE)
+_UNITS = " kmgtp"
+
+
+def parse_size(s: str | int, *, minimum: int = 0) -> int:
+    """Bytes from an int or a string such as ``"123"``, ``"512K"``, ``"64M"``, ``"1.5GiB"``,
+    ``"10GB"``, ``"2t"`` or ``"1P"`` (K, M, G, T, P: powers of 1024, any case, optional
+    ``i`` and ``B``; a fraction is rounded down to whole bytes).
+
+    Raises ValueError naming ``s`` if it is not a size or is below ``minimum`` (callers
+    that need a positive size pass ``minimum=1``).
+    """
+    if isinstance(s, int) and not isinstance(s, bool):
+        value = s
+    else:
+        m = _SIZE_RE.fullmatch(str(s))
+        if not m:
+            raise ValueError(f"invalid size {s!r}; use a number of bytes or e.g. 512K, 64M, 20G, 1.5TiB")
+        value = int(float(m.group(1)) * (1 << (10 * _UNITS.index(m.group(2).lower() or " "))))
+    if value < minimum:
+        raise ValueError(f"size {s!r} must be >= {minimum} bytes")
+    return value

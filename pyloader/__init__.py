@@ -30,7 +30,7 @@ from .errors import (
     VerifyError,
 )
 from .write.convert import ConvertResult, convert
-from .write.convert import verify_dataset as verify_conversion
+from .write.verify import verify_dataset as verify_conversion
 from .write.writer import ShardWriter
 
 __version__ = "0.1.0"

@@ -1,11 +1,21 @@
-"""Thread and process helpers shared by the tests of tests/native."""
+"""Helpers shared by the tests of tests/native and the stand-in driver's child programs
+(fake_cuda/children.py, which finds this module on its PYTHONPATH): thread counts, the one
+way to run code in a forked child, and the image dataset of the copy-engine tests."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+import traceback
 import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+# --- threads ---------------------------------------------------------------------------------
 
 
 def threads_now() -> int:
@@ -24,7 +34,59 @@ def wait_threads(at_most: int, timeout: float = 5.0) -> int:
     return n
 
 
-def wait_child(pid: int, timeout: float) -> int | None:
+# --- forked children -------------------------------------------------------------------------
+
+
+class ForkedChild(NamedTuple):
+    pid: int
+    code: int | None  # its exit code; None: it outlived the timeout and was killed
+    log: str  # the steps it logged, then the traceback of what it raised, if anything
+
+
+def run_in_forked_child(fn: Callable[[Callable[[str], None]], int], log_path: str, timeout: float, *,
+                        normal_exit: bool = False) -> ForkedChild:
+    """Runs ``fn(step)`` in a forked child, waits for it and returns what it reported.
+
+    ``step(msg)`` appends a line to ``log_path`` as the child goes, so a child that hangs
+    shows the last step it reached. ``fn`` returns the child's exit code (0: all good, else
+    the check that failed); an exception is logged with its traceback and exits 99. The
+    child leaves through ``os._exit``, so nothing of the parent (a pytest session, atexit
+    handlers) runs twice. With ``normal_exit`` a child whose ``fn`` returned 0 leaves through
+    ``sys.exit(0)`` instead and runs its finalizers and destructors: only for children of a
+    standalone program, since in pytest the SystemExit would carry on the session in the child.
+    A child still running after ``timeout`` s is killed."""
+
+    def step(msg: str) -> None:
+        with open(log_path, "a") as fh:
+            fh.write(msg + "\n")
+
+    # Python >= 3.12 warns about fork() in a multi-threaded process; forking with live
+    # native threads is exactly what these tests are about.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code and its log
+        code = 99
+        try:
+            code = int(fn(step))
+        except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
+            step(traceback.format_exc())
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if code != 0 or not normal_exit:
+                os._exit(code)
+        sys.exit(0)
+    code = _wait_child(pid, timeout)
+    try:
+        with open(log_path) as fh:
+            log = fh.read()
+    except FileNotFoundError:
+        log = "(no log)\n"
+    return ForkedChild(pid, code, log)
+
+
+def _wait_child(pid: int, timeout: float) -> int | None:
     """Exit code of forked child ``pid``, or None if it outlived ``timeout`` (it is then killed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -37,9 +99,15 @@ def wait_child(pid: int, timeout: float) -> int | None:
     return None
 
 
-def fork_quietly() -> int:
-    # Python >= 3.12 warns about fork() in a multi-threaded process; forking with live
-    # native threads is exactly what these tests are about.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return os.fork()
+# --- the copy-engine dataset (test_copy_engine, test_fake_driver, fake_cuda/children.py) -------
+
+IMG = 512
+FIELDS: dict[str, Any] = {"label": ("int64", ()), "img": ("uint8", (IMG,))}
+
+
+def expected_img(i: int) -> np.ndarray:
+    return ((np.arange(IMG, dtype=np.int64) * 13 + i) % 251).astype(np.uint8)
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {"label": i, "img": expected_img(i)}

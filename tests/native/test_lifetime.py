@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +26,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from native_util import fork_quietly, threads_now, wait_child, wait_threads
+from native_util import run_in_forked_child, threads_now, wait_threads
 
 import pyloader
 from pyloader.format import spec as _format
+
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
 ROOT = Path(pyloader.__file__).resolve().parents[1]
@@ -443,15 +443,11 @@ def test_dropping_the_iterator_in_another_thread_while_next_waits(write_dataset)
 
 
 def _child_after_fork(ds: pyloader.ShardDataset, inherited: dict[str, Any], loader: pyloader.DataLoader,
-                      n: int, log: str) -> int:
+                      n: int, step: Callable[[str], None]) -> int:
     """Runs in the forked child; returns its exit code (0: all good, else the failed step).
 
     ``inherited`` holds the only references to the parent's iterator and batch."""
     it, first = inherited["it"], inherited["first"]
-    def step(msg: str) -> None:
-        with open(log, "a") as fh:
-            fh.write(msg + "\n")
-
     step("a: next() on the parent's iterator")
     try:
         next(it)
@@ -513,22 +509,10 @@ def test_fork_while_native_threads_run(write_dataset, tmp_path) -> None:
     inherited = {"it": ds.batches(8, num_threads=3, prefetch=4)}
     inherited["first"] = next(inherited["it"])
     assert threads_now() >= base + 3
-    log = str(tmp_path / "child.log")
-    pid = fork_quietly()
-    if pid == 0:  # pragma: no cover - the child reports through its exit code
-        code = 1
-        try:
-            code = _child_after_fork(ds, inherited, loader, n, log)
-        except BaseException:  # noqa: BLE001
-            with open(log, "a") as fh:
-                fh.write(traceback.format_exc())
-            code = 99
-        finally:
-            os._exit(code)
-    rc = wait_child(pid, 30)
-    steps = Path(log).read_text() if os.path.exists(log) else "(no log)"
-    assert rc is not None, f"forked child hung (killed after 30 s) in the last of its steps:\n{steps}"
-    assert rc == 0, f"child failed with exit code {rc}; its steps:\n{steps}"
+    child = run_in_forked_child(lambda step: _child_after_fork(ds, inherited, loader, n, step),
+                                str(tmp_path / "child.log"), timeout=30)
+    assert child.code is not None, f"forked child hung (killed after 30 s) in the last of its steps:\n{child.log}"
+    assert child.code == 0, f"child failed with exit code {child.code}; its steps:\n{child.log}"
     # The parent's iterators are unaffected by the fork.
     check_batch(inherited["first"], list(range(8)))
     got = list(range(8))

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from native_util import fork_quietly, threads_now, wait_child, wait_threads
+from native_util import run_in_forked_child, threads_now, wait_threads
 
 import pyloader
 
@@ -318,7 +317,8 @@ def test_ctrl_c_mid_iteration(write_dataset, kind: str) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     report = f"rc={proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-    assert "CAUGHT KeyboardInterrupt" in out, f"{kind}: KeyboardInterrupt did not reach the main thread's except\n{report}"
+    assert "CAUGHT KeyboardInterrupt" in out, \
+        f"{kind}: KeyboardInterrupt did not reach the main thread's except\n{report}"
     caught = float(out.split(" at ")[-1].split()[0])
     assert caught - sent < 3.0, f"{kind}: KeyboardInterrupt took {caught - sent:.2f} s\n{report}"
     for bad in ("Traceback", "terminate called", "Segmentation fault", "Fatal Python error", "Exception ignored"):
@@ -380,11 +380,7 @@ def test_interpreter_exit_with_a_live_iterator(write_dataset, kind: str) -> None
 # --- fork ------------------------------------------------------------------------------------
 
 
-def _child_reads_a_new_loader(path: str, inherited: Any, log: str) -> int:
-    def step(msg: str) -> None:
-        with open(log, "a") as fh:
-            fh.write(msg + "\n")
-
+def _child_reads_a_new_loader(path: str, inherited: Any, step: Callable[[str], None]) -> int:
     step("the parent's epoch in progress refuses to run in the child")
     try:
         next(inherited)
@@ -425,22 +421,10 @@ def test_fork_after_a_device_cpu_loader(write_dataset, tmp_path) -> None:
     assert sum(int(b["label"].shape[0]) for b in loader) == N  # one whole epoch
     live = iter(loader)  # and one in progress at fork time: its threads and engine are running
     check_batch(next(live), 0, 8)
-    log = str(tmp_path / "child.log")
-    pid = fork_quietly()
-    if pid == 0:  # pragma: no cover - reports through its exit code
-        code = 1
-        try:
-            code = _child_reads_a_new_loader(path, live, log)
-        except BaseException:  # noqa: BLE001
-            with open(log, "a") as fh:
-                fh.write(traceback.format_exc())
-            code = 99
-        finally:
-            os._exit(code)
-    rc = wait_child(pid, 60)
-    steps = Path(log).read_text() if os.path.exists(log) else "(no log)"
-    assert rc is not None, f"the forked child hung (killed after 60 s); its steps:\n{steps}"
-    assert rc == 0, f"the forked child failed with exit code {rc}; its steps:\n{steps}"
+    child = run_in_forked_child(lambda step: _child_reads_a_new_loader(path, live, step),
+                                str(tmp_path / "child.log"), timeout=60)
+    assert child.code is not None, f"the forked child hung (killed after 60 s); its steps:\n{child.log}"
+    assert child.code == 0, f"the forked child failed with exit code {child.code}; its steps:\n{child.log}"
     # The parent's epoch in progress is unaffected.
     got = 8
     for batch in live:

@@ -1,6 +1,6 @@
 """Builds the stand-in CUDA driver (fake_cuda.c) into ``<dest>/libcuda.so.1``.
 
-Used by tests/native/test_copy_engine.py: a process started with ``LD_LIBRARY_PATH=<dest>``
+Used by tests/native/test_fake_driver.py: a process started with ``LD_LIBRARY_PATH=<dest>``
 then finds it where pyloader's ``dlopen("libcuda.so.1")`` looks. See fake_cuda.c for what
 the stand-in models and checks.
 """

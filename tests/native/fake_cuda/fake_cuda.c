@@ -5,7 +5,8 @@
  * has a context current, which allocations are live, what a stream has queued and when an
  * event completes. It does not model a GPU (a "device pointer" is ordinary host memory and
  * cuMemcpyHtoDAsync is a delayed memcpy); the real driver is exercised by tests/cuda on a
- * GPU machine. Built by tests/native/fake_cuda/build.py; used by tests/native/test_copy_engine.py.
+ * GPU machine. Built by tests/native/fake_cuda/build.py; used by tests/native/test_fake_driver.py,
+ * whose scenarios are the functions of tests/native/fake_cuda/children.py.
  *
  * Model:
  *  - Contexts: one device (ordinal 0) with one primary context. Each thread has its own

@@ -1,0 +1,449 @@
+"""Child programs of tests/native/test_fake_driver.py: one function per scenario, each run in
+a fresh interpreter that loads the stand-in ``libcuda.so.1`` (fake_cuda.c) instead of a driver.
+
+Usage: ``python children.py <scenario> [args...]`` with ``LD_LIBRARY_PATH`` naming the folder
+of the built stand-in and ``PYTHONPATH`` naming the repository and tests/native (``run_fake``
+in the test sets both). A scenario checks what it can with ``assert`` and ends with one
+``report(...)`` line, ``REPORT <json>``, that the test reads for the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from native_util import expected_img, run_in_forked_child
+
+import pyloader
+from pyloader import _C
+from pyloader.errors import DeviceError
+
+FAKE: Any = None  # the stand-in driver (ctypes.CDLL), loaded by main()
+
+
+def load_stand_in() -> ctypes.CDLL:
+    """The stand-in's hooks, and the driver calls the scenarios make themselves."""
+    fake = ctypes.CDLL("libcuda.so.1")
+    fake.fake_cuda_stats.restype = ctypes.c_char_p
+    fake.fake_cuda_is_pinned.argtypes = [ctypes.c_void_p]
+    fake.fake_cuda_pending.restype = ctypes.c_long
+    fake.fake_cuda_set_copy_delay_us.argtypes = [ctypes.c_long]
+    fake.fake_cuda_fail_copies.argtypes = [ctypes.c_long, ctypes.c_int]
+    fake.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    fake.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    fake.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return fake
+
+
+# --- the shared preamble: the stand-in's state and the checks every scenario makes -------------
+
+
+def stats() -> dict[str, Any]:
+    return json.loads(FAKE.fake_cuda_stats())
+
+
+def pinned(t: torch.Tensor) -> bool:
+    return FAKE.fake_cuda_is_pinned(ctypes.c_void_p(t.data_ptr())) == 1
+
+
+def depth0(where: str) -> None:
+    assert FAKE.fake_cuda_ctx_depth() == 0, f"{where}: the consumer thread was left with a context pushed"
+
+
+class Ctx:
+    """The scenario's own calls on stream 0 need a current context, like anyone's."""
+
+    def __enter__(self) -> None:
+        ctx = ctypes.c_void_p()
+        assert FAKE.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert FAKE.cuCtxPushCurrent_v2(ctx) == 0
+
+    def __exit__(self, *exc: object) -> None:
+        assert FAKE.cuCtxPopCurrent_v2(None) == 0
+        assert FAKE.cuDevicePrimaryCtxRelease_v2(0) == 0
+
+
+def sync_default_stream() -> None:
+    """The consumer's "final wait": synchronise stream 0 only. take() ordered stream 0 after
+    the job's copies, so they must have completed too."""
+    with Ctx():
+        assert FAKE.cuStreamSynchronize(None) == 0
+
+
+def check_clean(s: dict[str, Any], allocs_live: int = 0) -> None:
+    bad = {k: s[k] for k in ("no_ctx_calls", "bad_pops", "bad_frees", "bad_releases", "free_while_pending",
+                             "copies_from_freed", "queued_from_freed", "bad_handles") if s[k]}
+    assert not bad and not s["errors"], f"driver protocol violations: {bad} {s['errors']}"
+    assert s["allocs_live"] == allocs_live, f"{s['allocs_live']} pinned allocations live, expected {allocs_live}"
+
+
+def report(**kw: Any) -> None:
+    print("REPORT " + json.dumps(kw), flush=True)
+
+
+def open_ds(path: str) -> pyloader.ShardDataset:
+    return pyloader.ShardDataset(path, rank=0, world_size=1)
+
+
+def first_host_batch(ds: pyloader.ShardDataset, pool: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A HostBatch of the first 8 records from ``pool``, with its pipeline closed."""
+    it = ds.batches(8, num_threads=1, prefetch=1, pool=pool)
+    host, tensors = it.next_host()
+    it.close()
+    return host, tensors
+
+
+def first_records_exact(outs: dict[str, torch.Tensor]) -> bool:
+    return outs["label"].tolist() == list(range(8)) and all(
+        np.array_equal(outs["img"][r].numpy(), expected_img(r)) for r in range(8))
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+
+def pinned_slot_pool(path: str) -> None:
+    """A pinned SlotPool allocates through the driver on first use and frees all it allocated."""
+    s0 = stats()
+    assert s0["inits"] == 1 and s0["init_pid"] == os.getpid()
+    ds = open_ds(path)
+    pool = _C.SlotPool(num_fields=2, pinned=True)
+    assert pool.pinned
+    assert stats()["allocs"] == 0, "a pool allocates on first use only"
+    got = []
+    it = ds.batches(8, num_threads=2, prefetch=3, pool=pool)
+    for b in it:
+        assert pinned(b["label"]) and pinned(b["img"]), "a pinned pool's batch is not in cuMemHostAlloc memory"
+        for r, i in enumerate(b["label"].tolist()):
+            assert np.array_equal(b["img"][r].numpy(), expected_img(i))
+        got += b["label"].tolist()
+        depth0("iteration")
+    assert got == list(range(len(got))) and len(got) == 96
+    del b, it
+    gc.collect()
+    s1 = stats()
+    assert s1["allocs"] > 0 and s1["allocs_live"] > 0
+    assert pool.free == pool.created
+    del pool
+    gc.collect()
+    s2 = stats()
+    check_clean(s2, allocs_live=0)
+    assert s2["frees"] == s2["allocs"]
+    assert s2["retained"] == 0, "the pinned allocator did not release the primary context"
+    makers: list[Callable[[], object]] = [
+        lambda: _C.SlotPool(num_fields=1, pinned=True, device=1),
+        lambda: _C.CopyEngine(backend="cuda", device=1, staging=_C.SlotPool(num_fields=1)),
+    ]
+    for make in makers:
+        try:
+            make()
+            raise AssertionError("device 1 of a one-device driver was accepted")
+        except DeviceError as ex:
+            assert "CUDA_ERROR_INVALID_DEVICE" in str(ex), str(ex)
+    s2 = stats()
+    check_clean(s2, allocs_live=0)
+    assert s2["retained"] == 0
+    depth0("end")
+    report(allocs=s2["allocs"], frees=s2["frees"], pushes=s2["pushes"], pops=s2["pops"])
+
+
+def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {"label": torch.stack([s["label"] for s in samples]), "img": torch.stack([s["img"] for s in samples])}
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((16,), i * i, dtype=torch.int64)
+
+
+def pinned_dataloader(path: str) -> None:
+    """pin_memory=True gives the same batches as without, in the driver's pinned memory."""
+    ds = open_ds(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = list(pyloader.DataLoader(ds, batch_size=8, num_workers=2))
+        loader = pyloader.DataLoader(ds, batch_size=8, num_workers=2, pin_memory=True)
+        batches = list(loader)
+    assert not caught, [str(w.message) for w in caught]
+    assert loader._pool.pinned, "pin_memory=True with a driver must give a pinned pool"
+    assert len(batches) == len(plain) == 12
+    for a, b in zip(plain, batches, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+            assert pinned(b[k]), f"field {k} of a pin_memory batch is not in the driver's pinned memory"
+            assert not pinned(a[k])
+    depth0("pinned DataLoader")
+
+    # collate_fn and a map-style dataset: staged by the copy engine into a pinned staging pool.
+    coll = list(pyloader.DataLoader(ds, batch_size=8, collate_fn=_collate, pin_memory=True))
+    assert [int(x) for b in coll for x in b["label"]] == list(range(96))
+    assert all(pinned(b["img"]) and pinned(b["label"]) for b in coll), \
+        "collate_fn results were not staged into pinned memory"
+    mapped = list(pyloader.DataLoader(_Squares(), batch_size=5, pin_memory=True))
+    assert all(pinned(b) for b in mapped)
+    assert [int(b[j, 0]) for b in mapped for j in range(5)] == [i * i for i in range(40)]
+    depth0("staged")
+    live = stats()["allocs_live"]
+    assert live > 0
+    del plain, batches, loader, coll, mapped, a, b
+    gc.collect()
+    s = stats()
+    check_clean(s, allocs_live=0)
+    assert s["retained"] == 0
+    report(allocs=s["allocs"], live_before=live)
+
+
+def cuda_engine_exact() -> None:
+    """backend="cuda" at depths 1-3: every byte lands once take() and a wait on stream 0 returned."""
+    rng = np.random.default_rng(0)
+    data = torch.from_numpy(rng.integers(0, 256, 1 << 17, dtype=np.uint8))
+    for depth in (1, 2, 3):
+        staging = _C.SlotPool(num_fields=1, pinned=True)
+        e = _C.CopyEngine(backend="cuda", device=0, depth=depth, staging=staging)
+        depth0("construction")
+        assert e.backend == "cuda" and e.depth == depth
+        pending = []
+        for j in range(40):
+            stage = j % 2 == 1
+            out = torch.zeros(1 << 14, dtype=torch.uint8)  # the "device" memory: host memory the fake writes
+            plan, at = [], 0
+            for _ in range(int(rng.integers(1, 4))):
+                n = int(rng.integers(0, 4000))
+                off = int(rng.integers(0, data.numel() - n))
+                plan.append((off, n, at))
+                at += n
+            segs = [(data.data_ptr() + off, out.data_ptr() + d, n) for off, n, d in plan]
+            t = e.submit(segs, stage=stage)
+            depth0("submit")
+            pending.append((t, plan, out))
+            if len(pending) == depth:
+                t, plan, out = pending.pop(0)
+                res = e.take(t)
+                depth0("take")
+                assert res is None or all(r is None for r in res)
+                sync_default_stream()
+                for off, n, d in plan:
+                    assert torch.equal(out[d:d + n], data[off:off + n]), \
+                        f"depth {depth} job {t}: bytes differ after take + wait"
+        for t, plan, out in pending:
+            e.take(t)
+            sync_default_stream()
+            for off, n, d in plan:
+                assert torch.equal(out[d:d + n], data[off:off + n])
+        c = e.counters()
+        assert c["jobs"] == 40
+        e.close()
+        depth0("close")
+        del e
+        gc.collect()
+        assert staging.free == staging.created
+        del staging
+        gc.collect()
+        s = stats()
+        check_clean(s, allocs_live=0)
+        assert s["streams_live"] == 0 and s["events_live"] == 0, "the engine leaked its stream or events"
+        assert s["retained"] == 0
+    s = stats()
+    assert s["copies_from_pinned"] > 0 and s["copies_from_pageable"] > 0
+    report(copies=s["copies"], pinned=s["copies_from_pinned"], pageable=s["copies_from_pageable"],
+           pushes=s["pushes"], pops=s["pops"], streams=s["streams_created"])
+
+
+def cuda_engine_ordering() -> None:
+    """NOTE [copy ordering] against the consumer's stream 0, with slow (40 ms) copies."""
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)
+    FAKE.fake_cuda_set_copy_delay_us(40_000)
+    src = torch.arange(4096, dtype=torch.int32)
+    results = {}
+
+    # 1. take() orders the consumer's stream after the copies: syncing stream 0 alone suffices.
+    out = torch.zeros_like(src)
+    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)
+    e.take(t)
+    sync_default_stream()
+    results["after_take"] = bool(torch.equal(out, src))
+
+    # 2. submit() orders the copies after the work already queued on the consumer's stream:
+    # stream 0 first writes a stale pattern into the destination, slowly (5 copies x 40 ms).
+    out = torch.zeros_like(src)
+    stale = torch.full_like(src, -1)
+    with Ctx():
+        for _ in range(5):
+            assert FAKE.cuMemcpyHtoDAsync_v2(out.data_ptr(), stale.data_ptr(), stale.nbytes, None) == 0
+    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)
+    e.take(t)
+    sync_default_stream()
+    results["after_stream_work"] = bool(torch.equal(out, src))
+    depth0("ordering")
+    e.close()
+    del e, staging
+    gc.collect()
+    check_clean(stats())
+    report(**results)
+
+
+def close_in_flight(path: str) -> None:
+    """close() waits for copies already issued (NOTE [copy engine shutdown]), from staging slots
+    and from a HostBatch's pinned slot, which returns to its pool only after its copies."""
+    FAKE.fake_cuda_set_copy_delay_us(50_000)
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=3, staging=staging)
+    srcs = [torch.full((10_000,), k + 1, dtype=torch.uint8) for k in range(3)]
+    outs = [torch.zeros(10_000, dtype=torch.uint8) for _ in range(3)]
+    for s, o in zip(srcs, outs, strict=True):
+        e.submit([(s.data_ptr(), o.data_ptr(), s.nbytes)], stage=True)
+    deadline = time.monotonic() + 10
+    while e.counters()["jobs"] < 3 and time.monotonic() < deadline:  # all issued, none completed (50 ms each)
+        time.sleep(0.001)
+    in_flight = FAKE.fake_cuda_pending(0)
+    t0 = time.monotonic()
+    e.close()  # NOTE [copy engine shutdown]: waits for the copies already issued
+    took = time.monotonic() - t0
+    pending = FAKE.fake_cuda_pending(0)
+    issued = e.counters()["jobs"]
+    landed = [bool(torch.equal(s, o)) for s, o in zip(srcs, outs, strict=True)]
+    del e
+    gc.collect()
+    assert staging.free == staging.created
+    del staging  # frees the pinned staging slots: no copy may still read them
+    gc.collect()
+    s1 = stats()
+
+    # A HostBatch from a pinned pipeline as the source: its slot must not return (nor be freed)
+    # while the copy reads it.
+    ds = open_ds(path)
+    pool = _C.SlotPool(num_fields=2, pinned=True)
+    host, tensors = first_host_batch(ds, pool)
+    gc.collect()
+    assert pool.created - pool.free == 1
+    staging2 = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging2)
+    FAKE.fake_cuda_set_copy_delay_us(200_000)
+    outs2 = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    t = e.submit([(v.data_ptr(), outs2[k].data_ptr(), v.nbytes) for k, v in tensors.items()], source=host)
+    del host, tensors  # no gc.collect() here: it can take longer than the copies
+    held_while_copying = pool.created - pool.free
+    e.take(t)
+    sync_default_stream()
+    deadline = time.monotonic() + 5
+    while pool.free != pool.created and time.monotonic() < deadline:
+        time.sleep(0.01)
+    returned = pool.free == pool.created
+    ok2 = first_records_exact(outs2)
+    # And close() with that kind of job in flight, then every pool dropped at once.
+    host, tensors = first_host_batch(ds, pool)
+    outs3 = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    jobs = e.counters()["jobs"]
+    e.submit([(v.data_ptr(), outs3[k].data_ptr(), v.nbytes) for k, v in tensors.items()], source=host)
+    del host, tensors
+    deadline = time.monotonic() + 10
+    while e.counters()["jobs"] == jobs and time.monotonic() < deadline:  # issued: its copies take 2 x 200 ms
+        time.sleep(0.001)
+    e.close()
+    ok3 = first_records_exact(outs3)
+    del e, staging2, pool
+    gc.collect()
+    s2 = stats()
+    check_clean(s2, allocs_live=0)
+    assert s2["streams_live"] == 0 and s2["events_live"] == 0
+    report(took=took, in_flight=in_flight, pending=pending, issued=issued, landed=landed, clean1=not s1["errors"],
+           held_while_copying=held_while_copying, returned=returned, ok2=ok2, ok3=ok3)
+
+
+def copy_error() -> None:
+    """A copy the driver fails raises DeviceError at take(); the engine carries on."""
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)
+    src = torch.arange(2000, dtype=torch.int64)
+    out = torch.zeros_like(src)
+    FAKE.fake_cuda_fail_copies(1, 2)  # the next copy: CUDA_ERROR_OUT_OF_MEMORY
+    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)
+    try:
+        e.take(t)
+        raise AssertionError("take() of a job whose copy failed returned normally")
+    except DeviceError as ex:
+        message = str(ex)
+    depth0("failed take")
+    # The engine carries on with the next jobs, and the failed job's staging slot came back.
+    for k in range(3):
+        out = torch.zeros_like(src)
+        e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True))
+        sync_default_stream()
+        assert torch.equal(out, src), f"job {k} after the failure"
+    e.close()
+    free_ok = staging.free == staging.created
+    del e, staging
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(message=message, free_ok=free_ok)
+
+
+def fork_after_pinned(path: str, child_log: str) -> None:
+    """Fork with pinned batches alive and a copy in flight: the child reads the inherited
+    memory and drops everything, then exits normally (finalizers run), without one driver
+    call; the parent's engine and batches still work."""
+    loader = pyloader.DataLoader(open_ds(path), batch_size=8, num_workers=2, pin_memory=True)
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    # The only references to the loader, its batches, the engine and its pool: the child drops them all.
+    inherited = {"loader": loader, "batches": list(loader), "staging": staging,
+                 "engine": _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)}
+    del loader, staging
+    assert pinned(inherited["batches"][0]["img"])
+    src = torch.arange(1000, dtype=torch.int64)
+    out = torch.zeros_like(src)
+    ticket = inherited["engine"].submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)  # in flight
+    live = stats()["allocs_live"]
+
+    def child(step: Callable[[str], None]) -> int:
+        step("the inherited pinned memory is readable")
+        assert [int(x) for b in inherited["batches"] for x in b["label"]] == list(range(96))
+        step("dropping the inherited loader, batches, engine and pools")
+        inherited.clear()
+        gc.collect()
+        step("done; exiting normally")
+        return 0
+
+    forked = run_in_forked_child(child, child_log, timeout=30, normal_exit=True)
+    # The parent's engine and pinned batches still work after the fork.
+    engine = inherited["engine"]
+    engine.take(ticket)
+    sync_default_stream()
+    assert torch.equal(out, src)
+    assert [int(x) for b in inherited["batches"] for x in b["label"]] == list(range(96))
+    engine.close()
+    del engine
+    inherited.clear()
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(rc="hung" if forked.code is None else forked.code, child=forked.pid, child_log=forked.log,
+           live_at_fork=live)
+
+
+SCENARIOS: dict[str, Callable[..., None]] = {f.__name__: f for f in (
+    pinned_slot_pool, pinned_dataloader, cuda_engine_exact, cuda_engine_ordering, close_in_flight, copy_error,
+    fork_after_pinned)}
+
+
+def main(argv: list[str]) -> None:
+    global FAKE
+    warnings.simplefilter("error")
+    assert _C.cuda_driver_error() is None, _C.cuda_driver_error()
+    FAKE = load_stand_in()
+    SCENARIOS[argv[0]](*argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

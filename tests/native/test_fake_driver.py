@@ -1,0 +1,132 @@
+"""The copy engine's backend="cuda" and pinned slot pools against a stand-in ``libcuda.so.1``.
+
+The stand-in (tests/native/fake_cuda/fake_cuda.c, compiled here with the system C compiler)
+checks the call protocol on the CPU: contexts per thread, live allocations, asynchronous
+streams and events. It is no GPU: the real driver is exercised by tests/cuda on a GPU
+machine. Each scenario is a function of tests/native/fake_cuda/children.py, run by
+``run_fake`` in a fresh interpreter whose ``LD_LIBRARY_PATH`` points at the stand-in; the
+scenario asserts what it can itself and reports the rest, which the test checks. The CPU
+backend is tested in-process by test_copy_engine.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from native_util import FIELDS, sample
+
+import pyloader
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux")
+
+ROOT = Path(pyloader.__file__).resolve().parents[1]
+NATIVE_DIR = Path(__file__).resolve().parent
+FAKE_DIR = NATIVE_DIR / "fake_cuda"
+CHILDREN = FAKE_DIR / "children.py"
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory) -> str:
+    """The directory holding the stand-in libcuda.so.1 (built once per module)."""
+    spec = importlib.util.spec_from_file_location("fake_cuda_build", FAKE_DIR / "build.py")
+    assert spec is not None and spec.loader is not None
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    if builder.compiler() is None:
+        pytest.skip("no C compiler to build the stand-in CUDA driver")
+    out = tmp_path_factory.mktemp("fake_cuda")
+    builder.build(str(out))
+    return str(out)
+
+
+def run_fake(fake_dir: str, scenario: str, *args: str, timeout: float = 90.0, log: str | None = None,
+             delay_us: int = 300) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Runs ``children.py <scenario> <args>`` in a fresh interpreter that loads the stand-in
+    driver; returns the process and the last ``report(...)`` it printed. ``log`` names the
+    file where the stand-in logs each driver call with the caller's pid."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(NATIVE_DIR), env.get("PYTHONPATH", "")])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([fake_dir, env.get("LD_LIBRARY_PATH", "")])
+    env["FAKE_CUDA_COPY_DELAY_US"] = str(delay_us)
+    if log is not None:
+        env["FAKE_CUDA_LOG"] = log
+    try:
+        res = subprocess.run([sys.executable, "-X", "faulthandler", str(CHILDREN), scenario, *args], env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the stand-in driver scenario {scenario} hung ({timeout} s)\nstdout:\n{e.stdout}\n"
+                    f"stderr:\n{e.stderr}")
+    text = f"rc={res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert res.returncode == 0, text
+    for bad in ("terminate called", "Segmentation fault", "Fatal Python error", "Aborted"):
+        assert bad not in res.stderr, text
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert lines, text
+    return res, json.loads(lines[-1][len("REPORT "):])
+
+
+def test_fake_driver_pinned_slot_pool_allocates_and_frees(fake_cuda, write_dataset) -> None:
+    path = write_dataset(96, FIELDS, sample)
+    _, rep = run_fake(fake_cuda, "pinned_slot_pool", path)
+    assert rep["allocs"] >= 2 and rep["frees"] == rep["allocs"]
+    # Every allocation and free pushed and popped the context on whichever thread ran it.
+    assert rep["pushes"] == rep["pops"] >= rep["allocs"] + rep["frees"]
+
+
+def test_fake_driver_pinned_dataloader_gives_identical_batches(fake_cuda, write_dataset) -> None:
+    path = write_dataset(96, FIELDS, sample)
+    _, rep = run_fake(fake_cuda, "pinned_dataloader", path)
+    assert rep["allocs"] > 0 and rep["live_before"] > 0
+
+
+def test_fake_driver_cuda_engine_delivers_exact_bytes(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "cuda_engine_exact")
+    assert rep["streams"] == 3
+    assert rep["copies"] >= 3 * 40 // 2
+    # The engine thread of each engine pushes once for its whole life and never pops.
+    assert rep["pushes"] - rep["pops"] == 3
+
+
+def test_fake_driver_copies_are_ordered_with_the_consumer_stream(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "cuda_engine_ordering")
+    assert rep["after_take"], "after take() and a wait on the consumer's stream the copy had not landed"
+    assert rep["after_stream_work"], "the copy ran before the work queued on the consumer's stream"
+
+
+def test_fake_driver_close_waits_for_copies_in_flight(fake_cuda, write_dataset) -> None:
+    path = write_dataset(32, FIELDS, sample)
+    _, rep = run_fake(fake_cuda, "close_in_flight", path)
+    assert rep["issued"] == 3 and rep["in_flight"] > 0, f"the scenario did not have copies in flight at close: {rep}"
+    assert rep["pending"] == 0, f"close() returned with {rep['pending']} operations still queued on the copy stream"
+    assert all(rep["landed"]), f"issued jobs whose copies had not landed when close() returned: {rep}"
+    assert rep["clean1"]
+    assert rep["held_while_copying"] == 1, "a HostBatch's pinned slot returned to its pool while its copy was queued"
+    assert rep["returned"], "the HostBatch's slot did not return after its copy completed"
+    assert rep["ok2"], "the copy from a HostBatch's pinned slot delivered wrong bytes"
+    assert rep["ok3"], "close() returned before the copy from a HostBatch's pinned slot landed"
+
+
+def test_fake_driver_a_failed_copy_raises_device_error_at_take(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "copy_error")
+    assert "cuMemcpyHtoDAsync" in rep["message"] and "CUDA_ERROR_OUT_OF_MEMORY" in rep["message"], rep["message"]
+    assert rep["free_ok"], "the staging slot of the failed job was lost"
+
+
+def test_fake_driver_forked_child_never_calls_the_driver(fake_cuda, write_dataset, tmp_path) -> None:
+    path = write_dataset(96, FIELDS, sample)
+    log = str(tmp_path / "driver_calls.log")
+    _, rep = run_fake(fake_cuda, "fork_after_pinned", path, str(tmp_path / "child.log"), log=log)
+    assert rep["rc"] == 0, f"the forked child exited with {rep['rc']}; its steps:\n{rep['child_log']}"
+    assert rep["live_at_fork"] > 0
+    calls = Path(log).read_text().splitlines() if os.path.exists(log) else []
+    child_calls = [c for c in calls if c.split()[0] == str(rep["child"])]
+    assert not [c for c in child_calls if c.endswith("cuMemFreeHost")], \
+        f"the child freed the parent's pinned memory: {child_calls}"
+    assert not child_calls, f"the forked child called the CUDA driver: {child_calls}"

@@ -1,5 +1,5 @@
 """Remote reads through the node cache, against a loopback server with a fixed bandwidth
-and latency per connection (tests/remote/remote_servers.py), all measured in one run:
+and latency per connection (benchmarks/throttled_http.py), all measured in one run:
 
 1. network only: ``pyloader cache warm``-style download of the whole dataset (T_net);
 2. a cold-cache epoch with a simulated training step per batch (T_cold);
@@ -26,9 +26,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "remote"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from remote_servers import FaultServer
+from throttled_http import ThrottledServer
 
 import pyloader
 from pyloader.remote.fetch import ShardFetcher, open_remote
@@ -83,7 +83,7 @@ def main() -> int:
         srv_root = os.path.join(tmp, "srv")
         write_dataset(os.path.join(srv_root, "ds"), records, cfg["record_bytes"], cfg["shard_bytes"])
         total = sum(pyloader.ShardDataset(os.path.join(srv_root, "ds")).shard_bytes)
-        with FaultServer(srv_root, bandwidth=args.bandwidth, latency=args.latency, max_life=900) as srv:
+        with ThrottledServer(srv_root, bandwidth=args.bandwidth, latency=args.latency, max_life=900) as srv:
             url = srv.url + "/ds"
             t_net, _ = warm(url, os.path.join(tmp, "c-net"), args.jobs)
             cache = os.path.join(tmp, "c-epoch")

@@ -155,3 +155,20 @@ def test_exported_errors_subclass_the_builtin_they_name(name: str, builtin: type
 
     cls = getattr(pyloader, name)
     assert issubclass(cls, pyloader.PyloaderError) and issubclass(cls, builtin)
+
+
+def test_benchmarks_import_nothing_from_tests() -> None:
+    root = PKG.parent
+    test_modules = {p.stem for p in (root / "tests").rglob("*.py")}
+    for p in sorted((root / "benchmarks").glob("*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module.split(".")[0]]
+            hit = [n for n in names if n in test_modules or n == "tests"]
+            assert not hit, f"{p.name} imports {hit} from tests/"
+            if isinstance(node, ast.Constant) and node.value == "tests":
+                raise AssertionError(f"{p.name} names the tests/ folder (line {node.lineno})")

@@ -33,6 +33,8 @@ sys.path.insert(0, ROOT)
 
 import pyloader
 from pyloader.read import order as _plan
+
+
 def write_dataset(d: str, records: int, record_bytes: int) -> None:
     rng = np.random.default_rng(0)
     payload = rng.integers(0, 255, (256, record_bytes), dtype=np.uint8)

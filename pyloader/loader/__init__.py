@@ -1,0 +1,10 @@
+"""Stage ``loader``: ``pyloader.DataLoader`` over any dataset, staging and device copies.
+
+| file | what it is for |
+|---|---|
+| ``dataloader.py`` | ``DataLoader``: torch's constructor; native over a ``PlannedDataset``, else torch's loader |
+| ``transfer.py`` | slot pools (pinned or pageable), the copy engine stage, the pinned batch fence |
+| ``state.py`` | the resume state of ``state_dict()``/``load_state_dict()`` (NOTE [resume state]) |
+
+Imports ``read`` through its contract (``read.contract``, ``read.order``), never a dataset class.
+"""

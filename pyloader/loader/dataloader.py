@@ -11,15 +11,22 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from ..read import order as _plan
-
+from ..read import order as _order
+from ..read.contract import BatchStream, OrderSpec, PlannedDataset
 from . import state as _state
-
 from . import transfer as _transfer
-from ..read.shards import ConsumedCount, ShardDataset, resolve_rank
 
 # Records per native batch when the loader yields single samples (batch_size=None).
 _SAMPLE_BATCH = 64
+
+
+class ConsumedCount:
+    """How many batches an iterator has returned to its caller."""
+
+    __slots__ = ("batches",)
+
+    def __init__(self) -> None:
+        self.batches = 0
 
 
 @dataclass
@@ -35,9 +42,8 @@ class _Run:
 
 
 def _is_native(dataset: Any) -> bool:
-    """A pyloader dataset (ShardDataset, ParquetDataset): planned and collated natively."""
-    return isinstance(dataset, ShardDataset) or (callable(getattr(dataset, "batches", None))
-                                                 and hasattr(dataset, "_plan_units"))
+    """A pyloader dataset (NOTE [dataset contract]): planned and collated natively."""
+    return isinstance(dataset, PlannedDataset)
 
 
 def _check_common(num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: bool,
@@ -79,7 +85,8 @@ class DataLoader:
 
     Two paths, chosen by the dataset:
 
-    * A ``pyloader.ShardDataset`` (or ``ParquetDataset``) takes the native path: the epoch
+    * A pyloader dataset (``ShardDataset``, ``ParquetDataset``: any
+      ``pyloader.read.contract.PlannedDataset``) takes the native path: the epoch
       order is planned in Python, and reading, decoding and collation run on
       ``max(1, num_workers)`` native threads -- no worker processes, no pickling, no
       ``/dev/shm``. ``prefetch_factor`` batches per thread are collated ahead. ``shuffle``
@@ -104,7 +111,7 @@ class DataLoader:
     Epochs: the k-th ``iter()`` of a native loader reads epoch ``e + k``, where ``e`` is the
     dataset's epoch when the loader was built; ``set_epoch(n)`` makes the next ``iter()``
     read epoch ``n``. ``state_dict()``/``load_state_dict()`` resume a native loader over a
-    ShardDataset mid-epoch (docs/resume.md).
+    resumable dataset (one with a ``fingerprint``: ShardDataset) mid-epoch (docs/resume.md).
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
@@ -139,7 +146,7 @@ class DataLoader:
         self._last_stats: dict[str, Any] = {}
         self._run: _Run | None = None
         self._resume: list[list[int]] = []
-        self._fingerprint: str | None = None  # set for a ShardDataset (resumable)
+        self._fingerprint: str | None = None  # the dataset's, when it is resumable
         self.sampler: Any = None
         self.batch_sampler: Any = None
         self.shuffle: bool | None = shuffle
@@ -187,9 +194,8 @@ class DataLoader:
         # Collation writes straight into these buffers: pinned when asked (NOTE [slot reuse]).
         self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=self._pinned,
                                          device_index=self._pin_index if self._pinned else 0)
-        # Resumable state is defined for shard datasets (their manifest fingerprints them).
-        if isinstance(self.dataset, ShardDataset):
-            self._fingerprint = _state.dataset_fingerprint(self.dataset.manifest)
+        # Resumable state is defined for datasets with a fingerprint (NOTE [resume state]).
+        self._fingerprint = self.dataset.fingerprint
 
     def _init_torch(self, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> None:
         # torch's DataLoader does the loading (and its own argument checks); pyloader's copy
@@ -254,23 +260,17 @@ class DataLoader:
         return it
 
     def _iter_native(self) -> _LoaderIterator:
-        ds = self.dataset
+        ds: PlannedDataset = self.dataset
         epoch = self._next_epoch
         self._next_epoch += 1
         segments, self._resume = self._resume, []
-        rank, world = resolve_rank(ds.rank, ds.world_size)
-        kwargs: dict[str, Any] = {}
-        if segments:
-            st = self._settings
-            kwargs["plan"] = _plan.resume_plan(
-                ds.records_per_shard, shuffle=st["shuffle"], seed=st["seed"], epoch=epoch, rank=rank,
-                world_size=world, segments=segments, mode=ds.shuffle_mode, window=ds.window, policy=ds.partition)
-        if self._seed is not None:
-            kwargs["seed"] = self._seed
+        rank, world = ds.rank_and_world()
+        # The rest of a resumed epoch, or all of it (NOTE [dataset contract]).
+        plan = ds.epoch_plan(epoch, rank, world, segments, shuffle=self.shuffle, seed=self._seed)
         batched = self.batch_size is not None
-        native_bs = self.batch_size if batched else _SAMPLE_BATCH
-        src = ds.batches(native_bs, drop_last=self.drop_last, num_threads=self._threads, prefetch=self.prefetch,
-                         epoch=epoch, shuffle=self.shuffle, pool=self._pool, **kwargs)
+        native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
+        src: BatchStream = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
+                                      prefetch=self.prefetch, pool=self._pool)
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -285,8 +285,8 @@ class DataLoader:
         items: Iterator[Any] = _Samples(src, ds, self.batch_size, self.collate_fn) if per_sample else src
         if not batched:
             length = len(ds)
-        # ShardDataset batches (and their samples) are views of the loader's own slots,
-        # pinned when asked: nothing to stage them into.
+        # Batches collated into the loader's own slots (a stream with next_host: ShardDataset),
+        # and their samples, are pinned when asked: nothing to stage them into.
         in_slots = hasattr(src, "next_host") and self.collate_fn is None
         stage = self._new_stage(in_slots)
         if stage is None:
@@ -298,7 +298,7 @@ class DataLoader:
                                    go_on_after_error=False)
         else:
             gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=per_sample)
-        it = _LoaderIterator(gen, length, src, stage, consumed=consumed)
+        it = _LoaderIterator(gen, length, src, stage, consumed=consumed, native=True)
         it.on_close = self._keep_stats
         it.fence = self._fence(stage)
         return it
@@ -320,13 +320,16 @@ class DataLoader:
 
     # -- epochs and resumption (native path) ---------------------------------------------
     @property
+    def _order(self) -> OrderSpec:
+        """The order this loader reads: the dataset's (read now: it may change), with the
+        loader's ``shuffle`` and ``generator`` seed overrides."""
+        spec: OrderSpec = self.dataset.order
+        return spec.with_overrides(shuffle=self.shuffle, seed=self._seed)
+
+    @property
     def _settings(self) -> dict[str, Any]:
-        """What the epoch order and partition depend on (read now: the dataset's may change)."""
-        ds = self.dataset
-        return _state.order_settings(
-            shuffle=ds.shuffle if self.shuffle is None else self.shuffle,
-            seed=ds.seed if self._seed is None else self._seed,
-            shuffle_mode=ds.shuffle_mode, window=ds.window, partition=ds.partition)
+        """What the epoch order and partition depend on (the order keys of a state)."""
+        return self._order.settings()
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` reads epoch ``epoch`` from its start (a loaded state is dropped)."""
@@ -367,7 +370,7 @@ class DataLoader:
         epoch, segments = _state.check_state(
             state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings)
         try:  # validates the segments against the dataset now, not at the next iter()
-            _plan.unread_count(self.dataset.num_records, policy=self.dataset.partition, segments=segments)
+            _order.unread_count(self.dataset.num_records, partition=self._order.partition, segments=segments)
         except ValueError as e:
             raise _state.ResumeError(f"inconsistent loader state: {e}") from None
         self._next_epoch = epoch
@@ -376,12 +379,13 @@ class DataLoader:
 
     def _require_native(self, what: str) -> None:
         if not self._native:
-            raise TypeError(f"{what} needs a pyloader dataset (ShardDataset or ParquetDataset), "
-                            f"not {type(self.dataset).__name__}")
+            raise TypeError(f"{what} needs a pyloader dataset (ShardDataset, ParquetDataset or another "
+                            f"pyloader.read.contract.PlannedDataset), not {type(self.dataset).__name__}")
 
     def _require_resumable(self) -> str:
         if self._fingerprint is None or not self._native:
-            raise TypeError(f"state_dict()/load_state_dict() need a ShardDataset, not {type(self.dataset).__name__}")
+            raise TypeError(f"state_dict()/load_state_dict() need a resumable dataset (one with a fingerprint, "
+                            f"e.g. ShardDataset), not {type(self.dataset).__name__}")
         if self.batch_size is None:
             raise TypeError("state_dict()/load_state_dict() need batched iteration (batch_size=None counts samples)")
         return self._fingerprint
@@ -407,13 +411,6 @@ class DataLoader:
         return dict(self._last_stats)
 
 
-def _native_iterator_types() -> tuple[type, ...]:
-    from ..read.shards import BatchIterator
-    from ..read.parquet import ParquetBatchIterator
-
-    return BatchIterator, ParquetBatchIterator
-
-
 def _has_len(loader: Any) -> bool:
     try:
         len(loader)
@@ -437,7 +434,8 @@ class _Samples:
     ``collate_fn(list of the batch's samples)``. An exception from ``collate_fn`` leaves
     the iteration usable (as torch's); one from the native pipeline ends it."""
 
-    def __init__(self, src: Any, ds: Any, batch_size: int | None, collate_fn: Callable[[Any], Any] | None) -> None:
+    def __init__(self, src: BatchStream, ds: PlannedDataset, batch_size: int | None,
+                 collate_fn: Callable[[Any], Any] | None) -> None:
         self._src = src
         self._ds = ds
         self._batch_size = batch_size
@@ -457,7 +455,7 @@ class _Samples:
             self._ended = True
             raise
         rows = next(iter(batch.values())).shape[0]
-        return [self._ds._sample(batch, i) for i in range(rows)]
+        return [self._ds.sample(batch, i) for i in range(rows)]
 
     def __next__(self) -> Any:
         fn = self._collate_fn
@@ -474,14 +472,16 @@ class _LoaderIterator:
     """The iterator of a pyloader.DataLoader epoch (native path, or a staged torch path).
 
     Dropping it or ``close()`` stops its native threads (the collation pipeline and the
-    copy engine) as torch's iterators stop their workers.
+    copy engine) as torch's iterators stop their workers. ``native``: ``source`` is a
+    dataset's ``BatchStream`` (closed here, its stats reported), not torch's iterator.
     """
 
     def __init__(self, gen: Iterator[Any], length: int | None, source: Any, stage: Any,
-                 consumed: ConsumedCount | None = None) -> None:
+                 consumed: ConsumedCount | None = None, *, native: bool = False) -> None:
         self._gen = gen
         self._len = length
         self._source: Any = source
+        self._native = native
         self._stage = stage
         self._consumed = consumed if consumed is not None else ConsumedCount()
         self._closed = False
@@ -521,7 +521,7 @@ class _LoaderIterator:
         if close is not None:
             close()
         src = self._source
-        if isinstance(src, _NATIVE_ITERATORS):
+        if self._native and src is not None:
             src.close()
         # torch's own iterator is left to torch (its workers stop when it is dropped, or
         # persist with persistent_workers=True).
@@ -535,7 +535,7 @@ class _LoaderIterator:
         if self._final_stats is not None:
             return dict(self._final_stats)
         src = self._source
-        s = dict(src.stats()) if isinstance(src, _NATIVE_ITERATORS) else {}
+        s = dict(src.stats()) if self._native and src is not None else {}
         if self._stage is not None:
             s["copy"] = self._stage.counters()
         return s
@@ -546,5 +546,3 @@ class _LoaderIterator:
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
-
-_NATIVE_ITERATORS = _native_iterator_types()

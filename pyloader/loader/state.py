@@ -4,10 +4,10 @@ NOTE [resume state]: a state is a small JSON-able dict that names a position in 
 epoch, never the samples themselves::
 
     {"version": 1,
-     "dataset": "<16 hex digits>",   # fingerprint of the manifest's fields and shards
+     "dataset": "<16 hex digits>",   # the dataset's fingerprint (ShardDataset: its manifest's)
      "records": N,                    # samples in the dataset
      "shuffle": bool, "seed": int, "shuffle_mode": "global"|"window", "window": int,
-     "partition": "pad"|"drop",       # together: the epoch order and the pad/drop rule
+     "partition": "pad"|"drop",       # the loader's OrderSpec: the epoch order and pad/drop rule
      "epoch": e,                      # the epoch in progress (or the next one)
      "segments": [[world_size, batch_size, steps], ...]}   # how epoch e was consumed
 
@@ -27,34 +27,14 @@ state. Check that with ``all_gather_object`` when in doubt.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import _C
-from ..errors import PyloaderError, ResumeError
+from ..errors import ResumeError
 
 STATE_VERSION = 1
 _KEYS = ("version", "dataset", "records", "shuffle", "seed", "shuffle_mode", "window", "partition",
          "epoch", "segments")
-
-
-def dataset_fingerprint(manifest: Mapping[str, Any]) -> str:
-    """XXH64 (hex) of the manifest's fields and shard list (path, records, bytes, checksum).
-
-    The same dataset read from another URL or cache has the same fingerprint; a rewritten
-    one (any shard's checksum or size changes) has another.
-    """
-    body = {"fields": manifest["fields"],
-            "shards": [[s["path"], s["records"], s["bytes"], s["xxh64"]] for s in manifest["shards"]]}
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return f"{_C.xxh64(raw):016x}"
-
-
-def order_settings(*, shuffle: bool, seed: int, shuffle_mode: str, window: int,
-                   partition: str) -> dict[str, Any]:
-    return {"shuffle": bool(shuffle), "seed": int(seed), "shuffle_mode": shuffle_mode,
-            "window": int(window), "partition": partition}
 
 
 def make_state(fingerprint: str, records: int, settings: Mapping[str, Any], epoch: int,

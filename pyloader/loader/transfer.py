@@ -170,7 +170,8 @@ class DeviceStage:
         self.depth = depth
         self._cuda = device is not None and device.type == "cuda"
         index = device.index if self._cuda and device is not None else 0
-        pool = staging_pool if staging_pool is not None else slot_pool(1, pinned=pin or self._cuda, device_index=index or 0)
+        pool = staging_pool if staging_pool is not None else slot_pool(1, pinned=pin or self._cuda,
+                                                                       device_index=index or 0)
         self.pinned = bool(pool.pinned)
         self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
                                      staging=pool)
@@ -197,7 +198,7 @@ class DeviceStage:
         stream = self._stream()
         if self.device is not None:
             outs: list[Any] = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in srcs]
-            segs = [(t.data_ptr(), o.data_ptr(), t.nbytes) for t, o in zip(srcs, outs)]
+            segs = [(t.data_ptr(), o.data_ptr(), t.nbytes) for t, o in zip(srcs, outs, strict=True)]
         else:
             outs = [(t.dtype, t.shape) for t in srcs]
             segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
@@ -220,7 +221,8 @@ class DeviceStage:
         p.keep = None
         outs = p.outputs
         if self.device is None:  # staged results: views of the (pinned) staging slot
-            outs = [torch.from_dlpack(cap).view(dtype).reshape(shape) for cap, (dtype, shape) in zip(res, p.outputs)]
+            outs = [torch.from_dlpack(cap).view(dtype).reshape(shape)
+                    for cap, (dtype, shape) in zip(res or [], p.outputs, strict=True)]
         elif self._cuda and stream != p.stream:
             # Allocated on another stream than the one that now uses them: keep torch's
             # allocator from reusing the memory before this stream is done with it.
@@ -277,6 +279,7 @@ class Staged:
                     self._pending.append(e)
                     self._done = not self._go_on
                     continue
+            p: _Pending | Exception
             try:
                 p = self._submit(self._unsubmitted[0])
             except Exception as e:  # noqa: BLE001 - e.g. device out of memory: this item fails, in order

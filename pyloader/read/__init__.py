@@ -1,0 +1,11 @@
+"""Stage ``read``: datasets that plan an epoch and read it in batches (NOTE [dataset contract]).
+
+| file | what it is for |
+|---|---|
+| ``contract.py`` | the dataset contract ``PlannedDataset``; ``OrderSpec``, validated once; ``UnitDataset`` |
+| ``order.py`` | the epoch plan: shuffle, rank partition, worker split, resumed epochs; pure numpy functions |
+| ``shards.py`` | ``ShardDataset`` over a manifest of shards; ``BatchIterator``, the native batch pipeline |
+| ``parquet.py`` | ``ParquetDataset`` over Parquet row groups; its decode/collate threads and staging buffers |
+
+Imports ``pyloader.errors``, ``format``, ``remote`` (the node cache) and ``_C``; never loader or bench.
+"""

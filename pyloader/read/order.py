@@ -22,7 +22,7 @@ _INV_M2 = np.uint64(pow(0x94D049BB133111EB, -1, 1 << 64))
 _CHUNK = 1 << 16  # elements per pass in mix64/_unmix64 (512 KiB: stays in cache)
 _STREAM_MUL = 0xD1B54A32D192ED03  # C1 in sample_keys: odd, so streams never collide
 STREAM_GLOBAL, STREAM_SHARDS, STREAM_WINDOW = 0, 1, 2
-_MODES, _POLICIES = ("global", "window"), ("pad", "drop")
+SHUFFLE_MODES, PARTITIONS = ("global", "window"), ("pad", "drop")
 
 
 def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
@@ -141,14 +141,14 @@ def epoch_order(
     shuffle: bool,
     seed: int,
     epoch: int,
-    mode: str = "global",
+    shuffle_mode: str = "global",
     window: int = 65536,
 ) -> np.ndarray:
     """The epoch's read order: all N global sample ids, int64.
 
     ``shuffle=False``: ``arange(N)`` (shard order, then record order).
-    ``mode="global"``: ids sorted by ``sample_keys(arange(N), stream=0)``.
-    ``mode="window"``: shards sorted by ``sample_keys(arange(S), stream=1)``;
+    ``shuffle_mode="global"``: ids sorted by ``sample_keys(arange(N), stream=0)``.
+    ``shuffle_mode="window"``: shards sorted by ``sample_keys(arange(S), stream=1)``;
     their ids concatenated in that order; that sequence cut into consecutive
     windows of ``window`` samples, each sorted by ``sample_keys(ids, stream=2)``.
 
@@ -161,15 +161,15 @@ def epoch_order(
     """
     if not isinstance(shuffle, (bool, np.bool_)):
         raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__}")  # noqa: TRY004
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if shuffle_mode not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {shuffle_mode!r}")
     window = _int_arg("window", window, 1, 1 << 62)
     _key_state(seed, epoch, 0)  # validates seed and epoch even when unshuffled
     counts = _counts(records_per_shard)
     ids = np.arange(int(counts.sum()), dtype=np.int64)
     if not shuffle:
         return ids
-    if mode == "global":
+    if shuffle_mode == "global":
         return _sort_by_key(ids, seed, epoch, STREAM_GLOBAL)
     # Concatenate shards in shuffled order without a Python loop over shards.
     shard_order = _sort_by_key(np.arange(counts.size), seed, epoch, STREAM_SHARDS)
@@ -184,12 +184,12 @@ def epoch_order(
     return out
 
 
-def partition(order: np.ndarray, *, rank: int, world_size: int, policy: str = "pad") -> np.ndarray:
+def partition(order: np.ndarray, *, rank: int, world_size: int, partition: str = "pad") -> np.ndarray:
     """Rank ``rank``'s contiguous block of ``order``; every rank gets the same count.
 
-    ``policy="pad"``: ``per_rank = ceil(N / W)``; ``order`` is extended by
+    ``partition="pad"``: ``per_rank = ceil(N / W)``; ``order`` is extended by
     repeating it cyclically from its start, so even ``N < W`` gives each rank
-    ``per_rank >= 1`` samples. ``policy="drop"``: ``per_rank = floor(N / W)``
+    ``per_rank >= 1`` samples. ``partition="drop"``: ``per_rank = floor(N / W)``
     and the tail is dropped (all ranks may get 0). Rank r gets
     ``[r * per_rank, (r + 1) * per_rank)`` of the (extended) order; blocks are
     contiguous so window mode keeps its locality. N == 0 raises ValueError.
@@ -197,16 +197,19 @@ def partition(order: np.ndarray, *, rank: int, world_size: int, policy: str = "p
     arr = _int_array("order", order)
     world_size = _int_arg("world_size", world_size, 1, 1 << 31)
     rank = _int_arg("rank", rank, 0, world_size)
-    if policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     if arr.size == 0:
         raise ValueError("cannot partition an empty order (the dataset has no samples)")
     n = arr.size
-    per = n // world_size if policy == "drop" else -(-n // world_size)
+    per = n // world_size if partition == "drop" else -(-n // world_size)
     start, stop = rank * per, (rank + 1) * per
     if stop <= n:
         return np.array(arr[start:stop])
     return np.take(arr, np.arange(start, stop, dtype=np.int64) % n)
+
+
+_partition = partition  # for the functions below, whose ``partition`` argument shadows it
 
 
 def split_workers(rank_order: np.ndarray, *, worker: int, num_workers: int) -> np.ndarray:
@@ -261,9 +264,9 @@ def plan(
     world_size: int,
     worker: int = 0,
     num_workers: int = 1,
-    mode: str = "global",
+    shuffle_mode: str = "global",
     window: int = 65536,
-    policy: str = "pad",
+    partition: str = "pad",
 ) -> tuple[np.ndarray, np.ndarray]:
     """(shard_idx int32, record_idx int64), C-contiguous, in this (rank, worker)'s read order.
 
@@ -274,13 +277,14 @@ def plan(
     _int_arg("rank", rank, 0, world_size)
     num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
     _int_arg("worker", worker, 0, num_workers)
-    if policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     order = epoch_order(
-        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, mode=mode, window=window
+        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, shuffle_mode=shuffle_mode,
+        window=window,
     )
     mine = split_workers(
-        partition(order, rank=rank, world_size=world_size, policy=policy),
+        _partition(order, rank=rank, world_size=world_size, partition=partition),
         worker=worker,
         num_workers=num_workers,
     )
@@ -309,7 +313,7 @@ def plan(
 # stream indices, resuming at the same world size reads exactly what the uninterrupted
 # epoch would have read, batch for batch, fillers included (whatever the batch sizes).
 # At another world size every sample not yet read is read exactly once, plus fewer than
-# W' new fillers. Everything is a pure function of (order, segments, policy): the state
+# W' new fillers. Everything is a pure function of (order, segments, partition): the state
 # stores no per-sample list.
 
 
@@ -322,8 +326,8 @@ def _segment_arg(i: int, seg: object) -> tuple[int, int, int]:
     return w, b, s
 
 
-def _per_rank(n: int, world_size: int, policy: str) -> int:
-    return n // world_size if policy == "drop" else -(-n // world_size)
+def _per_rank(n: int, world_size: int, partition: str) -> int:
+    return n // world_size if partition == "drop" else -(-n // world_size)
 
 
 def _first_unread(taken: set[int], count: int) -> list[int]:
@@ -337,30 +341,30 @@ def _first_unread(taken: set[int], count: int) -> list[int]:
     return out
 
 
-def _segment_read(i: int, n: int, w: int, b: int, s: int, policy: str) -> tuple[int, int]:
+def _segment_read(i: int, n: int, w: int, b: int, s: int, partition: str) -> tuple[int, int]:
     """(per-rank block size, samples each rank read) of segment ``i`` over ``n`` unread samples."""
-    per = _per_rank(n, w, policy)
+    per = _per_rank(n, w, partition)
     if s > -(-per // b):
         raise ValueError(
             f"segment {i} took {s} steps but {n} unread samples over world size {w} "
             f"give only {-(-per // b)} batches of {b} per rank (the state does not match "
-            "this dataset or partition policy)"
+            "this dataset or partition rule)"
         )
     return per, min(s * b, per)
 
 
-def unread_count(num_samples: int, *, policy: str = "pad",
+def unread_count(num_samples: int, *, partition: str = "pad",
                  segments: Sequence[Sequence[int]] = ()) -> int:
     """``unread(order, ...).size`` for any order of ``num_samples``, in O(len(segments)).
 
     Validates the segments as ``resume_partition`` does (ValueError).
     """
     n = _int_arg("num_samples", num_samples, 0, 1 << 62)
-    if policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     for i, seg in enumerate(segments):
         w, b, s = _segment_arg(i, seg)
-        per, c = _segment_read(i, n, w, b, s, policy)
+        per, c = _segment_read(i, n, w, b, s, partition)
         if c:  # positions j < min(n, w * per) with j % per < c were read
             m = min(n, w * per)
             n -= (m // per) * c + min(m % per, c)
@@ -368,20 +372,20 @@ def unread_count(num_samples: int, *, policy: str = "pad",
 
 
 def _resume_point(
-    order: np.ndarray, segments: Sequence[Sequence[int]], policy: str
+    order: np.ndarray, segments: Sequence[Sequence[int]], partition: str
 ) -> tuple[np.ndarray, set[int]]:
     """(unread samples in epoch order, filler stream indices read) after ``segments``."""
-    if policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     rest = _int_array("order", order)
     taken: set[int] = set()
     for i, seg in enumerate(segments):
         w, b, s = _segment_arg(i, seg)
         n = rest.size
-        per, c = _segment_read(i, n, w, b, s, policy)
+        per, c = _segment_read(i, n, w, b, s, partition)
         if c == 0:
             continue
-        if policy == "pad" and w * per > n:
+        if partition == "pad" and w * per > n:
             slots = np.arange(n, w * per, dtype=np.int64)  # fewer than w filler positions
             read = np.flatnonzero(slots % per < c)
             stream = _first_unread(taken, slots.size)
@@ -396,7 +400,7 @@ def resume_partition(
     *,
     rank: int,
     world_size: int,
-    policy: str = "pad",
+    partition: str = "pad",
     segments: Sequence[Sequence[int]] = (),
 ) -> np.ndarray:
     """Rank ``rank``'s block of what ``segments`` left unread of ``order``.
@@ -409,11 +413,11 @@ def resume_partition(
     world_size = _int_arg("world_size", world_size, 1, 1 << 31)
     rank = _int_arg("rank", rank, 0, world_size)
     full = _int_array("order", order)
-    rest, taken = _resume_point(full, segments, policy)
+    rest, taken = _resume_point(full, segments, partition)
     n = rest.size
     if n == 0:
         return np.zeros(0, np.int64)
-    per = _per_rank(n, world_size, policy)
+    per = _per_rank(n, world_size, partition)
     start, stop = rank * per, (rank + 1) * per
     if stop <= n:
         return np.array(rest[start:stop])
@@ -423,10 +427,10 @@ def resume_partition(
     return ext[: stop - start] if start < n else np.array(ext[start - n : stop - n])
 
 
-def unread(order: np.ndarray, *, policy: str = "pad",
+def unread(order: np.ndarray, *, partition: str = "pad",
            segments: Sequence[Sequence[int]] = ()) -> np.ndarray:
     """The samples of ``order`` that ``segments`` have not read (fillers aside), in epoch order."""
-    return _resume_point(order, segments, policy)[0]
+    return _resume_point(order, segments, partition)[0]
 
 
 def resume_plan(
@@ -440,9 +444,9 @@ def resume_plan(
     segments: Sequence[Sequence[int]] = (),
     worker: int = 0,
     num_workers: int = 1,
-    mode: str = "global",
+    shuffle_mode: str = "global",
     window: int = 65536,
-    policy: str = "pad",
+    partition: str = "pad",
 ) -> tuple[np.ndarray, np.ndarray]:
     """``plan`` for the rest of an epoch already consumed by ``segments``.
 
@@ -453,16 +457,17 @@ def resume_plan(
     _int_arg("rank", rank, 0, world_size)
     num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
     _int_arg("worker", worker, 0, num_workers)
-    if policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     segs = [_segment_arg(i, s) for i, s in enumerate(segments)]
     order = epoch_order(
-        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, mode=mode, window=window
+        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, shuffle_mode=shuffle_mode,
+        window=window,
     )
     if order.size == 0:
         raise ValueError("cannot partition an empty order (the dataset has no samples)")
     mine = split_workers(
-        resume_partition(order, rank=rank, world_size=world_size, policy=policy, segments=segs),
+        resume_partition(order, rank=rank, world_size=world_size, partition=partition, segments=segs),
         worker=worker,
         num_workers=num_workers,
     )

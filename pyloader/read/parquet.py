@@ -25,7 +25,6 @@ import bisect
 import collections
 import contextlib
 import os
-import sys
 import threading
 import time
 import weakref
@@ -38,30 +37,29 @@ import torch
 from torch.utils.data import IterableDataset
 
 from .. import _C
-from ..remote.cache import DatasetCache, ShardCache, normalize_url
+from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
 from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
 from ..format.arrow import VarColumn, arrow_field, arrow_to_column
 from ..format.arrow import pyarrow_module as _pa
-from .shards import PlannedDataset
-from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
-from ..format.spec import MANIFEST_FORMAT, VERSION, Field, dump_manifest
+from ..format.spec import Field
+from ..remote import fetch as _fetch
+from ..remote.cache import DatasetCache
 from ..remote.fs import RetryPolicy, filesystem, is_remote
-
-_SHUFFLE_MODES = ("global", "window")
-_POLICIES = ("pad", "drop")
+from .contract import OrderSpec, Plan, UnitDataset
 
 
 # ---------------------------------------------------------------------------------------
 # Remote files through the node cache.
 class _ParquetFileCache(DatasetCache):
-    """The node cache (pyloader.remote.cache) for Parquet files.
+    """The node cache (pyloader.remote.cache) flavour for Parquet files.
 
-    A Parquet file has no XXH64 in a manifest, so the cache manifest we synthesize
-    carries an identity instead (XXH64 of path, size and the store's ETag or mtime): a
-    changed object gets a new cache name, never a mix. A download is published under
-    NOTE [cache publish] with check (3) replaced by: exactly the listed size, and the
-    Parquet magic ``PAR1`` at both ends (``"content_hash": false`` in the manifest, see
-    ``DatasetCache.content_problem``); pyarrow then checks the footer when it opens it.
+    A Parquet file has no XXH64 in a manifest, so ``open_remote`` binds the listing of the
+    files (``_list_remote``) instead: each entry carries an identity (XXH64 of path, size
+    and the store's ETag or mtime), so a changed object gets a new cache name, never a
+    mix. A download is published under NOTE [cache publish] with check (3) replaced by:
+    exactly the listed size, and the Parquet magic ``PAR1`` at both ends
+    (``DatasetCache.content_problem``); pyarrow then checks the footer when it opens it.
+    A file that fails it raises ``ParquetReadError`` at once (no retry).
     """
 
     retry_bad_content = False  # a file that is not Parquet will not become one on a retry
@@ -94,8 +92,10 @@ class _Readiness:
         return self.paths[i]  # type: ignore[return-value]
 
 
-def _list_remote(url: str, storage_options: dict[str, Any] | None) -> tuple[str, list[tuple[str, int, str]]]:
-    """(root URL, [(relative path, size, identity)]) of the Parquet files at ``url``."""
+def _list_remote(url: str, storage_options: dict[str, Any] | None
+                 ) -> tuple[Any, str, str, list[tuple[str, int, str]]]:
+    """(fsspec filesystem, root path in it, root URL, [(relative path, size, identity)]) of
+    the Parquet files at ``url``, sorted by path."""
     fs, path = filesystem(url, storage_options, RetryPolicy.from_env().stall_timeout)
     proto = url.split("://", 1)[0]
     infos: list[dict[str, Any]]
@@ -112,13 +112,13 @@ def _list_remote(url: str, storage_options: dict[str, Any] | None) -> tuple[str,
         tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
         size = int(info["size"])
         ident = f"{_C.xxh64(f'{rel}|{size}|{tag}'.encode()):016x}"
-        out.append((rel, int(info["size"]), ident))
+        out.append((rel, size, ident))
     root_url = f"{proto}://{root}" if not root.startswith(f"{proto}://") else root
-    return root_url, out
+    return fs, root, root_url, out
 
 
 # ---------------------------------------------------------------------------------------
-class ParquetDataset(PlannedDataset, IterableDataset):
+class ParquetDataset(UnitDataset, IterableDataset):
     """An iterable dataset over Parquet files, local or at any fsspec URL.
 
     ``columns`` selects and orders the columns (default: all); each must map to a
@@ -132,9 +132,11 @@ class ParquetDataset(PlannedDataset, IterableDataset):
     because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs are
     fetched whole into the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
     ``storage_options`` as for ShardDataset), in the order the plan first needs them.
+    Not resumable (``fingerprint`` is None): a Parquet listing has no content checksum.
     """
 
-    _clone_samples = True  # staging buffers are recycled (NOTE [staging reuse])
+    # A kept sample would hold its whole staging buffer out of reuse (NOTE [staging reuse]).
+    clone_samples = True
 
     def __init__(self, url: str | os.PathLike[str] | list[str], columns: list[str] | None = None, *,
                  shuffle: bool = False, seed: int = 0, shuffle_mode: str = "window", window: int = 65536,
@@ -146,23 +148,16 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         pa = _pa()
         import pyarrow.parquet as pq
 
-        if shuffle_mode not in _SHUFFLE_MODES:
-            raise ValueError(f"shuffle_mode must be one of {_SHUFFLE_MODES}, got {shuffle_mode!r}")
-        if partition not in _POLICIES:
-            raise ValueError(f"partition must be one of {_POLICIES}, got {partition!r}")
+        self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
+                               partition=partition)
         if nulls not in ("error", "zero"):
             raise ValueError(f"nulls must be 'error' or 'zero', got {nulls!r}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError("seed must be a non-negative int")
-        if not isinstance(window, int) or window < 1:
-            raise ValueError("window must be a positive int")
         if not isinstance(fetch_jobs, int) or fetch_jobs < 1:
             raise ValueError("fetch_jobs must be a positive int")
-        self.shuffle, self.seed, self.shuffle_mode, self.window = bool(shuffle), seed, shuffle_mode, window
-        self.rank, self.world_size, self.partition, self.nulls = rank, world_size, partition, nulls
+        self.rank, self.world_size, self.nulls = rank, world_size, nulls
         self.fetch_jobs = fetch_jobs
         self.epoch = 0
-        self._cache: _ParquetFileCache | None = None
+        self._cache: DatasetCache | None = None
         self._readiness: _Readiness | None = None
         self._fetcher: Any = None
         self._fetch_pid = -1
@@ -173,23 +168,17 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         if any(remote):
             if len(urls) != 1:
                 raise ValueError("a remote ParquetDataset takes one URL (a file or a folder)")
-            root, files = _list_remote(urls[0], storage_options)
+            fs, root, root_url, files = _list_remote(urls[0], storage_options)
             if not files:
                 raise ParquetReadError(f"{urls[0]}: holds no Parquet files")
-            body = {"format": MANIFEST_FORMAT, "version": VERSION, "fields": [], "records": 0, "content_hash": False,
-                    "shards": [{"path": rel, "records": 0, "bytes": size, "xxh64": ident}
-                               for rel, size, ident in files]}
-            self._cache = _ParquetFileCache(ShardCache(cache_dir, limit=cache_limit), normalize_url(root),
-                                            dump_manifest(body, _C.xxh64), storage_options=storage_options)
-            self._cache.store_manifest()
+            self._cache = _fetch.open_remote(root_url, listing=files, flavour=_ParquetFileCache, cache_dir=cache_dir,
+                                             cache_limit=cache_limit, storage_options=storage_options)
             self.files = [self._cache.shard_url(i) for i in range(len(files))]
-            fs, _ = filesystem(root, storage_options, RetryPolicy.from_env().stall_timeout)
-            for i in range(len(files)):
+            for i, (rel, _, _) in enumerate(files):
                 if self._cache.is_published(i):
                     metas.append(self._metadata(self._cache.shard_file(i), self.files[i]))
-                else:
-                    path = fs._strip_protocol(self.files[i])
-                    with fs.open(path, "rb") as fh:
+                else:  # only the footer is read: the file is fetched whole when the plan needs it
+                    with fs.open(root + "/" + rel, "rb") as fh:
                         metas.append(self._metadata(fh, self.files[i]))
         else:
             files_local: list[str] = []
@@ -226,7 +215,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
             if i == 0:
                 self.fields = fl
             elif fl != self.fields:
-                bad = next(c for c, a, b in zip(self.columns, fl, self.fields) if a != b)
+                bad = next(c for c, a, b in zip(self.columns, fl, self.fields, strict=True) if a != b)
                 raise ParquetReadError(f"{self.files[i]}: column {bad!r} has another type than in {self.files[0]}")
         names = [f.name for f in self.fields]
         if len(set(names)) != len(names) or any(f"{f.name}_lengths" in names for f in self.fields if f.variable):
@@ -234,7 +223,7 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         self.group_file: list[int] = []
         self.group_index: list[int] = []
         self.records_per_group: list[int] = []
-        self._plan_units = self.records_per_group  # PlannedDataset plans by row group
+        self.unit_records = self.records_per_group  # UnitDataset plans by row group
         self.group_row0: list[int] = []  # first row of each group within its file (for errors)
         for i, md in enumerate(metas):
             r = 0
@@ -249,6 +238,17 @@ class ParquetDataset(PlannedDataset, IterableDataset):
             raise ParquetReadError(f"{self.url}: the Parquet data holds no rows")
         self._local = threading.local()
         del pa, pq
+        if self._cache is not None:  # the fetcher pins every file the plan reads, until closed
+            _fetch.check_limit(self._cache, self._plan_files(self.plan()[0]))
+
+    @property
+    def fingerprint(self) -> None:
+        """Not resumable: None (NOTE [dataset contract])."""
+        return None
+
+    def _plan_files(self, gidx: np.ndarray) -> np.ndarray:
+        """The file of each row group in ``gidx``."""
+        return np.asarray(self.group_file, np.int64)[gidx] if gidx.size else gidx
 
     @staticmethod
     def _metadata(src: Any, name: str) -> Any:
@@ -266,10 +266,8 @@ class ParquetDataset(PlannedDataset, IterableDataset):
     def _ensure_fetcher(self) -> None:
         if self._cache is None or self._fetch_pid == os.getpid():
             return
-        from ..remote.fetch import ShardFetcher
-
         self._readiness = _Readiness(len(self.files))
-        self._fetcher = ShardFetcher(self._cache, self._readiness, jobs=self.fetch_jobs)
+        self._fetcher = _fetch.ShardFetcher(self._cache, self._readiness, jobs=self.fetch_jobs)
         self._fetch_pid = os.getpid()
         weakref.finalize(self, self._fetcher.close)
 
@@ -308,18 +306,19 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         row0 = self.group_row0[g]
         try:
             return [arrow_to_column(table.column(k), f, c, where, row0, self.nulls)
-                    for k, (c, f) in enumerate(zip(self.columns, self.fields))]
+                    for k, (c, f) in enumerate(zip(self.columns, self.fields, strict=True))]
         except ConvertError as e:
             raise ParquetReadError(str(e)) from None
 
-    def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
-                prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
-                worker: int = 0, num_workers: int = 1, pool: Any = None,
-                seed: int | None = None) -> ParquetBatchIterator:
-        """Batches (dicts of tensors) for this rank (and optional worker split), in plan order.
+    def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
+                prefetch: int | None = None, pool: Any = None, epoch: int | None = None,
+                shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
+                num_workers: int = 1) -> ParquetBatchIterator:
+        """Batches (dicts of tensors) over ``plan`` (NOTE [dataset contract]); without it, this
+        rank's plan of ``epoch`` (and optional worker split), as ``ShardDataset.batches``.
 
         ``pool`` is accepted for ``pyloader.DataLoader`` and ignored: staging buffers are this
-        iterator's own (reused once no tensor views them)."""
+        iterator's own (reused once no tensor uses them, NOTE [staging reuse])."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError("batch_size must be a positive int")
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -327,13 +326,10 @@ class ParquetDataset(PlannedDataset, IterableDataset):
         prefetch = 2 * num_threads if prefetch is None else prefetch
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be a positive int")
-        gidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle, seed=seed)
+        gidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         self._ensure_fetcher()
         if self._fetcher is not None:
-            from ..remote.fetch import first_touch_order
-
-            files = np.asarray(self.group_file, np.int64)[gidx] if gidx.size else gidx
-            self._fetcher.schedule(first_touch_order(files))
+            self._fetcher.schedule(_fetch.first_touch_order(self._plan_files(gidx)))
         return ParquetBatchIterator(self, gidx, ridx, batch_size, drop_last, num_threads, prefetch)
 
     # -- per-sample iteration for torch's DataLoader -----------------------------------
@@ -349,27 +345,48 @@ class ParquetDataset(PlannedDataset, IterableDataset):
 
 
 class _Staging:
-    """Reusable byte buffers for batches. NOTE [staging reuse]: a buffer is handed out again only
-    when nothing but this pool refers to it: ``torch.from_numpy`` keeps the array (and a view
-    keeps its base) alive, so a live tensor pins its buffer."""
+    """Reusable byte buffers for batches.
+
+    NOTE [staging reuse]: ``tensor()`` hands out a tensor made by ``torch.from_numpy`` of a
+    view of a pooled buffer. That view object is referenced by the tensor's storage and by
+    nothing else, so it lives exactly as long as the storage: as long as any tensor (a
+    slice, ``.view()``, ``.numpy()`` array, DLPack export of it) still uses the memory.
+    A ``weakref.finalize`` on it returns the buffer (its lease ends) when the storage is
+    freed, and a buffer is handed out again only after its lease ended, so a live view of
+    an old batch never sees its bytes overwritten. The finalizer may run on any thread
+    (whichever drops the last tensor), so it only appends to a deque that ``tensor()``
+    drains under the lock. Buffers beyond ``limit`` are not pooled (plain allocations).
+    """
 
     def __init__(self, limit: int) -> None:
-        self._free: list[np.ndarray] = []
+        self._free: list[np.ndarray] = []  # pooled buffers, leased or not
+        self._leased: set[int] = set()  # indices into _free whose lease has not ended
+        self._returned: collections.deque[int] = collections.deque()  # ended leases, from finalizers
         self._mu = threading.Lock()
         self._limit = limit
         self.created = 0
 
-    def get(self, nbytes: int) -> np.ndarray:
+    def tensor(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> torch.Tensor:
+        """A C-contiguous tensor of ``dtype``/``shape`` over a free buffer (contents undefined)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         with self._mu:
-            for buf in self._free:
-                # refs: the list, `buf`, getrefcount's argument (no enumerate: its tuple holds one)
-                if buf.nbytes >= nbytes and sys.getrefcount(buf) <= 3:
-                    return buf[:nbytes]
-            buf = np.empty(max(nbytes, 1), np.uint8)
-            self.created += 1
-            if len(self._free) < self._limit:
-                self._free.append(buf)
-            return buf[:nbytes]
+            while self._returned:
+                self._leased.discard(self._returned.popleft())
+            idx = next((i for i, b in enumerate(self._free) if i not in self._leased and b.nbytes >= nbytes), -1)
+            if idx < 0:
+                buf = np.empty(max(nbytes, 1), np.uint8)
+                self.created += 1
+                if len(self._free) < self._limit:
+                    idx = len(self._free)
+                    self._free.append(buf)
+            else:
+                buf = self._free[idx]
+            view = buf[:nbytes].view(dtype).reshape(shape)
+            out = torch.from_numpy(view)  # the storage now holds `view`, and only it does
+            if idx >= 0:
+                self._leased.add(idx)
+                weakref.finalize(view, self._returned.append, idx).atexit = False
+        return out
 
 
 class ParquetBatchIterator:
@@ -392,7 +409,7 @@ class ParquetBatchIterator:
         self._last: dict[int, int] = {}
         if used.size:
             rev_u, rev_first = np.unique(used[::-1], return_index=True)
-            for g, k in zip(rev_u.tolist(), ((used.size - 1 - rev_first) // batch_size).tolist()):
+            for g, k in zip(rev_u.tolist(), ((used.size - 1 - rev_first) // batch_size).tolist(), strict=True):
                 self._last[g] = k
         # Row groups in the order the plan first reads them, and the batch that first does:
         # decoding runs up to `num_threads` row groups ahead of the batches submitted.
@@ -457,6 +474,7 @@ class ParquetBatchIterator:
         t0 = time.perf_counter_ns()
         gs, rs = self._g[a:b], self._r[a:b]
         n = b - a
+        groups: list[tuple[int, Any, np.ndarray]]
         if len(cols) == 1:
             groups = [(next(iter(cols)), slice(None), rs)]
         else:
@@ -468,7 +486,8 @@ class ParquetBatchIterator:
         nbytes = 0
         for j, f in enumerate(self._fields):
             if not f.variable:
-                buf = self._staging.get(n * f.row_bytes).view(f.np_dtype).reshape((n, *f.shape))
+                t = self._staging.tensor(f.np_dtype, (n, *[int(d or 0) for d in f.shape]))  # fixed: no None
+                buf = t.numpy()  # a view that holds `t`: the buffer stays leased while we write
                 for g, pos, rows in groups:
                     src = cols[g][j]
                     if isinstance(pos, slice) and rows.size and rows[-1] - rows[0] == n - 1 and \
@@ -476,7 +495,7 @@ class ParquetBatchIterator:
                         buf[...] = src[rows[0] : rows[0] + n]  # contiguous rows: one memcpy
                     else:
                         buf[pos] = src[rows]
-                out[f.name] = torch.from_numpy(buf)
+                out[f.name] = t
                 nbytes += buf.nbytes
                 continue
             lens = np.empty(n, np.int64)
@@ -485,18 +504,17 @@ class ParquetBatchIterator:
             lmax = int(lens.max()) if n else 0
             rb = f.row_bytes
             width = lmax * rb
-            flat = self._staging.get(n * width)
-            flat[...] = 0  # padding is zeros (docs/format.md, "Batches")
-            rows2d = flat.reshape(n, width)
+            t = self._staging.tensor(f.np_dtype, (n, lmax, *[int(d or 0) for d in f.shape[1:]]))
+            rows2d = t.numpy().view(np.uint8).reshape(n, width)  # holds `t`, as above
+            rows2d[...] = 0  # padding is zeros (docs/format.md, "Batches")
             for g, pos, rows in groups:
                 vc: VarColumn = cols[g][j]
                 data, offs = vc.data, vc.offsets
                 dst_rows = range(n)[pos] if isinstance(pos, slice) else pos.tolist()
-                for d, r in zip(dst_rows, rows.tolist()):
+                for d, r in zip(dst_rows, rows.tolist(), strict=True):
                     o0, o1 = int(offs[r]), int(offs[r + 1])
                     rows2d[d, : o1 - o0] = data[o0:o1]
-            shape = (n, lmax, *f.shape[1:])
-            out[f.name] = torch.from_numpy(flat.view(f.np_dtype).reshape(shape))
+            out[f.name] = t
             out[f"{f.name}_lengths"] = torch.from_numpy(lens)
             nbytes += int(lens.sum()) * rb
         with self._mu:

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 from .. import _C
-
-from ..remote import fetch as _fetch
-
-from . import order as _plan
 from ..errors import LoaderStateError, ManifestError
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
+from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
-
-_SHUFFLE_MODES = ("global", "window")
-_POLICIES = ("pad", "drop")
-# Records per internal batch when yielding single samples to torch's DataLoader.
-_SAMPLE_MODE_BATCH = 64
+from .contract import OrderSpec, Plan, UnitDataset
 
 
 def _local_path(url: str | os.PathLike[str]) -> str:
@@ -39,42 +32,26 @@ def _local_path(url: str | os.PathLike[str]) -> str:
     return s
 
 
-def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size): explicit values, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        try:
-            r = int(os.environ.get("RANK", "0"))
-            w = int(os.environ.get("WORLD_SIZE", "1"))
-        except ValueError:
-            raise ValueError("RANK and WORLD_SIZE must be integers") from None
-    r = r if rank is None else rank
-    w = w if world_size is None else world_size
-    if w < 1 or not 0 <= r < w:
-        raise ValueError(f"invalid rank {r} for world size {w}")
-    return r, w
+def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
+    """XXH64 (hex) of the manifest's fields and shard list (path, records, bytes, checksum).
+
+    The same dataset read from another URL or cache has the same fingerprint; a rewritten
+    one (any shard's checksum or size changes) has another.
+    """
+    body = {"fields": manifest["fields"],
+            "shards": [[s["path"], s["records"], s["bytes"], s["xxh64"]] for s in manifest["shards"]]}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"{_C.xxh64(raw):016x}"
 
 
 def batch_to_torch(fields: list[Field], arrays: list[Any], lengths: list[Any]) -> dict[str, torch.Tensor]:
     """Wraps a native batch's DLPack capsules as tensors without copying."""
     out: dict[str, torch.Tensor] = {}
-    for f, arr, ln in zip(fields, arrays, lengths):
+    for f, arr, ln in zip(fields, arrays, lengths, strict=True):
         out[f.name] = _from_dlpack(arr)
         if ln is not None:
             out[f"{f.name}_lengths"] = _from_dlpack(ln)
     return out
-
-
-class ConsumedCount:
-    """How many batches an iterator has returned to its caller."""
-
-    __slots__ = ("batches",)
-
-    def __init__(self) -> None:
-        self.batches = 0
 
 
 class BatchIterator:
@@ -91,9 +68,6 @@ class BatchIterator:
         self._start = time.perf_counter()
         self._end: float | None = None
         self.on_finish: Any = None  # called with stats() when the iterator ends or closes
-        # Batches handed to the caller, prefetched ones not counted. A separate object so that
-        # pyloader.DataLoader still knows its position once the iterator is gone (NOTE [resume state]).
-        self.consumed = ConsumedCount()
         self.timeout = 0.0  # seconds next() waits for a batch before LoaderTimeoutError (0: forever)
 
     def __iter__(self) -> BatchIterator:
@@ -109,13 +83,11 @@ class BatchIterator:
         if item is None:
             self._ended()
         _, _, arrays, lengths = item
-        batch = batch_to_torch(self._fields, arrays, lengths)
-        self.consumed.batches += 1
-        return batch
+        return batch_to_torch(self._fields, arrays, lengths)
 
     def next_host(self) -> tuple[Any, dict[str, torch.Tensor]]:
         """The next batch as (HostBatch, tensors) for the copy engine, which keeps the
-        HostBatch (and so the slot) until its copies completed. Not counted in ``consumed``."""
+        HostBatch (and so the slot) until its copies completed."""
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         item = self._pipeline.next_host(self.timeout)
@@ -178,78 +150,7 @@ class BatchIterator:
         }
 
 
-class PlannedDataset:
-    """What the datasets share: ``set_epoch``, ``plan``, ``len`` and per-sample iteration.
-
-    A subclass sets ``_plan_units`` (records per planning unit: shards, or Parquet row
-    groups), ``num_records``, ``shuffle``, ``seed``, ``epoch``, ``shuffle_mode``,
-    ``window``, ``rank``, ``world_size`` and ``partition``.
-    """
-
-    _plan_units: list[int]
-    num_records: int
-    shuffle: bool
-    seed: int
-    epoch: int
-    shuffle_mode: str
-    window: int
-    rank: int | None
-    world_size: int | None
-    partition: str
-    fields: list[Field]
-    # Per-sample tensors are views of the batch unless the batch buffers may be reused
-    # while a view is alive (ParquetDataset's staging buffers are).
-    _clone_samples = False
-
-    def set_epoch(self, epoch: int) -> None:
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError("epoch must be a non-negative int")
-        self.epoch = epoch
-
-    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
-             shuffle: bool | None = None, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(unit index, record index) arrays this rank/worker reads in ``epoch``, in order."""
-        rank, world = resolve_rank(self.rank, self.world_size)
-        return _plan.plan(
-            self._plan_units, shuffle=self.shuffle if shuffle is None else shuffle,
-            seed=self.seed if seed is None else seed,
-            epoch=self.epoch if epoch is None else epoch, rank=rank, world_size=world, worker=worker,
-            num_workers=num_workers, mode=self.shuffle_mode, window=self.window, policy=self.partition,
-        )
-
-    def __len__(self) -> int:
-        """Samples this rank reads per epoch (after padding or dropping)."""
-        _, world = resolve_rank(self.rank, self.world_size)
-        n = self.num_records
-        return -(-n // world) if self.partition == "pad" else n // world
-
-    # -- per-sample iteration for torch's DataLoader -----------------------------------
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        it = self.batches(_SAMPLE_MODE_BATCH, num_threads=1, prefetch=2, worker=worker, num_workers=num_workers)
-        try:
-            for batch in it:
-                rows = next(iter(batch.values())).shape[0]
-                for i in range(rows):
-                    yield self._sample(batch, i)
-        finally:
-            it.close()
-
-    def _sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in self.fields:
-            t = batch[f.name][i]
-            if f.variable:
-                t = t[: int(batch[f"{f.name}_lengths"][i])]
-            if f.dtype == "bytes":
-                out[f.name] = bytes(t.numpy())
-            else:
-                out[f.name] = t.clone() if self._clone_samples else t
-        return out
-
-
-class ShardDataset(PlannedDataset, IterableDataset):
+class ShardDataset(UnitDataset, IterableDataset):
     """An iterable dataset over the shards listed in a manifest.
 
     With torch's ``DataLoader`` it yields samples (dicts of tensors) and splits work by
@@ -287,14 +188,8 @@ class ShardDataset(PlannedDataset, IterableDataset):
                  cache_limit: int | str | None = None, fetch_jobs: int = 4,
                  storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        if shuffle_mode not in _SHUFFLE_MODES:
-            raise ValueError(f"shuffle_mode must be one of {_SHUFFLE_MODES}, got {shuffle_mode!r}")
-        if partition not in _POLICIES:
-            raise ValueError(f"partition must be one of {_POLICIES}, got {partition!r}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError("seed must be a non-negative int")
-        if not isinstance(window, int) or window < 1:
-            raise ValueError("window must be a positive int")
+        self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
+                               partition=partition)
         self.url = os.fspath(path)
         self._remote: Any = None  # the node cache of a remote dataset (pyloader.remote.cache.DatasetCache)
         self._fetcher: Any = None
@@ -319,14 +214,10 @@ class ShardDataset(PlannedDataset, IterableDataset):
         self.shard_paths = [os.path.join(self.root, s["path"]) for s in shards]
         self.shard_bytes = [int(s["bytes"]) for s in shards]
         self.records_per_shard = [int(s["records"]) for s in shards]
-        self._plan_units = self.records_per_shard
+        self.unit_records = self.records_per_shard  # UnitDataset plans by shard
         self.num_records = int(self.manifest["records"])
         if self.num_records == 0:
             raise ManifestError(f"manifest {mpath!r}: the dataset holds no records")
-        self.shuffle = bool(shuffle)
-        self.seed = seed
-        self.shuffle_mode = shuffle_mode
-        self.window = window
         self.rank = rank
         self.world_size = world_size
         self.partition = partition
@@ -334,8 +225,16 @@ class ShardDataset(PlannedDataset, IterableDataset):
         self._schema = encode_schema(self.fields)
         self._shards: Any = None
         self._shards_pid = -1
-        if self._remote is not None:
+        self._fingerprint: str | None = None
+        if self._remote is not None:  # this reader pins every shard its plan reads
             _fetch.check_limit(self._remote, self.plan()[0])
+
+    @property
+    def fingerprint(self) -> str:
+        """The manifest's fingerprint (``manifest_fingerprint``): what a loader state names."""
+        if self._fingerprint is None:
+            self._fingerprint = manifest_fingerprint(self.manifest)
+        return self._fingerprint
 
     def _shard_set(self) -> Any:
         # Mappings and locks do not survive fork safely: each process opens its own set.
@@ -350,14 +249,15 @@ class ShardDataset(PlannedDataset, IterableDataset):
                 weakref.finalize(self, self._fetcher.close)
         return self._shards
 
-    def batches(self, batch_size: int, *, drop_last: bool = False, num_threads: int = 2,
-                prefetch: int | None = None, epoch: int | None = None, shuffle: bool | None = None,
-                worker: int = 0, num_workers: int = 1, pool: Any = None,
-                plan: tuple[np.ndarray, np.ndarray] | None = None, seed: int | None = None) -> BatchIterator:
-        """The native batched iterator for this rank (and optional worker split).
+    def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
+                prefetch: int | None = None, pool: Any = None, epoch: int | None = None,
+                shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
+                num_workers: int = 1) -> BatchIterator:
+        """The native batched iterator over ``plan`` (the contract, NOTE [dataset contract]).
 
-        ``plan``: precomputed (shard index, record index) arrays to read instead of
-        ``self.plan(epoch=..., ...)``, e.g. the rest of an epoch (``pyloader.read.order.resume_plan``).
+        Without ``plan``: this rank's plan of ``epoch`` (default: the current one), split
+        ``worker`` of ``num_workers``, with ``shuffle``/``seed`` overriding ``order``'s.
+        ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own).
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError("batch_size must be a positive int")
@@ -366,10 +266,7 @@ class ShardDataset(PlannedDataset, IterableDataset):
         prefetch = 2 * num_threads if prefetch is None else prefetch
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be a positive int")
-        if plan is None:
-            sidx, ridx = self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle, seed=seed)
-        else:
-            sidx, ridx = plan
+        sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         if pool is None:
             pool = _C.SlotPool(num_fields=len(self.fields))
         shards = self._shard_set()

@@ -1,0 +1,11 @@
+"""Stage ``remote``: remote (fsspec) data through one node-local cache per node.
+
+| file | what it is for |
+|---|---|
+| ``fs.py`` | fsspec access: filesystems with timeouts, retries, whole-object reads, downloads into a file |
+| ``cache.py`` | the node cache: publish, pins, LRU eviction, limits (NOTE [cache publish], NOTE [cache pins]) |
+| ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``check_limit``, ``ShardFetcher`` (prefetch) |
+| ``cli.py`` | the ``pyloader cache`` command: warm, ls, stats, verify, evict, clear |
+
+Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli.py``, a command, also the planner).
+"""

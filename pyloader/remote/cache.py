@@ -193,10 +193,11 @@ class ShardCache:
 
     # -- datasets ----------------------------------------------------------------------
     def dataset(self, url: str, manifest_bytes: bytes, *, storage_options: dict[str, Any] | None = None,
-                policy: RetryPolicy | None = None) -> DatasetCache:
-        """The cache of dataset ``url`` whose (already verified) manifest is ``manifest_bytes``."""
+                policy: RetryPolicy | None = None, flavour: type[DatasetCache] | None = None) -> DatasetCache:
+        """The cache of dataset ``url`` whose (already verified) manifest is ``manifest_bytes``;
+        ``flavour``: a DatasetCache subclass with its own content check error."""
         url = normalize_url(url)
-        d = DatasetCache(self, url, manifest_bytes, storage_options=storage_options, policy=policy)
+        d = (flavour or DatasetCache)(self, url, manifest_bytes, storage_options=storage_options, policy=policy)
         d.store_manifest()
         return d
 

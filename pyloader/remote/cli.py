@@ -148,7 +148,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def select_shards(records_per_shard: list[int], *, nodes: int, node_rank: int, ranks_per_node: int, epoch: int,
-                  seed: int, shuffle: bool, mode: str, window: int, partition: str) -> list[int]:
+                  seed: int, shuffle: bool, shuffle_mode: str, window: int, partition: str) -> list[int]:
     """Shards the ranks of one node read in ``epoch``, interleaved so every rank's first shards come first."""
     if not 0 <= node_rank < nodes:
         raise ValueError(f"--node-rank must be in [0, {nodes})")
@@ -156,7 +156,7 @@ def select_shards(records_per_shard: list[int], *, nodes: int, node_rank: int, r
     orders = []
     for r in range(node_rank * ranks_per_node, (node_rank + 1) * ranks_per_node):
         sidx, _ = _plan.plan(records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, rank=r, world_size=world,
-                             worker=0, num_workers=1, mode=mode, window=window, policy=partition)
+                             worker=0, num_workers=1, shuffle_mode=shuffle_mode, window=window, partition=partition)
         orders.append(first_touch_order(sidx))
     out, seen = [], set()
     for k in range(max((len(o) for o in orders), default=0)):
@@ -220,7 +220,7 @@ def _warm(args: argparse.Namespace) -> int:
     dcache = open_remote(args.url, cache_dir=args.cache_dir, cache_limit=args.limit, storage_options=opts)
     rps = [int(s["records"]) for s in dcache.shards]
     order = select_shards(rps, nodes=args.nodes, node_rank=args.node_rank, ranks_per_node=args.ranks_per_node,
-                          epoch=args.epoch, seed=args.seed, shuffle=args.shuffle, mode=args.shuffle_mode,
+                          epoch=args.epoch, seed=args.seed, shuffle=args.shuffle, shuffle_mode=args.shuffle_mode,
                           window=args.window, partition=args.partition)
     total = sum(int(dcache.shards[i]["bytes"]) for i in order)
     if args.limit is not None and total > args.limit:

@@ -1,6 +1,8 @@
 """Prefetch: downloads a remote dataset's shards into the node cache in plan order.
 
-``open_remote`` reads (and checks) a remote manifest and binds it to the node cache.
+``open_remote`` binds a remote dataset to the node cache: a pyloader dataset by its
+manifest (read and checked), any other (Parquet files) by a listing of its objects.
+``check_limit`` is the cache limit check a reader runs once it knows its plan.
 ``ShardFetcher`` runs at most ``jobs`` downloads at once, in the order the plan first
 touches each shard, and tells a pending ``_C.ShardSet`` (NOTE [shard readiness] in
 csrc/core/shard_reader.h) when each shard is in place, or why it failed. Shards already
@@ -17,28 +19,45 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _C
-from .cache import CacheLimitError, DatasetCache, ShardCache, normalize_url
 from ..errors import ManifestError
-from ..format.spec import MANIFEST_NAME, parse_manifest
+from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, VERSION, dump_manifest, parse_manifest
+from .cache import CacheLimitError, DatasetCache, ShardCache, normalize_url
 from .fs import FetchError, RetryPolicy, read_object
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
 
 
 def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
-                storage_options: dict[str, Any] | None = None) -> DatasetCache:
-    """Reads and verifies the manifest at ``url`` (a dataset directory URL) and binds it to the node cache."""
+                storage_options: dict[str, Any] | None = None, listing: Sequence[tuple[str, int, str]] | None = None,
+                flavour: type[DatasetCache] = DatasetCache) -> DatasetCache:
+    """Binds the remote dataset at ``url`` to the node cache (``cache_dir``, ``cache_limit``).
+
+    Without ``listing``, ``url`` is a pyloader dataset directory (or its manifest): its
+    manifest is read and verified. With ``listing`` -- (relative path, size, identity) per
+    object under ``url`` -- the cache manifest names each object by its identity instead
+    of a checksum of its bytes (``"content_hash": false``; see
+    ``DatasetCache.content_problem``). ``flavour`` is the ``DatasetCache`` class, which
+    decides the content check's error and retry. The reader then runs ``check_limit`` on
+    the objects its plan keeps open.
+    """
+    policy = RetryPolicy.from_env()
+    cache = ShardCache(cache_dir, limit=cache_limit)
+    if listing is not None:
+        body = {"format": MANIFEST_FORMAT, "version": VERSION, "fields": [], "records": 0, "content_hash": False,
+                "shards": [{"path": rel, "records": 0, "bytes": int(size), "xxh64": ident}
+                           for rel, size, ident in listing]}
+        return cache.dataset(url, dump_manifest(body, _C.xxh64), storage_options=storage_options, policy=policy,
+                             flavour=flavour)
     if url.endswith(".json") and not url.endswith("/" + MANIFEST_NAME):
         raise ValueError(f"{url!r}: a remote dataset is named by its directory (or .../{MANIFEST_NAME})")
     root = normalize_url(url)
     murl = root + "/" + MANIFEST_NAME
-    policy = RetryPolicy.from_env()
     try:
         data = read_object(murl, storage_options, policy)
     except FetchError as e:
@@ -46,15 +65,15 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
             raise ManifestError(f"no manifest at {murl!r}") from e
         raise
     parse_manifest(data, murl, _C.xxh64)  # raises ManifestError naming the URL
-    cache = ShardCache(cache_dir, limit=cache_limit)
-    return cache.dataset(root, data, storage_options=storage_options, policy=policy)
+    return cache.dataset(root, data, storage_options=storage_options, policy=policy, flavour=flavour)
 
 
 def check_limit(dcache: DatasetCache, order: Iterable[int]) -> None:
     """Raises CacheLimitError if ``dcache``'s cache limit cannot hold the shards in ``order`` at once.
 
-    A ShardDataset keeps the shards it reads mapped (and pinned) across epochs, so what
-    one reader needs at once is every shard its plan touches.
+    A reader's fetcher pins every shard (or file) it fetched until it is closed, and a
+    ShardDataset keeps its shards mapped across epochs, so what one reader needs at once
+    is every shard its plan touches.
     """
     limit = dcache.cache.limit
     if limit is None:
@@ -172,10 +191,6 @@ class ShardFetcher:
             self._state[i] = _FAILED
             if self.shards is not None:
                 self.shards.mark_failed(i, f"{self.dcache.shard_url(i)}: the fetcher was closed")
-
-    def check_limit(self, order: Iterable[int]) -> None:
-        """Raises CacheLimitError if the cache limit cannot hold ``order``'s shards at once."""
-        check_limit(self.dcache, order)
 
     @property
     def errors(self) -> dict[int, BaseException]:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import pyloader
-from pyloader.read import order as _plan
 from pyloader.loader.state import ResumeError
+from pyloader.read import order as _plan
 
 N = 203
 FIELDS = {"label": ("int64", ()), "tokens": ("int32", (None,))}
@@ -144,7 +144,7 @@ def test_prefetched_batches_are_not_consumed(ds_path):
     for loader in ls2:
         loader.load_state_dict(state)
     rest = lockstep([iter(loader) for loader in ls2], None)
-    assert [a + b for a, b in zip(first, rest)] == uninterrupted(ds_path, 2, 4)
+    assert [a + b for a, b in zip(first, rest, strict=False)] == uninterrupted(ds_path, 2, 4)
 
 
 @pytest.mark.timeout(60)

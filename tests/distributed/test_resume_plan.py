@@ -55,7 +55,7 @@ def random_segments(data, n: int, policy: str, max_segments: int = 4, same: tupl
     for _ in range(data.draw(st.integers(0, max_segments))):
         w = same[0] if same else data.draw(st.integers(1, 6))
         b = data.draw(st.integers(1, 5))
-        left = unread_count(n, policy=policy, segments=segs)
+        left = unread_count(n, partition=policy, segments=segs)
         per = left // w if policy == "drop" else -(-left // w)
         segs.append((w, b, data.draw(st.integers(0, -(-per // b)))))
     return segs
@@ -68,8 +68,8 @@ def test_matches_the_model(data, n, policy, world):
     segs = random_segments(data, n, policy)
     want = model(order.tolist(), segs, policy, world)
     for r in range(world):
-        assert resume_partition(order, rank=r, world_size=world, policy=policy, segments=segs).tolist() == want[r]
-    assert unread(order, policy=policy, segments=segs).size == unread_count(n, policy=policy, segments=segs)
+        assert resume_partition(order, rank=r, world_size=world, partition=policy, segments=segs).tolist() == want[r]
+    assert unread(order, partition=policy, segments=segs).size == unread_count(n, partition=policy, segments=segs)
 
 
 @FAST
@@ -77,8 +77,8 @@ def test_matches_the_model(data, n, policy, world):
 def test_no_segments_is_partition(n, policy, world):
     order = np.random.default_rng(n).permutation(n)
     for r in range(world):
-        assert np.array_equal(resume_partition(order, rank=r, world_size=world, policy=policy),
-                              partition(order, rank=r, world_size=world, policy=policy))
+        assert np.array_equal(resume_partition(order, rank=r, world_size=world, partition=policy),
+                              partition(order, rank=r, world_size=world, partition=policy))
 
 
 @FAST
@@ -87,11 +87,11 @@ def test_same_world_size_resumes_the_uninterrupted_epoch(data, n, policy, world)
     """Stops at any steps, with any batch sizes: each rank reads its uninterrupted block."""
     order = np.random.default_rng(n + 1).permutation(n)
     segs = random_segments(data, n, policy, same=(world, 0))
-    full = [partition(order, rank=r, world_size=world, policy=policy).tolist() for r in range(world)]
+    full = [partition(order, rank=r, world_size=world, partition=policy).tolist() for r in range(world)]
     per = len(full[0])
     done = min(per, sum(min(b * s, per) for _, b, s in segs))  # each rank's samples already read
     for r in range(world):
-        rest = resume_partition(order, rank=r, world_size=world, policy=policy, segments=segs).tolist()
+        rest = resume_partition(order, rank=r, world_size=world, partition=policy, segments=segs).tolist()
         assert rest == full[r][done:] or (done == per and rest == [])
 
 
@@ -100,7 +100,7 @@ def read_by(order: np.ndarray, segs: list[tuple[int, int, int]], policy: str) ->
     seen: collections.Counter[int] = collections.Counter()
     for k, (w, b, s) in enumerate(segs):
         for r in range(w):
-            block = resume_partition(order, rank=r, world_size=w, policy=policy, segments=segs[:k])
+            block = resume_partition(order, rank=r, world_size=w, partition=policy, segments=segs[:k])
             seen.update(block[: s * b].tolist())
     return seen
 
@@ -112,7 +112,7 @@ def test_elastic_resume_reads_every_sample_once(data, n, policy, world):
     segs = random_segments(data, n, policy)
     seen = read_by(order, segs, policy)
     for r in range(world):  # the resumed job reads its blocks to the end
-        seen.update(resume_partition(order, rank=r, world_size=world, policy=policy, segments=segs).tolist())
+        seen.update(resume_partition(order, rank=r, world_size=world, partition=policy, segments=segs).tolist())
     worlds = [w for w, _, _ in segs] + [world]
     repeats = sum(seen.values()) - len(seen)
     if policy == "pad":
@@ -155,11 +155,11 @@ def test_inconsistent_segments_raise(segs, match):
 
 def test_resume_plan_is_plan_without_segments_and_locates_the_rest():
     counts = [5, 0, 7, 3]
-    kw = dict(shuffle=True, seed=3, epoch=2, mode="window", window=4)
+    kw = dict(shuffle=True, seed=3, epoch=2, shuffle_mode="window", window=4)
     for r in range(3):
         a = _plan.plan(counts, rank=r, world_size=3, **kw)
         b = resume_plan(counts, rank=r, world_size=3, **kw)
-        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     order = _plan.epoch_order(counts, **kw)
     segs = [(3, 2, 1)]
     shard, rec = resume_plan(counts, rank=1, world_size=2, segments=segs, **kw)

@@ -33,6 +33,7 @@ from remote_util import write_ds
 
 import pyloader
 from pyloader.read import order as _plan
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "torchrun_worker.py")
@@ -145,7 +146,7 @@ def planned_batches(epoch: int, rank: int, world: int, batch: int, segments: lis
     """Labels (= global ids here) of each batch rank ``rank`` reads, from pyloader.read.order alone."""
     counts = records()
     order = _plan.epoch_order(counts, shuffle=True, seed=SEED, epoch=epoch)
-    mine = _plan.resume_partition(order, rank=rank, world_size=world, policy="pad", segments=segments)
+    mine = _plan.resume_partition(order, rank=rank, world_size=world, partition="pad", segments=segments)
     return [mine[i:i + batch].tolist() for i in range(0, mine.size, batch)]
 
 

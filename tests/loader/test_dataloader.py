@@ -36,8 +36,8 @@ import torch.utils.data as tud
 
 import pyloader
 from pyloader import _C
-from pyloader.loader import transfer as _transfer
 from pyloader.errors import DeviceError
+from pyloader.loader import transfer as _transfer
 
 # Fixed-shape fields, so that torch's default collation can batch them too.
 FIELDS: dict[str, Any] = {
@@ -118,7 +118,7 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
             assert_same(got[k], want[k], f"{where}[{k!r}]")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=False)):
             assert_same(g, w, f"{where}[{i}]")
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"

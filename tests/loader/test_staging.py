@@ -12,6 +12,8 @@ import torch
 import pyloader
 from pyloader import _C
 from pyloader.loader import transfer as _transfer
+
+
 class _Map(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:
         self.n = n
@@ -85,7 +87,7 @@ def test_a_batch_whose_variable_field_is_empty_is_copied(write_dataset) -> None:
     staged = list(pyloader.DataLoader(ds, batch_size=4, device="cpu"))
     assert plain[0]["t"].shape == (4, 0)  # the case under test: a zero-size field
     assert len(plain) == len(staged) == 3
-    for a, b in zip(plain, staged):
+    for a, b in zip(plain, staged, strict=False):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].shape == b[k].shape and torch.equal(a[k], b[k])

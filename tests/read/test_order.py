@@ -97,7 +97,7 @@ def test_sample_keys_matches_reference(ids: list[int], seed: int, epoch: int, st
 def test_golden_orders() -> None:
     counts = [3, 0, 5, 2, 7, 1, 0, 4]
     glob = epoch_order(counts, shuffle=True, seed=12345, epoch=7)
-    win = epoch_order(counts, shuffle=True, seed=12345, epoch=7, mode="window", window=4)
+    win = epoch_order(counts, shuffle=True, seed=12345, epoch=7, shuffle_mode="window", window=4)
     # Literals recorded once; the reference below recomputes them from scratch.
     assert glob[:10].tolist() == [18, 13, 3, 21, 15, 9, 5, 2, 14, 19]
     assert win[:10].tolist() == [18, 2, 0, 1, 19, 10, 21, 20, 12, 11]
@@ -125,7 +125,7 @@ def test_global_order_is_stable_argsort_of_keys(counts: list[int], seed: int, ep
 def test_window_order_matches_reference(
     counts: list[int], seed: int, epoch: int, window: int
 ) -> None:
-    order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, mode="window", window=window)
+    order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, shuffle_mode="window", window=window)
     assert order.tolist() == ref_window_order(counts, seed, epoch, window)
 
 
@@ -140,34 +140,34 @@ def test_window_order_matches_reference(
 def test_shuffled_order_is_permutation(
     counts: list[int], seed: int, epoch: int, mode: str, window: int
 ) -> None:
-    order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, mode=mode, window=window)
+    order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, shuffle_mode=mode, window=window)
     assert np.array_equal(np.sort(order), np.arange(sum(counts)))
 
 
 @pytest.mark.parametrize("mode", ["global", "window"])
 def test_unshuffled_is_arange(mode: str) -> None:
-    order = epoch_order([4, 0, 3], shuffle=False, seed=9, epoch=9, mode=mode, window=2)
+    order = epoch_order([4, 0, 3], shuffle=False, seed=9, epoch=9, shuffle_mode=mode, window=2)
     assert order.tolist() == list(range(7)) and order.dtype == np.int64
 
 
 @pytest.mark.parametrize("mode", ["global", "window"])
 def test_determinism_and_sensitivity(mode: str) -> None:
     counts = [37, 0, 50, 13, 29, 41]  # N = 170
-    kw: dict[str, Any] = {"shuffle": True, "mode": mode, "window": 16}
+    kw: dict[str, Any] = {"shuffle": True, "shuffle_mode": mode, "window": 16}
     base = epoch_order(counts, seed=1, epoch=0, **kw)
     assert np.array_equal(base, epoch_order(counts, seed=1, epoch=0, **kw))
     assert not np.array_equal(base, epoch_order(counts, seed=2, epoch=0, **kw))
     assert not np.array_equal(base, epoch_order(counts, seed=1, epoch=1, **kw))
     first = plan(counts, seed=1, epoch=0, rank=1, world_size=3, worker=1, num_workers=2, **kw)
     again = plan(counts, seed=1, epoch=0, rank=1, world_size=3, worker=1, num_workers=2, **kw)
-    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
 
 
 def test_window_mode_locality_and_shard_order() -> None:
     counts = [int(c) for c in np.random.default_rng(0).integers(0, 60, 40)]
     window = 32
     for epoch in range(3):
-        order = epoch_order(counts, shuffle=True, seed=5, epoch=epoch, mode="window", window=window)
+        order = epoch_order(counts, shuffle=True, seed=5, epoch=epoch, shuffle_mode="window", window=window)
         seq = ref_window_sequence(counts, 5, epoch)
         assert order.tolist() != seq
         for start in range(0, len(seq), window):
@@ -176,7 +176,7 @@ def test_window_mode_locality_and_shard_order() -> None:
             )
     shard_orders = []
     for epoch in range(2):
-        order = epoch_order(counts, shuffle=True, seed=5, epoch=epoch, mode="window", window=1)
+        order = epoch_order(counts, shuffle=True, seed=5, epoch=epoch, shuffle_mode="window", window=1)
         shard, _ = locate(order, counts)
         shard_orders.append(shard[np.r_[True, shard[1:] != shard[:-1]]].tolist())
         assert len(shard_orders[-1]) == sum(c > 0 for c in counts)  # each shard read in one run
@@ -200,7 +200,7 @@ CASES = {  # name -> records_per_shard
 def test_exact_coverage_grid(case: str, shuffle: bool, mode: str, policy: str) -> None:
     counts = CASES[case]
     n = sum(counts)
-    order = epoch_order(counts, shuffle=shuffle, seed=3, epoch=1, mode=mode, window=4)
+    order = epoch_order(counts, shuffle=shuffle, seed=3, epoch=1, shuffle_mode=mode, window=4)
     for world in range(1, 6):
         per_rank = math.ceil(n / world) if policy == "pad" else n // world
         rank_ids = []
@@ -215,9 +215,9 @@ def test_exact_coverage_grid(case: str, shuffle: bool, mode: str, policy: str) -
                     world_size=world,
                     worker=w,
                     num_workers=nw,
-                    mode=mode,
+                    shuffle_mode=mode,
                     window=4,
-                    policy=policy,
+                    partition=policy,
                 )
                 for nw in range(1, 5)
                 for w in range(nw)
@@ -252,7 +252,7 @@ def test_partition_pad_smaller_than_world() -> None:
         [11],
         [10],
     ]
-    assert partition(order, rank=4, world_size=5, policy="drop").size == 0
+    assert partition(order, rank=4, world_size=5, partition="drop").size == 0
 
 
 @FAST
@@ -275,7 +275,7 @@ def test_locate_round_trips(counts: list[int], data: st.DataObject) -> None:
     shard, record = locate(ids, counts)
     assert shard.dtype == np.int32 and record.dtype == np.int64
     expected = [(s, r) for s, c in enumerate(counts) for r in range(c)]
-    assert list(zip(shard.tolist(), record.tolist())) == [expected[i] for i in ids]
+    assert list(zip(shard.tolist(), record.tolist(), strict=True)) == [expected[i] for i in ids]
 
 
 @pytest.mark.parametrize(
@@ -298,7 +298,7 @@ def test_locate_large_and_sparse(counts: list[int]) -> None:
 @pytest.mark.parametrize("mode", ["global", "window"])
 def test_plan_composes_and_skips_empty_shards(mode: str) -> None:
     counts = [4, 0, 0, 3, 0, 5]
-    kw: dict[str, Any] = {"shuffle": True, "seed": 8, "epoch": 2, "mode": mode, "window": 5}
+    kw: dict[str, Any] = {"shuffle": True, "seed": 8, "epoch": 2, "shuffle_mode": mode, "window": 5}
     shard, record = plan(counts, rank=1, world_size=2, worker=1, num_workers=2, **kw)
     assert shard.dtype == np.int32 and record.dtype == np.int64
     assert shard.flags.c_contiguous and record.flags.c_contiguous
@@ -319,9 +319,9 @@ BAD_CALLS = {
     "float records": lambda: plan([3.0, 1.0], **GOOD),  # type: ignore[list-item]
     "2-D records": lambda: plan([[3, 1]], **GOOD),  # type: ignore[list-item]
     "no samples": lambda: plan([0, 0], **GOOD),
-    "window 0": lambda: plan([4], **GOOD, mode="window", window=0),
-    "bad mode": lambda: plan([4], **GOOD, mode="shards"),
-    "bad policy": lambda: plan([4], **GOOD, policy="wrap"),
+    "window 0": lambda: plan([4], **GOOD, shuffle_mode="window", window=0),
+    "bad mode": lambda: plan([4], **GOOD, shuffle_mode="shards"),
+    "bad policy": lambda: plan([4], **GOOD, partition="wrap"),
     "shuffle not bool": lambda: plan([4], **{**GOOD, "shuffle": "yes"}),
     "rank == world": lambda: plan([4], **{**GOOD, "rank": 2}),
     "rank < 0": lambda: plan([4], **{**GOOD, "rank": -1}),

@@ -195,3 +195,33 @@ def test_read_only_cache_serves_cached_shards_and_names_missing_ones(server, srv
         del ds
         gc.collect()
         subprocess.run(undo, check=True)
+
+
+def test_parquet_dataset_goes_through_the_same_limit_check(tmp_path):
+    """ParquetDataset binds its files with remote.fetch.open_remote, as ShardDataset binds
+    its shards, and runs the same check: a limit below the files its plan pins raises."""
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("pyarrow")
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    mem = fsspec.filesystem("memory")
+    sizes = []
+    for k in range(2):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"x": list(range(50 * k, 50 * k + 50))}), buf, row_group_size=10)
+        mem.pipe(f"/pyl-limit/data/p{k}.parquet", buf.getvalue())
+        sizes.append(len(buf.getvalue()))
+    try:
+        cache = str(tmp_path / "cache")
+        with pytest.raises(CacheLimitError, match="cannot hold the 2 shards"):
+            pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes) - 1,
+                                    rank=0, world_size=1)
+        ds = pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes),
+                                     rank=0, world_size=1)
+        assert [int(v) for b in ds.batches(32) for v in b["x"]] == list(range(100))
+        assert ds.fingerprint is None and ds._cache.manifest["content_hash"] is False
+    finally:
+        mem.rm("/pyl-limit", recursive=True)

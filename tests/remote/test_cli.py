@@ -51,7 +51,7 @@ def test_warm_per_node_selects_what_its_ranks_read(server, cache_dir, capsys):
     want = set()
     for rank in (2, 3):
         sidx, _ = _plan.plan(ds.records_per_shard, shuffle=True, seed=5, epoch=3, rank=rank, world_size=4,
-                             worker=0, num_workers=1, mode="window", window=40, policy="pad")
+                             worker=0, num_workers=1, shuffle_mode="window", window=40, partition="pad")
         want |= set(first_touch_order(sidx))
     assert 0 < len(want) < 16 and r["selected_shards"] == len(want) == r["downloaded"]
     got = {p.rsplit("/", 1)[1] for p in server.shard_gets()}

@@ -1,0 +1,275 @@
+"""The dataset contract: what ``pyloader.DataLoader`` needs from a dataset, and nothing more.
+
+NOTE [dataset contract]: a pyloader dataset subclasses ``PlannedDataset`` and provides
+
+* ``order``: its ``OrderSpec`` (shuffle, seed, shuffle_mode, window, partition), one name
+  per setting, validated once when the spec is built;
+* ``num_records``, ``fields``, ``epoch`` / ``set_epoch(epoch)``, ``len()`` (samples this
+  rank reads per epoch) and ``rank_and_world()`` (the rank it reads as);
+* ``epoch_plan(epoch, rank, world, segments, ...)``: the ``Plan`` (unit index, record
+  index) this rank (and worker) reads, in order; with ``segments`` it is the rest of an
+  epoch already consumed that way (NOTE [resume segments] in ``pyloader.read.order``);
+* ``batches(batch_size, plan=..., ...)``: a ``BatchStream`` reading exactly that plan;
+* ``sample(batch, i)``: sample ``i`` of a batch, as the per-sample paths yield it;
+* ``fingerprint``: the identity a resumed loader checks (``None``: not resumable).
+
+The loader plans (``epoch_plan``), reads (``batches``) and splits (``sample``) through
+these alone, so any dataset that implements them -- shards, Parquet row groups, and
+next mixtures or packed token streams -- gets batching, staging, device prefetch and
+(with a fingerprint) exact resumption. ``UnitDataset`` implements the planning part for
+datasets made of units of records (shards, row groups) ordered by ``pyloader.read.order``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from ..format.spec import Field
+from . import order as _order
+
+SHUFFLE_MODES, PARTITIONS = _order.SHUFFLE_MODES, _order.PARTITIONS
+# Records per internal batch when yielding single samples to torch's DataLoader.
+_SAMPLE_MODE_BATCH = 64
+
+Plan = tuple[np.ndarray, np.ndarray]
+"""(unit index int32, record index int64), C-contiguous, in read order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderSpec:
+    """How a dataset orders and partitions its samples each epoch (``pyloader.read.order``).
+
+    ``shuffle_mode="global"``: a permutation of all samples; ``"window"``: units in a
+    shuffled order, then samples shuffled within windows of ``window`` samples
+    (NOTE [window size]). ``partition="pad"`` gives every rank ceil(N / world) samples,
+    ``"drop"`` floor(N / world). Validated here, once; raises ``ValueError``.
+    """
+
+    shuffle: bool = False
+    seed: int = 0
+    shuffle_mode: str = "global"
+    window: int = 65536
+    partition: str = "pad"
+
+    def __post_init__(self) -> None:
+        if self.shuffle_mode not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {self.shuffle_mode!r}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError("seed must be a non-negative int")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError("window must be a positive int")
+        if not isinstance(self.shuffle, (bool, np.bool_)):
+            raise ValueError(f"shuffle must be a bool, got {type(self.shuffle).__name__}")  # noqa: TRY004
+        object.__setattr__(self, "shuffle", bool(self.shuffle))
+
+    def with_overrides(self, *, shuffle: bool | None = None, seed: int | None = None) -> OrderSpec:
+        """This spec with ``shuffle`` and ``seed`` replaced where not None (the loader's overrides)."""
+        changes: dict[str, Any] = {}
+        if shuffle is not None:
+            changes["shuffle"] = shuffle
+        if seed is not None:
+            changes["seed"] = seed
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as a plain dict (the keys of a loader state, NOTE [resume state])."""
+        return dataclasses.asdict(self)
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): explicit values, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        try:
+            r = int(os.environ.get("RANK", "0"))
+            w = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ValueError("RANK and WORLD_SIZE must be integers") from None
+    r = r if rank is None else rank
+    w = w if world_size is None else world_size
+    if w < 1 or not 0 <= r < w:
+        raise ValueError(f"invalid rank {r} for world size {w}")
+    return r, w
+
+
+class BatchStream(Protocol):
+    """What ``PlannedDataset.batches`` returns: batches (dicts of tensors) in plan order.
+
+    ``timeout`` (seconds, 0: forever) bounds each ``next()``; ``on_finish`` is called once
+    with ``stats()`` when the stream ends or closes; ``close()`` stops its threads and is
+    idempotent. A stream whose batches live in the loader's slot pool (the ``pool`` given
+    to ``batches``) also has ``next_host()`` -> (host batch, tensors), for the copy engine.
+    """
+
+    timeout: float
+    on_finish: Callable[[dict[str, Any]], None] | None
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+
+    def __next__(self) -> dict[str, torch.Tensor]: ...
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class PlannedDataset(abc.ABC):
+    """The dataset contract (NOTE [dataset contract])."""
+
+    order: OrderSpec
+    num_records: int
+    fields: list[Field]
+    epoch: int
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch ``batches`` and per-sample iteration read when none is given."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError("epoch must be a non-negative int")
+        self.epoch = epoch
+
+    @abc.abstractmethod
+    def rank_and_world(self) -> tuple[int, int]:
+        """(rank, world size) this dataset reads as."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch."""
+
+    @abc.abstractmethod
+    def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
+                   worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,
+                   seed: int | None = None) -> Plan:
+        """What (rank, worker) reads in ``epoch`` (the rest of it after ``segments``, given as
+        ``(world_size, batch_size, steps)`` each). ``shuffle``/``seed`` override ``order``'s."""
+
+    @abc.abstractmethod
+    def batches(self, batch_size: int, *, plan: Plan, drop_last: bool = False, num_threads: int = 2,
+                prefetch: int | None = None, pool: Any = None) -> BatchStream:
+        """The batched stream over ``plan``. ``pool``: the loader's slot pool, for datasets that
+        collate into it (others ignore it)."""
+
+    @abc.abstractmethod
+    def sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
+        """Sample ``i`` of ``batch``, as the per-sample paths yield it."""
+
+    @property
+    @abc.abstractmethod
+    def fingerprint(self) -> str | None:
+        """The resumable identity (NOTE [resume state]); None when the dataset cannot resume."""
+
+
+class _OrderField:
+    """``dataset.shuffle`` etc.: one setting of ``dataset.order``; assigning replaces the spec
+    (validated), as assigning the attribute did before ``OrderSpec``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.order, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.order = dataclasses.replace(obj.order, **{self.name: value})
+
+
+class UnitDataset(PlannedDataset):
+    """A ``PlannedDataset`` made of units of records (shards, Parquet row groups), ordered and
+    partitioned by ``pyloader.read.order`` over ``unit_records`` (records per unit).
+
+    A subclass sets ``unit_records``, ``num_records``, ``fields``, ``order``, ``rank``,
+    ``world_size`` and ``epoch``, and implements ``batches`` and ``fingerprint``. It also
+    gets the per-sample iteration torch's ``DataLoader`` uses (``__iter__``, split by
+    ``get_worker_info()``) and ``plan()`` for its own epoch.
+    """
+
+    unit_records: list[int]
+    rank: int | None
+    world_size: int | None
+    # Per-sample tensors are views of the batch unless a subclass clones them, so that one
+    # kept sample does not hold a whole reusable batch buffer (ParquetDataset's staging).
+    clone_samples = False
+
+    shuffle = _OrderField()
+    seed = _OrderField()
+    shuffle_mode = _OrderField()
+    window = _OrderField()
+    partition = _OrderField()
+
+    def rank_and_world(self) -> tuple[int, int]:
+        return resolve_rank(self.rank, self.world_size)
+
+    def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
+                   worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,
+                   seed: int | None = None) -> Plan:
+        o = self.order.with_overrides(shuffle=shuffle, seed=seed)
+        kw: dict[str, Any] = dict(shuffle=o.shuffle, seed=o.seed, epoch=epoch, rank=rank, world_size=world,
+                                  worker=worker, num_workers=num_workers, shuffle_mode=o.shuffle_mode,
+                                  window=o.window, partition=o.partition)
+        if segments:
+            return _order.resume_plan(self.unit_records, segments=segments, **kw)
+        return _order.plan(self.unit_records, **kw)
+
+    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
+             shuffle: bool | None = None, seed: int | None = None) -> Plan:
+        """``epoch_plan`` for this dataset's rank and (default) its current epoch."""
+        rank, world = self.rank_and_world()
+        return self.epoch_plan(self.epoch if epoch is None else epoch, rank, world, worker=worker,
+                               num_workers=num_workers, shuffle=shuffle, seed=seed)
+
+    def _own_plan(self, plan: Plan | None, epoch: int | None, worker: int, num_workers: int,
+                  shuffle: bool | None, seed: int | None) -> Plan:
+        """``plan`` if given, else this rank's plan of ``epoch`` (the ``batches`` convenience)."""
+        return self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle,
+                         seed=seed) if plan is None else plan
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch (after padding or dropping)."""
+        _, world = self.rank_and_world()
+        n = self.num_records
+        return -(-n // world) if self.order.partition == "pad" else n // world
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        it = self.batches(_SAMPLE_MODE_BATCH, plan=self.plan(worker=worker, num_workers=num_workers),
+                          num_threads=1, prefetch=2)
+        try:
+            for batch in it:
+                rows = next(iter(batch.values())).shape[0]
+                for i in range(rows):
+                    yield self.sample(batch, i)
+        finally:
+            it.close()
+
+    def sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            t = batch[f.name][i]
+            if f.variable:
+                t = t[: int(batch[f"{f.name}_lengths"][i])]
+            if f.dtype == "bytes":
+                out[f.name] = bytes(t.numpy())
+            else:
+                out[f.name] = t.clone() if self.clone_samples else t
+        return out
+
+
+__all__ = ["PARTITIONS", "SHUFFLE_MODES", "BatchStream", "OrderSpec", "Plan", "PlannedDataset", "UnitDataset",
+           "resolve_rank"]

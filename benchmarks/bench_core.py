@@ -25,6 +25,8 @@ import lz4.block
 import numpy as np
 
 from pyloader.bench import measure as B
+
+
 def measure_profile(p: B.Profile, args: argparse.Namespace, tmp: str) -> dict:
     n = max(args.batch * 4, int(args.mb * 1e6 / p.record_bytes))
     raw_dir, lz_dir, npy = (os.path.join(tmp, f"{p.name}-{k}") for k in ("raw", "lz4", "npy"))

@@ -45,8 +45,10 @@ import torch.utils.data
 
 import pyloader
 from pyloader import _C
-from pyloader.loader import transfer as _transfer
 from pyloader.bench import measure as B
+from pyloader.loader import transfer as _transfer
+
+
 # -- helpers -----------------------------------------------------------------------------
 def drain(it: Iterator[Any], consume: Callable[[Any], Any] | None = None) -> tuple[int, int]:
     """Iterates to the end; returns (samples, bytes of every tensor yielded)."""

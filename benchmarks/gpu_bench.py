@@ -45,8 +45,10 @@ import torch.utils.data
 
 import pyloader
 from pyloader import _C
-from pyloader.loader import transfer as _transfer
 from pyloader.bench import measure as B
+from pyloader.loader import transfer as _transfer
+
+
 class Ctx:
     """The target device and how to time on it."""
 

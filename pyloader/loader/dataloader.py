@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from .. import _C
 from ..read import order as _order
 from ..read.contract import BatchStream, OrderSpec, PlannedDataset
 from . import state as _state
@@ -80,8 +81,9 @@ def _pin_device_index(pin_memory_device: str) -> int | None:
 
 
 class DataLoader:
-    """A drop-in replacement for ``torch.utils.data.DataLoader``: same constructor, same
-    iteration semantics, plus native staging and device prefetch.
+    """A drop-in replacement for ``torch.utils.data.DataLoader``.
+
+    Same constructor, same iteration semantics, plus native staging and device prefetch.
 
     Two paths, chosen by the dataset:
 
@@ -150,7 +152,7 @@ class DataLoader:
         self.sampler: Any = None
         self.batch_sampler: Any = None
         self.shuffle: bool | None = shuffle
-        self._staging_pool: Any = None  # see _staging()
+        self._staging_pool: _C.SlotPool | None = None  # see _staging()
         self._inner: torch.utils.data.DataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
         if self._native:
@@ -216,9 +218,11 @@ class DataLoader:
 
     @property
     def _pin_index(self) -> int:
-        """The GPU whose context pins memory (the memory is portable to every GPU). Asked
-        only when pinning: as torch pins, in the current device's context, so that each rank
-        of a job (after torch.cuda.set_device(local_rank)) touches only its own GPU."""
+        """The GPU whose context pins memory (the memory is portable to every GPU).
+
+        Asked only when pinning: as torch pins, in the current device's context, so that each
+        rank of a job (after torch.cuda.set_device(local_rank)) touches only its own GPU.
+        """
         if self._pin_named is not None:
             return self._pin_named
         return torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -238,11 +242,14 @@ class DataLoader:
         return it
 
     def _new_stage(self, in_slots: bool) -> _transfer.DeviceStage | None:
-        """The copy engine for this epoch's batches, or None when they need none: no device,
-        and either no pinning asked, batches already in pinned slots (``in_slots``), or no
-        pinned memory to stage into (no driver: warned once; a pageable copy would only cost
-        time). No timeout on the engine: ``timeout`` bounds waiting for data (as torch's
-        bounds waiting for workers), not waiting for the GPU to finish the loop's own work."""
+        """The copy engine for this epoch's batches, or None when they need none.
+
+        None: no device, and either no pinning asked, batches already in pinned slots
+        (``in_slots``), or no pinned memory to stage into (no driver: warned once; a pageable
+        copy would only cost time). No timeout on the engine: ``timeout`` bounds waiting for
+        data (as torch's bounds waiting for workers), not waiting for the GPU to finish the
+        loop's own work.
+        """
         if self.device is None and (not self.pin_memory or in_slots or not self._staging().pinned):
             return None
         return _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
@@ -304,14 +311,17 @@ class DataLoader:
         return it
 
     def _fence(self, stage: _transfer.DeviceStage | None) -> _transfer.PinnedFence | None:
-        """A fence when the loop receives batches in pyloader's pinned memory and could
-        queue GPU copies from them (NOTE [pinned batch fence])."""
+        """A fence for batches the loop receives in pyloader's pinned memory (NOTE [pinned batch fence]).
+
+        The loop could queue GPU copies from them. None when it receives none: a ``device``
+        is set, CUDA is unavailable, or the buffers are pageable.
+        """
         if self.device is not None or not torch.cuda.is_available():
             return None
         pinned = stage.pinned if stage is not None else self._native and self._pool.pinned
         return _transfer.PinnedFence() if pinned else None
 
-    def _staging(self) -> Any:
+    def _staging(self) -> _C.SlotPool:
         """The engine's staging buffers, made on first use and kept across epochs."""
         if self._staging_pool is None:
             self._staging_pool = _transfer.slot_pool(1, pinned=self._pinned,
@@ -321,8 +331,11 @@ class DataLoader:
     # -- epochs and resumption (native path) ---------------------------------------------
     @property
     def _order(self) -> OrderSpec:
-        """The order this loader reads: the dataset's (read now: it may change), with the
-        loader's ``shuffle`` and ``generator`` seed overrides."""
+        """The order this loader reads.
+
+        The dataset's (read now: it may change), with the loader's ``shuffle`` and
+        ``generator`` seed overrides.
+        """
         spec: OrderSpec = self.dataset.order
         return spec.with_overrides(shuffle=self.shuffle, seed=self._seed)
 
@@ -403,8 +416,11 @@ class DataLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def stats(self) -> dict[str, Any]:
-        """Per-stage counters of the current (or last) epoch: see ``BatchIterator.stats``;
-        with a copy engine, its counters under ``"copy"``. Empty before the first ``iter()``."""
+        """Per-stage counters of the current (or last) epoch.
+
+        See ``BatchIterator.stats``; with a copy engine, its counters under ``"copy"``.
+        Empty before the first ``iter()``.
+        """
         it = self._active() if self._active is not None else None
         if isinstance(it, _LoaderIterator):
             return it.stats()
@@ -429,10 +445,13 @@ def _host_batches(src: Any) -> Iterator[Any]:
 
 
 class _Samples:
-    """Per-sample semantics on top of native batches: with ``batch_size=None`` each sample
-    (through ``collate_fn`` when given, as torch applies it to single samples); else
-    ``collate_fn(list of the batch's samples)``. An exception from ``collate_fn`` leaves
-    the iteration usable (as torch's); one from the native pipeline ends it."""
+    """Per-sample semantics on top of native batches.
+
+    With ``batch_size=None`` yields each sample (through ``collate_fn`` when given, as torch
+    applies it to single samples); else ``collate_fn(list of the batch's samples)``. An
+    exception from ``collate_fn`` leaves the iteration usable (as torch's); one from the
+    native pipeline ends it.
+    """
 
     def __init__(self, src: BatchStream, ds: PlannedDataset, batch_size: int | None,
                  collate_fn: Callable[[Any], Any] | None) -> None:
@@ -532,6 +551,7 @@ class _LoaderIterator:
             self.fence.release()
 
     def stats(self) -> dict[str, Any]:
+        """The source's stage counters (frozen at ``close()``), with the copy engine's under ``"copy"``."""
         if self._final_stats is not None:
             return dict(self._final_stats)
         src = self._source

@@ -39,6 +39,11 @@ _KEYS = ("version", "dataset", "records", "shuffle", "seed", "shuffle_mode", "wi
 
 def make_state(fingerprint: str, records: int, settings: Mapping[str, Any], epoch: int,
                segments: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """The state (NOTE [resume state]) of ``epoch`` consumed as ``segments``.
+
+    ``fingerprint`` and ``records`` name the dataset; ``settings`` are the order keys
+    (``OrderSpec.settings()``).
+    """
     state: dict[str, Any] = {"version": STATE_VERSION, "dataset": fingerprint, "records": records}
     state.update(settings)
     state["epoch"] = epoch

@@ -72,9 +72,11 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
     return torch.device("cuda", index)
 
 
-def slot_pool(num_fields: int, *, pinned: bool, device_index: int = 0) -> Any:
-    """A pool of batch buffers, page-locked when asked and the driver allows (else pageable,
-    with one warning)."""
+def slot_pool(num_fields: int, *, pinned: bool, device_index: int = 0) -> _C.SlotPool:
+    """A pool of batch buffers, page-locked when asked and the driver allows.
+
+    Without the driver the buffers are pageable, with one warning per process.
+    """
     if pinned:
         why = driver_error()
         if why is None:
@@ -98,11 +100,13 @@ class _Pending:
 
 def _flatten(obj: Any, leaves: list[torch.Tensor],
              other_layout: Callable[[torch.Tensor], Any] = lambda t: t) -> Callable[[list[Any]], Any]:
-    """Collects the CPU tensors of a batch (mappings, sequences, namedtuples) into
-    ``leaves`` and returns a function that rebuilds the batch from replacements. Container
-    types are kept as torch's ``pin_memory`` keeps them (a copy of a mutable container
-    with its items replaced; else the type rebuilt from its items; else a plain one) --
-    except that a tuple stays a tuple."""
+    """Collects the CPU tensors of a batch (mappings, sequences, namedtuples) into ``leaves``.
+
+    Returns a function that rebuilds the batch from replacements. Container types are kept
+    as torch's ``pin_memory`` keeps them (a copy of a mutable container with its items
+    replaced; else the type rebuilt from its items; else a plain one) -- except that a tuple
+    stays a tuple.
+    """
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             return lambda out: obj
@@ -165,7 +169,8 @@ class DeviceStage:
     stream after the copies (NOTE [copy ordering]).
     """
 
-    def __init__(self, device: torch.device | None, *, pin: bool, depth: int, staging_pool: Any = None) -> None:
+    def __init__(self, device: torch.device | None, *, pin: bool, depth: int,
+                 staging_pool: _C.SlotPool | None = None) -> None:
         self.device = device
         self.depth = depth
         self._cuda = device is not None and device.type == "cuda"
@@ -179,7 +184,7 @@ class DeviceStage:
     def _stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream) if self._cuda else 0
 
-    def submit_host(self, host_batch: Any, tensors: dict[str, torch.Tensor]) -> _Pending:
+    def submit_host(self, host_batch: _C.HostBatch, tensors: dict[str, torch.Tensor]) -> _Pending:
         """A native batch (already in a pinned slot): copied straight to the device."""
         assert self.device is not None
         outs = {k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in tensors.items()}
@@ -189,8 +194,11 @@ class DeviceStage:
         return _Pending(ticket, stream, list(outs.values()), None, lambda _res: outs)
 
     def submit_tree(self, batch: Any) -> _Pending:
-        """Any batch structure: its CPU tensors are packed into a staging slot by the engine
-        thread, then copied to the device (or returned as the pinned copies)."""
+        """Queues any batch structure.
+
+        The engine thread packs its CPU tensors into a staging slot, then copies them to the
+        device (or returns the pinned copies).
+        """
         leaves: list[torch.Tensor] = []
         build = _flatten(batch, leaves, self._other_layout)
         # Lazy conjugate/negative views must be materialised: the engine copies raw bytes.
@@ -216,6 +224,10 @@ class DeviceStage:
         return bool(self._engine.taken > p.ticket)
 
     def take(self, p: _Pending) -> Any:
+        """Waits for ``p``'s copies and returns its batch rebuilt from the copies.
+
+        The consumer's current stream is ordered after the copies.
+        """
         stream = self._stream()
         res = self._engine.take(p.ticket, stream=stream)
         p.keep = None
@@ -232,6 +244,7 @@ class DeviceStage:
         return p.build(outs)
 
     def counters(self) -> dict[str, Any]:
+        """The engine's counters: jobs, bytes and where the time went (seconds)."""
         c = self._engine.counters()
         return {"backend": self._engine.backend, "pinned": self.pinned, "depth": self.depth, "jobs": c["jobs"],
                 "bytes": c["bytes"], "staged_bytes": c["staged_bytes"], "issue_s": c["issue_ns"] / 1e9,
@@ -239,6 +252,7 @@ class DeviceStage:
                 "submit_wait_s": c["submit_wait_ns"] / 1e9}
 
     def close(self) -> None:
+        """Stops the engine thread once every copy already issued completed (NOTE [copy engine shutdown])."""
         self._engine.close()
 
 
@@ -307,8 +321,11 @@ class Staged:
         return out
 
     def close(self) -> None:
-        """Stops the engine -- it first waits for every copy already issued -- and only
-        then lets go of the jobs' sources and destinations. Idempotent."""
+        """Stops the engine, then lets go of the jobs' sources and destinations. Idempotent.
+
+        The engine first waits for every copy already issued, so no source is freed while a
+        copy still reads it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -344,6 +361,11 @@ class PinnedFence:
         self._held: collections.deque[list[Any]] = collections.deque()  # [event or None, batch]
 
     def hold(self, batch: Any) -> None:
+        """Holds ``batch`` until an event recorded at the next ``hold()`` completed (NOTE [pinned batch fence]).
+
+        Lets go of earlier batches whose event completed; with ``limit`` batches held, waits
+        for the oldest.
+        """
         if self._held:
             self._held[-1][0] = self._event()  # after every copy queued from the previous batch
         while self._held and self._held[0][0] is not None:

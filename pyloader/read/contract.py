@@ -123,9 +123,11 @@ class BatchStream(Protocol):
 
     def __len__(self) -> int: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stops the stream's threads. Idempotent."""
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """Per-stage counters and rates of this stream (``BatchIterator.stats`` lists them)."""
 
 
 class PlannedDataset(abc.ABC):
@@ -154,14 +156,19 @@ class PlannedDataset(abc.ABC):
     def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
                    worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,
                    seed: int | None = None) -> Plan:
-        """What (rank, worker) reads in ``epoch`` (the rest of it after ``segments``, given as
-        ``(world_size, batch_size, steps)`` each). ``shuffle``/``seed`` override ``order``'s."""
+        """What (rank, worker) reads in ``epoch``.
+
+        With ``segments`` (``(world_size, batch_size, steps)`` each), the rest of the epoch
+        after them. ``shuffle``/``seed`` override ``order``'s.
+        """
 
     @abc.abstractmethod
     def batches(self, batch_size: int, *, plan: Plan, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, pool: Any = None) -> BatchStream:
-        """The batched stream over ``plan``. ``pool``: the loader's slot pool, for datasets that
-        collate into it (others ignore it)."""
+        """The batched stream over ``plan``.
+
+        ``pool``: the loader's slot pool, for datasets that collate into it (others ignore it).
+        """
 
     @abc.abstractmethod
     def sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
@@ -174,8 +181,10 @@ class PlannedDataset(abc.ABC):
 
 
 class _OrderField:
-    """``dataset.shuffle`` etc.: one setting of ``dataset.order``; assigning replaces the spec
-    (validated), as assigning the attribute did before ``OrderSpec``."""
+    """``dataset.shuffle`` etc.: one setting of ``dataset.order``.
+
+    Assigning replaces the spec (validated), as assigning the attribute did before ``OrderSpec``.
+    """
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -190,8 +199,10 @@ class _OrderField:
 
 
 class UnitDataset(PlannedDataset):
-    """A ``PlannedDataset`` made of units of records (shards, Parquet row groups), ordered and
-    partitioned by ``pyloader.read.order`` over ``unit_records`` (records per unit).
+    """A ``PlannedDataset`` made of units of records (shards, Parquet row groups).
+
+    Its samples are ordered and partitioned by ``pyloader.read.order`` over ``unit_records``
+    (records per unit).
 
     A subclass sets ``unit_records``, ``num_records``, ``fields``, ``order``, ``rank``,
     ``world_size`` and ``epoch``, and implements ``batches`` and ``fingerprint``. It also
@@ -213,11 +224,13 @@ class UnitDataset(PlannedDataset):
     partition = _OrderField()
 
     def rank_and_world(self) -> tuple[int, int]:
+        """(rank, world size): ``rank``/``world_size`` where set, else as ``resolve_rank`` finds them."""
         return resolve_rank(self.rank, self.world_size)
 
     def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
                    worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,
                    seed: int | None = None) -> Plan:
+        """The ``pyloader.read.order`` plan of ``epoch`` over the units (see ``PlannedDataset``)."""
         o = self.order.with_overrides(shuffle=shuffle, seed=seed)
         kw: dict[str, Any] = dict(shuffle=o.shuffle, seed=o.seed, epoch=epoch, rank=rank, world_size=world,
                                   worker=worker, num_workers=num_workers, shuffle_mode=o.shuffle_mode,
@@ -259,6 +272,10 @@ class UnitDataset(PlannedDataset):
             it.close()
 
     def sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
+        """Row ``i`` of ``batch`` per field (views unless ``clone_samples``).
+
+        Variable-length rows are cut to their length; ``bytes`` fields come as ``bytes``.
+        """
         out: dict[str, Any] = {}
         for f in self.fields:
             t = batch[f.name][i]

@@ -94,8 +94,10 @@ class _Readiness:
 
 def _list_remote(url: str, storage_options: dict[str, Any] | None
                  ) -> tuple[Any, str, str, list[tuple[str, int, str]]]:
-    """(fsspec filesystem, root path in it, root URL, [(relative path, size, identity)]) of
-    the Parquet files at ``url``, sorted by path."""
+    """The Parquet files at ``url``, sorted by path.
+
+    Returns (fsspec filesystem, root path in it, root URL, [(relative path, size, identity)]).
+    """
     fs, path = filesystem(url, storage_options, RetryPolicy.from_env().stall_timeout)
     proto = url.split("://", 1)[0]
     infos: list[dict[str, Any]]
@@ -292,8 +294,11 @@ class ParquetDataset(UnitDataset, IterableDataset):
         return pf
 
     def decode_group(self, g: int) -> list[Any]:
-        """Row group ``g``'s columns: ndarrays ``[rows, *shape]`` or VarColumns. Runs without the
-        GIL inside pyarrow; zero-copy for fixed-width null-free columns."""
+        """Row group ``g``'s columns: ndarrays ``[rows, *shape]`` or VarColumns.
+
+        Runs without the GIL inside pyarrow; zero-copy for fixed-width null-free columns.
+        Raises ``ParquetReadError`` when the row group cannot be read or converted.
+        """
         pa = _pa()
         i, j = self.group_file[g], self.group_index[g]
         where = f"{self.files[i]}: row group {j}"
@@ -314,11 +319,13 @@ class ParquetDataset(UnitDataset, IterableDataset):
                 prefetch: int | None = None, pool: Any = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
                 num_workers: int = 1) -> ParquetBatchIterator:
-        """Batches (dicts of tensors) over ``plan`` (NOTE [dataset contract]); without it, this
-        rank's plan of ``epoch`` (and optional worker split), as ``ShardDataset.batches``.
+        """Batches (dicts of tensors) over ``plan`` (NOTE [dataset contract]).
 
-        ``pool`` is accepted for ``pyloader.DataLoader`` and ignored: staging buffers are this
-        iterator's own (reused once no tensor uses them, NOTE [staging reuse])."""
+        Without ``plan``: this rank's plan of ``epoch`` (and optional worker split), as
+        ``ShardDataset.batches``. ``pool`` is accepted for ``pyloader.DataLoader`` and
+        ignored: staging buffers are this iterator's own (reused once no tensor uses them,
+        NOTE [staging reuse]).
+        """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError("batch_size must be a positive int")
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -390,9 +397,12 @@ class _Staging:
 
 
 class ParquetBatchIterator:
-    """Batches of a ParquetDataset, in plan order; row groups decode and batches collate ahead
-    on ``num_threads`` threads each (NOTE [row group lifetime]). Errors surface in ``next()``
-    with the file, row group and column. Dropping it or ``close()`` stops the work."""
+    """Batches of a ParquetDataset, in plan order.
+
+    Row groups decode and batches collate ahead on ``num_threads`` threads each
+    (NOTE [row group lifetime]). Errors surface in ``next()`` with the file, row group and
+    column. Dropping it or ``close()`` stops the work.
+    """
 
     def __init__(self, ds: ParquetDataset, gidx: np.ndarray, ridx: np.ndarray, batch_size: int, drop_last: bool,
                  num_threads: int, prefetch: int) -> None:
@@ -579,12 +589,15 @@ class ParquetBatchIterator:
             self.close()
 
     def counters(self) -> dict[str, int]:
+        """Raw counters (nanoseconds, bytes, records, row groups, batches yielded); ``stats()`` derives from them."""
         with self._mu:
             return dict(self._counters, batches=self._yielded)
 
     def stats(self) -> dict[str, Any]:
-        """Like ``BatchIterator.stats``: decode and collate time (summed over threads), the
-        consumer's wait, and rates."""
+        """Per-stage counters and rates, like ``BatchIterator.stats``.
+
+        Decode and collate time (summed over threads), the consumer's wait, and rates.
+        """
         c = self.counters()
         wall = (self._end or time.perf_counter()) - self._start
         waited = c["wait_ns"] / 1e9

@@ -7,7 +7,7 @@ import os
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils.data import IterableDataset
@@ -60,7 +60,7 @@ class BatchIterator:
     Dropping it (or calling ``close()``) mid-epoch stops and joins its threads.
     """
 
-    def __init__(self, dataset: ShardDataset, pipeline: Any, num_threads: int = 1) -> None:
+    def __init__(self, dataset: ShardDataset, pipeline: _C.BatchPipeline, num_threads: int = 1) -> None:
         self._fields = dataset.fields
         self._pipeline = pipeline
         self._pid = os.getpid()
@@ -85,9 +85,12 @@ class BatchIterator:
         _, _, arrays, lengths = item
         return batch_to_torch(self._fields, arrays, lengths)
 
-    def next_host(self) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The next batch as (HostBatch, tensors) for the copy engine, which keeps the
-        HostBatch (and so the slot) until its copies completed."""
+    def next_host(self) -> tuple[_C.HostBatch, dict[str, torch.Tensor]]:
+        """The next batch as (HostBatch, tensors), for the copy engine.
+
+        The engine keeps the HostBatch (and so the slot) until its copies completed. Raises
+        ``StopIteration`` at the end, as ``next()`` does.
+        """
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         item = self._pipeline.next_host(self.timeout)
@@ -96,7 +99,7 @@ class BatchIterator:
         host, arrays, lengths = item
         return host, batch_to_torch(self._fields, arrays, lengths)
 
-    def _ended(self) -> None:
+    def _ended(self) -> NoReturn:
         if self._end is None:
             self._end = time.perf_counter()
             self._finish()
@@ -120,6 +123,7 @@ class BatchIterator:
             pass
 
     def counters(self) -> dict[str, int]:
+        """The native pipeline's raw counters (nanoseconds and bytes); ``stats()`` derives from them."""
         return self._pipeline.counters()
 
     def stats(self) -> dict[str, Any]:
@@ -223,7 +227,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         self.partition = partition
         self.epoch = 0
         self._schema = encode_schema(self.fields)
-        self._shards: Any = None
+        self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fingerprint: str | None = None
         if self._remote is not None:  # this reader pins every shard its plan reads
@@ -236,7 +240,7 @@ class ShardDataset(UnitDataset, IterableDataset):
             self._fingerprint = manifest_fingerprint(self.manifest)
         return self._fingerprint
 
-    def _shard_set(self) -> Any:
+    def _shard_set(self) -> _C.ShardSet:
         # Mappings and locks do not survive fork safely: each process opens its own set.
         if self._shards is None or self._shards_pid != os.getpid():
             remote = self._remote
@@ -250,7 +254,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         return self._shards
 
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
-                prefetch: int | None = None, pool: Any = None, epoch: int | None = None,
+                prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
                 num_workers: int = 1) -> BatchIterator:
         """The native batched iterator over ``plan`` (the contract, NOTE [dataset contract]).

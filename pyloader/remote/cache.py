@@ -73,6 +73,10 @@ def _cache_error(err: int, message: str, shard: str | None = None) -> CacheError
 
 
 def default_cache_dir() -> str:
+    """The cache root when none is given.
+
+    ``$PYLOADER_CACHE_DIR``, else ``$XDG_CACHE_HOME/pyloader``, else ``~/.cache/pyloader``.
+    """
     env = os.environ.get("PYLOADER_CACHE_DIR")
     if env:
         return env
@@ -89,6 +93,7 @@ def normalize_url(url: str) -> str:
 
 
 def dataset_key(url: str) -> str:
+    """The dataset's directory name in the cache: XXH64 (16 hex digits) of its normalized URL."""
     return f"{_C.xxh64(normalize_url(url).encode('utf-8')):016x}"
 
 
@@ -194,14 +199,18 @@ class ShardCache:
     # -- datasets ----------------------------------------------------------------------
     def dataset(self, url: str, manifest_bytes: bytes, *, storage_options: dict[str, Any] | None = None,
                 policy: RetryPolicy | None = None, flavour: type[DatasetCache] | None = None) -> DatasetCache:
-        """The cache of dataset ``url`` whose (already verified) manifest is ``manifest_bytes``;
-        ``flavour``: a DatasetCache subclass with its own content check error."""
+        """The cache of dataset ``url`` whose (already verified) manifest is ``manifest_bytes``.
+
+        Stores the URL and manifest in the dataset's directory. ``flavour``: a DatasetCache
+        subclass with its own content check error.
+        """
         url = normalize_url(url)
         d = (flavour or DatasetCache)(self, url, manifest_bytes, storage_options=storage_options, policy=policy)
         d.store_manifest()
         return d
 
     def datasets(self) -> list[DatasetCache]:
+        """Every dataset cached here, sorted by key; half-created or foreign directories are skipped."""
         out = []
         try:
             keys = sorted(os.listdir(self.root))
@@ -220,6 +229,7 @@ class ShardCache:
         return out
 
     def find(self, url: str) -> DatasetCache | None:
+        """The cached dataset of ``url`` (with the manifest cached for it), or None."""
         key = dataset_key(url)
         for d in self.datasets():
             if d.key == key:
@@ -228,6 +238,7 @@ class ShardCache:
 
     # -- accounting and eviction -------------------------------------------------------
     def entries(self) -> list[Entry]:
+        """The published shard files of every dataset cached here."""
         out = []
         for d in self.datasets():
             out.extend(d.entries())
@@ -255,9 +266,14 @@ class ShardCache:
         return out
 
     def usage(self) -> int:
+        """Bytes held: published shards plus temp files (what ``limit`` caps)."""
         return sum(e.bytes for e in self.entries()) + sum(s for _, _, s in self.temp_files())
 
     def space_lock(self, timeout: float = 60.0) -> _Flock:
+        """The node-wide lock (a context manager) held while accounting space or evicting.
+
+        Raises ``CacheError`` when it is not acquired within ``timeout`` seconds.
+        """
         os.makedirs(self.root, exist_ok=True)
         return _Flock(os.path.join(self.root, "space.lock"), fcntl.LOCK_EX, timeout)
 
@@ -324,7 +340,8 @@ class ShardCache:
     def clear(self, url: str | None = None) -> tuple[int, int]:
         """Removes every shard not in use (and stale temps); a dataset dir goes once empty.
 
-        Returns (files removed, shards skipped as in use)."""
+        Returns (files removed, shards skipped as in use).
+        """
         removed = self.clean_stale()
         busy = 0
         with self.space_lock():
@@ -340,6 +357,7 @@ class ShardCache:
         return removed, busy
 
     def stats(self) -> dict[str, Any]:
+        """Counts and bytes of the cached datasets, shards, pinned shards and temp files."""
         ds = self.datasets()
         entries = [e for d in ds for e in d.entries()]
         temps = self.temp_files()
@@ -404,16 +422,20 @@ class DatasetCache:
     # -- layout ------------------------------------------------------------------------
     @property
     def shard_dir(self) -> str:
+        """The directory of this dataset's published shards."""
         return os.path.join(self.dir, "shards")
 
     @property
     def tmp_dir(self) -> str:
+        """The directory of this dataset's downloads in progress."""
         return os.path.join(self.dir, "tmp")
 
     def shard_file(self, i: int) -> str:
+        """The local path shard ``i`` is published at (whether or not it is yet)."""
         return os.path.join(self.shard_dir, self.names[i])
 
     def shard_url(self, i: int) -> str:
+        """The remote URL of shard ``i``."""
         return self.url + "/" + self.shards[i]["path"]
 
     def _lock_path(self, name: str) -> str:
@@ -444,12 +466,14 @@ class DatasetCache:
             # Read-only cache: usable for shards that are already there.
 
     def is_published(self, i: int) -> bool:
+        """Whether shard ``i`` is in the cache at its manifest size (NOTE [cache publish])."""
         try:
             return os.stat(self.shard_file(i)).st_size == self.shards[i]["bytes"]
         except FileNotFoundError:
             return False
 
     def entries(self) -> list[Entry]:
+        """This dataset's published shard files, including those an older manifest named."""
         refs = set(self.names)
         out = []
         try:
@@ -486,16 +510,19 @@ class DatasetCache:
             pass
 
     def unpin(self, i: int) -> None:
+        """Releases this process's pin on shard ``i``, if it holds one."""
         with self._mu:
             fd = self._pins.pop(i, None) if self._pins_pid == os.getpid() else None
         if fd is not None and fd >= 0:
             os.close(fd)
 
     def unpin_all(self) -> None:
+        """Releases every pin this object holds."""
         for i in list(self._pins):
             self.unpin(i)
 
     def is_pinned(self, name: str) -> bool:
+        """Whether any process (this one included) pins the shard file ``name``."""
         fd = _open_lockfile(self._pin_path(name))
         if fd is None:
             return False
@@ -679,7 +706,8 @@ class DatasetCache:
         The one check behind both publishing a download and ``pyloader cache verify``. A
         manifest with ``"content_hash": false`` (cached Parquet files, pyloader.read.parquet)
         names each remote object by identity, not by its bytes: there the Parquet magic at
-        both ends is checked instead."""
+        both ends is checked instead.
+        """
         info = self.shards[i]
         if self.manifest.get("content_hash") is False:
             head, tail = os.pread(fd, 4, 0), os.pread(fd, 4, max(0, size - 4))

@@ -20,10 +20,10 @@ import threading
 import time
 from typing import Any
 
-from ..read import order as _plan
-from ..format.sizes import parse_size
-from .cache import CacheError, CacheLimitError, ShardCache, dataset_key
 from ..errors import ManifestError, PyloaderError
+from ..format.sizes import parse_size
+from ..read import order as _plan
+from .cache import CacheError, CacheLimitError, ShardCache, dataset_key
 from .fetch import ShardFetcher, first_touch_order, open_remote
 from .fs import FetchError, is_remote
 
@@ -327,6 +327,7 @@ _COMMANDS = {"warm": _warm, "ls": _ls, "stats": _stats, "verify": _verify, "evic
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m pyloader.remote.cli cache ...``: parses ``argv`` and returns the exit code."""
     ap = argparse.ArgumentParser(prog="pyloader")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_cache_parser(sub)

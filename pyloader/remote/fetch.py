@@ -174,7 +174,8 @@ class ShardFetcher:
         """Cancels queued and running downloads (their temps are removed) and drops pins.
 
         Does not wait: a running download sees the cancel between chunks, or within the
-        stall timeout. Readers still waiting on a cancelled shard get an error."""
+        stall timeout. Readers still waiting on a cancelled shard get an error.
+        """
         if os.getpid() != self._pid:
             return
         self._stop.set()
@@ -194,9 +195,11 @@ class ShardFetcher:
 
     @property
     def errors(self) -> dict[int, BaseException]:
+        """The error of each shard whose fetch failed, by shard index (a copy)."""
         return dict(self._errors)
 
     def done(self, i: int) -> bool:
+        """Whether shard ``i`` was fetched (or found published) by this fetcher."""
         return self._state[i] == _DONE
 
     # -- work --------------------------------------------------------------------------

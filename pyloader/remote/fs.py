@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FetchError, PyloaderError, RemoteChangedError
+from ..errors import FetchError, RemoteChangedError
 
 
 def _fetch_error(cls: type[FetchError], message: str, url: str, shard: str | None, err: int = errno.EIO,
@@ -45,6 +45,7 @@ def is_remote(url: str) -> bool:
 
 
 def join_url(root: str, rel: str) -> str:
+    """``rel`` under the URL ``root``, joined by one slash."""
     return root.rstrip("/") + "/" + rel
 
 
@@ -91,6 +92,7 @@ class RetryPolicy:
 
     @classmethod
     def from_env(cls) -> RetryPolicy:
+        """The default policy with PYLOADER_FETCH_* overrides; raises ``ValueError`` for a bad value."""
         d = cls()
         return cls(attempts=max(1, int(_env_float("PYLOADER_FETCH_ATTEMPTS", d.attempts))),
                    base=_env_float("PYLOADER_FETCH_BACKOFF", d.base),
@@ -99,6 +101,7 @@ class RetryPolicy:
                    stall_timeout=max(0.05, _env_float("PYLOADER_FETCH_STALL_TIMEOUT", d.stall_timeout)))
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry ``attempt``: the server's ``retry_after``, else full jitter; capped."""
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.cap)
         return random.uniform(0.0, min(self.cap, self.base * (2 ** attempt)))

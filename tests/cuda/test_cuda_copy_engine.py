@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pyloader import _C
+
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.cuda,

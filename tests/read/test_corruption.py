@@ -30,6 +30,7 @@ import torch
 import pyloader
 from pyloader import _C
 from pyloader.format import spec as _format
+
 # Override to replay another seed: PYLOADER_FUZZ_SEED=123 pytest tests/read/test_corruption.py
 SEED = int(os.environ.get("PYLOADER_FUZZ_SEED", "20240611"))
 
@@ -62,8 +63,9 @@ def make_sample(i: int) -> dict[str, Any]:
         tokens = rng.integers(-(2**31), 2**31, n, dtype=np.int32)
         blob = rng.bytes(i % 13)
     return {"img": img, "label": i * 1_000_003, "tokens": tokens, "blob": blob,
-            # (None, 2) rows are never empty here: ShardWriter cannot write an empty multi-dim
-            # row (see test_roundtrip.py::test_empty_rows); tokens and blob cover empty rows.
+            # (None, 2) rows are never empty here; tokens and blob cover empty rows. Empty
+            # multi-dim rows: tests/write/test_writer_roundtrip.py::test_empty_rows_multidim
+            # (and ::test_empty_rows_and_all_empty_batch for 1-d and bytes fields).
             "vec": rng.standard_normal((1 + i % 3, 2)).astype(np.float32)}
 
 

@@ -10,6 +10,8 @@ from convert_util import mixed_table, pa, read_all, write_parquet
 
 import pyloader
 from pyloader.write import convert as C
+
+
 def _expected(table) -> list[dict]:
     """Record i of ``table`` as pyloader stores it (independent of the converter's code paths)."""
     cols = table.to_pydict()

@@ -11,6 +11,8 @@ from convert_util import pa, read_all, write_parquet, write_tar
 
 import pyloader
 from pyloader.write import cli as CLI
+
+
 def test_numpy_arrays_npy_paths_and_strings(tmp_path):
     x = np.arange(600, dtype=np.float32).reshape(200, 3)
     np.save(tmp_path / "x.npy", x)

@@ -105,6 +105,22 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return r, w
 
 
+def check_batch_args(batch_size: object, num_threads: object, prefetch: object) -> int:
+    """Checks the reading arguments of ``batches()``; returns ``prefetch`` (default: two batches per thread).
+
+    Raises:
+        ValueError: ``batch_size``, ``num_threads`` or ``prefetch`` is not a positive int.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError("batch_size must be a positive int")
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError("num_threads must be a positive int")
+    prefetch = 2 * num_threads if prefetch is None else prefetch
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError("prefetch must be a positive int")
+    return prefetch
+
+
 class BatchStream(Protocol):
     """What ``PlannedDataset.batches`` returns: batches (dicts of tensors) in plan order.
 

@@ -35,6 +35,18 @@ def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
     return int(value)
 
 
+def _reader_args(rank: object, world_size: object, worker: object, num_workers: object,
+                 partition: object) -> tuple[int, int]:
+    """(world_size, num_workers) after checking who reads (rank, worker) and how ranks split."""
+    world = _int_arg("world_size", world_size, 1, 1 << 31)
+    _int_arg("rank", rank, 0, world)
+    workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
+    _int_arg("worker", worker, 0, workers)
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    return world, workers
+
+
 def _int_array(name: str, values: object) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
@@ -273,12 +285,7 @@ def plan(
     ``epoch_order`` -> ``partition`` -> ``split_workers`` -> ``locate``. Arguments
     are validated before any per-sample work is done.
     """
-    world_size = _int_arg("world_size", world_size, 1, 1 << 31)
-    _int_arg("rank", rank, 0, world_size)
-    num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
-    _int_arg("worker", worker, 0, num_workers)
-    if partition not in PARTITIONS:
-        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    world_size, num_workers = _reader_args(rank, world_size, worker, num_workers, partition)
     order = epoch_order(
         records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, shuffle_mode=shuffle_mode,
         window=window,
@@ -453,12 +460,7 @@ def resume_plan(
     ``epoch_order`` -> ``resume_partition`` -> ``split_workers`` -> ``locate``. With no
     segments it equals ``plan``.
     """
-    world_size = _int_arg("world_size", world_size, 1, 1 << 31)
-    _int_arg("rank", rank, 0, world_size)
-    num_workers = _int_arg("num_workers", num_workers, 1, 1 << 31)
-    _int_arg("worker", worker, 0, num_workers)
-    if partition not in PARTITIONS:
-        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    world_size, num_workers = _reader_args(rank, world_size, worker, num_workers, partition)
     segs = [_segment_arg(i, s) for i, s in enumerate(segments)]
     order = epoch_order(
         records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, shuffle_mode=shuffle_mode,

@@ -45,7 +45,7 @@ from ..format.spec import Field
 from ..remote import fetch as _fetch
 from ..remote.cache import DatasetCache
 from ..remote.fs import RetryPolicy, filesystem, is_remote
-from .contract import OrderSpec, Plan, UnitDataset
+from .contract import OrderSpec, Plan, UnitDataset, check_batch_args
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,13 +326,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         ignored: staging buffers are this iterator's own (reused once no tensor uses them,
         NOTE [staging reuse]).
         """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError("batch_size must be a positive int")
-        if not isinstance(num_threads, int) or num_threads < 1:
-            raise ValueError("num_threads must be a positive int")
-        prefetch = 2 * num_threads if prefetch is None else prefetch
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError("prefetch must be a positive int")
+        prefetch = check_batch_args(batch_size, num_threads, prefetch)
         gidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         self._ensure_fetcher()
         if self._fetcher is not None:

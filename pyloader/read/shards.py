@@ -18,7 +18,7 @@ from ..errors import LoaderStateError, ManifestError
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
-from .contract import OrderSpec, Plan, UnitDataset
+from .contract import OrderSpec, Plan, UnitDataset, check_batch_args
 
 
 def _local_path(url: str | os.PathLike[str]) -> str:
@@ -263,13 +263,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         ``worker`` of ``num_workers``, with ``shuffle``/``seed`` overriding ``order``'s.
         ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own).
         """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError("batch_size must be a positive int")
-        if not isinstance(num_threads, int) or num_threads < 1:
-            raise ValueError("num_threads must be a positive int")
-        prefetch = 2 * num_threads if prefetch is None else prefetch
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError("prefetch must be a positive int")
+        prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         if pool is None:
             pool = _C.SlotPool(num_fields=len(self.fields))

@@ -198,10 +198,6 @@ class ShardFetcher:
         """The error of each shard whose fetch failed, by shard index (a copy)."""
         return dict(self._errors)
 
-    def done(self, i: int) -> bool:
-        """Whether shard ``i`` was fetched (or found published) by this fetcher."""
-        return self._state[i] == _DONE
-
     # -- work --------------------------------------------------------------------------
     def _add_bytes(self, n: int) -> None:
         self.bytes += n  # one int add under the GIL: a good-enough counter for progress

@@ -44,11 +44,6 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
-def join_url(root: str, rel: str) -> str:
-    """``rel`` under the URL ``root``, joined by one slash."""
-    return root.rstrip("/") + "/" + rel
-
-
 def filesystem(url: str, storage_options: dict[str, Any] | None, stall_timeout: float) -> tuple[Any, str]:
     """(fsspec filesystem, path within it) for ``url``, with read timeouts set by default."""
     import fsspec

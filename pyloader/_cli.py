@@ -1,6 +1,8 @@
-"""The ``pyloader`` command line: dispatch only. Each command lives with its stage:
-``pyloader bench`` in pyloader/bench/cli.py, ``pyloader cache`` in pyloader/remote/cli.py,
-``pyloader convert`` in pyloader/write/cli.py."""
+"""The ``pyloader`` command line: dispatch only.
+
+Each command lives with its stage: ``pyloader bench`` in pyloader/bench/cli.py,
+``pyloader cache`` in pyloader/remote/cli.py, ``pyloader convert`` in pyloader/write/cli.py.
+"""
 
 from __future__ import annotations
 

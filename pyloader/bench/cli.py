@@ -30,7 +30,7 @@ def _generate(tmp: str, name: str, record_bytes: int, records: int, compression:
     return path
 
 
-def bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
+def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="pyloader-bench-")
     result: dict[str, Any] = {
         "schema_version": R.SCHEMA_VERSION,
@@ -77,7 +77,7 @@ def bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def print_bench(r: dict[str, Any]) -> None:
+def _print_bench(r: dict[str, Any]) -> None:
     st, d, dg = r["stages"], r["dataset"], r["diagnosis"]
     print(f"\npyloader bench: {d['records']} records in {d['shards']} shards, {d['bytes'] / 1e6:.1f} MB stored")
     rows = []
@@ -123,7 +123,7 @@ def print_bench(r: dict[str, Any]) -> None:
               f"{au['pyloader']['max_accelerators']}, torch DataLoader {au['torch_dataloader']['max_accelerators']}")
 
 
-def plot_bench(r: dict[str, Any], path: str) -> None:
+def _plot_bench(r: dict[str, Any], path: str) -> None:
     try:
         import matplotlib
 
@@ -170,6 +170,7 @@ def _positive(kind: type) -> Any:
 
 
 def add_bench_parser(sub: Any) -> None:
+    """Adds the ``bench`` command and its options to ``sub`` (the subparsers of ``pyloader``)."""
     b = sub.add_parser("bench", help="measure the data path, stage by stage (default: a generated dataset)",
                        description="Measure what the data path delivers and which stage bounds it, with "
                                    "torch's DataLoader on the same data. Without URL, generates a dataset.")
@@ -198,6 +199,12 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """Runs ``pyloader bench`` with the parsed ``args``; returns the exit code.
+
+    Prints a table (or JSON with ``--json``) on stdout and progress on stderr. Returns 0;
+    1 when the measurement failed; 2 for a negative worker count or a URL that holds no
+    dataset.
+    """
     if args.torch_workers < 0 or args.au_torch_workers < 0:
         print("pyloader bench: error: worker counts must be >= 0", file=sys.stderr)
         return 2
@@ -207,9 +214,9 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"[pyloader bench] {msg}", file=sys.stderr, flush=True)
 
     try:
-        r = bench_result(args, progress)
+        r = _bench_result(args, progress)
         if args.plot:
-            plot_bench(r, args.plot)
+            _plot_bench(r, args.plot)
     except ManifestError as e:  # a bad URL or a dataset that is not one: like a usage error
         print(f"pyloader bench: error: {e}", file=sys.stderr)
         return 2
@@ -220,5 +227,5 @@ def run_bench(args: argparse.Namespace) -> int:
         json.dump(r, sys.stdout, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
         print()
     else:
-        print_bench(r)
+        _print_bench(r)
     return 0

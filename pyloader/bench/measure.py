@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from .. import _C
-from ..read.shards import ShardDataset
 from ..loader.dataloader import DataLoader
+from ..read.shards import ShardDataset
 from ..write.writer import ShardWriter
 
 
@@ -50,9 +50,11 @@ def _payload_field(p: Profile) -> tuple[str, tuple[str, tuple[int, ...]]]:
 
 
 def make_records(p: Profile, n: int, seed: int) -> np.ndarray:
-    """n records of profile p as one array [n, ...]. Image-like records are smooth
-    gradients plus low-amplitude noise (LZ4 compresses them ~2x); token records are
-    uniformly random int32 (LZ4 cannot compress them)."""
+    """Returns ``n`` records of profile ``p`` as one array ``[n, ...]``.
+
+    Image-like records are smooth gradients plus low-amplitude noise (LZ4 compresses them
+    ~2x); token records are uniformly random int32 (LZ4 cannot compress them).
+    """
     rng = np.random.default_rng(seed)
     name, (dtype, shape) = _payload_field(p)
     if p.kind == "tokens":
@@ -104,8 +106,11 @@ def best_of(fn: Callable[[], float], repeats: int) -> float:
 
 
 def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Runs each variant once per round, the order rotated every round, so that load from
-    other processes hits every variant alike; returns each variant's figure of every round."""
+    """Runs each variant once per round; returns each variant's figure of every round.
+
+    The order is rotated every round, so that load from other processes hits every
+    variant alike.
+    """
     names = list(variants)
     out: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
@@ -179,6 +184,7 @@ def loader_epoch(loader: Any, *, touch: bool = False) -> tuple[int, int, CpuTime
 
 def pyloader_loader(path: str, batch_size: int, *, shuffle: bool = False, threads: int = 2,
                     prefetch: int | None = None) -> DataLoader:
+    """A pyloader DataLoader over the dataset at ``path`` with ``threads`` native threads (shuffle seed 0)."""
     ds = ShardDataset(path, shuffle=shuffle, seed=0)
     return DataLoader(ds, batch_size=batch_size, num_workers=threads, prefetch=prefetch)
 
@@ -206,16 +212,19 @@ class MemmapDataset(torch.utils.data.Dataset):
 
 
 class BatchGatherDataset(MemmapDataset):
-    """The fastest plain baseline: __getitem__ takes a list of indices and gathers the
-    whole batch from the memmap with one np.take."""
+    """The fastest plain baseline: one np.take per batch.
 
-    def __getitem__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    ``__getitem__`` takes a list of indices and gathers the whole batch from the memmap.
+    """
+
+    def __getitem__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]  # a BatchSampler passes a list of indices
         ix = np.asarray(idx)
         return torch.from_numpy(np.take(self._map(), ix, axis=0)), torch.from_numpy(ix)
 
 
 def torch_loader(npy_path: str, shape: tuple[int, ...], dtype: str, batch_size: int, *, shuffle: bool,
                  num_workers: int) -> torch.utils.data.DataLoader:
+    """Torch's DataLoader over a ``.npy`` file, one record per ``__getitem__`` (the usual baseline)."""
     ds = MemmapDataset(npy_path, shape, dtype)
     g = torch.Generator().manual_seed(0)
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
@@ -225,6 +234,7 @@ def torch_loader(npy_path: str, shape: tuple[int, ...], dtype: str, batch_size: 
 
 def gather_loader(npy_path: str, shape: tuple[int, ...], dtype: str, batch_size: int, *,
                   shuffle: bool) -> torch.utils.data.DataLoader:
+    """Torch's DataLoader over a ``.npy`` file, one gathered batch per ``__getitem__`` (no workers)."""
     ds = BatchGatherDataset(npy_path, shape, dtype)
     n = shape[0]
     if shuffle:
@@ -255,7 +265,7 @@ def native_decode_gbps(blocks: list[tuple[bytes, int]], threads: int, seconds: f
     """Decoded GB/s of pyloader's LZ4 decoder (into a reused buffer) on `threads` threads."""
     total = sum(n for _, n in blocks)
     reps = max(1, int(seconds * 1e9 / max(total, 1) / 2))
-    outs = {}
+    outs: dict[int, dict[int, bytearray]] = {}  # thread id -> decoded size -> its reused buffer
 
     def run() -> None:
         tid = threading.get_ident()
@@ -270,6 +280,7 @@ def native_decode_gbps(blocks: list[tuple[bytes, int]], threads: int, seconds: f
 
 
 def environment() -> dict[str, Any]:
+    """Versions (Python, torch, numpy), CPU count and platform, recorded with every result."""
     import platform
 
     return {

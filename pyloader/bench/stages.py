@@ -72,13 +72,16 @@ def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20) -> list[tuple[byte
 
 
 class PadCollate:
-    """Torch's side of the comparison: collates samples into the same batch layout as
-    pyloader (variable fields zero-padded, plus ``<name>_lengths``)."""
+    """Torch's side of the comparison: collates samples into pyloader's batch layout.
+
+    Variable fields are zero-padded to the longest sample, with ``<name>_lengths`` beside them.
+    """
 
     def __init__(self, ds: ShardDataset) -> None:
         self.fields = [(f.name, f.variable, f.dtype == "bytes") for f in ds.fields]
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Returns the batch of ``samples``: one tensor per field (and per variable field's lengths)."""
         out: dict[str, torch.Tensor] = {}
         for name, variable, is_bytes in self.fields:
             vals = [s[name] for s in samples]
@@ -110,6 +113,13 @@ def _best_epoch(make_loader: Callable[[], Any], epochs: int) -> dict[str, Any]:
 
 def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, torch_workers: int,
                progress: Callable[[str], None]) -> dict[str, Any]:
+    """Measures each stage of the data path on ``ds``, then the whole; returns the figures by stage.
+
+    Stages: remote fetch (remote datasets only), storage read, LZ4 decode (when the dataset
+    holds compressed values), the memcpy limit of collation, pyloader end to end, torch's
+    DataLoader on the same data and, with CUDA, the host-to-device copy. A stage that does
+    not apply is ``None``. ``progress`` receives one line per stage.
+    """
     stages: dict[str, Any] = {}
     stages["remote_fetch"] = None
     if getattr(ds, "_remote", None) is not None:
@@ -237,7 +247,7 @@ def _accelerator(make_iter: Callable[[], Iterator[Any]], compute_s: float, batch
     out.append({"au": batches * compute_s / wall, "wait_s": waited, "wall_s": wall, "startup_s": startup})
 
 
-def measure_au(factory: Callable[[int, int], Callable[[], Iterator[Any]]], n: int, compute_s: float,
+def _measure_au(factory: Callable[[int, int], Callable[[], Iterator[Any]]], n: int, compute_s: float,
                batches: int) -> dict[str, float]:
     results: list[dict[str, float]] = []
     barrier = threading.Barrier(n)
@@ -271,7 +281,7 @@ def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]],
 
     def trial(n: int) -> bool:
         if n not in trials:
-            trials[n] = measure_au(factory, n, compute_s, batches)
+            trials[n] = _measure_au(factory, n, compute_s, batches)
             progress(f"{label}: {n} accelerators -> AU {100 * trials[n]['au']:.1f}%")
         return trials[n]["au"] >= threshold
 
@@ -302,6 +312,13 @@ def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]],
 
 def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int, torch_workers: int,
            batches: int, threshold: float, cap: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Largest number of simulated accelerators pyloader and torch's DataLoader each keep busy.
+
+    Each accelerator reads its rank's part of the dataset at ``path`` with its own loader
+    and computes ``w.compute_s`` per batch; the count that keeps AU >= ``threshold`` is
+    searched up to ``cap``, lowered further so that the loaders' batches fit in 40% of
+    free memory.
+    """
     batch_bytes = w.record_bytes * w.batch_size
     try:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -333,4 +350,5 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
 
 
 def au_batches(w: Workload, seconds: float) -> int:
+    """Batches per AU trial: enough for ``seconds`` of simulated compute, and at least 4."""
     return max(4, math.ceil(seconds / w.compute_s))

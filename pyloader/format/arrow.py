@@ -25,14 +25,18 @@ _NAME_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 @dataclass
 class VarColumn:
-    """A variable field's values: record r is ``data[offsets[r]:offsets[r+1]]`` (bytes) with
-    ``lengths[r]`` leading rows. Offsets index ``data`` directly, so slicing copies nothing."""
+    """A variable field's values, as one byte buffer with per-record offsets.
+
+    Record r is ``data[offsets[r]:offsets[r+1]]`` (bytes) with ``lengths[r]`` leading rows.
+    Offsets index ``data`` directly, so slicing copies nothing.
+    """
 
     data: np.ndarray  # uint8, 1-D
     offsets: np.ndarray  # int64, n + 1 byte offsets into data
     lengths: np.ndarray  # int64, n
 
     def slice(self, a: int, b: int) -> VarColumn:
+        """Records ``a`` to ``b`` (exclusive), sharing ``data`` (no copy)."""
         return VarColumn(self.data, self.offsets[a : b + 1], self.lengths[a:b])
 
 
@@ -104,6 +108,7 @@ def arrow_field(col: str, t: Any, cast: str | None = None) -> Field:
     pa = pyarrow_module()
     if pa.types.is_dictionary(t):
         t = t.value_type
+    shape: tuple[int | None, ...]
     if _is_bytes_type(t):
         dt, shape = "bytes", (None,)
     elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t) \
@@ -113,9 +118,9 @@ def arrow_field(col: str, t: Any, cast: str | None = None) -> Field:
             raise ConvertError(f"column {col!r} has type {t}: a list of variable-length values has no pyloader "
                                "field (only the leading dimension may vary)")
         dt, inner = _fixed_shape(col, vt)
-        shape = (None, *inner)  # type: ignore[assignment]
+        shape = (None, *inner)
     else:
-        dt, shape = _fixed_shape(col, t)  # type: ignore[assignment]
+        dt, shape = _fixed_shape(col, t)
     if cast is not None:
         if dt == "bytes" and cast != "bytes":
             raise ConvertError(f"column {col!r} holds {t}; it cannot be cast to {cast} (it converts to bytes)")

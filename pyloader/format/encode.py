@@ -50,7 +50,8 @@ def atomic_write(path: str, chunks: Iterable[Any]) -> None:
 
     Writes a unique temp file, fsyncs it, then renames it over ``path``. The temp name ends
     in ``.part`` and carries the writer's pid, which is how the node cache recognises (and
-    later removes) the leftovers of a dead writer."""
+    later removes) the leftovers of a dead writer.
+    """
     tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
     try:
         with open(tmp, "wb") as f:
@@ -120,15 +121,20 @@ class ShardEncoder:
         self._records_in_shard = 0
 
     def append_record(self, values: Sequence[tuple[memoryview, int]]) -> None:
-        """Appends one record: per field, its raw bytes (a ``"B"`` memoryview) and its leading
-        length (0 for a fixed field). Values stored raw are copied, so the caller may reuse
-        its buffers."""
+        """Appends one record: per field, its raw bytes and its leading length.
+
+        Each value is a ``"B"`` memoryview; the leading length is 0 for a fixed field.
+        Values stored raw are copied, so the caller may reuse its buffers.
+        """
         columns = [ColumnBytes(v, 0, [0, len(v)], [leading]) for v, leading in values]
         self._append(1, columns, copy=True)
 
     def append_columns(self, n: int, columns: Sequence[ColumnBytes]) -> None:
-        """Appends ``n`` records given column by column. The shard in progress keeps views
-        of ``columns`` until it is published: the caller must not change their bytes."""
+        """Appends ``n`` records given column by column.
+
+        The shard in progress keeps views of ``columns`` until it is published: the caller
+        must not change their bytes.
+        """
         self._append(n, columns, copy=False)
 
     def _append(self, n: int, columns: Sequence[ColumnBytes], copy: bool) -> None:
@@ -146,7 +152,7 @@ class ShardEncoder:
                     leading = 0
                 else:
                     v = data[offs[r] : offs[r + 1]]
-                    leading = lens[r]  # type: ignore[index]
+                    leading = lens[r]  # type: ignore[index]  # a ColumnBytes with offsets has lengths
                 size = len(v)
                 stored: Any = v
                 codec = CODEC_RAW
@@ -225,8 +231,11 @@ def replace_token(root: str, *, overwrite: bool, hint: str) -> tuple[str, list[s
 
 def publish_manifest(root: str, fields: Sequence[Field], shards: list[dict[str, Any]],
                      replaced: Iterable[str] = ()) -> dict[str, Any]:
-    """Writes the manifest of the finished dataset at ``root`` (NOTE [atomic publish]), then
-    deletes the ``replaced`` shards it no longer lists (NOTE [overwrite]). Returns its body."""
+    """Writes the manifest of the finished dataset at ``root``; returns its body.
+
+    The manifest is published atomically (NOTE [atomic publish]); then the ``replaced``
+    shards it no longer lists are deleted (NOTE [overwrite]).
+    """
     body = {
         "format": MANIFEST_FORMAT,
         "version": VERSION,

@@ -14,9 +14,11 @@ _UNITS = " kmgtp"
 
 
 def parse_size(s: str | int, *, minimum: int = 0) -> int:
-    """Bytes from an int or a string such as ``"123"``, ``"512K"``, ``"64M"``, ``"1.5GiB"``,
-    ``"10GB"``, ``"2t"`` or ``"1P"`` (K, M, G, T, P: powers of 1024, any case, optional
-    ``i`` and ``B``; a fraction is rounded down to whole bytes).
+    """Bytes from an int or a size string.
+
+    Strings such as ``"123"``, ``"512K"``, ``"64M"``, ``"1.5GiB"``, ``"10GB"``, ``"2t"`` or
+    ``"1P"`` (K, M, G, T, P: powers of 1024, any case, optional ``i`` and ``B``; a fraction
+    is rounded down to whole bytes).
 
     Raises ValueError naming ``s`` if it is not a size or is below ``minimum`` (callers
     that need a positive size pass ``minimum=1``).

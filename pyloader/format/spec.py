@@ -89,14 +89,17 @@ class Field:
 
     @property
     def variable(self) -> bool:
+        """Whether the leading dimension varies from record to record (it is None)."""
         return len(self.shape) > 0 and self.shape[0] is None
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one element of the field's dtype."""
         return DTYPES[self.dtype][1]
 
     @property
     def np_dtype(self) -> np.dtype:
+        """The numpy dtype that holds the field's bytes (uint16 for bfloat16, uint8 for bytes)."""
         return np.dtype(DTYPES[self.dtype][2])
 
     @property
@@ -105,10 +108,11 @@ class Field:
         dims = self.shape[1:] if self.variable else self.shape
         n = self.itemsize
         for d in dims:
-            n *= int(d)  # type: ignore[arg-type]
+            n *= int(d)  # type: ignore[arg-type]  # only a leading dim may be None, and `variable` dropped it
         return n
 
     def to_json(self) -> dict[str, Any]:
+        """The field as the manifest stores it: ``{"name", "dtype", "shape"}`` (None for a varying dim)."""
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
@@ -148,6 +152,11 @@ def make_field(name: str, spec: Any) -> Field:
 
 
 def make_fields(fields: Mapping[str, Any]) -> list[Field]:
+    """Builds the Fields of ``{name: (dtype, shape)}``, in order (see ``make_field``).
+
+    Raises SchemaError if the mapping is empty, a field is invalid, or a field is named
+    like a variable field's ``<name>_lengths`` batch key.
+    """
     if not isinstance(fields, Mapping) or not fields:
         raise SchemaError("fields must be a non-empty mapping of name -> (dtype, shape)")
     out = [make_field(n, s) for n, s in fields.items()]
@@ -172,6 +181,11 @@ def encode_schema(fields: Iterable[Field]) -> bytes:
 
 def pack_header(*, num_records: int, num_fields: int, schema_size: int, index_size: int,
                 payload_size: int, schema_xxh64: int, index_xxh64: int, xxh64: Hasher) -> bytes:
+    """The shard header bytes (docs/format.md, "Header"), checksum included.
+
+    The sections follow the header in the order schema, index, payload; their offsets and
+    the file size are computed from the sizes given.
+    """
     schema_off = HEADER_SIZE
     index_off = schema_off + schema_size
     payload_off = index_off + index_size
@@ -202,8 +216,11 @@ class ShardHeader(NamedTuple):
 
 
 def unpack_header(data: bytes | memoryview) -> ShardHeader:
-    """The header at the start of a shard's bytes. Checks the magic only: the native reader
-    is what validates a shard (checksums, sizes); this serves tools that read shards it wrote."""
+    """The header at the start of a shard's bytes.
+
+    Checks the magic only (ShardFormatError if it or the size is wrong): the native reader
+    is what validates a shard (checksums, sizes); this serves tools that read shards it wrote.
+    """
     if len(data) < HEADER_SIZE:
         raise ShardFormatError(f"a shard header is {HEADER_SIZE} bytes, got {len(data)}")
     magic, *values, _reserved = _HEADER.unpack_from(data, 0)
@@ -225,6 +242,7 @@ _HEX16 = re.compile(rb"[0-9a-f]{16}")
 
 
 def dump_manifest(body: Mapping[str, Any], xxh64: Hasher) -> bytes:
+    """The manifest file's bytes for ``body``, framed with its checksum (NOTE [manifest checksum])."""
     raw = json.dumps(body, separators=(",", ":"), sort_keys=False).encode("utf-8")
     digest = f"{xxh64(raw):016x}".encode()
     return _MANIFEST_PREFIX + digest + _MANIFEST_MID + raw + _MANIFEST_SUFFIX
@@ -282,6 +300,7 @@ def _validate_manifest(body: Any, where: str) -> None:
 
 
 def fields_from_manifest(body: Mapping[str, Any], where: str) -> list[Field]:
+    """The Fields a parsed manifest lists; raises ManifestError naming ``where`` if they are invalid."""
     try:
         return make_fields({f["name"]: (f["dtype"], tuple(f["shape"])) for f in body["fields"]})
     except (KeyError, TypeError, SchemaError) as e:
@@ -289,5 +308,6 @@ def fields_from_manifest(body: Mapping[str, Any], where: str) -> list[Field]:
 
 
 def manifest_path(path: str | os.PathLike[str]) -> str:
+    """The manifest file of a dataset given as its folder or as the manifest (a ``.json`` path) itself."""
     p = os.fspath(path)
     return p if p.endswith(".json") else os.path.join(p, MANIFEST_NAME)

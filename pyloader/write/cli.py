@@ -42,6 +42,7 @@ def parse_fields(text: str | None) -> Any:
 
 
 def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds the ``convert`` command and its options to ``subparsers``; returns its parser."""
     p = subparsers.add_parser(
         "convert", help="convert Parquet/Arrow, numpy, a folder of files or WebDataset tars to pyloader shards",
         description="Convert SRC into a pyloader dataset at DST (shards + manifest.json). SRC is a Parquet file "
@@ -70,6 +71,7 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    """Runs ``pyloader convert`` with the parsed ``args``; returns the exit code (see the module docstring)."""
     err = sys.stderr
     try:
         fields = parse_fields(args.fields)

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 import numpy as np
@@ -52,6 +52,14 @@ from ..format.spec import MAX_FIELD_BYTES, Field
 from .sources import Chunk, Source, open_source
 from .verify import verify_dataset
 
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Event
+
+    # A job's progress report: (job, records, bytes).
+    _ProgressQueue = Queue[tuple[int, int, int]]
+
 COMPRESSIONS = ("auto", "lz4", "none")
 SIDECAR_NAME = "convert.json"
 _AUTO_SAMPLE_VALUES = 256
@@ -69,8 +77,12 @@ def _sample_values(c: Any, k: int) -> list[memoryview]:
 
 
 def choose_compression(source: Source, compression: str | Mapping[str, str]) -> dict[str, str]:
-    """Per field "lz4" or "none". ``"auto"`` compresses a sample of each field from the
-    start of the source and keeps the field raw unless LZ4 saves at least 10% of it."""
+    """Per field, "lz4" or "none".
+
+    ``"auto"`` compresses a sample of each field from the start of the source and keeps the
+    field raw unless LZ4 saves at least 10% of it. Raises ValueError for an unknown
+    compression or, given a mapping, one that names a field the source lacks.
+    """
     if isinstance(compression, Mapping):
         out = {}
         for f in source.fields:
@@ -152,7 +164,7 @@ def _column_bytes(fields: list[Field], chunk: Chunk) -> list[ColumnBytes]:
 
 def _run_job(source: Source, root: str, compress: list[bool], shard_bytes: int, prefix: str,
              lo: int, hi: int, report: Callable[[int, int], None] | None,
-             stop: Any = None) -> dict[str, Any]:
+             stop: Event | None = None) -> dict[str, Any]:
     encoder = ShardEncoder(root, source.fields, compress, shard_bytes=shard_bytes, prefix=prefix)
     row0 = source.unit_row0()
     try:
@@ -174,7 +186,7 @@ def _run_job(source: Source, root: str, compress: list[bool], shard_bytes: int, 
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(progress_q: Any, stop: Any) -> None:
+def _worker_init(progress_q: _ProgressQueue, stop: Event) -> None:
     _WORKER["q"], _WORKER["stop"] = progress_q, stop
 
 
@@ -209,12 +221,18 @@ class Progress:
         self._mu = threading.Lock()
 
     def add(self, n: int, nb: int) -> None:
+        """Counts ``n`` more records of ``nb`` bytes (from any thread), then shows progress."""
         with self._mu:
             self.records += n
             self.bytes += nb
         self.show()
 
     def show(self, final: bool = False) -> None:
+        """Reports progress: prints a line to stderr, or passes the figures to the callback.
+
+        At most every 0.5 s, unless ``final``, which also ends the printed line. Does
+        nothing when progress is disabled.
+        """
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -239,6 +257,12 @@ class Progress:
 
 @dataclass
 class ConvertResult:
+    """What ``convert()`` wrote: the dataset folder, its size, the time taken and the choices made.
+
+    ``fields`` are the manifest's field entries, ``compression`` the codec chosen per field,
+    ``verified`` the summary of ``verify_dataset`` when ``convert(verify=True)`` ran it.
+    """
+
     path: str
     records: int
     shards: int
@@ -252,6 +276,7 @@ class ConvertResult:
 
     @property
     def mb_per_s(self) -> float:
+        """Conversion speed: MB of values converted per second (0.0 if no time was measured)."""
         return self.bytes_in / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
 
@@ -265,6 +290,9 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
         src: a Parquet file or folder of Parquet files, an Arrow IPC file, a ``.npy``/``.npz``
             file, a folder of ``.npy`` files, a dict of arrays or ``.npy`` paths, a folder of
             files, or WebDataset ``.tar`` shards (a file, a folder or a list); see ``open_source``.
+        dst: the dataset folder to write (created if missing).
+        kind: the source kind (``"parquet"``, ``"arrow"``, ``"numpy"``, ``"files"``, ``"tar"``);
+            None guesses it from the file names.
         fields: which columns (arrays, extensions) to convert, in order: a list of names,
             or ``{name: dtype or None}`` to also cast Parquet/Arrow columns (checked: a
             lossy or out-of-range cast fails).
@@ -280,6 +308,15 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
         overwrite: replace an existing dataset at ``dst`` (atomically, via the manifest).
         progress: ``True`` prints progress to stderr; a callable receives progress dicts.
         verify: after converting, compare every record with its source (``verify()``).
+
+    Returns:
+        A ConvertResult; with ``verify``, its ``verified`` holds the comparison's summary.
+
+    Raises:
+        ConvertError: the source cannot be converted (the message names file, column and row).
+        FileExistsError: ``dst`` already holds a dataset and ``overwrite`` is False.
+        ValueError: an invalid option.
+        VerifyError: with ``verify``, a record differs from its source.
     """
     t0 = time.perf_counter()
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
@@ -325,13 +362,13 @@ def _run_parallel(source: Source, root: str, compress: list[bool], shard_bytes: 
 
     # forkserver: this module (numpy, lz4, the native core) is imported once, in the server;
     # jobs fork from that clean, thread-free process instead of importing anew. spawn elsewhere.
-    ctx: Any
+    ctx: BaseContext
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["pyloader.write.convert"])
     else:
         ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q: _ProgressQueue = ctx.Queue()
     stop = ctx.Event()
     done: list[dict[str, Any] | None] = [None] * len(ranges)
     with ProcessPoolExecutor(max_workers=len(ranges), mp_context=ctx, initializer=_worker_init,
@@ -360,7 +397,7 @@ def _run_parallel(source: Source, root: str, compress: list[bool], shard_bytes: 
     return [r for r in done if r is not None]
 
 
-def _drain(q: Any, prog: Progress) -> None:
+def _drain(q: _ProgressQueue, prog: Progress) -> None:
     while True:
         try:
             _, n, nb = q.get_nowait()

@@ -49,10 +49,12 @@ class Chunk:
     row0: int = -1  # global source row of the first record, -1 if unknown
 
     def slice(self, a: int, b: int) -> Chunk:
+        """Records ``a`` to ``b`` (exclusive) as a chunk of views (no copy)."""
         cols = [c.slice(a, b) if isinstance(c, VarColumn) else c[a:b] for c in self.columns]
         return Chunk(b - a, cols, self.row0 + a if self.row0 >= 0 else -1)
 
     def nbytes(self) -> int:
+        """Decoded bytes of the chunk's values, all fields together."""
         return sum(int(c.offsets[-1] - c.offsets[0]) if isinstance(c, VarColumn) else c.nbytes for c in self.columns)
 
 
@@ -87,13 +89,16 @@ class Source:
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
+        """What was converted, for convert's sidecar file: the kind and each field's source column."""
         return {"kind": self.kind, "columns": dict(zip((f.name for f in self.fields), self.columns, strict=True))}
 
     @property
     def num_records(self) -> int:
+        """Records in the whole source."""
         return int(sum(self.unit_records))
 
     def unit_row0(self) -> list[int]:
+        """The global row of each unit's first record."""
         out, acc = [], 0
         for n in self.unit_records:
             out.append(acc)
@@ -220,6 +225,7 @@ class ArrowSource(Source):
         return f
 
     def read(self, unit_index: int, row0: int = -1) -> Iterator[Chunk]:
+        """A row group as chunks of about 16 MB, or a record batch as one chunk; ConvertError if unreadable."""
         pa = pyarrow_module()
         i, j = self.units[unit_index]
         p = self.paths[i]
@@ -245,6 +251,7 @@ class ArrowSource(Source):
             raise ConvertError(f"{where}: cannot be read: {e}") from None
 
     def describe(self) -> dict[str, Any]:
+        """``Source.describe()`` plus the source files."""
         return {**super().describe(), "paths": self.paths}
 
 
@@ -335,6 +342,7 @@ class NumpySource(Source):
                 self._arrays[k] = np.load(p, mmap_mode="r", allow_pickle=False)
 
     def read(self, unit_index: int, row0: int = -1) -> Iterator[Chunk]:
+        """A range of rows as one chunk; string arrays become UTF-8 bytes."""
         a, b = self.units[unit_index]
         cols: list[Any] = []
         for k, f in zip(self.columns, self.fields, strict=True):
@@ -349,14 +357,18 @@ class NumpySource(Source):
         yield Chunk(b - a, cols, a)
 
     def describe(self) -> dict[str, Any]:
+        """``Source.describe()`` plus the ``.npy`` path of each array loaded from one (None if none was)."""
         return {**super().describe(), "paths": self.paths or None}
 
 
 # -- a folder of files ---------------------------------------------------------------------
 class FilesSource(Source):
-    """Every file under a folder (sorted by relative path) as a record: ``data`` (bytes),
-    ``path`` (the relative path, UTF-8 bytes, '/'-separated) and with ``labels=True`` a
-    ``label`` (int64): the index of the file's top-level folder among the sorted folder names."""
+    """Every file under a folder, sorted by relative path, as a record.
+
+    Fields: ``data`` (bytes), ``path`` (the relative path, UTF-8 bytes, '/'-separated) and
+    with ``labels=True`` a ``label`` (int64): the index of the file's top-level folder among
+    the sorted folder names.
+    """
 
     kind = "files"
 
@@ -412,6 +424,7 @@ class FilesSource(Source):
             a = b
 
     def read(self, unit_index: int, row0: int = -1) -> Iterator[Chunk]:
+        """A unit's files (at most ``files_per_unit``, about 16 MB) as one chunk."""
         a, b = self.units[unit_index]
         cols: list[Any] = []
         for name in self.columns:
@@ -428,6 +441,7 @@ class FilesSource(Source):
         yield Chunk(b - a, cols, a)
 
     def describe(self) -> dict[str, Any]:
+        """``Source.describe()`` plus the folder and the class names (with labels)."""
         return {**super().describe(), "root": self.root, "classes": self.classes or None}
 
 
@@ -521,6 +535,11 @@ class TarSource(Source):
         self.fields = [f for _, f in pairs]
 
     def read(self, unit_index: int, row0: int = -1) -> Iterator[Chunk]:
+        """One tar as chunks of about 16 MB of samples.
+
+        Raises ConvertError for a missing member (unless ``nulls="zero"``), a truncated
+        member, or a tar whose sample count changed since it was scanned.
+        """
         p = self.paths[self.units[unit_index]]
         want = [e for e in self.columns if e != _KEY_FIELD]
         buf: dict[str, list[bytes]] = {e: [] for e in self.columns}
@@ -555,6 +574,7 @@ class TarSource(Source):
         return Chunk(n, [var_from_bytes(buf.get(e, [])) for e in self.columns], r)
 
     def describe(self) -> dict[str, Any]:
+        """``Source.describe()`` plus the source files."""
         return {**super().describe(), "paths": self.paths}
 
 

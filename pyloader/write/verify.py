@@ -1,9 +1,9 @@
-"""``verify_dataset``: proves a converted dataset holds exactly its source's records (NOTE [exactness]
-in convert.py).
+"""``verify_dataset``: proves a converted dataset holds exactly its source's records.
 
-The dataset is read back by the native core alone (``_C.ShardSet`` and ``_C.BatchPipeline``
-over an in-order plan), which checks every checksum on the way; the write stage does not
-depend on the read stage's datasets.
+Every record is compared byte for byte (NOTE [exactness] in convert.py). The dataset
+is read back by the native core alone (``_C.ShardSet`` and ``_C.BatchPipeline`` over an
+in-order plan), which checks every checksum on the way; the write stage does not depend
+on the read stage's datasets.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from .sources import Chunk, Source, open_source
 
 
 class _Capsule:
-    """Hands a native batch's ``"dltensor"`` capsule to ``np.from_dlpack``, which takes an
-    object with ``__dlpack__``. The array keeps the batch slot alive (NOTE [DLPack lifetime])."""
+    """Hands a native batch's ``"dltensor"`` capsule to ``np.from_dlpack``.
+
+    ``np.from_dlpack`` takes an object with ``__dlpack__``, not a capsule. The array keeps
+    the batch slot alive (NOTE [DLPack lifetime]).
+    """
 
     def __init__(self, capsule: Any) -> None:
         self._capsule = capsule

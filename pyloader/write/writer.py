@@ -174,6 +174,7 @@ class ShardWriter:
 
     @property
     def records_written(self) -> int:
+        """Samples accepted so far, including those of the shard not yet published."""
         return self._encoder.records
 
     def __enter__(self) -> ShardWriter:

@@ -34,6 +34,21 @@ class ManifestError(ShardFormatError):
     """The dataset manifest is missing, malformed or corrupt."""
 
 
+class ManifestNotFoundError(ManifestError, FileNotFoundError):
+    """No manifest where a dataset was named (a local path or a remote URL).
+
+    Both ``except ManifestError`` and ``except FileNotFoundError`` catch it.
+    """
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(err, message)
+        # ValueError precedes OSError in the MRO, so OSError does not fill these itself.
+        self.errno, self.strerror = err, message
+
+    def __str__(self) -> str:  # OSError's str() would prefix "[Errno 2]"
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
 class ShardIOError(PyloaderError, OSError):
     """A shard could not be opened or mapped."""
 
@@ -140,6 +155,7 @@ __all__ = [
     "ShardCorruptError",
     "SchemaError",
     "ManifestError",
+    "ManifestNotFoundError",
     "ShardIOError",
     "LoaderStateError",
     "LoaderTimeoutError",

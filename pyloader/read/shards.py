@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -14,7 +15,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 from .. import _C
-from ..errors import LoaderStateError, ManifestError
+from ..errors import LoaderStateError, ManifestError, ManifestNotFoundError
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
@@ -210,7 +211,7 @@ class ShardDataset(UnitDataset, IterableDataset):
                 with open(mpath, "rb") as fh:
                     data = fh.read()
             except FileNotFoundError:
-                raise ManifestError(f"no manifest at {mpath!r}") from None
+                raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {mpath!r}") from None
         self.manifest = parse_manifest(data, mpath, _C.xxh64)
         self.fields: list[Field] = fields_from_manifest(self.manifest, mpath)
         self.root = os.path.dirname(mpath)

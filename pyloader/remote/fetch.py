@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import _C
-from ..errors import ManifestError
+from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, VERSION, dump_manifest, parse_manifest
 from .cache import CacheLimitError, DatasetCache, ShardCache, normalize_url
 from .fs import FetchError, RetryPolicy, read_object
@@ -62,7 +62,7 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
         data = read_object(murl, storage_options, policy)
     except FetchError as e:
         if e.errno == errno.ENOENT:
-            raise ManifestError(f"no manifest at {murl!r}") from e
+            raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {murl!r}") from e
         raise
     parse_manifest(data, murl, _C.xxh64)  # raises ManifestError naming the URL
     return cache.dataset(root, data, storage_options=storage_options, policy=policy, flavour=flavour)

@@ -12,6 +12,7 @@ a chunk of mutations in a subprocess (``test_fuzz_in_subprocess_exits_cleanly``)
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -727,8 +728,11 @@ def test_manifest_truncations_and_garbage(sess):
         assert mpath in str(ei.value), (data[:60], str(ei.value))
         assert isinstance(ei.value, ValueError)
     os.unlink(mpath)
-    with pytest.raises(pyloader.ManifestError, match="no manifest"):
+    with pytest.raises(pyloader.ManifestError, match="no manifest") as ei:
         pyloader.ShardDataset(sess.dir)
+    # What it names: a missing file, so `except FileNotFoundError` catches it too.
+    assert isinstance(ei.value, FileNotFoundError) and ei.value.errno == errno.ENOENT
+    assert isinstance(ei.value, pyloader.ManifestNotFoundError) and str(ei.value).startswith("no manifest at")
 
 
 @pytest.mark.parametrize("edit", [

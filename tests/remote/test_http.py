@@ -190,5 +190,7 @@ def test_dataset_rewritten_at_same_url_never_mixes_old_and_new(server, srv_root,
 
 @pytest.mark.timeout(30)
 def test_missing_manifest_names_the_url(server, cache_dir):
-    with pytest.raises(pyloader.ManifestError, match="nope/manifest.json"):
+    with pytest.raises(pyloader.ManifestError, match="nope/manifest.json") as ei:
         pyloader.ShardDataset(server.url + "/nope", cache_dir=cache_dir)
+    assert isinstance(ei.value, FileNotFoundError)  # a 404: `except FileNotFoundError` works too
+    assert isinstance(ei.value.__cause__, pyloader.FetchError)

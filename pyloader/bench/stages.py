@@ -45,13 +45,6 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def _local_files(ds: ShardDataset) -> list[str]:
-    """The shard files on this machine: in place, or in the node cache for a remote URL."""
-    if ds._remote is None:
-        return list(ds.shard_paths)
-    return [ds._remote.shard_file(i) for i in range(len(ds.shard_paths))]
-
-
 def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20) -> list[tuple[bytes, int]]:
     """The dataset's own LZ4-compressed values (up to limit_bytes decoded), for the decode stage."""
     out: list[tuple[bytes, int]] = []
@@ -122,20 +115,15 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
     """
     stages: dict[str, Any] = {}
     stages["remote_fetch"] = None
-    if getattr(ds, "_remote", None) is not None:
+    if ds.is_remote:
         progress("stage 0/5: remote fetch into the node cache")
-        ds._shard_set()  # creates the fetcher
-        fetcher = ds._fetcher
         with B.CpuTimer() as t:
-            fetcher.schedule(range(len(ds.shard_paths)))
-            fetcher.wait()
-        if fetcher.errors:
-            raise next(iter(fetcher.errors.values()))
-        stages["remote_fetch"] = {"gbps": fetcher.bytes / t.wall / 1e9 if fetcher.bytes else None,
-                                  "bytes": fetcher.bytes, "shards_downloaded": fetcher.downloaded,
-                                  "shards_cached": len(ds.shard_paths) - fetcher.downloaded,
+            got = ds.fetch_all()
+        stages["remote_fetch"] = {"gbps": got["bytes"] / t.wall / 1e9 if got["bytes"] else None,
+                                  "bytes": got["bytes"], "shards_downloaded": got["downloaded"],
+                                  "shards_cached": len(ds.shard_paths) - got["downloaded"],
                                   "wall_s": t.wall, "cpu_s": t.cpu}
-    local = _local_files(ds)
+    local = ds.local_files()
     progress("stage 1/5: storage read")
     with B.CpuTimer() as t:
         gbps = B.read_gbps(local)

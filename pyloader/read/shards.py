@@ -235,6 +235,39 @@ class ShardDataset(UnitDataset, IterableDataset):
             _fetch.check_limit(self._remote, self.plan()[0])
 
     @property
+    def is_remote(self) -> bool:
+        """Whether the shards come from a remote URL through the node cache."""
+        return self._remote is not None
+
+    def local_files(self) -> list[str]:
+        """The shard files on this machine.
+
+        In place for a local dataset; for a remote URL, their node-cache files (which exist
+        once fetched: ``fetch_all()``).
+        """
+        if self._remote is None:
+            return list(self.shard_paths)
+        return [self._remote.shard_file(i) for i in range(len(self.shard_paths))]
+
+    def fetch_all(self) -> dict[str, int]:
+        """Fetches every shard of a remote dataset into the node cache now (no-op when local).
+
+        Returns ``{"bytes": received, "downloaded": shards downloaded}`` (shards already
+        cached count in neither). Raises the first fetch error (``pyloader.FetchError``,
+        ``pyloader.CacheError``) naming the shard and URL.
+        """
+        if self._remote is None:
+            return {"bytes": 0, "downloaded": 0}
+        self._shard_set()
+        fetcher = self._fetcher
+        assert fetcher is not None  # made with the shard set of a remote dataset
+        fetcher.schedule(range(len(self.shard_paths)))
+        fetcher.wait()
+        if fetcher.errors:
+            raise next(iter(fetcher.errors.values()))
+        return {"bytes": fetcher.bytes, "downloaded": fetcher.downloaded}
+
+    @property
     def fingerprint(self) -> str:
         """The manifest's fingerprint (``manifest_fingerprint``): what a loader state names."""
         if self._fingerprint is None:

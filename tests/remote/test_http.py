@@ -194,3 +194,23 @@ def test_missing_manifest_names_the_url(server, cache_dir):
         pyloader.ShardDataset(server.url + "/nope", cache_dir=cache_dir)
     assert isinstance(ei.value, FileNotFoundError)  # a 404: `except FileNotFoundError` works too
     assert isinstance(ei.value.__cause__, pyloader.FetchError)
+
+
+@pytest.mark.timeout(60)
+def test_fetch_all_fills_the_cache_once_and_local_files_are_the_cached_shards(server, cache_dir, srv_root):
+    ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir)
+    assert ds.is_remote
+    first = ds.fetch_all()
+    n = len(ds.shard_paths)
+    assert first["downloaded"] == n and first["bytes"] == sum(ds.shard_bytes)
+    files = ds.local_files()
+    assert len(files) == n and all(f.startswith(os.path.abspath(cache_dir)) or f.startswith(cache_dir) for f in files)
+    for f, rel in zip(files, ds.manifest["shards"]):
+        with open(f, "rb") as a, open(os.path.join(srv_root, "ds", rel["path"]), "rb") as b:
+            assert a.read() == b.read()
+    again = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir).fetch_all()
+    assert again == {"bytes": 0, "downloaded": 0}
+    assert set(server.shard_gets().values()) == {1}  # each shard fetched once per node
+    local = pyloader.ShardDataset(os.path.join(srv_root, "ds"))
+    assert not local.is_remote and local.fetch_all() == {"bytes": 0, "downloaded": 0}
+    assert local.local_files() == local.shard_paths

@@ -124,24 +124,33 @@ def cuda_driver_error() -> str | None:
 class CopyEngine:
     """A native thread that copies batches to their destination (NOTE [copy ordering])."""
 
-    def __init__(self, *, backend: str, device: int = 0, depth: int = 2, staging: SlotPool) -> None: ...
+    def __init__(self, *, backend: str, device: int = 0, depth: int = 2, staging: SlotPool) -> None:
+        """Starts the engine thread; raises DeviceError if it cannot start (backend="cuda")."""
+
     def submit(
         self,
         segments: Sequence[tuple[int, int, int]],
         *,
-        stream: int = 0,
+        stream: int | None = None,
         source: HostBatch | None = None,
         stage: bool = False,
         timeout: float = 0.0,
     ) -> int:
-        """Queues copies [(src, dst, bytes)] and returns a ticket.
+        """Queues copies [(src, dst, bytes)] ordered after the work queued on `stream`; returns a ticket.
 
-        `source` (a HostBatch) stays referenced until the copies completed; with stage=True the
-        sources are packed into a staging slot first, and must stay alive until take().
+        `stream` (a CUstream handle, e.g. torch.cuda.current_stream().cuda_stream) is required
+        with backend="cuda" (ValueError without it); the CPU backend ignores it. Waits until job
+        ticket - depth's copies completed (NOTE [copy ordering]). `source` (a HostBatch) stays
+        referenced until the copies completed; with stage=True the sources are packed into a
+        staging slot first, and must stay alive until take().
         """
 
-    def take(self, ticket: int, *, stream: int = 0, timeout: float = 0.0) -> list[_DLPackCapsule | None] | None:
+    def take(
+        self, ticket: int, *, stream: int | None = None, timeout: float = 0.0
+    ) -> list[_DLPackCapsule | None] | None:
         """Waits for job `ticket` (the oldest not taken), orders `stream` after its copies.
+
+        `stream` is required with backend="cuda", as for submit().
 
         For staged jobs returns one uint8 DLPack capsule per segment whose staged copy is the
         result (None for the others); else None.

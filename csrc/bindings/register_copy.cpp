@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+#include <string>
+
 #include "bindings/bindings.h"
 #include "bindings/dlpack_export.h"
 #include "bindings/gil_release.h"
@@ -16,6 +19,20 @@
 namespace py = pybind11;
 
 namespace pyloader {
+namespace {
+
+// The stream a submit() or take() orders against. Required with the CUDA backend: a silent
+// default of 0 would be the legacy default stream, which does not order against torch's
+// non-blocking streams. The CPU backend has no streams.
+uintptr_t stream_arg(const CopyEngine& e, const std::optional<uintptr_t>& stream, const char* what) {
+  if (stream) return *stream;
+  if (std::string(e.backend_name()) == "cpu") return 0;
+  throw std::invalid_argument(std::string("CopyEngine.") + what +
+                              ": stream= is required with backend='cuda': pass the handle of the consumer's "
+                              "current stream (torch.cuda.current_stream(device).cuda_stream)");
+}
+
+}  // namespace
 
 void register_copy(py::module_& m) {
   m.def(
@@ -39,14 +56,16 @@ void register_copy(py::module_& m) {
                b = without_gil([&] { return make_cuda_copy_backend(device, depth); });
              else
                throw std::invalid_argument("backend must be 'cpu' or 'cuda'");
-             return std::make_shared<CopyEngine>(std::move(b), std::move(staging), depth);
+             // Waits for the engine thread to start (it raises here if it cannot).
+             return without_gil([&] { return std::make_shared<CopyEngine>(std::move(b), std::move(staging), depth); });
            }),
            py::kw_only(), py::arg("backend"), py::arg("device") = 0, py::arg("depth") = 2,
            py::arg("staging").none(false))
       .def(
           "submit",
-          [](CopyEngine& e, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& segments, uintptr_t stream,
-             py::object source, bool stage, double timeout) {
+          [](CopyEngine& e, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& segments,
+             std::optional<uintptr_t> stream_opt, py::object source, bool stage, double timeout) {
+            const uintptr_t stream = stream_arg(e, stream_opt, "submit");
             CopyJob job;
             job.stage = stage;
             job.segments.reserve(segments.size());
@@ -63,14 +82,16 @@ void register_copy(py::module_& m) {
                 "copy engine submit did not finish");
             return ticket;
           },
-          py::arg("segments"), py::kw_only(), py::arg("stream") = 0, py::arg("source") = py::none(),
+          py::arg("segments"), py::kw_only(), py::arg("stream") = py::none(), py::arg("source") = py::none(),
           py::arg("stage") = false, py::arg("timeout") = 0.0,
-          "Queues copies [(src, dst, bytes)] and returns a ticket. `source` (a HostBatch) stays "
-          "referenced until the copies completed; with stage=True the sources are packed into a "
-          "staging slot first, and must stay alive until take().")
+          "Queues copies [(src, dst, bytes)] ordered after the work queued on `stream` (required with "
+          "backend='cuda') and returns a ticket. Waits until job ticket - depth's copies completed. "
+          "`source` (a HostBatch) stays referenced until the copies completed; with stage=True the "
+          "sources are packed into a staging slot first, and must stay alive until take().")
       .def(
           "take",
-          [](CopyEngine& e, uint64_t ticket, uintptr_t stream, double timeout) -> py::object {
+          [](CopyEngine& e, uint64_t ticket, std::optional<uintptr_t> stream_opt, double timeout) -> py::object {
+            const uintptr_t stream = stream_arg(e, stream_opt, "take");
             CopyResult res;
             wait_interruptibly([&](int64_t ms) { return e.take(ticket, stream, ms, &res) == CopyEngine::Wait::kDone; },
                                timeout, "copy engine take did not finish");
@@ -85,8 +106,9 @@ void register_copy(py::module_& m) {
             }
             return out;
           },
-          py::arg("ticket"), py::kw_only(), py::arg("stream") = 0, py::arg("timeout") = 0.0,
-          "Waits for job `ticket` (the oldest not taken), orders `stream` after its copies. For "
+          py::arg("ticket"), py::kw_only(), py::arg("stream") = py::none(), py::arg("timeout") = 0.0,
+          "Waits for job `ticket` (the oldest not taken), orders `stream` (required with backend='cuda') "
+          "after its copies. For "
           "staged jobs returns one uint8 DLPack capsule per segment whose staged copy is the result "
           "(None for the others); else None.")
       .def("close", [](CopyEngine& e) { without_gil([&] { e.close(); }); })

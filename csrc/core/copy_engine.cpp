@@ -64,7 +64,11 @@ class CudaCopyBackend final : public CopyBackend {
   const char* name() const noexcept override { return "cuda"; }
   void thread_start() override {
     // The engine thread works in this context for its whole life.
-    cuda::check(d_, d_.CtxPushCurrent(ctx_.get()), "cuCtxPushCurrent");
+    cuda::CUresult r = d_.CtxPushCurrent(ctx_.get());
+    if (r != cuda::kSuccess)
+      throw LoaderError(ErrorKind::kDevice, "", -1, "",
+                        "the copy engine thread could not start: cuCtxPushCurrent of device " +
+                            std::to_string(ctx_.ordinal()) + "'s primary context failed: " + cuda::error_text(d_, r));
   }
   void after_stream(size_t m, uintptr_t stream) override {
     cuda::ScopedContext scope(d_, ctx_.get());
@@ -129,6 +133,18 @@ CopyEngine::CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<Slo
   if (!staging_ || staging_->num_fields() < 1) throw std::invalid_argument("staging must be a SlotPool with a field");
   ring_.resize(depth);
   thread_ = std::thread([this] { thread_loop(); });
+  // A thread that cannot start (its context cannot be made current) fails the construction
+  // here, rather than every later job with errors that do not say why.
+  std::exception_ptr err;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_consumer_->wait(lk, [&] { return started_; });
+    err = start_error_;
+  }
+  if (err) {
+    thread_.join();  // it returned without touching the ring
+    std::rethrow_exception(err);
+  }
 }
 
 CopyEngine::~CopyEngine() {
@@ -272,6 +288,10 @@ void CopyEngine::thread_loop() {
     start_error = std::current_exception();
   }
   std::unique_lock<std::mutex> lk(mu_);
+  started_ = true;
+  start_error_ = start_error;
+  cv_consumer_->notify_all();
+  if (start_error) return;  // the constructor rethrows it
   for (;;) {
     cv_engine_->wait(lk, [&] { return stop_ || issued_ < submitted_ || completed_ < issued_; });
     if (issued_ < submitted_ && !stop_) {
@@ -281,18 +301,16 @@ void CopyEngine::thread_loop() {
       Entry& e = ring_[m];
       lk.unlock();
       const uint64_t t0 = now_ns();
-      std::exception_ptr err = start_error;
-      if (!err) {
+      std::exception_ptr err;
+      try {
+        run_job(e, m);
+      } catch (...) {
+        err = std::current_exception();
+        // Copies queued before the failing one may still run: let them finish before
+        // the consumer hears of the error and releases the destinations.
         try {
-          run_job(e, m);
+          backend_->sync_all();
         } catch (...) {
-          err = std::current_exception();
-          // Copies queued before the failing one may still run: let them finish before
-          // the consumer hears of the error and releases the destinations.
-          try {
-            backend_->sync_all();
-          } catch (...) {
-          }
         }
       }
       counters_.issue_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);

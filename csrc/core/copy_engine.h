@@ -13,6 +13,15 @@
 // dedicated non-blocking stream; the CPU backend copies synchronously, so its markers are
 // no-ops -- every other step, the ring and the shutdown are shared.
 //
+// take() itself never blocks the host on the GPU (it only orders the consumer's stream),
+// but submit() does: ticket t reuses ring entry t % depth, which frees up only when job
+// t - depth's copies have completed (the engine thread's wait on its done marker). Those
+// copies ran after the work the consumer had queued when it submitted t - depth, so
+// submit() -- and with it the loader's next() -- waits until the GPU has caught up to
+// within `depth` submits of the host: the host runs at most `depth` (device_prefetch)
+// steps ahead of the GPU. The bound is what keeps the markers, the staging slots and
+// the pinned sources reusable without a host wait per job; submit_wait_ns counts it.
+//
 // NOTE [copy engine shutdown]: close() stops the thread from issuing further jobs, lets
 // it wait for every job already issued to complete (so no copy still reads a slot that is
 // about to be reused or freed), then joins it. In a forked child the thread does not
@@ -97,6 +106,8 @@ struct CopyCounters {
 
 class CopyEngine {
  public:
+  // Starts the engine thread and waits for it to be ready: throws (LoaderError(kDevice) for
+  // the CUDA backend) when it cannot start, e.g. its context cannot be made current.
   CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<SlotPool> staging, size_t depth);
   ~CopyEngine();
   CopyEngine(const CopyEngine&) = delete;
@@ -147,6 +158,8 @@ class CopyEngine {
   uint64_t submitted_ = 0, issued_ = 0, completed_ = 0, taken_ = 0;
   bool stop_ = false;
   bool closed_ = false;
+  bool started_ = false;            // the thread ran thread_start() (set once, under mu_)
+  std::exception_ptr start_error_;  // why thread_start() failed: rethrown by the constructor
   std::exception_ptr async_error_;  // a completion that failed after its job was taken
   std::thread thread_;
   CopyCounters counters_;

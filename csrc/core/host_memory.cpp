@@ -32,6 +32,15 @@ PinnedAllocator::PinnedAllocator(const cuda::Driver& d, int device) : d_(d), ctx
 void* PinnedAllocator::allocate(size_t bytes, size_t align) {
   // cuMemHostAlloc returns page-aligned memory; larger alignments are not needed for DMA.
   (void)align;
+  // A forked child must not touch the parent's CUDA state (as release() and PrimaryContext):
+  // a pinned pool made before the fork cannot grow here. It fails rather than falls back to
+  // pageable memory, so a pool's buffers are all of the kind its pinned() says.
+  if (::getpid() != pid_)
+    throw LoaderError(ErrorKind::kDevice, "", -1, "",
+                      "cannot allocate " + std::to_string(bytes) +
+                          " bytes of pinned memory in a forked child: the pinned pool was created before this "
+                          "process forked, and the parent's CUDA context cannot be used after fork (create the "
+                          "loader or its pool in the child, or use the spawn start method)");
   cuda::ScopedContext scope(d_, ctx_.get());
   void* p = nullptr;
   cuda::CUresult r = d_.MemHostAlloc(&p, bytes, cuda::kHostAllocPortable);

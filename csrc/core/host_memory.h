@@ -33,8 +33,8 @@ class PageableAllocator final : public HostAllocator {
 };
 
 // cuMemHostAlloc(PORTABLE) in the primary context of one device: page-locked for every
-// context. In a forked child the memory is leaked, never freed (the parent's CUDA state is
-// not usable there).
+// context. The parent's CUDA state is not usable in a forked child: there the memory is
+// leaked, never freed, and allocate() throws LoaderError(kDevice) without a driver call.
 class PinnedAllocator final : public HostAllocator {
  public:
   PinnedAllocator(const cuda::Driver& d, int device);

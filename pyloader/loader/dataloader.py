@@ -152,6 +152,8 @@ class DataLoader:
         self.sampler: Any = None
         self.batch_sampler: Any = None
         self.shuffle: bool | None = shuffle
+        # Host buffers are made at the first iter(), not here (NOTE [lazy pinned pools]).
+        self._batch_pool: _C.SlotPool | None = None  # see _pool
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
         self._inner: torch.utils.data.DataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
@@ -193,9 +195,6 @@ class DataLoader:
             None if self.prefetch_factor is None else max(1, self.prefetch_factor * self._threads))
         self._seed = None if self.generator is None else int(self.generator.initial_seed())
         self._next_epoch = self.dataset.epoch
-        # Collation writes straight into these buffers: pinned when asked (NOTE [slot reuse]).
-        self._pool = _transfer.slot_pool(len(self.dataset.fields), pinned=self._pinned,
-                                         device_index=self._pin_index if self._pinned else 0)
         # Resumable state is defined for datasets with a fingerprint (NOTE [resume state]).
         self._fingerprint = self.dataset.fingerprint
 
@@ -215,6 +214,26 @@ class DataLoader:
         self.batch_sampler = inner.batch_sampler
         self.collate_fn = inner.collate_fn
         self.prefetch_factor = inner.prefetch_factor
+
+    @property
+    def _pool(self) -> _C.SlotPool | None:
+        """The native path's batch buffers (None on the generic path), made on first use.
+
+        Collation writes straight into them: pinned when asked (NOTE [slot reuse]).
+
+        NOTE [lazy pinned pools]: a pinned pool retains a GPU's primary context and allocates
+        through the CUDA driver, so it is made at the first ``iter()`` (as is the staging pool,
+        ``_staging()``), never in the constructor: building a loader initialises no CUDA (as
+        torch's does not), so a program may build it and then fork, and the pinning context
+        is the device current at the first ``iter()`` -- after ``torch.cuda.set_device(local_rank)``
+        -- not the one current at construction. Both pools are then kept across epochs.
+        """
+        if not self._native:
+            return None
+        if self._batch_pool is None:
+            self._batch_pool = _transfer.slot_pool(len(self.dataset.fields), pinned=self._pinned,
+                                                   device_index=self._pin_index if self._pinned else 0)
+        return self._batch_pool
 
     @property
     def _pin_index(self) -> int:
@@ -276,8 +295,9 @@ class DataLoader:
         plan = ds.epoch_plan(epoch, rank, world, segments, shuffle=self.shuffle, seed=self._seed)
         batched = self.batch_size is not None
         native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
+        pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
         src: BatchStream = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                                      prefetch=self.prefetch, pool=self._pool)
+                                      prefetch=self.prefetch, pool=pool)
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -318,11 +338,12 @@ class DataLoader:
         """
         if self.device is not None or not torch.cuda.is_available():
             return None
-        pinned = stage.pinned if stage is not None else self._native and self._pool.pinned
+        pool = self._pool
+        pinned = stage.pinned if stage is not None else pool is not None and pool.pinned
         return _transfer.PinnedFence() if pinned else None
 
     def _staging(self) -> _C.SlotPool:
-        """The engine's staging buffers, made on first use and kept across epochs."""
+        """The engine's staging buffers, made on first use (NOTE [lazy pinned pools]) and kept across epochs."""
         if self._staging_pool is None:
             self._staging_pool = _transfer.slot_pool(1, pinned=self._pinned,
                                                      device_index=self._pin_index if self._pinned else 0)

@@ -130,3 +130,42 @@ def test_fake_driver_forked_child_never_calls_the_driver(fake_cuda, write_datase
     assert not [c for c in child_calls if c.endswith("cuMemFreeHost")], \
         f"the child freed the parent's pinned memory: {child_calls}"
     assert not child_calls, f"the forked child called the CUDA driver: {child_calls}"
+
+
+def test_fake_driver_pinned_pool_growing_in_a_forked_child_fails_without_a_driver_call(fake_cuda, write_dataset,
+                                                                                       tmp_path) -> None:
+    path = write_dataset(96, FIELDS, sample)
+    log = str(tmp_path / "driver_calls.log")
+    _, rep = run_fake(fake_cuda, "pinned_pool_grows_in_forked_child", path, str(tmp_path / "child.log"), log=log)
+    calls = Path(log).read_text().splitlines() if os.path.exists(log) else []
+    child_calls = [c for c in calls if c.split()[0] == str(rep["child"])]
+    assert not child_calls, f"the forked child called the CUDA driver: {child_calls}"
+    assert rep["rc"] == 0, f"the child's pinned allocation did not fail naming the fork (exit {rep['rc']}):\n" \
+                           f"{rep['child_log']}"
+
+
+def test_fake_driver_building_a_pin_memory_loader_calls_no_driver_until_iter(fake_cuda, write_dataset) -> None:
+    path = write_dataset(96, FIELDS, sample)
+    _, rep = run_fake(fake_cuda, "pinned_loader_is_lazy", path)
+    assert rep["calls_before"] == 0, f"the driver was called before the loaders were built: {rep}"
+    assert rep["calls_built"] == 0, f"building pin_memory DataLoaders called the CUDA driver: {rep}"
+    assert rep["calls_first_iter"] > 0 and rep["allocs_first_iter"] > 0, \
+        f"the first iteration did not pin through the driver: {rep}"
+    assert rep["allocs_after"] > rep["allocs_first_iter"], "the other loaders' staging pools were not pinned"
+
+
+def test_fake_driver_engine_thread_that_cannot_start_raises_at_construction(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "engine_thread_start_fails")
+    assert not rep["constructed"], f"CopyEngine was built although its thread could not start; later: {rep}"
+    assert "copy engine thread could not start" in rep["message"] and "cuCtxPushCurrent" in rep["message"] \
+        and "CUDA_ERROR_UNKNOWN" in rep["message"], rep["message"]
+    assert rep["threads_left"] == 0, f"{rep['threads_left']} threads left behind by the failed construction"
+    assert rep["no_ctx_calls"] == 0, f"driver calls without a context: {rep['no_ctx_functions']}"
+    assert rep["streams_live"] == 0 and rep["events_live"] == 0, "the failed engine leaked its stream or events"
+    assert not rep["errors"] and rep["allocs_live"] == 0 and rep["retained"] == 0, rep
+
+
+def test_fake_driver_cuda_engine_requires_a_stream(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "cuda_engine_needs_a_stream")
+    assert len(rep["messages"]) == 2, f"submit() or take() accepted a missing stream= with backend='cuda': {rep}"
+    assert all("stream= is required" in m for m in rep["messages"]), rep["messages"]

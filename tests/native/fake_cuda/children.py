@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from native_util import expected_img, run_in_forked_child
+from native_util import expected_img, run_in_forked_child, threads_now, wait_threads
 
 import pyloader
 from pyloader import _C
@@ -38,6 +38,7 @@ def load_stand_in() -> ctypes.CDLL:
     fake.fake_cuda_pending.restype = ctypes.c_long
     fake.fake_cuda_set_copy_delay_us.argtypes = [ctypes.c_long]
     fake.fake_cuda_fail_copies.argtypes = [ctypes.c_long, ctypes.c_int]
+    fake.fake_cuda_fail_pushes_elsewhere.argtypes = [ctypes.c_long, ctypes.c_int]
     fake.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
     fake.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
     fake.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -225,12 +226,12 @@ def cuda_engine_exact() -> None:
                 plan.append((off, n, at))
                 at += n
             segs = [(data.data_ptr() + off, out.data_ptr() + d, n) for off, n, d in plan]
-            t = e.submit(segs, stage=stage)
+            t = e.submit(segs, stream=0, stage=stage)
             depth0("submit")
             pending.append((t, plan, out))
             if len(pending) == depth:
                 t, plan, out = pending.pop(0)
-                res = e.take(t)
+                res = e.take(t, stream=0)
                 depth0("take")
                 assert res is None or all(r is None for r in res)
                 sync_default_stream()
@@ -238,7 +239,7 @@ def cuda_engine_exact() -> None:
                     assert torch.equal(out[d:d + n], data[off:off + n]), \
                         f"depth {depth} job {t}: bytes differ after take + wait"
         for t, plan, out in pending:
-            e.take(t)
+            e.take(t, stream=0)
             sync_default_stream()
             for off, n, d in plan:
                 assert torch.equal(out[d:d + n], data[off:off + n])
@@ -271,8 +272,8 @@ def cuda_engine_ordering() -> None:
 
     # 1. take() orders the consumer's stream after the copies: syncing stream 0 alone suffices.
     out = torch.zeros_like(src)
-    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)
-    e.take(t)
+    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True)
+    e.take(t, stream=0)
     sync_default_stream()
     results["after_take"] = bool(torch.equal(out, src))
 
@@ -283,8 +284,8 @@ def cuda_engine_ordering() -> None:
     with Ctx():
         for _ in range(5):
             assert FAKE.cuMemcpyHtoDAsync_v2(out.data_ptr(), stale.data_ptr(), stale.nbytes, None) == 0
-    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)
-    e.take(t)
+    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True)
+    e.take(t, stream=0)
     sync_default_stream()
     results["after_stream_work"] = bool(torch.equal(out, src))
     depth0("ordering")
@@ -304,7 +305,7 @@ def close_in_flight(path: str) -> None:
     srcs = [torch.full((10_000,), k + 1, dtype=torch.uint8) for k in range(3)]
     outs = [torch.zeros(10_000, dtype=torch.uint8) for _ in range(3)]
     for s, o in zip(srcs, outs, strict=True):
-        e.submit([(s.data_ptr(), o.data_ptr(), s.nbytes)], stage=True)
+        e.submit([(s.data_ptr(), o.data_ptr(), s.nbytes)], stream=0, stage=True)
     deadline = time.monotonic() + 10
     while e.counters()["jobs"] < 3 and time.monotonic() < deadline:  # all issued, none completed (50 ms each)
         time.sleep(0.001)
@@ -333,10 +334,11 @@ def close_in_flight(path: str) -> None:
     e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging2)
     FAKE.fake_cuda_set_copy_delay_us(200_000)
     outs2 = {k: torch.zeros_like(v) for k, v in tensors.items()}
-    t = e.submit([(v.data_ptr(), outs2[k].data_ptr(), v.nbytes) for k, v in tensors.items()], source=host)
+    t = e.submit([(v.data_ptr(), outs2[k].data_ptr(), v.nbytes) for k, v in tensors.items()], stream=0,
+                 source=host)
     del host, tensors  # no gc.collect() here: it can take longer than the copies
     held_while_copying = pool.created - pool.free
-    e.take(t)
+    e.take(t, stream=0)
     sync_default_stream()
     deadline = time.monotonic() + 5
     while pool.free != pool.created and time.monotonic() < deadline:
@@ -347,7 +349,7 @@ def close_in_flight(path: str) -> None:
     host, tensors = first_host_batch(ds, pool)
     outs3 = {k: torch.zeros_like(v) for k, v in tensors.items()}
     jobs = e.counters()["jobs"]
-    e.submit([(v.data_ptr(), outs3[k].data_ptr(), v.nbytes) for k, v in tensors.items()], source=host)
+    e.submit([(v.data_ptr(), outs3[k].data_ptr(), v.nbytes) for k, v in tensors.items()], stream=0, source=host)
     del host, tensors
     deadline = time.monotonic() + 10
     while e.counters()["jobs"] == jobs and time.monotonic() < deadline:  # issued: its copies take 2 x 200 ms
@@ -370,9 +372,9 @@ def copy_error() -> None:
     src = torch.arange(2000, dtype=torch.int64)
     out = torch.zeros_like(src)
     FAKE.fake_cuda_fail_copies(1, 2)  # the next copy: CUDA_ERROR_OUT_OF_MEMORY
-    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)
+    t = e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True)
     try:
-        e.take(t)
+        e.take(t, stream=0)
         raise AssertionError("take() of a job whose copy failed returned normally")
     except DeviceError as ex:
         message = str(ex)
@@ -380,7 +382,7 @@ def copy_error() -> None:
     # The engine carries on with the next jobs, and the failed job's staging slot came back.
     for k in range(3):
         out = torch.zeros_like(src)
-        e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True))
+        e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True), stream=0)
         sync_default_stream()
         assert torch.equal(out, src), f"job {k} after the failure"
     e.close()
@@ -404,7 +406,8 @@ def fork_after_pinned(path: str, child_log: str) -> None:
     assert pinned(inherited["batches"][0]["img"])
     src = torch.arange(1000, dtype=torch.int64)
     out = torch.zeros_like(src)
-    ticket = inherited["engine"].submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stage=True)  # in flight
+    # In flight at the fork:
+    ticket = inherited["engine"].submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True)
     live = stats()["allocs_live"]
 
     def child(step: Callable[[str], None]) -> int:
@@ -419,7 +422,7 @@ def fork_after_pinned(path: str, child_log: str) -> None:
     forked = run_in_forked_child(child, child_log, timeout=30, normal_exit=True)
     # The parent's engine and pinned batches still work after the fork.
     engine = inherited["engine"]
-    engine.take(ticket)
+    engine.take(ticket, stream=0)
     sync_default_stream()
     assert torch.equal(out, src)
     assert [int(x) for b in inherited["batches"] for x in b["label"]] == list(range(96))
@@ -432,15 +435,154 @@ def fork_after_pinned(path: str, child_log: str) -> None:
            live_at_fork=live)
 
 
+def pinned_pool_grows_in_forked_child(path: str, child_log: str) -> None:
+    """A pinned pool made before a fork and first filled in the child: the child's allocation
+    raises DeviceError naming the fork, without one driver call (the test reads the call log);
+    the parent's pool still works."""
+    ds = open_ds(path)
+    pools = [_C.SlotPool(num_fields=2, pinned=True)]  # the only reference: dropped at the end
+    assert pools[0].created == 0, "the pool must still be empty at the fork: the child makes it grow"
+
+    def child(step: Callable[[str], None]) -> int:
+        step("collating into the inherited, empty pinned pool")
+        it = ds.batches(8, num_threads=1, prefetch=1, pool=pools[0])
+        try:
+            for _ in it:
+                step("a batch was collated into pinned memory in the forked child")
+                return 2
+            step("the epoch ended without a batch")
+            return 3
+        except DeviceError as ex:
+            step(f"DeviceError: {ex}")
+            return 0 if "forked child" in str(ex) else 4
+        finally:
+            it.close()
+
+    forked = run_in_forked_child(child, child_log, timeout=30)
+    # The parent's pool grows as before.
+    got = []
+    for b in ds.batches(8, num_threads=2, prefetch=2, pool=pools[0]):
+        assert pinned(b["img"])
+        got += b["label"].tolist()
+    assert got == list(range(96))
+    del b
+    gc.collect()
+    assert pools[0].free == pools[0].created > 0
+    pools.clear()
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(rc="hung" if forked.code is None else forked.code, child=forked.pid, child_log=forked.log)
+
+
+def pinned_loader_is_lazy(path: str) -> None:
+    """NOTE [lazy pinned pools]: building a pin_memory loader (native or generic path) calls the
+    driver not at all -- not even cuInit; its first iter() pins. Run without main()'s driver probe."""
+    before = stats()
+    ds = open_ds(path)
+    native = pyloader.DataLoader(ds, batch_size=8, num_workers=2, pin_memory=True)
+    collated = pyloader.DataLoader(ds, batch_size=8, collate_fn=_collate, pin_memory=True)
+    generic = pyloader.DataLoader(_Squares(), batch_size=5, pin_memory=True)
+    built = stats()
+    b = next(iter(native))
+    assert pinned(b["img"]) and pinned(b["label"])
+    first_native = stats()
+    c = next(iter(collated))
+    assert pinned(c["img"]), "collate_fn results were not staged into pinned memory"
+    g = next(iter(generic))
+    assert pinned(g), "the generic path's batch was not staged into pinned memory"
+    depth0("lazy pools")
+    after = stats()
+    del b, c, g, native, collated, generic
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(calls_before=before["calls"], calls_built=built["calls"], inits_built=built["inits"],
+           retains_built=built["retains"], calls_first_iter=first_native["calls"],
+           allocs_first_iter=first_native["allocs"], allocs_after=after["allocs"])
+
+
+def engine_thread_start_fails() -> None:
+    """An engine thread that cannot make its context current fails the construction with a
+    DeviceError saying so; nothing is left behind, and the next engine works."""
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    base = threads_now()
+    FAKE.fake_cuda_fail_pushes_elsewhere(1, 999)  # the engine thread's push: CUDA_ERROR_UNKNOWN
+    message = ""
+    try:
+        e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)
+        constructed = True
+        src = torch.arange(100, dtype=torch.int64)
+        out = torch.zeros_like(src)
+        try:  # what the failure looked like before: an error at take(), then at the next submit
+            e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True), stream=0)
+            e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True), stream=0)
+        except DeviceError as ex:
+            message = str(ex)
+        e.close()
+        del e
+    except DeviceError as ex:
+        constructed = False
+        message = str(ex)
+    depth0("failed start")
+    gc.collect()
+    threads_left = wait_threads(base) - base
+    s = stats()
+    # The next engine starts and copies.
+    e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)
+    src = torch.arange(100, dtype=torch.int64)
+    out = torch.zeros_like(src)
+    e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=0, stage=True), stream=0)
+    sync_default_stream()
+    assert torch.equal(out, src)
+    e.close()
+    del e, staging
+    gc.collect()
+    end = stats()
+    report(constructed=constructed, message=message, threads_left=threads_left, no_ctx_calls=s["no_ctx_calls"],
+           no_ctx_functions=s["no_ctx_functions"], streams_live=s["streams_live"], events_live=s["events_live"],
+           errors=end["errors"], allocs_live=end["allocs_live"], retained=end["retained"])
+
+
+def cuda_engine_needs_a_stream() -> None:
+    """backend="cuda": submit() and take() without stream= raise ValueError (no silent legacy
+    default stream); an explicit stream works, 0 included."""
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)
+    src = torch.arange(100, dtype=torch.int64)
+    out = torch.zeros_like(src)
+    segs = [(src.data_ptr(), out.data_ptr(), src.nbytes)]
+    messages = []
+    try:
+        e.submit(segs, stage=True)
+    except ValueError as ex:
+        messages.append(str(ex))
+    t = e.submit(segs, stream=0, stage=True)
+    try:
+        e.take(t)
+    except ValueError as ex:
+        messages.append(str(ex))
+    e.take(t, stream=0)
+    sync_default_stream()
+    assert torch.equal(out, src)
+    e.close()
+    del e, staging
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(messages=messages)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {f.__name__: f for f in (
     pinned_slot_pool, pinned_dataloader, cuda_engine_exact, cuda_engine_ordering, close_in_flight, copy_error,
-    fork_after_pinned)}
+    fork_after_pinned, pinned_pool_grows_in_forked_child, pinned_loader_is_lazy, engine_thread_start_fails,
+    cuda_engine_needs_a_stream)}
+# Scenarios that must begin with no driver call at all: main() does not probe the driver first.
+UNPROBED = {"pinned_loader_is_lazy"}
 
 
 def main(argv: list[str]) -> None:
     global FAKE
     warnings.simplefilter("error")
-    assert _C.cuda_driver_error() is None, _C.cuda_driver_error()
+    if argv[0] not in UNPROBED:
+        assert _C.cuda_driver_error() is None, _C.cuda_driver_error()
     FAKE = load_stand_in()
     SCENARIOS[argv[0]](*argv[1:])
 

@@ -32,7 +32,10 @@
  *  - Test hooks (not driver API): fake_cuda_stats() (a JSON object of counters and the
  *    first errors), fake_cuda_ctx_depth() (the calling thread's stack depth),
  *    fake_cuda_is_pinned(p), fake_cuda_pending(include_default), fake_cuda_set_copy_delay_us(us),
- *    fake_cuda_fail_copies(n, code) (the next n cuMemcpyHtoDAsync_v2 calls return `code`).
+ *    fake_cuda_fail_copies(n, code) (the next n cuMemcpyHtoDAsync_v2 calls return `code`),
+ *    fake_cuda_fail_pushes_elsewhere(n, code) (the next n cuCtxPushCurrent_v2 calls made by
+ *    threads other than the caller of the hook return `code`: a copy engine thread that
+ *    cannot start).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -121,6 +124,9 @@ static Alloc* g_allocs = NULL;
 static long g_copy_delay_us = -1;
 static long g_fail_copies = 0;  // the next n cuMemcpyHtoDAsync_v2 calls fail with g_fail_code
 static CUresult g_fail_code = 0;
+static long g_fail_pushes = 0;  // the next n cuCtxPushCurrent_v2 calls off g_fail_push_thread fail
+static CUresult g_fail_push_code = 0;
+static pthread_t g_fail_push_thread;
 
 static struct {
   long calls, inits, retains, releases, bad_releases, pushes, pops, bad_pops, no_ctx_calls;
@@ -403,6 +409,9 @@ EXPORT CUresult cuCtxPushCurrent_v2(struct CUctx_st* ctx) {
   } else if (g_retained <= 0) {
     record_error("cuCtxPushCurrent of a primary context nobody retains");
     r = CUDA_ERROR_INVALID_CONTEXT;
+  } else if (g_fail_pushes > 0 && !pthread_equal(pthread_self(), g_fail_push_thread)) {
+    g_fail_pushes--;
+    r = g_fail_push_code;  // injected by the test
   } else if (t_depth >= MAX_STACK) {
     record_error("context stack overflow (%d pushes without pop)", t_depth);
     r = CUDA_ERROR_UNKNOWN;
@@ -764,5 +773,13 @@ EXPORT void fake_cuda_fail_copies(long n, int code) {
   pthread_mutex_lock(&g_mu);
   g_fail_copies = n;
   g_fail_code = code;
+  pthread_mutex_unlock(&g_mu);
+}
+
+EXPORT void fake_cuda_fail_pushes_elsewhere(long n, int code) {
+  pthread_mutex_lock(&g_mu);
+  g_fail_pushes = n;
+  g_fail_push_code = code;
+  g_fail_push_thread = pthread_self();
   pthread_mutex_unlock(&g_mu);
 }

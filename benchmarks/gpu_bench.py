@@ -17,7 +17,16 @@
     ``.to(non_blocking=True)``), on 12 KB and 150 KB record datasets, batch 256:
     busy = sum of the steps' GPU times (CUDA events) / wall time of the loop.
 
-    python benchmarks/gpu_bench.py [--device cuda|cpu] [--quick] [--json FILE]
+    python benchmarks/gpu_bench.py [--device cuda|cpu] [--quick] [--json FILE] [--budget-s S]
+    python benchmarks/gpu_bench.py --report FILE      # the table of a (partial) JSON
+
+Results come out as they are measured, so a run stopped at its time limit still leaves
+them: each H2D round and each busy-fraction run is printed (stderr) and written to the JSON
+(replaced atomically) at once, and each table row is printed as soon as its figures exist;
+the short table at the end repeats them. ``--budget-s`` makes the script itself skip what
+would start after that many seconds (keeping what it has) and still print the table.
+Exit status: 0 all measured; 1 a stage failed or was cut short by the budget; 2 no CUDA
+device for ``--device cuda`` (checked first, before anything is written).
 
 ``--device cpu`` runs the same code paths without a GPU (pyloader with device="cpu", the
 engine's CPU backend, pageable memory, perf_counter instead of CUDA events) to check the
@@ -76,6 +85,33 @@ class Ctx:
         return _C.SlotPool(num_fields=num_fields)
 
 
+class Recorder:
+    """The results so far, rewritten to the JSON file after every measurement, and the time budget."""
+
+    def __init__(self, res: dict[str, Any], path: str | None, budget_s: float | None, t_start: float) -> None:
+        self.res = res
+        self.path = path
+        self.t_start = t_start
+        self.deadline = None if budget_s is None else t_start + budget_s
+
+    def save(self) -> None:
+        self.res["wall_s"] = time.perf_counter() - self.t_start
+        if not self.path:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.res, f, indent=1, default=str)
+        os.replace(tmp, self.path)  # a reader (or a kill) never sees half a file
+
+    def out_of_time(self, need_s: float = 0.0) -> bool:
+        """Whether less than need_s seconds of the budget are left."""
+        return self.deadline is not None and time.perf_counter() + need_s > self.deadline
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 # -- (a) host-to-device bandwidth ----------------------------------------------------------
 def write_big_dataset(path: str, record_bytes: int, records: int) -> None:
     base = (np.arange(record_bytes, dtype=np.uint32) % 251).astype(np.uint8)
@@ -86,14 +122,14 @@ def write_big_dataset(path: str, record_bytes: int, records: int) -> None:
             w.write({"payload": base, "label": i})
 
 
-def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    rec = args.record_bytes
-    per_batch = max(1, args.segment_bytes // rec)
-    seg = per_batch * rec
+def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str, rec: Recorder) -> dict[str, Any]:
+    rbytes = args.record_bytes
+    per_batch = max(1, args.segment_bytes // rbytes)
+    seg = per_batch * rbytes
     reps = max(4, int(args.h2d_bytes // seg))
     total = reps * seg
     path = os.path.join(tmp, "big")
-    write_big_dataset(path, rec, args.big_records)
+    write_big_dataset(path, rbytes, args.big_records)
     ds = pyloader.ShardDataset(path)
     threads = os.cpu_count() or 1
 
@@ -154,7 +190,7 @@ def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     loader = pyloader.DataLoader(ds, batch_size=per_batch, num_workers=threads, device=ctx.dev)
-    epoch_bytes = len(ds) * (rec + 8)
+    epoch_bytes = len(ds) * (rbytes + 8)
     epochs = max(1, int(round(args.h2d_bytes / epoch_bytes)))
     loader_bytes = [0]
 
@@ -171,17 +207,39 @@ def h2d(ctx: Ctx, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
 
     variants = {"raw_pinned": torch_copy(True), "raw_pageable": torch_copy(False), "engine_direct": engine_direct,
                 "engine_stage": engine_stage, "loader": run_loader}
-    for fn in variants.values():  # warm-up: pools, contexts, checksums, caching allocator
+    for name, fn in variants.items():  # warm-up: pools, contexts, checksums, caching allocator
+        t0 = time.perf_counter()
         fn()
-    raw = B.interleaved(variants, args.rounds)
-    bytes_of = {k: (loader_bytes[0] if k == "loader" else total) for k in raw}
-    gbps = {k: bytes_of[k] / statistics.median(v) / 1e9 for k, v in raw.items()}
-    ratios = {k: statistics.median([bytes_of[k] / a / (total / b) for a, b in zip(raw[k], raw["raw_pinned"])])
-              for k in ("engine_direct", "engine_stage", "loader", "raw_pageable")}
-    return {"segment_bytes": seg, "reps": reps, "record_bytes": rec, "records": len(ds), "loader_epochs": epochs,
-            "loader_threads": threads, "sources_pinned": bool(src_pool.pinned), "seconds": raw, "bytes": bytes_of,
-            "gbps": gbps, "over_raw_pinned": ratios, "loader_pool_slots": loader._pool.created,
-            "loader_stats": loader.stats()}
+        log(f"  warm-up {name}: {time.perf_counter() - t0:.2f} s")
+    out: dict[str, Any] = {"segment_bytes": seg, "reps": reps, "record_bytes": rbytes, "records": len(ds),
+                           "loader_epochs": epochs, "loader_threads": threads, "sources_pinned": bool(src_pool.pinned),
+                           "rounds_done": 0}
+    rec.res["h2d"] = out
+    # Interleaved rounds (the order rotates each round, as B.interleaved does), each one
+    # recorded as soon as it ran; a round that would not fit in the budget is not started.
+    names = list(variants)
+    raw: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            raw[name].append(variants[name]())
+        bytes_of = {k: (loader_bytes[0] if k == "loader" else total) for k in raw}
+        gbps = {k: bytes_of[k] / statistics.median(v) / 1e9 for k, v in raw.items()}
+        ratios = {k: statistics.median([bytes_of[k] / a / (total / b) for a, b in zip(raw[k], raw["raw_pinned"])])
+                  for k in ("engine_direct", "engine_stage", "loader", "raw_pageable")}
+        out.update(rounds_done=r + 1, seconds=raw, bytes=bytes_of, gbps=gbps, over_raw_pinned=ratios)
+        rec.save()
+        dt = time.perf_counter() - t0
+        log(f"  round {r + 1}/{args.rounds} ({dt:.1f} s): " + ", ".join(f"{k} {bytes_of[k] / v[-1] / 1e9:.2f}"
+                                                                       for k, v in raw.items()) + " GB/s")
+        if r + 1 < args.rounds and rec.out_of_time(2 * dt):
+            log(f"  (stopping after {r + 1} rounds: time budget)")
+            out["cut_short"] = True
+            break
+    out.update(loader_pool_slots=loader._pool.created, loader_stats=loader.stats())
+    rec.save()
+    return out
 
 
 # -- (b) busy fraction of a synthetic step -------------------------------------------------
@@ -304,10 +362,16 @@ def shm_free() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def busy(ctx: Ctx, args: argparse.Namespace, tmp: str, step: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    out: dict[str, Any] = {}
+def busy(ctx: Ctx, args: argparse.Namespace, tmp: str, step: Callable[[torch.Tensor], torch.Tensor],
+         rec: Recorder) -> dict:
+    out: dict[str, Any] = rec.res.setdefault("busy", {})
     threads = os.cpu_count() or 1
     for pname, n in args.busy_profiles:
+        if rec.out_of_time(10):
+            out[pname] = {"skipped": "time budget"}
+            log(f"  {pname}: skipped (time budget)")
+            rec.save()
+            continue
         p = B.PROFILES[pname]
         path = os.path.join(tmp, pname)
         recs = B.write_profile_dataset(path, p, n, compression="none")
@@ -318,18 +382,25 @@ def busy(ctx: Ctx, args: argparse.Namespace, tmp: str, step: Callable[[torch.Ten
         ds = pyloader.ShardDataset(path, shuffle=True)
         ldr = pyloader.DataLoader(ds, batch_size=args.batch, num_workers=threads, device=ctx.dev)
         r: dict[str, Any] = {"records": n, "record_bytes": p.record_bytes, "batch_size": args.batch}
+        out[pname] = r
         try:
             r["pyloader"] = busy_fraction(ctx, ldr, step, args.steps, args.warm, move=False)
             r["pyloader"].update(num_workers=threads, pool_slots=ldr._pool.created)
-            print(f"  {pname} pyloader: busy {100 * r['pyloader']['busy']:.1f}%", file=sys.stderr, flush=True)
+            log(f"  {pname} pyloader: busy {100 * r['pyloader']['busy']:.1f}%")
         except Exception as e:  # noqa: BLE001 - reported; torch's side still runs
             traceback.print_exc()
             r["pyloader"] = {"error": repr(e)}
         del ldr
+        rec.save()
         best: dict[str, Any] | None = None
         r["torch"] = {}
         batch_bytes = args.batch * (p.record_bytes + 8)
+        r["torch_best"] = None
         for w in args.torch_workers:
+            if rec.out_of_time(5):
+                r["torch"][f"w{w}"] = {"skipped": "time budget"}
+                log(f"  {pname} torch w={w}: skipped (time budget)")
+                continue
             # Worker batches travel through /dev/shm: skip what would not fit there.
             need = 2 * w * 2 * batch_bytes  # workers x prefetch_factor 2, with room to spare
             if w > 0 and need > shm_free():
@@ -344,74 +415,116 @@ def busy(ctx: Ctx, args: argparse.Namespace, tmp: str, step: Callable[[torch.Ten
                 del dl
             except Exception as e:  # noqa: BLE001 - a failed configuration is reported, the rest still runs
                 r["torch"][f"w{w}"] = {"error": repr(e)}
-                print(f"  {pname} torch w={w}: FAILED {e!r}", file=sys.stderr, flush=True)
+                log(f"  {pname} torch w={w}: FAILED {e!r}")
+                rec.save()
                 continue
             b["num_workers"] = w
             r["torch"][f"w{w}"] = b
-            print(f"  {pname} torch w={w}: busy {100 * b['busy']:.1f}%", file=sys.stderr, flush=True)
+            log(f"  {pname} torch w={w}: busy {100 * b['busy']:.1f}%")
             if best is None or b["busy"] > best["busy"]:
                 best = b
-        r["torch_best"] = best
-        out[pname] = r
+            r["torch_best"] = best
+            rec.save()
+        print_busy_row(pname, r)
     return out
 
 
 # -- report ----------------------------------------------------------------------------------
+# Each part of the table is printed (stdout) as soon as its figures exist, and once more,
+# all together, at the end; print_table also reads a partial JSON (--report).
+H2D_LABELS = {"raw_pinned": "torch copy_, pinned src", "raw_pageable": "torch copy_, pageable src",
+              "engine_direct": "pyloader engine (_C.CopyEngine)", "engine_stage": "pyloader DeviceStage.submit_host",
+              "loader": "pyloader DataLoader"}
+
+
+def print_h2d(a: dict[str, Any]) -> None:
+    if "gbps" not in a:
+        print("\n(a) H2D: no round completed")
+        return
+    cut = f", {a['rounds_done']} rounds" if a.get("cut_short") else ""
+    title = f"(a) H2D, {a['segment_bytes'] >> 20} MB segments{cut}"
+    print(f"\n{title:<42}{'GB/s':>8}{'/raw pinned':>13}")
+    for k, label in H2D_LABELS.items():
+        if k not in a["gbps"]:
+            continue
+        if k == "loader":
+            label += f"({a['loader_threads']} thr)"
+        r = a["over_raw_pinned"].get(k)
+        print(f"  {label:<40}{a['gbps'][k]:>8.2f}{'' if r is None else f'{r:>12.2f}x'}")
+    print("  (target: engine / raw pinned >= 0.9)", flush=True)
+
+
+def print_busy_header(s: dict[str, Any], batch: int) -> None:
+    print(f"\n(b) busy fraction, step = {s['k']} x {s['matmul_n']}^2 {s['dtype'].split('.')[-1]} matmuls "
+          f"= {s['chain_ms']:.1f} ms, batch {batch}")
+    print(f"  {'records':<10}{'pyloader':>10}{'torch DL':>10}{'  (best num_workers)':<22}{'samples/s py/torch':>19}",
+          flush=True)
+
+
+def print_busy_row(name: str, v: dict[str, Any]) -> None:
+    if "skipped" in v:
+        print(f"  {name:<10}{'skipped':>10}  ({v['skipped']})", flush=True)
+        return
+    py, tb = v.get("pyloader", {}), v.get("torch_best")
+    py_s = f"{100 * py['busy']:>9.1f}%" if "busy" in py else f"{'FAILED' if py else 'not run':>10}"
+    tb_s = f"{100 * tb['busy']:>9.1f}%  (w={tb['num_workers']:<3})" if tb else f"{'n/a':>10}  (none ran)"
+    ratio = f"{py['samples_per_s'] / tb['samples_per_s']:>10.2f}x" if tb and "busy" in py else ""
+    print(f"  {name:<10}{py_s}{tb_s:<22}{'':<2}{ratio:>17}", flush=True)
+
+
 def print_table(res: dict[str, Any]) -> None:
     where = res.get("gpu", "cpu (script check only)")
-    print(f"\n{where}; torch {res['environment']['torch']}, {res['environment']['cpus']} cpus; "
+    print(f"\n== summary: {where}; torch {res['environment']['torch']}, {res['environment']['cpus']} cpus; "
           f"medians of {res['config']['rounds']} interleaved rounds")
-    a = res.get("h2d")
-    if a:
-        print(f"\n(a) H2D, {a['segment_bytes'] >> 20} MB segments{'':<14}{'GB/s':>8}{'/raw pinned':>13}")
-        names = {"raw_pinned": "torch copy_, pinned src", "raw_pageable": "torch copy_, pageable src",
-                 "engine_direct": "pyloader engine (_C.CopyEngine)",
-                 "engine_stage": "pyloader DeviceStage.submit_host",
-                 "loader": f"pyloader DataLoader({a['loader_threads']} thr)"}
-        for k, label in names.items():
-            r = a["over_raw_pinned"].get(k)
-            print(f"  {label:<40}{a['gbps'][k]:>8.2f}{'' if r is None else f'{r:>12.2f}x'}")
-        print("  (target: engine / raw pinned >= 0.9)")
+    if res.get("h2d"):
+        print_h2d(res["h2d"])
     s = res.get("step")
     if s and res.get("busy"):
-        print(f"\n(b) busy fraction, step = {s['k']} x {s['matmul_n']}^2 {s['dtype'].split('.')[-1]} matmuls "
-              f"= {s['chain_ms']:.1f} ms, batch {res['config']['batch']}")
-        print(f"  {'records':<10}{'pyloader':>10}{'torch DL':>10}{'  (best num_workers)':<22}"
-              f"{'samples/s py/torch':>19}")
+        print_busy_header(s, res["config"]["batch"])
         for k, v in res["busy"].items():
-            py, tb = v["pyloader"], v["torch_best"]
-            py_s = f"{100 * py['busy']:>9.1f}%" if "busy" in py else f"{'FAILED':>10}"
-            tb_s = f"{100 * tb['busy']:>9.1f}%  (w={tb['num_workers']:<3})" if tb else f"{'n/a':>10}  (none ran)"
-            ratio = f"{py['samples_per_s'] / tb['samples_per_s']:>10.2f}x" if tb and "busy" in py else ""
-            print(f"  {k:<10}{py_s}{tb_s:<22}{'':<2}{ratio:>17}")
+            print_busy_row(k, v)
     for name, err in res.get("errors", {}).items():
         print(f"\n({name} FAILED: {err})")
-    print(f"\n({res['wall_s']:.0f} s)")
+    print(f"\n({res.get('wall_s', 0):.0f} s{'' if res.get('finished') else ', UNFINISHED'})", flush=True)
+
+
+def failed(res: dict[str, Any]) -> bool:
+    busy_parts = res.get("busy", {}).values()
+    return (bool(res.get("errors")) or not res.get("finished") or bool(res.get("h2d", {}).get("cut_short"))
+            or any("error" in v.get("pyloader", {}) or "skipped" in v for v in busy_parts))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="small sizes (script check)")
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller rounds (about a minute on a GPU)")
     ap.add_argument("--steps", type=int, help="timed steps per busy-fraction run")
     ap.add_argument("--rounds", type=int, help="interleaved rounds for the H2D figures")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="results, rewritten after every measurement")
+    ap.add_argument("--budget-s", type=float, help="start nothing after this many seconds; print what was measured")
+    ap.add_argument("--report", metavar="JSON", help="only print the table of a (partial) results file")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            res = json.load(f)
+        print_table(res)
+        return 1 if failed(res) else 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device; use --device cpu to check the script", file=sys.stderr)
+        log(f"gpu_bench.py: no CUDA device (torch {torch.__version__}, cuda {torch.version.cuda}); "
+            "use --device cpu to check the script")
         return 2
     t_start = time.perf_counter()
     ctx = Ctx(args.device)
     q = args.quick or not ctx.cuda
     args.segment_bytes = 64 << 20 if ctx.cuda else 16 << 20
     args.record_bytes = 1 << 20 if ctx.cuda else 256 << 10
-    args.big_records = 1024 if ctx.cuda else 256  # 1 GB (64 MB on the CPU)
-    args.h2d_bytes = (4 << 30) if ctx.cuda else (256 << 20)
+    args.big_records = (512 if args.quick else 1024) if ctx.cuda else 256  # 0.5 or 1 GB (64 MB on the CPU)
+    args.h2d_bytes = ((1 << 30) if args.quick else (4 << 30)) if ctx.cuda else (256 << 20)
     args.depth = 2
-    args.rounds = args.rounds or (5 if ctx.cuda else 2)
+    args.rounds = args.rounds or ((3 if args.quick else 5) if ctx.cuda else 2)
     args.batch = 256
     if args.steps is None:
-        args.steps = 10 if q else 200
+        args.steps = (50 if args.quick else 200) if ctx.cuda else 10
     args.warm = 5 if q else 20
     if ctx.cuda:
         args.busy_profiles = [("image12k", 4000), ("blob150k", 1000)] if args.quick else [("image12k", 20000),
@@ -423,38 +536,41 @@ def main() -> int:
     env = B.environment()
     env["dev_shm_free_mb"] = shm_free() >> 20
     res: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "environment": env,
-                           "device": str(ctx.dev)}
+                           "device": str(ctx.dev), "errors": {}, "finished": False}
     if ctx.cuda:
         res["gpu"] = torch.cuda.get_device_name(ctx.dev)
+    rec = Recorder(res, args.json, args.budget_s, t_start)
+    rec.save()
     with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory(prefix="pyloader-gpu-") as tmp:
         warnings.simplefilter("always")
-        res["errors"] = {}
-        print("== (a) H2D", file=sys.stderr, flush=True)
+        log("== (a) H2D")
         try:
-            res["h2d"] = h2d(ctx, args, tmp)
-            print("  " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["h2d"]["gbps"].items()), file=sys.stderr,
-                  flush=True)
+            print_h2d(h2d(ctx, args, tmp, rec))
         except Exception as e:  # noqa: BLE001 - one device call: report it and still run (b)
             traceback.print_exc()
             res["errors"]["h2d"] = repr(e)
-        print("== (b) busy fraction", file=sys.stderr, flush=True)
-        try:
-            step, res["step"] = make_step(ctx, 5.0)
-            print(f"  step: {res['step']}", file=sys.stderr, flush=True)
-            res["busy"] = busy(ctx, args, tmp, step)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            res["errors"]["busy"] = repr(e)
-    res["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
-    res["wall_s"] = time.perf_counter() - t_start
+            rec.save()
+        log("== (b) busy fraction")
+        if rec.out_of_time(20):
+            res["errors"]["busy"] = "not started: time budget"
+            log("  not started: time budget")
+        else:
+            try:
+                step, res["step"] = make_step(ctx, 5.0)
+                log(f"  step: {res['step']}")
+                rec.save()
+                print_busy_header(res["step"], args.batch)
+                busy(ctx, args, tmp, step, rec)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                res["errors"]["busy"] = repr(e)
+        res["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+    res["finished"] = True
+    rec.save()
     print_table(res)
     if res["warnings"]:
         print("warnings: " + "; ".join(res["warnings"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    failed = bool(res["errors"]) or any("error" in v["pyloader"] for v in res.get("busy", {}).values())
-    return 1 if failed else 0
+    return 1 if failed(res) else 0
 
 
 if __name__ == "__main__":

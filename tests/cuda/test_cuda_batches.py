@@ -7,6 +7,7 @@ value mismatch rather than as a crash.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -248,24 +249,70 @@ def test_kept_batch_stays_valid(write_dataset: Callable[..., str], mode: str) ->
     assert_same_batch(kept, ref[0], expected_dev, "the kept first batch after close()")
 
 
+def _wait_until(check: Callable[[], str | None], where: str, timeout_s: float = 10.0) -> None:
+    """Polls check() (None: the condition holds, else what is wrong) until it holds; fails
+    after timeout_s with what was last wrong (a slot that never returns)."""
+    deadline = time.monotonic() + timeout_s
+    while (wrong := check()) is not None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{where}, still after {timeout_s:.0f} s: {wrong}")
+        time.sleep(0.0005)
+
+
+def _all_slots_free(pool: Any) -> str | None:
+    return None if pool.free == pool.created else f"{pool.created - pool.free} of {pool.created} slots in use"
+
+
+def _slots_settled(loader: pyloader.DataLoader, delivered: int) -> str | None:
+    """None once every slot in use holds a batch collated and not yet delivered: the
+    delivered (and dropped) batches' slots are back, and no collation is half-way."""
+    collated = loader.stats()["batches"]  # read first: in_use can then only be over, never under
+    in_use = loader._pool.created - loader._pool.free
+    if in_use == collated - delivered:
+        return None
+    return f"{in_use} slots in use, {collated - delivered} batches collated and not delivered"
+
+
 @pytest.mark.parametrize("pin_memory", [False, True])
 def test_no_new_pinned_slots_after_warmup(wide_dataset: str, pin_memory: bool) -> None:
     """Slots return to the pool once their copies completed and the batch was dropped:
-    from the second epoch on, the pool allocates nothing (NOTE [slot reuse])."""
+    over four epochs the pool allocates nothing (NOTE [slot reuse]).
+
+    No timing is assumed. The copy engine returns a slot on its own thread, and whether a
+    worker takes a slot before or after the one it could reuse came back is a race, so the
+    pool is first grown past the loader's window (prefetch + device_prefetch, with room to
+    spare), and after each batch the test waits, bounded, until the dropped batch's slot
+    is back (_slots_settled). A slot that never returns fails that wait.
+    """
+    prefetch = 2
     loader = pyloader.DataLoader(pyloader.ShardDataset(wide_dataset), batch_size=32, num_workers=2,
-                                 device="cuda", pin_memory=pin_memory)
-    assert loader._pool.pinned
+                                 device="cuda", pin_memory=pin_memory, prefetch=prefetch)
+    pool = loader._pool
+    assert pool.pinned
+
+    # Warm-up: hold more batches at once than the loader ever has in flight, then let go.
+    window = prefetch + loader.device_prefetch
+    src = loader.dataset.batches(32, num_threads=2, pool=pool)
+    held = [src.next_host() for _ in range(window + 2)]
+    src.close()
+    del held, src
+    _wait_until(lambda: _all_slots_free(pool), "after the warm-up")
+    warm = pool.created
+    assert warm >= window + 2
+
     created = []
-    for _ in range(4):
+    for epoch in range(1, 5):
+        delivered = 0
         for b in loader:
             b["x"].sum()
-            # A consumer slower than the copies: the pipeline's window is full every epoch,
-            # so the first epoch already reaches the pool's high-water mark.
-            torch.cuda.current_stream().synchronize()
-            time.sleep(0.001)
+            torch.cuda.synchronize()  # this batch's copy (and every copy issued ahead) completed
             del b
-        created.append(loader._pool.created)
-    assert created[1] == created[2] == created[3], f"slots created after epochs 1..4: {created}"
+            delivered += 1
+            _wait_until(functools.partial(_slots_settled, loader, delivered), f"epoch {epoch}, batch {delivered}")
+        # The iterator closed at the end of the epoch: its engine waited for every copy.
+        _wait_until(functools.partial(_all_slots_free, pool), f"after epoch {epoch}")
+        created.append(pool.created)
+    assert created == [warm] * 4, f"slots created by the warm-up ({warm}), after epochs 1..4: {created}"
 
 
 # -- no warnings -------------------------------------------------------------------------------

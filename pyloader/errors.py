@@ -8,6 +8,19 @@ core carry the shard path, record index and field name that failed.
 from __future__ import annotations
 
 import errno as _errno
+from typing import Any
+
+
+class _MessageOnly:
+    """For an OSError built as ``cls(errno, message)``: ``str()`` is the message alone.
+
+    OSError's own ``str()`` would prefix ``[Errno N]`` to a message that already says what failed.
+    """
+
+    args: tuple[Any, ...]
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
 
 class PyloaderError(Exception):
@@ -34,7 +47,7 @@ class ManifestError(ShardFormatError):
     """The dataset manifest is missing, malformed or corrupt."""
 
 
-class ManifestNotFoundError(ManifestError, FileNotFoundError):
+class ManifestNotFoundError(_MessageOnly, ManifestError, FileNotFoundError):
     """No manifest where a dataset was named (a local path or a remote URL).
 
     Both ``except ManifestError`` and ``except FileNotFoundError`` catch it.
@@ -45,8 +58,6 @@ class ManifestNotFoundError(ManifestError, FileNotFoundError):
         # ValueError precedes OSError in the MRO, so OSError does not fill these itself.
         self.errno, self.strerror = err, message
 
-    def __str__(self) -> str:  # OSError's str() would prefix "[Errno 2]"
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
 
 class ShardIOError(PyloaderError, OSError):
@@ -73,25 +84,21 @@ class VerifyError(ConvertError):
     """``verify`` found a converted record that differs from its source record."""
 
 
-class FetchError(PyloaderError, OSError):
+class FetchError(_MessageOnly, PyloaderError, OSError):
     """A remote object could not be fetched (after retries, or at once for a permanent error)."""
 
     url: str | None = None
     transient: bool = False
 
-    def __str__(self) -> str:  # OSError's str() would prefix "[Errno N]"
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
 
 class RemoteChangedError(FetchError):
     """A remote shard no longer matches the manifest (size or checksum): re-read the manifest."""
 
 
-class CacheError(PyloaderError, OSError):
+class CacheError(_MessageOnly, PyloaderError, OSError):
     """The cache directory cannot take a shard: full, read-only or unusable."""
 
-    def __str__(self) -> str:
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
 
 class CacheLimitError(PyloaderError, ValueError):
@@ -134,11 +141,9 @@ def from_native(kind: int, message: str, shard: str, record: int, field: str, sy
     return exc
 
 
-class _ShardNotFound(ShardIOError, FileNotFoundError):
+class _ShardNotFound(_MessageOnly, ShardIOError, FileNotFoundError):
     """A shard file does not exist."""
 
-    def __str__(self) -> str:  # OSError's default str() would prefix "[Errno 2]" twice
-        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
 
 __all__ = [

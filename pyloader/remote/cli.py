@@ -18,6 +18,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ManifestError, PyloaderError
@@ -41,24 +42,23 @@ def _size_arg(s: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {s!r}")
-    return v
+def _int_at_least(lo: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an int >= ``lo``, else an error naming ``what`` was expected."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected a {what} int, got {s!r}")
+        return v
+
+    return parse
 
 
-def _nonneg(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {s!r}")
-    return v
+_positive = _int_at_least(1, "positive")
+_nonneg = _int_at_least(0, "non-negative")
 
 
 def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:

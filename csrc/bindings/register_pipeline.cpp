@@ -53,18 +53,52 @@ std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::fo
 
 void register_pipeline(py::module_& m) {
   py::class_<ShardSet, std::shared_ptr<ShardSet>>(
-      m, "ShardSet", "The shards of one dataset, each mapped and validated on first use, kept across epochs.")
+      m, "ShardSet",
+      "The shards of one dataset, each mapped and validated on first use; idle ones stay mapped in LRU order "
+      "(NOTE [working set] in core/shard_reader.h).")
       .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
-                       py::bytes schema, bool pending) {
+                       py::bytes schema, bool pending, size_t max_idle) {
              return std::make_shared<ShardSet>(std::move(paths), std::move(bytes), std::move(records),
-                                               std::string(schema), pending);
+                                               std::string(schema), pending, max_idle);
            }),
            py::kw_only(), py::arg("paths"), py::arg("bytes"), py::arg("records"), py::arg("schema"),
-           py::arg("pending") = false)
+           py::arg("pending") = false, py::arg("max_idle") = 4096)
       .def("mark_ready", &ShardSet::mark_ready, py::arg("index"), py::arg("path"),
            "A pending shard's file is verified and in place at `path` (NOTE [shard readiness]).")
-      .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"),
-           "A pending shard could not be fetched; readers of it raise ShardIOError(message).")
+      .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"), py::arg("errno") = 0,
+           "A pending shard could not be fetched; readers of it raise ShardIOError(errno, message) "
+           "(a FileNotFoundError for ENOENT, a PermissionError for EACCES).")
+      .def(
+          "unload", [](ShardSet& s, size_t i, bool force) { return without_gil([&] { return s.unload(i, force); }); },
+          py::arg("index"), py::arg("force") = false,
+          "Unmaps shard `index` of a pending set and makes it pending again: an idle one, or with force=True one "
+          "that no worker holds now. False if it cannot be.")
+      .def(
+          "wait_events",
+          [](ShardSet& s, double timeout) {
+            ShardEvents ev = without_gil([&] { return s.wait_events(int64_t(timeout * 1000.0)); });
+            py::list corrupt;
+            for (auto& [i, msg] : ev.corrupt) corrupt.append(py::make_tuple(i, msg));
+            return py::make_tuple(ev.released, ev.waiting, corrupt);
+          },
+          py::arg("timeout") = 0.0,
+          "Waits up to `timeout` seconds for an event; returns (released, waiting, corrupt): shards that "
+          "became idle, shards a worker waits on now, and (shard, reason) of cached copies to fetch again.")
+      .def(
+          "waiting", [](ShardSet& s) { return without_gil([&] { return s.waiting(); }); },
+          "The shards a worker waits on now.")
+      .def("counts",
+           [](ShardSet& s) {
+             ShardSet::Counts c = s.counts();
+             py::dict d;
+             d["mapped"] = c.mapped;
+             d["idle"] = c.idle;
+             d["active"] = c.active;
+             d["heals"] = c.heals;
+             d["unloads"] = c.unloads;
+             d["peak_mapped"] = c.peak_mapped;
+             return d;
+           })
       .def("__len__", &ShardSet::size);
 
   py::class_<SlotPool, std::shared_ptr<SlotPool>>(m, "SlotPool", "Reusable batch buffers.")

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 
 #include "core/errors.h"
@@ -37,6 +38,11 @@ inline void copy_row(uint8_t* dst, const uint8_t* src, size_t n) {
   std::memcpy(dst + i, src + i, n - i);
 }
 
+constexpr uint32_t kNoBatch = 0xffffffffu;
+
+// Thrown by fill() when the batch must be collated again once a shard was fetched anew.
+struct RetryBatch {};
+
 uint64_t now_ns() {
   return uint64_t(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -58,6 +64,7 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   if (cfg_.batch_size == 0) throw std::invalid_argument("batch_size must be >= 1");
   if (cfg_.num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
+  if (shard_idx_.size() / cfg_.batch_size >= kNoBatch) throw std::invalid_argument("too many batches");
   // Plans come from Python; check them here once so workers can index without checks.
   for (size_t i = 0; i < shard_idx_.size(); ++i) {
     int32_t s = shard_idx_[i];
@@ -68,6 +75,23 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   size_t n = shard_idx_.size();
   num_batches_ = cfg_.drop_last ? n / cfg_.batch_size : (n + cfg_.batch_size - 1) / cfg_.batch_size;
   ring_.resize(size_t(cfg_.prefetch));
+  // NOTE [working set]: every planned batch holds its shards until it is collated.
+  {
+    std::vector<uint32_t> all, mark(shards_->size(), kNoBatch);
+    all.reserve(std::min(n, size_t(1) << 20));
+    for (size_t b = 0; b < num_batches_; ++b) {
+      const size_t end = std::min(n, (b + 1) * cfg_.batch_size);
+      for (size_t i = b * cfg_.batch_size; i < end; ++i) {
+        uint32_t s = uint32_t(shard_idx_[i]);
+        if (mark[s] != uint32_t(b)) {
+          mark[s] = uint32_t(b);
+          all.push_back(s);
+        }
+      }
+    }
+    shards_->retain(all);
+  }
+  released_.assign(num_batches_, 0);
   int nthreads = std::min<int>(cfg_.num_threads, int(std::max<size_t>(num_batches_, 1)));
   threads_.reserve(size_t(nthreads));
   for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this] { worker_loop(); });
@@ -103,12 +127,28 @@ void BatchPipeline::close() {
   for (auto& t : threads_)
     if (t.joinable()) t.join();
   threads_.clear();
+  // Workers released every batch they claimed; the rest will never be collated.
+  for (size_t b = next_claim_; b < num_batches_; ++b) release_batch(b);
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& p : ring_) p = Pending();  // drop slot references so they return to the pool
 }
 
+std::vector<uint32_t> BatchPipeline::batch_shards(size_t b) const {
+  const size_t begin = b * cfg_.batch_size;
+  const size_t end = std::min(shard_idx_.size(), begin + cfg_.batch_size);
+  std::vector<uint32_t> out(shard_idx_.begin() + std::ptrdiff_t(begin), shard_idx_.begin() + std::ptrdiff_t(end));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+void BatchPipeline::release_batch(size_t b) {
+  if (released_[b]) return;
+  released_[b] = 1;
+  shards_->release(batch_shards(b));
+}
+
 void BatchPipeline::worker_loop() {
-  std::vector<std::shared_ptr<const Shard>> open(shards_->size());
   for (;;) {
     size_t b;
     {
@@ -120,13 +160,20 @@ void BatchPipeline::worker_loop() {
       b = next_claim_++;
     }
     Pending done;
-    try {
-      fill(b, &done.batch, open);
-    } catch (...) {
-      done.batch = Batch();
-      done.error = std::current_exception();
+    for (;;) {
+      try {
+        fill(b, &done.batch);
+      } catch (const RetryBatch&) {
+        continue;  // NOTE [self-healing]: the shard is being fetched again; get() waits for it
+      } catch (...) {
+        done.batch = Batch();
+        done.error = std::current_exception();
+      }
+      break;
     }
     done.ready = true;
+    // Each batch is released by the one worker that claimed it (released_[b] is its own).
+    release_batch(b);
     {
       std::lock_guard<std::mutex> lk(mu_);
       ring_[b % ring_.size()] = std::move(done);
@@ -135,20 +182,37 @@ void BatchPipeline::worker_loop() {
   }
 }
 
-void BatchPipeline::fill(size_t b, Batch* out, std::vector<std::shared_ptr<const Shard>>& open) {
+void BatchPipeline::fill(size_t b, Batch* out) {
   const auto& fields = shards_->fields();
   const size_t nf = fields.size();
   const size_t begin = b * cfg_.batch_size;
   const size_t rows = std::min(cfg_.batch_size, shard_idx_.size() - begin);
 
-  // Pass 1: open the shards this batch touches and find each variable field's max length.
+  // Rows are visited in storage order (shard, then record), not batch order: a shuffled
+  // batch then reads its sources at ascending addresses, which the TLB and the hardware
+  // prefetcher handle far better. Each record still lands in its own row.
+  std::vector<uint32_t> visit(rows);
+  for (size_t i = 0; i < rows; ++i) visit[i] = uint32_t(i);
+  std::sort(visit.begin(), visit.end(), [&](uint32_t a, uint32_t c) {
+    int32_t sa = shard_idx_[begin + a], sc = shard_idx_[begin + c];
+    return sa != sc ? sa < sc : record_idx_[begin + a] < record_idx_[begin + c];
+  });
+
+  // Pass 1: hold each distinct shard once (NOTE [working set]) and find each variable
+  // field's max length.
   const uint64_t t_open = now_ns();
+  std::vector<std::shared_ptr<const Shard>> held;
   std::vector<const Shard*> shard_of(rows);
   std::vector<uint32_t> max_len(nf, 0);
-  for (size_t i = 0; i < rows; ++i) {
-    auto& held = open[size_t(shard_idx_[begin + i])];
-    if (!held) held = shards_->get(size_t(shard_idx_[begin + i]), &cancel_);
-    shard_of[i] = held.get();
+  int32_t last = -1;
+  for (size_t k = 0; k < rows; ++k) {
+    const size_t i = visit[k];
+    const int32_t s = shard_idx_[begin + i];
+    if (s != last) {
+      held.push_back(shards_->get(size_t(s), &cancel_));
+      last = s;
+    }
+    shard_of[i] = held.back().get();
     for (size_t f = 0; f < nf; ++f)
       if (fields[f].variable)
         max_len[f] = std::max(max_len[f], shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading);
@@ -183,16 +247,23 @@ void BatchPipeline::fill(size_t b, Batch* out, std::vector<std::shared_ptr<const
     v.data = slot.data[f].data();
   }
 
-  // Pass 2: verify, decode and place every record's fields into its row. Rows are
-  // visited in storage order (shard, then record), not batch order: a shuffled batch
-  // then reads its sources at ascending addresses, which the TLB and the hardware
-  // prefetcher handle far better. Each record still lands in its own row.
-  std::vector<uint32_t> visit(rows);
-  for (size_t i = 0; i < rows; ++i) visit[i] = uint32_t(i);
-  std::sort(visit.begin(), visit.end(), [&](uint32_t a, uint32_t b) {
-    int32_t sa = shard_idx_[begin + a], sb = shard_idx_[begin + b];
-    return sa != sb ? sa < sb : record_idx_[begin + a] < record_idx_[begin + b];
-  });
+  // Pass 2: verify, decode and place every record's fields into its row, in visit order.
+  // A value whose bytes fail their checksum: a cached copy is healed (NOTE [self-healing]),
+  // anything else raised.
+  auto corrupt = [&](size_t i, uint64_t rec, size_t f, uint64_t got, uint64_t want) {
+    const Shard& sh = *shard_of[i];
+    char digests[160];
+    std::snprintf(digests, sizeof digests, "payload checksum mismatch (corrupt data): XXH64 %016llx, index says %016llx",
+                  static_cast<unsigned long long>(got), static_cast<unsigned long long>(want));
+    LoaderError err(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name, digests);
+    std::string earlier;
+    if (shards_->pending_set() && shards_->report_corrupt(size_t(shard_idx_[begin + i]), &sh, err.what(), &earlier))
+      throw RetryBatch{};
+    if (earlier.empty()) throw err;
+    throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
+                      std::string(digests) + "; the cached copy was discarded and fetched again after an earlier "
+                                             "failure (" + earlier + "), and failed again");
+  };
   uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
   for (size_t k = 0; k < rows; ++k) {
     const size_t i = visit[k];
@@ -212,14 +283,13 @@ void BatchPipeline::fill(size_t b, Batch* out, std::vector<std::shared_ptr<const
       if (e.codec == kCodecRaw) {
         if (!verify) {
           copy_row(dst, src, e.stored_size);
-        } else if (xxh64_copy(dst, src, e.stored_size, 0) != e.checksum) {
-          throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
-                            "payload checksum mismatch (corrupt data)");
+        } else if (uint64_t got = xxh64_copy(dst, src, e.stored_size, 0); got != e.checksum) {
+          corrupt(i, rec, f, got, e.checksum);
         }
       } else {
-        if (verify && xxh64(src, e.stored_size, 0) != e.checksum)
-          throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
-                            "payload checksum mismatch (corrupt data)");
+        if (verify) {
+          if (uint64_t got = xxh64(src, e.stored_size, 0); got != e.checksum) corrupt(i, rec, f, got, e.checksum);
+        }
         if (const char* err = lz4_decode_block(src, e.stored_size, dst, e.decoded_size))
           throw LoaderError(ErrorKind::kFormat, sh.path(), int64_t(rec), fields[f].name,
                             std::string("LZ4 block is malformed: ") + err);

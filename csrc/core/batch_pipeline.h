@@ -79,9 +79,13 @@ class BatchPipeline {
   };
 
   void worker_loop();
-  // `open` is the calling worker's own table of shards it already holds (indexed by shard),
-  // so the hot loop takes no lock and touches no shared reference count per record.
-  void fill(size_t b, Batch* out, std::vector<std::shared_ptr<const Shard>>& open);
+  // Collates batch b into *out. The shards it reads are held only for the call (NOTE
+  // [working set] in shard_reader.h): one lookup per distinct shard, none per record.
+  // Throws RetryBatch when a corrupt cached shard is being fetched again (NOTE [self-healing]).
+  void fill(size_t b, Batch* out);
+  // The distinct shards batch b reads, ascending.
+  std::vector<uint32_t> batch_shards(size_t b) const;
+  void release_batch(size_t b);
 
   std::shared_ptr<ShardSet> shards_;
   std::shared_ptr<SlotPool> pool_;
@@ -107,6 +111,7 @@ class BatchPipeline {
   size_t next_claim_ = 0;
   size_t consumed_ = 0;
   std::vector<Pending> ring_;  // batch b lives at ring_[b % prefetch]
+  std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])
   std::vector<std::thread> threads_;
   PipelineCounters counters_;
 };

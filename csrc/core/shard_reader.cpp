@@ -200,19 +200,32 @@ IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
 }
 
 ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
-                   std::string schema_blob, bool pending)
+                   std::string schema_blob, bool pending, size_t max_idle)
     : paths_(std::move(paths)),
       bytes_(std::move(bytes)),
       records_(std::move(records)),
       schema_blob_(std::move(schema_blob)),
+      pending_set_(pending),
+      max_idle_(max_idle),
       pid_(::getpid()) {
   if (paths_.size() != bytes_.size() || paths_.size() != records_.size())
     throw std::invalid_argument("paths, bytes and records must have the same length");
+  if (paths_.size() >= kNone) throw std::invalid_argument("too many shards");
   fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(),
                          "<dataset schema>");
-  open_.resize(paths_.size());
-  state_.assign(paths_.size(), pending ? 1 : 0);
-  failure_.resize(paths_.size());
+  const size_t n = paths_.size();
+  open_.resize(n);
+  state_.assign(n, pending ? 1 : 0);
+  failure_.resize(n);
+  failure_errno_.assign(n, 0);
+  active_.assign(n, 0);
+  waiters_.assign(n, 0);
+  healed_.assign(n, 0);
+  first_failure_.resize(n);
+  idle_prev_.assign(n, kNone);
+  idle_next_.assign(n, kNone);
+  in_idle_.assign(n, 0);
+  release_noted_.assign(n, 0);
 }
 
 std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel) {
@@ -220,31 +233,76 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     throw LoaderError(ErrorKind::kState, "", -1, "",
                       "shard set used in a forked child; create the dataset iterator after fork");
   if (i >= paths_.size()) throw LoaderError(ErrorKind::kState, "", -1, "", "shard index out of range");
-  std::string path;
-  {
-    std::unique_lock<std::mutex> lk(mu_);
-    if (open_[i]) return open_[i];
-    // NOTE [shard readiness]: wait for the fetcher, in slices, so a cancel is seen.
-    while (state_[i] == 1) {
-      if (cancel && cancel->load(std::memory_order_acquire))
-        throw LoaderError(ErrorKind::kState, paths_[i], -1, "", "cancelled while waiting for the shard");
-      cv_->wait_for(lk, std::chrono::milliseconds(50));
+  for (;;) {
+    std::string path;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (open_[i]) return open_[i];
+      if (state_[i] == 1) {
+        // NOTE [shard readiness]: wait for the fetcher, in slices, so a cancel is seen; the
+        // pilot learns what is waited on (NOTE [working set]).
+        ++waiters_[i];
+        ++wait_gen_;
+        events_cv_->notify_all();
+        bool cancelled = false;
+        while (state_[i] == 1) {
+          if (cancel && cancel->load(std::memory_order_acquire)) {
+            cancelled = true;
+            break;
+          }
+          cv_->wait_for(lk, std::chrono::milliseconds(50));
+        }
+        --waiters_[i];
+        ++wait_gen_;
+        if (cancelled) throw LoaderError(ErrorKind::kState, paths_[i], -1, "", "cancelled while waiting for the shard");
+      }
+      if (state_[i] == 2) throw LoaderError(ErrorKind::kIO, paths_[i], -1, "", failure_[i], failure_errno_[i]);
+      if (open_[i]) return open_[i];
+      path = paths_[i];
     }
-    if (state_[i] == 2) throw LoaderError(ErrorKind::kIO, paths_[i], -1, "", failure_[i]);
-    path = paths_[i];
+    // Opened outside the lock so one slow open does not stall other workers; if two
+    // workers race, one mapping wins and the other is dropped.
+    std::shared_ptr<const Shard> sh;
+    try {
+      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], schema_blob_, fields_);
+    } catch (const LoaderError& e) {
+      // NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
+      const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||
+                            e.kind() == ErrorKind::kSchema ||
+                            (e.kind() == ErrorKind::kIO && e.sys_errno() == ENOENT);
+      std::string earlier;
+      if (pending_set_ && healable && report_corrupt(i, nullptr, e.what(), &earlier)) continue;
+      if (!earlier.empty())
+        throw LoaderError(e.kind(), path, -1, "",
+                          std::string(e.what()) + "; the cached copy was discarded and fetched again after an earlier "
+                                                  "failure (" + earlier + "), and failed again",
+                          e.sys_errno());
+      throw;
+    }
+    std::shared_ptr<const Shard> drop;  // a losing duplicate is unmapped outside the lock
+    std::lock_guard<std::mutex> lk(mu_);
+    if (state_[i] != 0) {
+      drop = std::move(sh);  // made pending again (healing) while we opened it: wait again
+      continue;
+    }
+    if (!open_[i]) {
+      open_[i] = std::move(sh);
+      if (++mapped_ > peak_mapped_) peak_mapped_ = mapped_;
+      if (active_[i] == 0) make_idle_locked(i);
+    } else {
+      drop = std::move(sh);
+    }
+    return open_[i];
   }
-  // Opened outside the lock so one slow open does not stall other workers; if two
-  // workers race, one mapping wins and the other is dropped.
-  auto sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], schema_blob_, fields_);
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!open_[i]) open_[i] = std::move(sh);
-  return open_[i];
 }
 
 ShardSet::~ShardSet() {
-  // In a forked child the parent's workers may have been waiting on cv_: leak it rather
-  // than block in its destructor.
-  if (::getpid() != pid_) (void)cv_.release();
+  // In a forked child the parent's workers may have been waiting on the condition
+  // variables: leak them rather than block in their destructors.
+  if (::getpid() != pid_) {
+    (void)cv_.release();
+    (void)events_cv_.release();
+  }
 }
 
 void ShardSet::mark_ready(size_t i, std::string path) {
@@ -257,14 +315,153 @@ void ShardSet::mark_ready(size_t i, std::string path) {
   cv_->notify_all();
 }
 
-void ShardSet::mark_failed(size_t i, std::string message) {
+void ShardSet::mark_failed(size_t i, std::string message, int sys_errno) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (i >= paths_.size()) throw std::out_of_range("shard index out of range");
     if (open_[i]) return;  // already mapped: the failure of a re-fetch does not matter
     state_[i] = 2;
     failure_[i] = std::move(message);
+    failure_errno_[i] = sys_errno;
   }
   cv_->notify_all();
 }
+
+void ShardSet::make_idle_locked(size_t i) {
+  if (in_idle_[i]) return;
+  in_idle_[i] = 1;
+  idle_prev_[i] = idle_tail_;
+  idle_next_[i] = kNone;
+  if (idle_tail_ != kNone) idle_next_[idle_tail_] = uint32_t(i);
+  idle_tail_ = uint32_t(i);
+  if (idle_head_ == kNone) idle_head_ = uint32_t(i);
+  ++idle_count_;
+}
+
+void ShardSet::leave_idle_locked(size_t i) {
+  if (!in_idle_[i]) return;
+  in_idle_[i] = 0;
+  uint32_t p = idle_prev_[i], n = idle_next_[i];
+  if (p != kNone) idle_next_[p] = n; else idle_head_ = n;
+  if (n != kNone) idle_prev_[n] = p; else idle_tail_ = p;
+  idle_prev_[i] = idle_next_[i] = kNone;
+  --idle_count_;
+}
+
+void ShardSet::retain(const std::vector<uint32_t>& shards) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (uint32_t s : shards) {
+    if (s >= active_.size()) throw std::out_of_range("shard index out of range");
+    if (active_[s]++ == 0) {
+      ++active_shards_;
+      leave_idle_locked(s);
+    }
+  }
+}
+
+void ShardSet::release(const std::vector<uint32_t>& shards) {
+  std::vector<std::shared_ptr<const Shard>> unmap;  // destroyed (munmap) after the lock
+  bool noted = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (uint32_t s : shards) {
+      if (s >= active_.size() || active_[s] == 0) continue;  // never retained: nothing to undo
+      if (--active_[s] != 0) continue;
+      --active_shards_;
+      if (open_[s]) make_idle_locked(s);
+      if (pending_set_ && !release_noted_[s]) {
+        release_noted_[s] = 1;
+        events_.released.push_back(s);
+        noted = true;
+      }
+    }
+    if (!pending_set_) {
+      while (idle_count_ > max_idle_) {
+        uint32_t s = idle_head_;
+        leave_idle_locked(s);
+        unmap.push_back(std::move(open_[s]));
+        --mapped_;
+        ++unloads_;
+      }
+    }
+  }
+  if (noted) events_cv_->notify_all();
+}
+
+bool ShardSet::unload(size_t i, bool force) {
+  std::shared_ptr<const Shard> unmap;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (i >= paths_.size()) throw std::out_of_range("shard index out of range");
+  if (!pending_set_ || state_[i] != 0) return false;
+  // A worker copies open_[i] under mu_, so use_count() == 1 here means no worker holds it.
+  if (active_[i] != 0 && !(force && (!open_[i] || open_[i].use_count() == 1))) return false;
+  leave_idle_locked(i);
+  if (open_[i]) {
+    unmap = std::move(open_[i]);
+    --mapped_;
+  }
+  state_[i] = 1;
+  ++unloads_;
+  return true;
+}
+
+bool ShardSet::report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier) {
+  std::shared_ptr<const Shard> unmap;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (bad != nullptr ? open_[i].get() != bad : bool(open_[i])) return true;  // replaced meanwhile: retry
+    if (state_[i] == 1) return true;                                             // a re-fetch is under way
+    if (!pending_set_ || state_[i] != 0 || healed_[i]) {
+      if (earlier) *earlier = first_failure_[i];
+      return false;
+    }
+    healed_[i] = 1;
+    first_failure_[i] = message;
+    leave_idle_locked(i);
+    if (open_[i]) {
+      unmap = std::move(open_[i]);
+      --mapped_;
+    }
+    state_[i] = 1;
+    ++heals_;
+    events_.corrupt.emplace_back(uint32_t(i), message);
+  }
+  events_cv_->notify_all();
+  return true;
+}
+
+ShardEvents ShardSet::wait_events(int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto any = [&] { return !events_.released.empty() || !events_.corrupt.empty() || wait_gen_ != reported_wait_gen_; };
+  if (!any() && timeout_ms > 0) events_cv_->wait_for(lk, std::chrono::milliseconds(timeout_ms), any);
+  ShardEvents out;
+  out.released.swap(events_.released);
+  for (uint32_t s : out.released) release_noted_[s] = 0;
+  out.corrupt.swap(events_.corrupt);
+  for (size_t s = 0; s < waiters_.size(); ++s)
+    if (waiters_[s] != 0) out.waiting.push_back(uint32_t(s));
+  reported_wait_gen_ = wait_gen_;
+  return out;
+}
+
+std::vector<uint32_t> ShardSet::waiting() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<uint32_t> out;
+  for (size_t s = 0; s < waiters_.size(); ++s)
+    if (waiters_[s] != 0) out.push_back(uint32_t(s));
+  return out;
+}
+
+ShardSet::Counts ShardSet::counts() {
+  std::lock_guard<std::mutex> lk(mu_);
+  Counts c;
+  c.mapped = mapped_;
+  c.idle = idle_count_;
+  c.active = active_shards_;
+  c.heals = heals_;
+  c.unloads = unloads_;
+  c.peak_mapped = peak_mapped_;
+  return c;
+}
+
 }  // namespace pyloader

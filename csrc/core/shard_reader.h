@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -83,23 +84,48 @@ class Shard {
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
 };
 
-// The shards of one dataset, opened lazily (once each) and kept mapped across epochs
-// so that later epochs take no page faults.
+// The shards of one dataset, each opened (mapped and validated) on first use.
 //
 // NOTE [shard readiness]: for remote datasets the files arrive while the epoch runs. Such
 // a set starts with every shard *pending*; a Python fetcher calls mark_ready() once a
 // shard's file is verified and in place (or mark_failed() with the reason). Workers that
 // need a pending shard wait for it, polling their cancel flag, so closing a pipeline
 // never waits on a download. Native threads never call into Python for this.
+//
+// NOTE [working set]: a pipeline retain()s, for every batch of its plan, each distinct
+// shard the batch reads, and release()s them once that batch is collated (or will never
+// be). A shard whose count drops to zero is *idle*: no batch in flight or planned needs
+// it. Idle shards stay mapped (a later epoch reads them without page faults) in LRU
+// order, and are unmapped:
+//   - local sets: by the set itself, beyond `max_idle` idle mappings;
+//   - pending (remote) sets: only when the fetcher calls unload(), which puts the shard
+//     back to pending; the fetcher then unpins its cache file. The set records each
+//     release, each shard a worker waits on, and each corrupt cached copy, for the
+//     fetcher's pilot thread to collect with wait_events().
+// Workers hold a shard only while collating a batch that reads it, so an idle shard is
+// never mapped by a worker, and unload() unmaps it at once.
+//
+// NOTE [self-healing]: in a pending set, a cached copy that fails a checksum (or cannot be
+// opened: vanished, wrong size, corrupt header) is reported once per shard: the set drops
+// its mapping, puts the shard back to pending and records it; the fetcher discards the
+// cached file and fetches it again, and the worker retries its batch. A second failure
+// of the same shard is raised, naming both.
+struct ShardEvents {
+  std::vector<uint32_t> released;  // shards that became idle, in order
+  std::vector<uint32_t> waiting;   // shards a worker waits on now
+  std::vector<std::pair<uint32_t, std::string>> corrupt;  // shards to discard and fetch again, with the reason
+};
+
 class ShardSet {
  public:
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
-           std::string schema_blob, bool pending = false);
+           std::string schema_blob, bool pending = false, size_t max_idle = 4096);
   ~ShardSet();
   ShardSet(const ShardSet&) = delete;
   ShardSet& operator=(const ShardSet&) = delete;
 
   size_t size() const noexcept { return paths_.size(); }
+  bool pending_set() const noexcept { return pending_set_; }
   const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
   const std::string& path(size_t i) const { return paths_.at(i); }
   uint64_t records(size_t i) const { return records_.at(i); }
@@ -107,20 +133,65 @@ class ShardSet {
   // LoaderError (kState if *cancel became true while waiting).
   std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr);
   void mark_ready(size_t i, std::string path);
-  void mark_failed(size_t i, std::string message);
+  void mark_failed(size_t i, std::string message, int sys_errno = 0);
   pid_t owner_pid() const noexcept { return pid_; }
 
+  // NOTE [working set]. `shards` may repeat; each occurrence counts once.
+  void retain(const std::vector<uint32_t>& shards);
+  void release(const std::vector<uint32_t>& shards);
+  // Unmaps shard i of a pending set and makes it pending again: an idle one, or with
+  // `force` one that planned batches still need but no worker holds now (the fetcher
+  // brings it back before they run). False (and nothing changes) otherwise.
+  bool unload(size_t i, bool force = false);
+  // NOTE [self-healing]: true if the caller should retry (a re-fetch was requested or is
+  // under way, or `bad` is no longer the shard's current mapping); false if the error is final.
+  // On false, *earlier is the first failure's message.
+  bool report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier);
+  // Waits up to timeout_ms for a release, a corrupt report or a change in what workers
+  // wait on; takes the recorded events. For the fetcher's pilot thread.
+  ShardEvents wait_events(int64_t timeout_ms);
+  // The shards a worker waits on now (takes no events).
+  std::vector<uint32_t> waiting();
+
+  struct Counts {
+    uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0;
+  };
+  Counts counts();
+
  private:
+  void make_idle_locked(size_t i);
+  void leave_idle_locked(size_t i);
+  void drop_mapping_locked(size_t i);
+
   std::vector<std::string> paths_;
   std::vector<uint64_t> bytes_;
   std::vector<uint64_t> records_;
   std::string schema_blob_;
   std::vector<FieldSpec> fields_;
+  bool pending_set_;
+  size_t max_idle_;
   std::mutex mu_;
   std::vector<std::shared_ptr<const Shard>> open_;
   std::vector<uint8_t> state_;  // 0 ready to open, 1 pending, 2 failed
   std::vector<std::string> failure_;
+  std::vector<int> failure_errno_;
+  std::vector<uint32_t> active_;    // batches in flight or planned that read the shard
+  std::vector<uint32_t> waiters_;   // workers waiting for the shard to be ready
+  std::vector<uint8_t> healed_;     // a re-fetch was requested once
+  std::vector<std::string> first_failure_;
+  // Idle mapped shards, least recently released first: a doubly linked list by index.
+  static constexpr uint32_t kNone = 0xffffffffu;
+  std::vector<uint32_t> idle_prev_, idle_next_;
+  std::vector<uint8_t> in_idle_;
+  std::vector<uint8_t> release_noted_;  // already in events_.released
+  uint32_t idle_head_ = kNone, idle_tail_ = kNone;
+  size_t idle_count_ = 0, mapped_ = 0, peak_mapped_ = 0;
+  size_t active_shards_ = 0;
+  uint64_t heals_ = 0, unloads_ = 0;
+  ShardEvents events_;
+  uint64_t wait_gen_ = 0, reported_wait_gen_ = 0;
   std::unique_ptr<std::condition_variable> cv_ = std::make_unique<std::condition_variable>();
+  std::unique_ptr<std::condition_variable> events_cv_ = std::make_unique<std::condition_variable>();
   pid_t pid_;
 };
 

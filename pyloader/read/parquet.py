@@ -80,7 +80,7 @@ class _Readiness:
         self.paths[i] = path
         self.events[i].set()
 
-    def mark_failed(self, i: int, message: str) -> None:
+    def mark_failed(self, i: int, message: str, errno: int = 0) -> None:
         self.errors[i] = message
         self.events[i].set()
 

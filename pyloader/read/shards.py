@@ -10,12 +10,13 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 from .. import _C
-from ..errors import LoaderStateError, ManifestError, ManifestNotFoundError
+from ..errors import CacheLimitError, LoaderStateError, LoaderTimeoutError, ManifestError, ManifestNotFoundError
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
@@ -63,6 +64,8 @@ class BatchIterator:
 
     def __init__(self, dataset: ShardDataset, pipeline: _C.BatchPipeline, num_threads: int = 1) -> None:
         self._fields = dataset.fields
+        self._shards = dataset._shards
+        self._fetcher = dataset._fetcher
         self._pipeline = pipeline
         self._pid = os.getpid()
         self._threads = num_threads
@@ -80,11 +83,23 @@ class BatchIterator:
     def __next__(self) -> dict[str, torch.Tensor]:
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
-        item = self._pipeline.next(self.timeout)
+        try:
+            item = self._pipeline.next(self.timeout)
+        except LoaderTimeoutError as e:
+            raise self._timeout_error(e) from None
         if item is None:
             self._ended()
         _, _, arrays, lengths = item
         return batch_to_torch(self._fields, arrays, lengths)
+
+    def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
+        """``e`` with what the readers wait on: the shards, their URLs and the bytes arrived."""
+        waiting = self._fetcher.describe_waiting() if self._fetcher is not None else ""
+        if not waiting:
+            return e
+        out = LoaderTimeoutError(f"{e}; waiting for {waiting}")
+        out.shard = e.shard
+        return out
 
     def next_host(self) -> tuple[_C.HostBatch, dict[str, torch.Tensor]]:
         """The next batch as (HostBatch, tensors), for the copy engine.
@@ -94,7 +109,10 @@ class BatchIterator:
         """
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
-        item = self._pipeline.next_host(self.timeout)
+        try:
+            item = self._pipeline.next_host(self.timeout)
+        except LoaderTimeoutError as e:
+            raise self._timeout_error(e) from None
         if item is None:
             self._ended()
         host, arrays, lengths = item
@@ -152,7 +170,35 @@ class BatchIterator:
             "wait_fraction": waited / wall if wall > 0 else 0.0,
             "decoded_gbps": c["decoded_bytes"] / wall / 1e9 if wall > 0 else 0.0,
             "finished": self._end is not None,
+            **self._cache_stats(),
         }
+
+    def _cache_stats(self) -> dict[str, Any]:
+        """The shard set's mappings and, for a remote dataset, the fetcher's working set (NOTE [streaming])."""
+        out: dict[str, Any] = {}
+        if self._shards is not None:
+            n = self._shards.counts()
+            out.update(mapped_shards=n["mapped"], peak_mapped_shards=n["peak_mapped"], healed_shards=n["heals"])
+        if self._fetcher is not None:
+            f = self._fetcher.stats()
+            out.update(cache_held_bytes=f["held_bytes"], cache_peak_held_bytes=f["peak_held_bytes"],
+                       cache_budget_bytes=f["budget_bytes"], shards_downloaded=f["downloaded"],
+                       bytes_fetched=f["bytes_fetched"], shards_unloaded=f["unloaded_shards"])
+        return out
+
+
+# Shards a remote reader keeps open (mapped and pinned) at most, beyond its working set.
+_MAX_OPEN = 4096
+
+
+def _readers_on_node() -> int:
+    """Readers sharing this node's cache: ``LOCAL_WORLD_SIZE`` ranks times this rank's DataLoader workers."""
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    info = torch.utils.data.get_worker_info()
+    return local * (info.num_workers if info is not None else 1)
 
 
 class ShardDataset(UnitDataset, IterableDataset):
@@ -184,7 +230,13 @@ class ShardDataset(UnitDataset, IterableDataset):
             in plan order, ``fetch_jobs`` at a time, into the node cache at ``cache_dir``
             (default ``$PYLOADER_CACHE_DIR``, else the user's cache dir), whose size is
             capped at ``cache_limit`` bytes (or ``"20G"``); ``storage_options`` go to
-            fsspec. See ``pyloader.remote.cache``.
+            fsspec. See ``pyloader.remote.cache``. A reader holds only its working set in
+            the cache: the shards overlapping its current window plus prefetch (NOTE
+            [streaming] in ``pyloader.remote.fetch``), so ``shuffle_mode="window"`` streams
+            a dataset many times larger than ``cache_limit``; the cache is shared by every
+            reader on the node (``LOCAL_WORLD_SIZE`` ranks, times DataLoader worker
+            processes), each held to its share of the limit. A limit below what a reader
+            needs raises ``CacheLimitError`` naming both numbers.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
@@ -231,8 +283,8 @@ class ShardDataset(UnitDataset, IterableDataset):
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fingerprint: str | None = None
-        if self._remote is not None:  # this reader pins every shard its plan reads
-            _fetch.check_limit(self._remote, self.plan()[0])
+        if self._remote is not None:  # the working set of the plan must fit this reader's share
+            self._check_working_set(self.plan()[0], 0)
 
     @property
     def is_remote(self) -> bool:
@@ -258,11 +310,12 @@ class ShardDataset(UnitDataset, IterableDataset):
         """
         if self._remote is None:
             return {"bytes": 0, "downloaded": 0}
-        self._shard_set()
-        fetcher = self._fetcher
-        assert fetcher is not None  # made with the shard set of a remote dataset
-        fetcher.schedule(range(len(self.shard_paths)))
-        fetcher.wait()
+        fetcher = _fetch.ShardFetcher(self._remote, None, jobs=self.fetch_jobs)  # publishes, pins nothing
+        try:
+            fetcher.schedule(range(len(self.shard_paths)))
+            fetcher.wait()
+        finally:
+            fetcher.close()
         if fetcher.errors:
             raise next(iter(fetcher.errors.values()))
         return {"bytes": fetcher.bytes, "downloaded": fetcher.downloaded}
@@ -283,9 +336,48 @@ class ShardDataset(UnitDataset, IterableDataset):
                                        schema=self._schema, pending=remote is not None)
             self._shards_pid = os.getpid()
             if remote is not None:  # NOTE [shard readiness]: the fetcher fills the pending set
-                self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs)
+                limit = remote.cache.limit
+                budget = None if limit is None else limit // _readers_on_node()
+                self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs, budget=budget,
+                                                    max_open=_MAX_OPEN)
                 weakref.finalize(self, self._fetcher.close)
         return self._shards
+
+    def working_set(self, shard_idx: Any, horizon: int) -> tuple[int, int]:
+        """(bytes, shards) a reader of the plan ``shard_idx`` holds at once, at its worst.
+
+        ``horizon``: samples collated ahead of the consumer. See ``pyloader.remote.fetch.working_set``.
+        """
+        return _fetch.working_set(shard_idx, self._sizes(), horizon)
+
+    def _sizes(self) -> Any:
+        if getattr(self, "_sizes_arr", None) is None:
+            self._sizes_arr = np.asarray(self.shard_bytes, dtype=np.int64)
+        return self._sizes_arr
+
+    def _check_working_set(self, shard_idx: Any, horizon: int) -> tuple[int, int]:
+        """Raises CacheLimitError when this reader's working set exceeds its share of the cache limit."""
+        assert self._remote is not None
+        need, count = self.working_set(shard_idx, horizon)
+        limit = self._remote.cache.limit
+        if limit is None:
+            return need, count
+        readers = _readers_on_node()
+        if need * readers > limit:
+            o = self.order
+            if o.shuffle and o.shuffle_mode == "global":
+                hint = ("with shuffle_mode='global' every shard is read until the end of the epoch, so the cache "
+                        "must hold the whole plan; to stream a dataset larger than the cache use "
+                        "shuffle_mode='window' (a smaller window= needs fewer shards at once)")
+            else:
+                hint = (f"or a smaller window= (now {o.window}), a smaller batch_size or prefetch"
+                        if o.shuffle else "or a smaller batch_size or prefetch")
+            who = f" x {readers} readers on this node (LOCAL_WORLD_SIZE, DataLoader workers)" if readers > 1 else ""
+            raise CacheLimitError(
+                f"{self._remote.url}: the cache limit of {limit} bytes is below what this reader needs at once: "
+                f"{need} bytes ({count} shards: those overlapping its shuffle window plus the batches read ahead)"
+                f"{who}; set cache_limit >= {need * readers}, {hint}")
+        return need, count
 
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
@@ -303,6 +395,8 @@ class ShardDataset(UnitDataset, IterableDataset):
             pool = _C.SlotPool(num_fields=len(self.fields))
         shards = self._shard_set()
         if self._fetcher is not None:
+            _, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size)
+            self._fetcher.max_open = max(_MAX_OPEN, count + 2 * self.fetch_jobs)
             self._fetcher.schedule(_fetch.first_touch_order(sidx))  # fetch ahead, in plan order
         pipeline = _C.BatchPipeline(
             shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
@@ -315,4 +409,5 @@ class ShardDataset(UnitDataset, IterableDataset):
         state["_shards"] = None  # native handles are per process
         state["_shards_pid"] = -1
         state["_fetcher"] = None  # threads and pins are per process
+        state["_sizes_arr"] = None
         return state

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import collections
 import errno
+import heapq
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ import numpy as np
 from .. import _C
 from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, VERSION, dump_manifest, parse_manifest
-from .cache import CacheLimitError, DatasetCache, ShardCache, normalize_url
+from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url
 from .fs import FetchError, RetryPolicy, read_object
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
@@ -69,11 +70,10 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
 
 
 def check_limit(dcache: DatasetCache, order: Iterable[int]) -> None:
-    """Raises CacheLimitError if ``dcache``'s cache limit cannot hold the shards in ``order`` at once.
+    """Raises CacheLimitError if ``dcache``'s cache limit cannot hold the files in ``order`` at once.
 
-    A reader's fetcher pins every shard (or file) it fetched until it is closed, and a
-    ShardDataset keeps its shards mapped across epochs, so what one reader needs at once
-    is every shard its plan touches.
+    For readers that keep every file they read until closed (``ParquetDataset``); a
+    ``ShardDataset`` streams instead and checks its working set (``working_set``).
     """
     limit = dcache.cache.limit
     if limit is None:
@@ -82,9 +82,36 @@ def check_limit(dcache: DatasetCache, order: Iterable[int]) -> None:
     need = sum(int(dcache.shards[i]["bytes"]) for i in idx)
     if need > limit:
         raise CacheLimitError(
-            f"{dcache.url}: the cache limit of {limit} bytes cannot hold the {len(idx)} shards ({need} bytes) "
-            f"this reader keeps open at once (it pins every shard its plan reads); set cache_limit >= {need}, "
+            f"{dcache.url}: the cache limit of {limit} bytes cannot hold the {len(idx)} files ({need} bytes) "
+            f"this reader keeps open at once (it keeps every file its plan reads); set cache_limit >= {need}, "
             "or None for no limit")
+
+
+def working_set(shard_idx: np.ndarray | Sequence[int], sizes: np.ndarray, horizon: int) -> tuple[int, int]:
+    """(bytes, shards) a reader of the plan ``shard_idx`` must hold at once, at its worst.
+
+    A shard is held from ``horizon`` samples before the plan first reads it (the batches
+    collated ahead of the consumer) until its last read (NOTE [working set] in
+    csrc/core/shard_reader.h). ``sizes``: bytes of every shard of the dataset.
+    """
+    a = np.asarray(shard_idx, dtype=np.int64)
+    n = int(a.size)
+    if n == 0:
+        return 0, 0
+    uniq, first = np.unique(a, return_index=True)
+    _, rfirst = np.unique(a[::-1], return_index=True)
+    last = n - 1 - rfirst
+    start = np.maximum(first - max(0, int(horizon)), 0)
+    size = np.asarray(sizes, dtype=np.int64)[uniq]
+    live_bytes = np.zeros(n + 1, np.int64)
+    live_count = np.zeros(n + 1, np.int64)
+    np.add.at(live_bytes, start, size)
+    np.add.at(live_bytes, last + 1, -size)
+    np.add.at(live_count, start, 1)
+    np.add.at(live_count, last + 1, -1)
+    bytes_at = np.cumsum(live_bytes[:-1])
+    k = int(np.argmax(bytes_at))
+    return int(bytes_at[k]), int(np.cumsum(live_count[:-1])[k])
 
 
 def first_touch_order(shard_idx: Iterable[int] | np.ndarray) -> list[int]:
@@ -108,62 +135,122 @@ def _close_at_exit(ref: weakref.ref[ShardFetcher], finish_s: float = 5.0, cancel
     fetcher.wait(timeout=cancel_s)
 
 
+# Shards a schedule() call pins on the calling thread when already cached (the rest go
+# through the download threads, so scheduling a 100k-shard plan returns at once).
+_SYNC_READY = 256
+# Every live fetcher of this process: one short of room asks the others to drop the
+# released shards they still hold (NOTE [streaming]).
+_FETCHERS: weakref.WeakSet[ShardFetcher] = weakref.WeakSet()
+
+
 class ShardFetcher:
     """Fetches shards of ``dcache`` in scheduled order on up to ``jobs`` threads.
 
     With ``shards`` (a pending ``_C.ShardSet``) each shard is pinned (NOTE [cache pins])
-    and reported with ``mark_ready``/``mark_failed``; pins last until ``close()``.
-    Without it (``pyloader cache warm``) shards are only published.
+    and reported with ``mark_ready``/``mark_failed``. Without it (``pyloader cache warm``)
+    shards are only published.
+
+    NOTE [streaming]: a reader holds (pins, and the native set maps) only its working
+    set. ``budget`` bounds the bytes this fetcher pins at once and ``max_open`` their
+    count: it fetches ahead in plan order while the next shard fits; the native set
+    reports each shard whose last planned batch was collated (*released*) to the pilot
+    thread, which queues it for unloading, least recently released first, whenever the
+    next shard does not fit (``_C.ShardSet.unload`` unmaps it, then its pin is dropped
+    and it becomes evictable). A shard a native worker waits on is fetched next even
+    past the budget, so a plan whose working set was misjudged slows down, never
+    deadlocks. The pilot also heals: a cached copy that failed its checksum is
+    discarded and fetched again once (NOTE [self-healing] in csrc/core/shard_reader.h).
+    Without ``budget``/``max_open`` every fetched shard stays pinned until ``close()``.
     """
 
     def __init__(self, dcache: DatasetCache, shards: Any = None, *, jobs: int = 4,
-                 on_done: Callable[[int, int, BaseException | None], None] | None = None) -> None:
+                 on_done: Callable[[int, int, BaseException | None], None] | None = None,
+                 budget: int | None = None, max_open: int | None = None) -> None:
         if not isinstance(jobs, int) or jobs < 1:
             raise ValueError("jobs must be a positive int")
         self.dcache = dcache
         self.shards = shards
         self.jobs = jobs
         self.on_done = on_done
+        self.budget = budget
+        self.max_open = max_open
         n = len(dcache.shards)
+        self._sizes = [int(s["bytes"]) for s in dcache.shards]
         self._state = [_IDLE] * n
         self._errors: dict[int, BaseException] = {}
-        self._queue: collections.deque[int] = collections.deque()
+        # Queued shards by rank: a heap of (rank, shard), stale entries skipped (NOTE [streaming]).
+        # A schedule ranks its order before everything queued earlier.
+        self._heap: list[tuple[int, int]] = []
+        self._rank: dict[int, int] = {}
+        self._min_rank = 0
+        self._nqueued = 0
         self._cv = threading.Condition()
         self._threads = 0
         self._stop = threading.Event()
         self.downloaded = 0  # shards this fetcher downloaded (not found in the cache)
         self.bytes = 0  # bytes received so far
+        # NOTE [streaming] bookkeeping, under _cv.
+        self._held: dict[int, int] = {}  # shard -> bytes pinned by this fetcher (running, ready or idle)
+        self._held_bytes = 0
+        self.peak_held_bytes = 0
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # released, LRU first
+        self._urgent: set[int] = set()  # shards native workers wait on
+        self._progress: dict[int, int] = {}  # bytes received by each running download
+        self._heal: dict[int, str] = {}  # shard -> why its cached copy is fetched again
+        self._room_since: dict[int, float] = {}
+        self.heals = 0  # cached copies discarded and fetched again
+        self.unloads = 0  # released shards unmapped and unpinned to make room
+        self._pilot: threading.Thread | None = None
         self._pid = os.getpid()
+        _FETCHERS.add(self)
         # At interpreter exit the download threads (daemons) would be stopped mid-file,
         # leaving their temp files for a later process to clean: cancel them first.
         ref = weakref.ref(self)
         atexit.register(_close_at_exit, ref)
 
+    @property
+    def streaming(self) -> bool:
+        """Whether this fetcher follows a native set's releases (NOTE [streaming])."""
+        return self.shards is not None and hasattr(self.shards, "wait_events")
+
     # -- control -------------------------------------------------------------------------
     def schedule(self, order: Iterable[int]) -> None:
         """Fetches ``order``'s shards next, first to last (earlier schedules follow)."""
+        order = list(order)
+        with self._cv:  # every shard of the order gets its rank: its next use, for _make_room_locked
+            base = self._min_rank - len(order)
+            self._min_rank = base
+            for k, i in enumerate(order):
+                self._rank[i] = base + k
         order = [i for i in order if self._state[i] in (_IDLE, _QUEUED)]
         if not order:
             return
-        for i in order:
-            if self.shards is not None and self._state[i] == _IDLE and self.dcache.is_published(i):
-                self._run_one(i)  # cached: pin and report now, no thread, no wait
+        if self.shards is not None:
+            # Cached shards at the head: pin and report now, no thread, no wait.
+            for i in order[:_SYNC_READY]:
+                with self._cv:
+                    if self._state[i] not in (_IDLE, _QUEUED) or not self._fits_locked(i):
+                        break
+                if not self.dcache.is_published(i):
+                    break
+                with self._cv:
+                    if self._take_locked(i) is None:
+                        break
+                self._run_one(i)
         with self._cv:
-            head = [i for i in order if self._state[i] in (_IDLE, _QUEUED)]
-            hs = set(head)
-            self._queue = collections.deque(head + [i for i in self._queue if i not in hs])
-            for i in head:
-                self._state[i] = _QUEUED
-            want = min(self.jobs, len(self._queue)) - self._threads
-            for _ in range(max(0, want)):
-                self._threads += 1
-                threading.Thread(target=self._worker, name="pyloader-fetch", daemon=True).start()
+            for i in order:
+                if self._state[i] in (_IDLE, _QUEUED):
+                    self._enqueue_locked(i)
+            self._spawn_locked()
+            if self.streaming and self._pilot is None:
+                self._pilot = threading.Thread(target=self._pilot_loop, name="pyloader-fetch-pilot", daemon=True)
+                self._pilot.start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running. True if done."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._threads:
+            while self._nqueued or self._threads:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -182,14 +269,19 @@ class ShardFetcher:
         self._drop_queue()
         if self.shards is not None:
             self.dcache.unpin_all()
+        with self._cv:
+            self._cv.notify_all()
 
     def _drop_queue(self) -> None:
         """Forgets the queued (not yet running) downloads; their readers get an error."""
         with self._cv:
-            dropped = list(self._queue)
-            self._queue.clear()
+            dropped = sorted({i for _, i in self._heap if self._state[i] == _QUEUED})
+            self._heap.clear()
+            self._nqueued = 0
+            for i in dropped:
+                self._state[i] = _FAILED
+            self._cv.notify_all()
         for i in dropped:
-            self._state[i] = _FAILED
             if self.shards is not None:
                 self.shards.mark_failed(i, f"{self.dcache.shard_url(i)}: the fetcher was closed")
 
@@ -198,48 +290,258 @@ class ShardFetcher:
         """The error of each shard whose fetch failed, by shard index (a copy)."""
         return dict(self._errors)
 
+    def stats(self) -> dict[str, Any]:
+        """What this fetcher holds and did: pinned bytes now and at peak, heals, unloads."""
+        with self._cv:
+            return {"held_shards": len(self._held), "held_bytes": self._held_bytes,
+                    "peak_held_bytes": self.peak_held_bytes, "budget_bytes": self.budget,
+                    "downloaded": self.downloaded, "bytes_fetched": self.bytes,
+                    "healed_shards": self.heals, "unloaded_shards": self.unloads}
+
+    def describe_waiting(self) -> str:
+        """What the native readers wait on now: each shard, its URL and the bytes arrived ('' if none)."""
+        if not self.streaming:
+            return ""
+        waiting = self.shards.waiting()
+        parts = []
+        with self._cv:
+            for i in waiting[:4]:
+                what = {_QUEUED: "queued", _RUNNING: "downloading", _DONE: "ready", _FAILED: "failed"}.get(
+                    self._state[i], "not scheduled")
+                got = self._progress.get(i)
+                arrived = f", {got} of {self._sizes[i]} bytes arrived" if got is not None else ""
+                parts.append(f"shard {self.dcache.shards[i]['path']!r} ({self.dcache.shard_url(i)}): {what}{arrived}")
+        more = f" and {len(waiting) - 4} more" if len(waiting) > 4 else ""
+        return "; ".join(parts) + more
+
+    # -- NOTE [streaming] ----------------------------------------------------------------
+    def _fits_locked(self, i: int) -> bool:
+        if i in self._held:
+            return True
+        if self.max_open is not None and len(self._held) >= self.max_open:
+            return False
+        return self.budget is None or self._held_bytes + self._sizes[i] <= self.budget
+
+    def _make_room_locked(self, i: int) -> bool:
+        """Unloads shards until shard ``i`` fits; True if it does.
+
+        Released shards go first, least recently released first; then shards planned
+        batches need after ``i``, furthest first (they are queued again).
+        """
+        self._unload_idle_locked(lambda: self._fits_locked(i))
+        if self._fits_locked(i):
+            return True
+        mine = self._rank.get(i, 0)
+        later = sorted((j for j in self._held if self._state[j] == _DONE and self._rank.get(j, 0) > mine),
+                       key=lambda j: self._rank.get(j, 0), reverse=True)
+        for j in later:
+            if self._fits_locked(i):
+                break
+            if not self.shards.unload(j, True):
+                continue  # a worker reads it now
+            self.dcache.unpin(j)
+            self._drop_held_locked(j)
+            self._state[j] = _IDLE
+            self._idle.pop(j, None)
+            self._enqueue_locked(j)
+            self.unloads += 1
+        return self._fits_locked(i)
+
+    def _unload_idle_locked(self, enough: Callable[[], bool]) -> None:
+        while self._idle and not enough():
+            j, _ = self._idle.popitem(last=False)
+            if self._state[j] != _DONE or j not in self._held:
+                continue
+            if not self.shards.unload(j):
+                continue  # a batch needs it again: no longer idle
+            self.dcache.unpin(j)
+            self._drop_held_locked(j)
+            self._state[j] = _IDLE
+            self.unloads += 1
+
+    def _drop_held_locked(self, i: int) -> None:
+        size = self._held.pop(i, None)
+        if size is not None:
+            self._held_bytes -= size
+
+    def _take_locked(self, i: int) -> int | None:
+        """Marks shard ``i`` running and counts it held, if it fits (or is waited on); else None."""
+        if i not in self._held:
+            if not self._fits_locked(i) and not (self.streaming and self._make_room_locked(i)):
+                if i not in self._urgent:
+                    return None
+            self._held[i] = self._sizes[i]
+            self._held_bytes += self._sizes[i]
+            self.peak_held_bytes = max(self.peak_held_bytes, self._held_bytes)
+        self._state[i] = _RUNNING
+        return i
+
+    def _enqueue_locked(self, i: int, rank: int | None = None) -> None:
+        """Queues shard ``i`` at ``rank`` (default: its scheduled rank)."""
+        if rank is None:
+            rank = self._rank.get(i, 0)
+        else:
+            self._rank[i] = rank
+        if self._state[i] != _QUEUED:
+            self._state[i] = _QUEUED
+            self._nqueued += 1
+        heapq.heappush(self._heap, (rank, i))
+
+    def _enqueue_first_locked(self, i: int) -> None:
+        self._min_rank -= 1
+        self._enqueue_locked(i, self._min_rank)
+
+    def _next_job_locked(self) -> int | None:
+        heap = self._heap
+        while heap and (self._state[heap[0][1]] != _QUEUED or self._rank.get(heap[0][1]) != heap[0][0]):
+            heapq.heappop(heap)  # stale: started, or queued again at another rank
+        if not heap:
+            return None
+        i = heap[0][1]
+        for j in self._urgent:
+            if self._state[j] == _QUEUED:
+                i = j
+                break
+        if self.shards is not None and self._take_locked(i) is None:
+            return None
+        if self.shards is None:
+            self._state[i] = _RUNNING
+        self._nqueued -= 1  # its heap entry is stale now
+        return i
+
+    def _spawn_locked(self) -> None:
+        want = min(self.jobs, self._nqueued) - self._threads
+        for _ in range(max(0, want)):
+            self._threads += 1
+            threading.Thread(target=self._worker, name="pyloader-fetch", daemon=True).start()
+
+    def _pilot_loop(self) -> None:
+        shards = self.shards
+        while not self._stop.is_set():
+            try:
+                released, waiting, corrupt = shards.wait_events(0.2)
+            except Exception:  # noqa: BLE001 - a set used after fork: nothing to follow
+                return
+            if not (released or waiting or corrupt or self._urgent):
+                continue
+            with self._cv:
+                for i in released:
+                    if self._state[i] == _DONE and i in self._held:
+                        self._idle[i] = None
+                        self._idle.move_to_end(i)
+                self._urgent = set(waiting)
+                front = []
+                for i in waiting:  # unloaded, then needed again before it was rescheduled
+                    if self._state[i] == _IDLE:
+                        front.append(i)
+                for i, reason in corrupt:
+                    self._heal[i] = reason
+                    self._idle.pop(i, None)
+                    if self._state[i] != _RUNNING:
+                        front.append(i)
+                for i in reversed(front):
+                    self._enqueue_first_locked(i)
+                self._spawn_locked()
+                self._cv.notify_all()
+
     # -- work --------------------------------------------------------------------------
-    def _add_bytes(self, n: int) -> None:
+    def _add_bytes(self, i: int, n: int) -> None:
         self.bytes += n  # one int add under the GIL: a good-enough counter for progress
+        self._progress[i] = self._progress.get(i, 0) + n
 
     def _run_one(self, i: int) -> None:
-        self._state[i] = _RUNNING
         err: BaseException | None = None
+        heal = self._heal.pop(i, None)
+        self._progress[i] = 0
+
+        def on_bytes(n: int) -> None:
+            self._add_bytes(i, n)
         try:
             if self.shards is not None:
-                path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=self._add_bytes)
+                if heal is not None:  # NOTE [self-healing]: drop the bad copy, then fetch it again
+                    self.dcache.discard(i, reason=heal)
+                    self.heals += 1
+                path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes)
             else:
-                path, fetched = self.dcache.ensure(i, cancel=self._stop, on_bytes=self._add_bytes)
+                path, fetched = self.dcache.ensure(i, cancel=self._stop, on_bytes=on_bytes)
             if fetched:
                 self.downloaded += 1
-            self._state[i] = _DONE
+            with self._cv:
+                self._state[i] = _DONE
+                self._room_since.pop(i, None)
             if self.shards is not None:
                 self.shards.mark_ready(i, path)
                 if self._stop.is_set():
                     self.dcache.unpin(i)  # closed meanwhile: hold nothing
         except BaseException as e:
+            if self._room_wait(i, e):
+                return
             err = e
-            self._state[i] = _FAILED
+            with self._cv:
+                self._state[i] = _FAILED
+                self._drop_held_locked(i)
             self._errors[i] = e
             if self.shards is not None:
                 msg = str(e)
                 url = self.dcache.shard_url(i)
                 if url not in msg:
                     msg = f"{url}: shard {self.dcache.shards[i]['path']!r}: {msg}"
-                self.shards.mark_failed(i, msg)
+                if heal is not None:
+                    msg = f"{msg} (fetching it again after its cached copy failed: {heal})"
+                err_no = e.errno if isinstance(e, OSError) and isinstance(e.errno, int) else 0
+                self.shards.mark_failed(i, msg, errno=err_no)
             if not isinstance(e, Exception):
                 raise
         finally:
-            if self.on_done is not None:
-                self.on_done(i, int(self.dcache.shards[i]["bytes"]), err)
+            self._progress.pop(i, None)
+            if self.on_done is not None and (err is not None or self._state[i] == _DONE):
+                self.on_done(i, self._sizes[i], err)
+
+    def shed_idle(self) -> int:
+        """Unloads and unpins every released shard this fetcher still holds. Returns how many."""
+        if not self.streaming or os.getpid() != self._pid:
+            return 0
+        with self._cv:
+            before = self.unloads
+            self._unload_idle_locked(lambda: False)
+            return self.unloads - before
+
+    def _room_wait(self, i: int, e: BaseException) -> bool:
+        """A full cache is waited out for a while (other readers release): requeues ``i``; True if so.
+
+        Released shards held by this process's other fetchers are dropped first.
+        """
+        print("X", i, type(e), getattr(e, "errno", None), file=__import__("sys").stderr)
+        if not (isinstance(e, CacheError) and e.errno == errno.ENOSPC) or self._stop.is_set():
+            return False
+        now = time.monotonic()
+        with self._cv:
+            since = self._room_since.setdefault(i, now)
+        if now - since > self.dcache.policy.deadline:
+            return False
+        shed = self.shed_idle()
+        for other in list(_FETCHERS):
+            if other is not self and other.dcache.cache.root == self.dcache.cache.root:
+                shed += other.shed_idle()
+        with self._cv:
+            self._drop_held_locked(i)
+            self._state[i] = _IDLE
+            self._enqueue_locked(i)
+        if not shed:
+            self._stop.wait(0.2)
+        return True
 
     def _worker(self) -> None:
         try:
-            while not self._stop.is_set():
+            while True:
                 with self._cv:
-                    if not self._queue:
-                        return
-                    i = self._queue.popleft()
+                    while True:
+                        if self._stop.is_set() or not self._nqueued:
+                            return
+                        i = self._next_job_locked()
+                        if i is not None:
+                            break
+                        self._cv.wait(0.1)  # over budget: wait for a release
                 self._run_one(i)
                 with self._cv:
                     self._cv.notify_all()

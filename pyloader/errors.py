@@ -60,8 +60,8 @@ class ManifestNotFoundError(_MessageOnly, ManifestError, FileNotFoundError):
 
 
 
-class ShardIOError(PyloaderError, OSError):
-    """A shard could not be opened or mapped."""
+class ShardIOError(_MessageOnly, PyloaderError, OSError):
+    """A shard could not be opened, mapped or fetched. Built as ``cls(errno, message)``."""
 
 
 class LoaderStateError(PyloaderError, RuntimeError):
@@ -85,11 +85,30 @@ class VerifyError(ConvertError):
 
 
 class FetchError(_MessageOnly, PyloaderError, OSError):
-    """A remote object could not be fetched (after retries, or at once for a permanent error)."""
+    """A remote object could not be fetched (after retries, or at once for a permanent error).
+
+    ``url`` is the object's URL, ``shard`` its path in the dataset (None for a manifest or
+    listing), ``attempts`` how many requests were made, ``transient`` whether retrying
+    later may succeed. Built as ``cls(errno, message)``; its ``str()`` is the message.
+    """
 
     url: str | None = None
     transient: bool = False
+    attempts: int = 0
 
+
+class FetchNotFoundError(FetchError, FileNotFoundError):
+    """The remote object does not exist (HTTP 404 or 410, S3 ``NoSuchKey``); errno ``ENOENT``.
+
+    Both ``except FetchError`` and ``except FileNotFoundError`` catch it.
+    """
+
+
+class FetchPermissionError(FetchError, PermissionError):
+    """The remote object may not be read (HTTP 401 or 403, S3 ``AccessDenied``); errno ``EACCES``.
+
+    Both ``except FetchError`` and ``except PermissionError`` catch it.
+    """
 
 
 class RemoteChangedError(FetchError):
@@ -129,10 +148,8 @@ def from_native(kind: int, message: str, shard: str, record: int, field: str, sy
     """Builds the Python exception for a native LoaderError (called from the bindings)."""
     cls = _KINDS.get(kind, PyloaderError)
     if cls is ShardIOError:
-        if sys_errno == _errno.ENOENT:
-            exc: PyloaderError = _ShardNotFound(sys_errno, message)
-        else:
-            exc = ShardIOError(sys_errno, message)
+        err = sys_errno or _errno.EIO  # a failure without an OS error (a fetch) still has an errno
+        exc: PyloaderError = _SHARD_IO_BY_ERRNO.get(err, ShardIOError)(err, message)
     else:
         exc = cls(message)
     exc.shard = shard or None
@@ -141,9 +158,19 @@ def from_native(kind: int, message: str, shard: str, record: int, field: str, sy
     return exc
 
 
-class _ShardNotFound(_MessageOnly, ShardIOError, FileNotFoundError):
-    """A shard file does not exist."""
+class _ShardNotFound(ShardIOError, FileNotFoundError):
+    """A shard file (or remote object) does not exist."""
 
+
+class _ShardPermissionDenied(ShardIOError, PermissionError):
+    """A shard file (or remote object) may not be read."""
+
+
+_SHARD_IO_BY_ERRNO: dict[int, type[ShardIOError]] = {
+    _errno.ENOENT: _ShardNotFound,
+    _errno.EACCES: _ShardPermissionDenied,
+    _errno.EPERM: _ShardPermissionDenied,
+}
 
 
 __all__ = [
@@ -151,6 +178,8 @@ __all__ = [
     "ConvertError",
     "VerifyError",
     "FetchError",
+    "FetchNotFoundError",
+    "FetchPermissionError",
     "RemoteChangedError",
     "CacheError",
     "CacheLimitError",

@@ -86,22 +86,40 @@ class OrderSpec:
         return dataclasses.asdict(self)
 
 
+def _reader_value(name: str, value: object, lo: int, optional: bool = True) -> int | None:
+    """``value`` as an int >= ``lo`` (or None if ``optional``); else a ValueError naming it (bools are not ints)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo:
+        kind = "a non-negative int" if lo == 0 else f"an int >= {lo}"
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+    return int(value)
+
+
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size): explicit values, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
+    """(rank, world size): explicit values, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1).
+
+    Raises ValueError naming both values (and where they came from) unless
+    ``0 <= rank < world_size``.
+    """
+    rank = _reader_value("rank", rank, 0)
+    world_size = _reader_value("world_size", world_size, 1)
     if rank is not None and world_size is not None:
-        return rank, world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        r, w, where = rank, world_size, ""
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        r, w, where = torch.distributed.get_rank(), torch.distributed.get_world_size(), "torch.distributed"
     else:
         try:
             r = int(os.environ.get("RANK", "0"))
             w = int(os.environ.get("WORLD_SIZE", "1"))
         except ValueError:
             raise ValueError("RANK and WORLD_SIZE must be integers") from None
+        where = "the RANK/WORLD_SIZE environment variables"
     r = r if rank is None else rank
     w = w if world_size is None else world_size
     if w < 1 or not 0 <= r < w:
-        raise ValueError(f"invalid rank {r} for world size {w}")
+        src = f" (from {where})" if where else ""
+        raise ValueError(f"rank={r}, world_size={w}{src}: a reader needs world_size >= 1 and 0 <= rank < world_size")
     return r, w
 
 
@@ -214,6 +232,53 @@ class _OrderField:
         obj.order = dataclasses.replace(obj.order, **{self.name: value})
 
 
+# NOTE [reader checks]: a dataset that cannot be read as configured fails when it is
+# built, naming the values, not at its first epoch. ``rank`` and ``world_size`` (None:
+# found at plan time by ``resolve_rank``) and ``num_records`` are checked when assigned;
+# once a constructor has assigned all three and ``order`` (in any order), every
+# assignment also runs ``UnitDataset.check_readers``: the resolved rank must lie in
+# [0, world size), and ``partition="drop"`` must leave every rank a sample (which fewer
+# records than ranks would not: floor(N / world) = 0). ``rank_and_world`` checks again
+# each time, as torch.distributed may have started since.
+_READER_KEYS = ("order", "rank", "world_size", "num_records")
+
+
+class _ReaderSetting:
+    """``dataset.rank``, ``world_size`` (an int or None) or ``num_records`` (an int): checked when assigned.
+
+    NOTE [reader checks]. A value that fails the dataset-wide check is not kept.
+    """
+
+    def __init__(self, lo: int, optional: bool) -> None:
+        self.lo, self.optional = lo, optional
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        d = obj.__dict__
+        missing = object()
+        old = d.get(self.name, missing)
+        d[self.name] = _reader_value(self.name, value, self.lo, self.optional)
+        if all(k in d for k in _READER_KEYS):
+            try:
+                obj.check_readers()
+            except BaseException:
+                if old is missing:
+                    del d[self.name]
+                else:
+                    d[self.name] = old
+                raise
+
+
 class UnitDataset(PlannedDataset):
     """A ``PlannedDataset`` made of units of records (shards, Parquet row groups).
 
@@ -227,8 +292,9 @@ class UnitDataset(PlannedDataset):
     """
 
     unit_records: list[int]
-    rank: int | None
-    world_size: int | None
+    rank = _ReaderSetting(0, optional=True)
+    world_size = _ReaderSetting(1, optional=True)
+    num_records = _ReaderSetting(0, optional=False)
     # Per-sample tensors are views of the batch unless a subclass clones them, so that one
     # kept sample does not hold a whole reusable batch buffer (ParquetDataset's staging).
     clone_samples = False
@@ -240,8 +306,26 @@ class UnitDataset(PlannedDataset):
     partition = _OrderField()
 
     def rank_and_world(self) -> tuple[int, int]:
-        """(rank, world size): ``rank``/``world_size`` where set, else as ``resolve_rank`` finds them."""
-        return resolve_rank(self.rank, self.world_size)
+        """(rank, world size): ``rank``/``world_size`` where set, else as ``resolve_rank`` finds them.
+
+        Checked by ``check_readers`` (ValueError).
+        """
+        return self.check_readers()
+
+    def check_readers(self) -> tuple[int, int]:
+        """(rank, world size), once this rank can read the dataset as configured (NOTE [reader checks]).
+
+        Raises:
+            ValueError: the rank is outside ``[0, world_size)``, or ``partition="drop"``
+                with fewer records than ranks would give every rank an empty epoch.
+        """
+        rank, world = resolve_rank(self.rank, self.world_size)
+        n = self.num_records
+        if self.order.partition == "drop" and 0 < n < world:
+            raise ValueError(
+                f"partition='drop' with world_size={world} and {n} records gives every rank floor({n} / {world}) "
+                "= 0 samples: use partition='pad' (which repeats samples so that each rank reads one) or fewer ranks")
+        return rank, world
 
     def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
                    worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,

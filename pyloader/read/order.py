@@ -56,7 +56,7 @@ def _int_array(name: str, values: object) -> np.ndarray:
     return arr if arr.size else arr.astype(np.int64)
 
 
-def _counts(records_per_shard: Sequence[int]) -> np.ndarray:
+def _counts(records_per_shard: Sequence[int] | np.ndarray) -> np.ndarray:
     counts = _int_array("records_per_shard", records_per_shard)
     if counts.size and (counts.min() < 0 or counts.max() >= 2**62 or counts.size >= 2**31):
         raise ValueError("records_per_shard must be < 2**31 non-negative ints (each < 2**62)")
@@ -147,6 +147,17 @@ def _sort_by_key(ids: np.ndarray, seed: int, epoch: int, stream: int) -> np.ndar
     return (_unmix64(keys) ^ state).astype(np.int64)
 
 
+def _order_args(shuffle: object, shuffle_mode: object, window: object, seed: int, epoch: int) -> int:
+    """Checks ``epoch_order``'s settings (ValueError); returns ``window``."""
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__}")  # noqa: TRY004
+    if shuffle_mode not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {shuffle_mode!r}")
+    window = _int_arg("window", window, 1, 1 << 62)
+    _key_state(seed, epoch, 0)  # validates seed and epoch even when unshuffled
+    return window
+
+
 def epoch_order(
     records_per_shard: Sequence[int],
     *,
@@ -171,29 +182,43 @@ def epoch_order(
     a global shuffle) but keep more shards live and cached; smaller windows
     stream with little cache but keep samples near their shard neighbours.
     """
-    if not isinstance(shuffle, (bool, np.bool_)):
-        raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__}")  # noqa: TRY004
-    if shuffle_mode not in SHUFFLE_MODES:
-        raise ValueError(f"shuffle_mode must be one of {SHUFFLE_MODES}, got {shuffle_mode!r}")
-    window = _int_arg("window", window, 1, 1 << 62)
-    _key_state(seed, epoch, 0)  # validates seed and epoch even when unshuffled
+    window = _order_args(shuffle, shuffle_mode, window, seed, epoch)
     counts = _counts(records_per_shard)
-    ids = np.arange(int(counts.sum()), dtype=np.int64)
+    n = int(counts.sum())
     if not shuffle:
-        return ids
+        return np.arange(n, dtype=np.int64)
     if shuffle_mode == "global":
-        return _sort_by_key(ids, seed, epoch, STREAM_GLOBAL)
-    # Concatenate shards in shuffled order without a Python loop over shards.
+        return _sort_by_key(np.arange(n, dtype=np.int64), seed, epoch, STREAM_GLOBAL)
+    return _window_order(counts, 0, n, seed, epoch, window)
+
+
+def _window_order(counts: np.ndarray, lo: int, hi: int, seed: int, epoch: int, window: int) -> np.ndarray:
+    """``epoch_order(...)[lo:hi]`` of window mode, from the windows overlapping ``[lo, hi)`` alone.
+
+    So a rank that reads 1/W of the epoch shuffles about 1/W of it; only the shard order
+    (one key per shard) is computed whole.
+    """
+    if hi <= lo:
+        return np.zeros(0, np.int64)
+    n = int(counts.sum())
     shard_order = _sort_by_key(np.arange(counts.size), seed, epoch, STREAM_SHARDS)
     lens = counts[shard_order]
-    seq = ids + np.repeat(
-        (np.cumsum(counts) - counts)[shard_order] - (np.cumsum(lens) - lens), lens
-    )
-    full = (ids.size // window) * window
-    out = np.empty(ids.size, dtype=np.int64)
-    out[:full] = _sort_by_key(seq[:full].reshape(-1, window), seed, epoch, STREAM_WINDOW).ravel()
-    out[full:] = _sort_by_key(seq[full:], seed, epoch, STREAM_WINDOW)
-    return out
+    seg_end = np.cumsum(lens)  # position in the shuffled-shard sequence where each shard ends
+    seg_start = seg_end - lens
+    first_id = (np.cumsum(counts) - counts)[shard_order]
+    w0 = lo // window * window  # [w0, w1): the whole windows that hold [lo, hi)
+    w1 = min(n, -(-hi // window) * window)
+    # The shards overlapping [w0, w1), each clipped to it: their ids in sequence order,
+    # without a Python loop over shards.
+    k0 = int(np.searchsorted(seg_end, w0, side="right"))
+    k1 = int(np.searchsorted(seg_start, w1, side="left"))
+    clipped = np.minimum(seg_end[k0:k1], w1) - np.maximum(seg_start[k0:k1], w0)
+    seq = np.arange(w0, w1, dtype=np.int64) + np.repeat(first_id[k0:k1] - seg_start[k0:k1], clipped)
+    whole = (min(w1, n // window * window) - w0) // window * window  # then at most the short last window
+    out = np.empty(seq.size, dtype=np.int64)
+    out[:whole] = _sort_by_key(seq[:whole].reshape(-1, window), seed, epoch, STREAM_WINDOW).ravel()
+    out[whole:] = _sort_by_key(seq[whole:], seed, epoch, STREAM_WINDOW)
+    return out[lo - w0 : hi - w0]
 
 
 def partition(order: np.ndarray, *, rank: int, world_size: int, partition: str = "pad") -> np.ndarray:
@@ -221,8 +246,6 @@ def partition(order: np.ndarray, *, rank: int, world_size: int, partition: str =
     return np.take(arr, np.arange(start, stop, dtype=np.int64) % n)
 
 
-_partition = partition  # for the functions below, whose ``partition`` argument shadows it
-
 
 def split_workers(rank_order: np.ndarray, *, worker: int, num_workers: int) -> np.ndarray:
     """Worker ``worker``'s contiguous block, with ``np.array_split`` semantics.
@@ -237,7 +260,7 @@ def split_workers(rank_order: np.ndarray, *, worker: int, num_workers: int) -> n
     return arr[start : start + q + (worker < rem)]
 
 
-def locate(ids: np.ndarray, records_per_shard: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def locate(ids: np.ndarray, records_per_shard: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(shard index int32, record index int64) of each global id in ``ids``.
 
     Empty shards are skipped. Ids outside ``[0, N)`` raise ValueError.
@@ -282,20 +305,33 @@ def plan(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(shard_idx int32, record_idx int64), C-contiguous, in this (rank, worker)'s read order.
 
-    ``epoch_order`` -> ``partition`` -> ``split_workers`` -> ``locate``. Arguments
-    are validated before any per-sample work is done.
+    ``epoch_order`` -> ``partition`` -> ``split_workers`` -> ``locate``, exactly. Arguments
+    are validated before any per-sample work is done. The (rank, worker) block is one or
+    two runs of positions of the epoch order (two where ``pad`` wraps around), so only
+    those positions are computed: without shuffle and in window mode, a reader's cost is
+    its share of the epoch, not the epoch; a global shuffle sorts every key.
     """
     world_size, num_workers = _reader_args(rank, world_size, worker, num_workers, partition)
-    order = epoch_order(
-        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, shuffle_mode=shuffle_mode,
-        window=window,
-    )
-    mine = split_workers(
-        _partition(order, rank=rank, world_size=world_size, partition=partition),
-        worker=worker,
-        num_workers=num_workers,
-    )
-    shard, record = locate(mine, records_per_shard)
+    window = _order_args(shuffle, shuffle_mode, window, seed, epoch)
+    counts = _counts(records_per_shard)
+    n = int(counts.sum())
+    if n == 0:
+        raise ValueError("cannot partition an empty order (the dataset has no samples)")
+    per = _per_rank(n, world_size, partition)
+    q, rem = divmod(per, num_workers)
+    # Positions [a, a + size) of the order repeated cyclically (``partition``), size <= n.
+    a = rank * per + worker * q + min(worker, rem)
+    size = q + (worker < rem)
+    start = a % n
+    runs = [(start, min(start + size, n)), (0, max(0, start + size - n))]
+    if not shuffle:
+        mine = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in runs])
+    elif shuffle_mode == "global":  # every position depends on every key: sort them all
+        order = _sort_by_key(np.arange(n, dtype=np.int64), seed, epoch, STREAM_GLOBAL)
+        mine = np.concatenate([order[lo:hi] for lo, hi in runs])
+    else:
+        mine = np.concatenate([_window_order(counts, lo, hi, seed, epoch, window) for lo, hi in runs])
+    shard, record = locate(mine, counts)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
 
 

@@ -4,6 +4,7 @@
 |---|---|
 | ``fs.py`` | fsspec access: filesystems with timeouts, retries, whole-object reads, downloads into a file |
 | ``cache.py`` | the node cache: publish, pins, LRU eviction, limits (NOTE [cache publish], NOTE [cache pins]) |
+| ``manifest.py`` | ``node_manifest``: a manifest fetched once per node, not per rank (NOTE [manifest once per node]) |
 | ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``check_limit``, ``ShardFetcher`` (prefetch) |
 | ``cli.py`` | the ``pyloader cache`` command: warm, ls, stats, verify, evict, clear |
 

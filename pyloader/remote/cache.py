@@ -7,31 +7,66 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
     root/v1/<key>/url                   the dataset URL (key = XXH64 of the URL)
     root/v1/<key>/manifest.json         the manifest copy the shards below were checked against
     root/v1/<key>/shards/<name>         published shards; name = quote(path) + "." + manifest xxh64
-    root/v1/<key>/locks/<name>.lock     flock EX: held by the one process downloading <name>
-    root/v1/<key>/pins/<name>.pin       flock SH: held by every process that has <name> open
-    root/v1/<key>/tmp/<name>.<pid>.<random>.part   a download in progress
+    root/v1/<key>/locks/<name>.lock     flock EX: held by the process downloading <name>
+    root/v1/<key>/pins.lock             OFD read lock on one byte per shard a process may have mapped
+    root/v1/<key>/tmp/<name>.<owner>.<pid>.<random>.part   a download in progress
+    root/v1/<key>/discarded.log         one line per cached copy that failed a check and was removed
+
+``<owner>`` is ``<host>-<boot>-<pidns>``: the writer's host name, the first 16 hex digits
+of its kernel's boot id and the inode of its pid namespace, which is what a later
+process needs to tell whether the writer is still alive (NOTE [cache publish]).
 
 A shard's cached name carries the manifest's checksum, so a dataset rewritten at the
 same URL never reuses a file verified against the old manifest: old and new copies are
 never mixed. Everything is a plain file in ``root``; nothing lives in /dev/shm.
 
 NOTE [cache publish]: a shard file appears under ``shards/`` only by ``os.replace`` of a
-temp file that was (1) written by the one process holding the shard's ``.lock`` flock,
-(2) exactly the manifest's size, (3) equal to the manifest's XXH64, (4) fsynced, and
-the directory is fsynced after the rename. So a reader that sees the name sees a whole,
-verified file; a partial file only ever exists under ``tmp/``. The flock is released by
-the kernel when its holder dies (kill -9 included), so a dead downloader blocks nobody;
-the next holder of the lock deletes every temp file of that shard (only a lock holder
-writes them, so any it finds are dead). Space for a download is reserved up front with
-posix_fallocate, which turns a full disk into an immediate, clean error.
+temp file that was (1) created (``O_EXCL``) under a name no other writer uses, (2)
+exactly the manifest's size, (3) equal to the manifest's XXH64, (4) fsynced, and the
+directory is fsynced after the rename. So a reader that sees the name sees a whole,
+verified file; a partial file only ever exists under ``tmp/``. The shard's ``.lock``
+flock makes it one download per node, but nothing depends on it: where flock does
+nothing (some NFS, Lustre or GPFS mounts) two processes may download one shard at once,
+each into its own temp, and the second rename replaces a verified file by an identical
+one (a reader that opened the first keeps its inode). A writer removes only its own
+temp. A temp whose writer died is reclaimed by its name's owner: at once if the owner
+is this boot and pid namespace and its pid is gone (or a zombie), or an earlier boot of
+this host; otherwise (another host or pid namespace, a name without an owner) once its
+mtime is ``_STALE_TEMP_S`` (1 h) old. A live writer writes at least once per stall
+timeout (30 s) or backoff (10 s), else gives up, so an hour-old temp has no live writer
+(the hour also covers clock skew to a file server). Should its writer still be alive
+anyway (stopped for an hour), it finds its temp gone at the rename and downloads again.
+A temp in the older ``<name>.<pid>.<random>.part`` form is reclaimed when its pid is gone
+here and nobody holds its shard's flock. Space for a download is reserved up front with
+posix_fallocate, which turns a full disk into an immediate, clean error. A filesystem
+whose flock or fcntl locks fail outright (ENOLCK, ENOTSUP, ENOSYS; EINVAL for OFD locks
+on an old kernel) is treated as one whose locks do nothing.
 
-NOTE [cache pins]: a reader takes a shared flock on the shard's ``.pin`` file *before*
-checking that the shard is published and keeps it while the shard may be mapped.
-Eviction takes an exclusive, non-blocking flock on the ``.pin`` (and on the ``.lock``)
-and skips the shard when either is held, so a shard in use is never evicted. Should a
-file be unlinked anyway (``cache clear --force``), a process that has it mapped keeps
-reading the same inode safely; its disk space is freed only when the last mapping goes.
-LRU order is the shard file's mtime, refreshed each time a reader pins it.
+A published file may still vanish between a reader's check and its open: evicted where
+pins do not work (below), or removed by ``discard`` because it failed a check. A reader
+that finds it gone calls ``ensure`` again, which downloads it again.
+
+NOTE [cache pins]: a process pins a shard *before* checking that it is published and
+keeps the pin while the shard may be mapped. A pin is a read lock on one byte of the
+dataset's ``pins.lock``, at ``XXH64(cached file name) >> 2``, taken with an open file
+description lock (``F_OFD_SETLK``). Each process opens ``pins.lock`` once per dataset
+(``_PinFile``, shared by its threads, with a count per byte) however many shards it
+pins, so pins cost no file descriptor per shard, and closes it when its last pin goes.
+Eviction opens its own description, takes a non-blocking write lock on the byte (and
+the shard's ``.lock`` flock) and skips the shard when either is held. OFD locks, unlike
+classic fcntl locks, conflict between two descriptions of one process, so an evictor
+sees its own process's pins, and closing some other descriptor of the file drops none.
+The byte comes from the file name, not the shard's index, so processes holding
+different manifests of one URL agree; two names on one byte (a 62-bit hash collision)
+only make an unpinned shard look pinned: it is kept, never removed early. A forked child
+holds none of its parent's pins: it closes its copy of the parent's descriptor (whose
+locks stay with the parent) and opens its own. ``clear`` removes ``pins.lock`` only
+under a write lock of the whole file, and a pinner checks after its first lock that
+the path still names the file it locked. Should a mapped file be unlinked anyway (a bad
+copy removed by ``discard`` or ``pyloader cache verify``, or locks that do nothing), a
+process that has it mapped keeps reading the same inode safely; its disk space is freed
+only when the last mapping goes. LRU order is the shard file's mtime, refreshed each
+time a reader pins it.
 """
 
 from __future__ import annotations
@@ -40,11 +75,12 @@ import errno
 import fcntl
 import mmap
 import os
+import struct
 import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +100,14 @@ from .fs import (
 
 LAYOUT = "v1"
 _LOCK_POLL_S = 0.02
+# A temp file whose writer cannot be checked (another host or pid namespace) is reclaimed
+# once its mtime is this old (NOTE [cache publish] says why an hour is safe).
+_STALE_TEMP_S = 3600.0
+# flock/fcntl errors that mean "this filesystem has no locks": the cache then runs
+# without them (NOTE [cache publish]); EOPNOTSUPP is ENOTSUP on Linux.
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_PINS_FILE = "pins.lock"
+_DISCARD_LOG = "discarded.log"
 
 
 def _cache_error(err: int, message: str, shard: str | None = None) -> CacheError:
@@ -123,12 +167,26 @@ def _open_lockfile(path: str) -> int | None:
         return None
 
 
+def _same_file(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st, fst = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
 def _try_flock(fd: int, op: int) -> bool:
+    """A non-blocking flock: False if another holder has it; True if taken (or flock does nothing here)."""
     try:
         fcntl.flock(fd, op | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
+    except OSError as e:
+        if e.errno in _NO_LOCKS:
+            return True  # no locks on this filesystem: run without (NOTE [cache publish])
+        raise
 
 
 def _wait_flock(fd: int, op: int, timeout: float, cancel: threading.Event | None) -> bool:
@@ -159,17 +217,243 @@ def _lock_fd(path: str, op: int, timeout: float, cancel: threading.Event | None)
             os.close(fd)
             what = "cancelled" if cancel is not None and cancel.is_set() else f"timed out after {timeout:.0f} s"
             raise _cache_error(errno.ETIMEDOUT, f"{what} waiting for lock {path}")
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        if _same_file(path, fd):
             return fd
         os.close(fd)
 
 
+# -- byte-range locks on pins.lock (NOTE [cache pins]) ----------------------------------
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)  # Linux values, for Pythons that lack the names
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_FLOCK = struct.Struct("hhqqi0q")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+# Errors of an OFD lock call that mean no such locks here (an old kernel: EINVAL; a huge
+# offset a filesystem cannot take: EOVERFLOW).
+_NO_OFD_LOCKS = _NO_LOCKS | {errno.EINVAL, errno.EOVERFLOW}
+
+
+def _pin_offset(name: str) -> int:
+    """The byte of ``pins.lock`` that pins the cached file ``name``: 62 bits of its XXH64."""
+    return _C.xxh64(name.encode("utf-8")) >> 2
+
+
+def _byte_lock(fd: int, kind: int, offset: int, length: int = 1) -> bool:
+    """``F_OFD_SETLK`` of ``kind`` (F_RDLCK, F_WRLCK, F_UNLCK) on a byte range, never waiting.
+
+    False if another open file description holds a conflicting lock, or ``fd``'s mode
+    cannot take a write lock (a read-only cache, where nothing can be removed anyway);
+    True once set, or when this filesystem has no such locks.
+    """
+    try:
+        fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, offset, length, 0))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES, errno.EBADF):
+            return False
+        if e.errno in _NO_OFD_LOCKS:
+            return True
+        raise
+
+
+def _byte_held(fd: int, offset: int, length: int = 1) -> bool:
+    """``F_OFD_GETLK``: whether any open file description other than ``fd``'s locks the range."""
+    try:
+        out = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0))
+    except OSError as e:
+        if e.errno in _NO_OFD_LOCKS:
+            return False
+        raise
+    return bool(_FLOCK.unpack(out)[0] != fcntl.F_UNLCK)
+
+
+class _PinFile:
+    """This process's one open file description of a dataset's ``pins.lock`` (NOTE [cache pins]).
+
+    Holds a read lock on each pinned byte, counted so that two pins of one byte (two
+    DatasetCache objects, or a hash collision) release it only with the last. The file
+    is open only while some byte is pinned.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+        self.counts: dict[int, int] = {}
+        self.mu = threading.Lock()
+
+    def hold(self, offset: int, timeout: float) -> None:
+        """Pins byte ``offset``, waiting while an evictor holds it (one unlink)."""
+        with self.mu:
+            n = self.counts.get(offset, 0)
+            if n:
+                self.counts[offset] = n + 1
+                return
+            deadline = time.monotonic() + timeout
+            delay = _LOCK_POLL_S
+            while True:
+                first = not self.counts
+                if first and self.fd is None:
+                    self.fd = _open_lockfile(self.path)
+                if self.fd is None:
+                    break  # a read-only cache without pins.lock: nothing there can evict
+                if _byte_lock(self.fd, fcntl.F_RDLCK, offset):
+                    if not first or _same_file(self.path, self.fd):
+                        break
+                    self._close()  # `clear` replaced pins.lock before our first lock: use the new one
+                    continue
+                if time.monotonic() >= deadline:
+                    if first:
+                        self._close()
+                    raise _cache_error(errno.ETIMEDOUT, f"timed out after {timeout:.0f} s waiting to pin byte "
+                                       f"{offset} of {self.path}")
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.25)
+            self.counts[offset] = 1
+
+    def release(self, offset: int) -> None:
+        """Drops one pin of byte ``offset``; the lock goes with the last."""
+        with self.mu:
+            n = self.counts.get(offset, 0)
+            if n > 1:
+                self.counts[offset] = n - 1
+                return
+            if n == 0:
+                return
+            del self.counts[offset]
+            if self.fd is not None:
+                _byte_lock(self.fd, fcntl.F_UNLCK, offset)
+                if not self.counts:
+                    self._close()
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_pin_files: dict[str, _PinFile] = {}
+_pin_files_mu = threading.Lock()
+
+
+def _pin_file(path: str) -> _PinFile:
+    """This process's ``_PinFile`` for ``path``."""
+    with _pin_files_mu:
+        pf = _pin_files.get(path)
+        if pf is None:
+            pf = _pin_files[path] = _PinFile(path)
+        return pf
+
+
+def _forget_pins_in_child() -> None:
+    # The child's copies of the parent's descriptors share the parent's open file
+    # descriptions: unlocking through them would drop the parent's pins, and keeping
+    # them open would keep those pins alive after the parent let go. Close them (the
+    # parent's locks stay) and start empty; the locks may have been held mid-operation.
+    global _pin_files, _pin_files_mu
+    for pf in _pin_files.values():
+        if pf.fd is not None:
+            try:
+                os.close(pf.fd)
+            except OSError:
+                pass
+    _pin_files, _pin_files_mu = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pins_in_child)
+
+
+# -- temp files and their owners (NOTE [cache publish]) ----------------------------------
+_owner_cache: tuple[int, str] | None = None
+
+
+def _boot_id() -> str:
+    """The first 16 hex digits of this kernel's boot id, or "0" where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            b = f.read().strip().replace("-", "")[:16].lower()
+    except OSError:
+        return "0"
+    return b if len(b) == 16 and all(c in "0123456789abcdef" for c in b) else "0"
+
+
+def _owner() -> str:
+    """``<host>-<boot>-<pidns>`` of this process: who a temp file's name says wrote it."""
+    global _owner_cache
+    pid = os.getpid()
+    if _owner_cache is None or _owner_cache[0] != pid:
+        host = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in os.uname().nodename)[:32]
+        try:
+            ns = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            ns = 0
+        _owner_cache = (pid, f"{host or '_'}-{_boot_id()}-{ns}")
+    return _owner_cache[1]
+
+
+def _temp_stem(name: str) -> str:
+    """The part of a temp's name that names its shard: the shard's name, shortened if long."""
+    if len(name) <= 128:
+        return name
+    return f"{name[:100]}~{_C.xxh64(name.encode('utf-8')):016x}"
+
+
+def _new_temp_name(name: str) -> str:
+    return f"{_temp_stem(name)}.{_owner()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process in this pid namespace (a zombie is dead)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: someone else's live process
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _temp_is_stale(ddir: str, path: str, now: float) -> bool:
+    """Whether the writer of temp file ``path`` (in dataset dir ``ddir``) is gone (NOTE [cache publish])."""
+    try:
+        old = now - os.stat(path).st_mtime > _STALE_TEMP_S
+    except FileNotFoundError:
+        return False
+    n = os.path.basename(path)
+    parts = n.rsplit(".", 4)
+    if len(parts) == 5 and parts[4] == "part" and parts[2].isdigit() and parts[1].count("-") == 2:
+        host, boot, ns = parts[1].split("-")
+        my_host, my_boot, my_ns = _owner().split("-")
+        if boot != "0" and boot == my_boot:
+            if ns == my_ns:
+                return old or not _pid_alive(int(parts[2]))
+        elif boot != "0" and my_boot != "0" and host == my_host:
+            return True  # an earlier boot of this host: every process of it is gone
+        return old
+    parts = n.rsplit(".", 3)
+    if len(parts) == 4 and parts[3] == "part" and parts[1].isdigit():
+        # The older <name>.<pid>.<random>.part form: its writer ran here and held the flock.
+        if _pid_alive(int(parts[1])):
+            return old
+        fd = _open_lockfile(os.path.join(ddir, "locks", parts[0] + ".lock"))
+        if fd is None:
+            return False
+        try:
+            return _try_flock(fd, fcntl.LOCK_EX)
+        finally:
+            os.close(fd)
+    return old
+
+
 def _quote(path: str) -> str:
     return urllib.parse.quote(path, safe="")
+
+
+class _TempLost(Exception):
+    """Our temp file vanished before its rename (reclaimed as stale): download again."""
 
 
 @dataclass
@@ -182,6 +466,7 @@ class Entry:
     bytes: int
     mtime: float
     referenced: bool  # named by the dataset's current manifest
+    ino: int = 0  # the file's inode when listed (0: unknown); remove_entry removes only that file
 
 
 class ShardCache:
@@ -288,6 +573,8 @@ class ShardCache:
         used = sum(e.bytes for e in entries) + sum(s for _, _, s in self.temp_files())
         if used + need <= self.limit:
             return
+        if self.clean_stale():  # dead writers' temps count against the limit too
+            used = sum(e.bytes for e in entries) + sum(s for _, _, s in self.temp_files())
         # Shards the current manifests no longer name go first, then least recently used.
         for e in sorted(entries, key=lambda e: (e.referenced, e.mtime)):
             if used + need <= self.limit:
@@ -319,22 +606,16 @@ class ShardCache:
             return evicted, busy
 
     def clean_stale(self) -> int:
-        """Deletes temp files whose shard lock nobody holds (their writer died). Returns the count."""
+        """Deletes temp files whose writer is gone (NOTE [cache publish]). Returns the count."""
+        now = time.time()
         n = 0
         for ddir, p, _ in self.temp_files():
-            name = os.path.basename(p).rsplit(".", 3)[0]
-            fd = _open_lockfile(os.path.join(ddir, "locks", name + ".lock"))
-            if fd is None:
-                continue
-            try:
-                if _try_flock(fd, fcntl.LOCK_EX):
-                    try:
-                        os.unlink(p)
-                        n += 1
-                    except FileNotFoundError:
-                        pass
-            finally:
-                os.close(fd)
+            if _temp_is_stale(ddir, p, now):
+                try:
+                    os.unlink(p)
+                    n += 1
+                except FileNotFoundError:
+                    pass
         return n
 
     def clear(self, url: str | None = None) -> tuple[int, int]:
@@ -359,9 +640,13 @@ class ShardCache:
     def stats(self) -> dict[str, Any]:
         """Counts and bytes of the cached datasets, shards, pinned shards and temp files."""
         ds = self.datasets()
-        entries = [e for d in ds for e in d.entries()]
+        entries, pinned = [], []
+        for d in ds:
+            mine = d.entries()
+            held = d._pinned(e.name for e in mine)  # one open of its pins.lock per dataset
+            entries += mine
+            pinned += [e for e in mine if e.name in held]
         temps = self.temp_files()
-        pinned = [e for e in entries if e.dataset.is_pinned(e.name)]
         return {"cache_dir": self.base, "datasets": len(ds), "shards": len(entries),
                 "bytes": sum(e.bytes for e in entries), "pinned_shards": len(pinned),
                 "pinned_bytes": sum(e.bytes for e in pinned), "temp_files": len(temps),
@@ -404,7 +689,7 @@ class DatasetCache:
         self.names = [f"{_quote(s['path'])}.{s['xxh64']}" for s in self.shards]
         self.storage_options = storage_options
         self.policy = policy or RetryPolicy.from_env()
-        self._pins: dict[int, int] = {}
+        self._pins: dict[int, int] = {}  # shard index -> its byte in pins.lock, pinned by this object
         self._pins_pid = os.getpid()
         self._mu = threading.Lock()
         self._fs: Any = None
@@ -441,13 +726,14 @@ class DatasetCache:
     def _lock_path(self, name: str) -> str:
         return os.path.join(self.dir, "locks", name + ".lock")
 
-    def _pin_path(self, name: str) -> str:
-        return os.path.join(self.dir, "pins", name + ".pin")
+    @property
+    def _pins_path(self) -> str:
+        return os.path.join(self.dir, _PINS_FILE)
 
     def store_manifest(self) -> None:
         """Writes the URL and this manifest into the dataset dir (skipped where read-only)."""
         try:
-            for sub in ("shards", "locks", "pins", "tmp"):
+            for sub in ("shards", "locks", "tmp"):
                 os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
             mpath = os.path.join(self.dir, MANIFEST_NAME)
             try:
@@ -486,35 +772,36 @@ class DatasetCache:
                 st = os.stat(p)
             except FileNotFoundError:
                 continue
-            out.append(Entry(self, n, p, st.st_size, st.st_mtime, n in refs))
+            out.append(Entry(self, n, p, st.st_size, st.st_mtime, n in refs, st.st_ino))
         return out
 
     # -- pins (NOTE [cache pins]) --------------------------------------------------------
     def pin(self, i: int) -> None:
-        """Holds a shared flock on shard i's pin until ``unpin`` (or process exit)."""
+        """Pins shard ``i`` (a read lock on its byte of ``pins.lock``) until ``unpin`` or process exit."""
         with self._mu:
-            if self._pins_pid != os.getpid():  # after fork the inherited fds are not ours to manage
+            if self._pins_pid != os.getpid():  # after fork the parent's pins are not ours to release
                 self._pins, self._pins_pid = {}, os.getpid()
             if i in self._pins:
                 return
             try:
-                os.makedirs(os.path.join(self.dir, "pins"), exist_ok=True)
+                os.makedirs(self.dir, exist_ok=True)  # `clear` may have removed an idle dataset dir
             except OSError:
-                pass  # read-only cache: _lock_fd opens what exists
-            # Waits only while an evictor holds it (one unlink).
-            fd = _lock_fd(self._pin_path(self.names[i]), fcntl.LOCK_SH, 60.0, None)
-            self._pins[i] = -1 if fd is None else fd  # None: read-only cache, nothing can evict
+                pass  # read-only cache: the pin file is opened if it exists
+            off = _pin_offset(self.names[i])
+            # Waits only while an evictor holds the byte (one unlink).
+            _pin_file(self._pins_path).hold(off, 60.0)
+            self._pins[i] = off
         try:
             os.utime(self.shard_file(i))  # LRU: last use
         except OSError:
             pass
 
     def unpin(self, i: int) -> None:
-        """Releases this process's pin on shard ``i``, if it holds one."""
+        """Releases this object's pin on shard ``i``, if it holds one."""
         with self._mu:
-            fd = self._pins.pop(i, None) if self._pins_pid == os.getpid() else None
-        if fd is not None and fd >= 0:
-            os.close(fd)
+            off = self._pins.pop(i, None) if self._pins_pid == os.getpid() else None
+            if off is not None:
+                _pin_file(self._pins_path).release(off)
 
     def unpin_all(self) -> None:
         """Releases every pin this object holds."""
@@ -523,22 +810,27 @@ class DatasetCache:
 
     def is_pinned(self, name: str) -> bool:
         """Whether any process (this one included) pins the shard file ``name``."""
-        fd = _open_lockfile(self._pin_path(name))
-        if fd is None:
-            return False
+        return name in self._pinned([name])
+
+    def _pinned(self, names: Iterable[str]) -> set[str]:
+        """Which of the shard files ``names`` some process pins (one open of ``pins.lock``)."""
         try:
-            return not _try_flock(fd, fcntl.LOCK_EX)
+            fd = os.open(self._pins_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return set()  # no pins.lock: nobody pins anything here
+        try:
+            return {n for n in names if _byte_held(fd, _pin_offset(n))}
         finally:
             os.close(fd)
 
     def evict_entry(self, e: Entry) -> bool:
         """Removes one published shard unless a reader pins it or a downloader holds it."""
         lfd = _open_lockfile(self._lock_path(e.name))
-        pfd = _open_lockfile(self._pin_path(e.name))
+        pfd = _open_lockfile(self._pins_path)
         try:
             if lfd is None or pfd is None:
                 return False
-            if not _try_flock(lfd, fcntl.LOCK_EX) or not _try_flock(pfd, fcntl.LOCK_EX):
+            if not _try_flock(lfd, fcntl.LOCK_EX) or not _byte_lock(pfd, fcntl.F_WRLCK, _pin_offset(e.name)):
                 return False
             try:
                 os.unlink(e.path)
@@ -548,14 +840,27 @@ class DatasetCache:
         finally:
             for fd in (lfd, pfd):
                 if fd is not None:
-                    os.close(fd)
+                    os.close(fd)  # the only fd of its open file description: its locks go with it
 
     def remove_if_idle(self) -> int:
         """Removes this dataset's directory if it holds no shards or temp files. Returns files removed."""
         if self.entries() or (os.path.isdir(self.tmp_dir) and os.listdir(self.tmp_dir)):
             return 0
         n = 0
-        for sub in ("locks", "pins"):
+        fd = _open_lockfile(self._pins_path)
+        if fd is not None:
+            try:
+                # All of pins.lock, write-locked: no pin is held, and none is taken before the
+                # unlink (a pinner that opened it checks the path again: NOTE [cache pins]).
+                if not _byte_lock(fd, fcntl.F_WRLCK, 0, 0):
+                    return 0
+                os.unlink(self._pins_path)
+                n += 1
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+        for sub in ("locks", "pins"):  # pins/: one flock file per shard, as older versions pinned
             d = os.path.join(self.dir, sub)
             for name in os.listdir(d) if os.path.isdir(d) else []:
                 fd = _open_lockfile(os.path.join(d, name))
@@ -569,7 +874,7 @@ class DatasetCache:
                         return n  # someone holds it: keep the directory
                 finally:
                     os.close(fd)
-        for name in (MANIFEST_NAME, "url"):
+        for name in (MANIFEST_NAME, "url", _DISCARD_LOG):
             try:
                 os.unlink(os.path.join(self.dir, name))
                 n += 1
@@ -601,11 +906,17 @@ class DatasetCache:
 
     def ensure(self, i: int, *, cancel: threading.Event | None = None,
                on_bytes: Callable[[int], None] | None = None) -> tuple[str, bool]:
-        """Publishes shard i unless it already is (one download per node). Returns (path, downloaded?)."""
+        """Publishes shard i unless it already is (one download per node). Returns (path, downloaded?).
+
+        A reader that then finds the file gone before it could open it (NOTE [cache
+        publish]) calls this again.
+        """
         final = self.shard_file(i)
         if self.is_published(i):
             return final, False
         shard = self.shards[i]["path"]
+        if not os.path.isdir(self.tmp_dir) or not os.path.exists(os.path.join(self.dir, MANIFEST_NAME)):
+            self.store_manifest()  # `clear` removed the idle dataset dir since we opened it
         if not os.access(self.dir, os.W_OK) or not os.access(self.shard_dir, os.W_OK):
             raise _cache_error(errno.EROFS, f"{self.shard_url(i)}: shard {shard!r} is not cached and the cache "
                                f"directory {self.dir} is not writable", shard)
@@ -618,30 +929,67 @@ class DatasetCache:
                 raise FetchError(errno.ECANCELED, f"{self.shard_url(i)}: cancelled") from None
             raise _cache_error(e.errno or errno.EIO, f"{self.shard_url(i)}: shard {shard!r}: {e}", shard) from None
         try:
-            if self.is_published(i):  # another process published it while we waited
-                return final, False
-            self._download_locked(i, cancel, on_bytes)
-            return final, True
+            lost = 0
+            while not self.is_published(i):  # else another process published it while we waited
+                try:
+                    self._download_locked(i, cancel, on_bytes)
+                    return final, True
+                except _TempLost:
+                    lost += 1
+                    if lost == 3:
+                        raise _cache_error(errno.EIO, f"{self.shard_url(i)}: shard {shard!r}: the temp file of "
+                                           f"its download in {self.tmp_dir} was removed by another process, "
+                                           "three times", shard) from None
+            return final, False
         finally:
             lock.__exit__()
+
+    def _create_temp(self, name: str) -> tuple[str, int]:
+        """A new temp file of shard ``name``, in a name only this writer uses: (path, fd)."""
+        for _ in range(2):
+            tmp = os.path.join(self.tmp_dir, _new_temp_name(name))
+            try:
+                return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                os.makedirs(self.tmp_dir, exist_ok=True)  # `clear` removed it meanwhile
+        return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def _reclaim_temps(self, name: str) -> None:
+        """Removes the temps of shard ``name`` whose writers are gone (NOTE [cache publish])."""
+        stem, now = _temp_stem(name) + ".", time.time()
+        try:
+            names = os.listdir(self.tmp_dir)
+        except FileNotFoundError:
+            return
+        for n in names:
+            p = os.path.join(self.tmp_dir, n)
+            if n.startswith(stem) and _temp_is_stale(self.dir, p, now):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+
+    def _publish(self, tmp: str, final: str) -> None:
+        """``os.replace`` of a verified temp onto its published name (NOTE [cache publish])."""
+        try:
+            os.replace(tmp, final)
+        except FileNotFoundError:
+            if not os.path.exists(tmp):
+                raise _TempLost() from None
+            os.makedirs(self.shard_dir, exist_ok=True)  # `clear` removed it meanwhile
+            os.replace(tmp, final)
+        _fsync_dir(self.shard_dir)
 
     def _download_locked(self, i: int, cancel: threading.Event | None,
                          on_bytes: Callable[[int], None] | None) -> None:
         name, info = self.names[i], self.shards[i]
         size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
-        # Only the lock holder writes temps of this shard: any left are from dead writers.
-        for n in os.listdir(self.tmp_dir):
-            if n.startswith(name + ".") and n.endswith(".part"):
-                try:
-                    os.unlink(os.path.join(self.tmp_dir, n))
-                except FileNotFoundError:
-                    pass
-        tmp = os.path.join(self.tmp_dir, f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part")
-        fd = -1
+        self._reclaim_temps(name)
+        tmp, fd = "", -1
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                tmp, fd = self._create_temp(name)
                 try:
                     os.posix_fallocate(fd, 0, size)  # reserve now: a full disk fails here, cleanly
                 except OSError as e:
@@ -664,8 +1012,7 @@ class DatasetCache:
                     raise self.content_error(url, shard, problem)
             os.close(fd)
             fd = -1
-            os.replace(tmp, self.shard_file(i))
-            _fsync_dir(self.shard_dir)
+            self._publish(tmp, self.shard_file(i))
         except OSError as e:
             if isinstance(e, PyloaderError):
                 raise
@@ -676,10 +1023,11 @@ class DatasetCache:
         finally:
             if fd >= 0:
                 os.close(fd)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            if tmp:  # ours alone: created O_EXCL under a name no other writer uses
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
 
     # -- checks --------------------------------------------------------------------------
     def verify_entry(self, e: Entry) -> str | None:
@@ -690,7 +1038,10 @@ class DatasetCache:
         info = self.shards[i]
         if e.bytes != info["bytes"]:
             return f"size {e.bytes}, manifest says {info['bytes']}"
-        fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None  # evicted meanwhile: nothing cached, nothing wrong
         try:
             return self.content_problem(fd, e.bytes, i)
         finally:
@@ -727,12 +1078,83 @@ class DatasetCache:
         return changed
 
     def remove_entry(self, e: Entry) -> None:
-        """Removes a bad file even if pinned: a mapper keeps its inode (NOTE [cache pins])."""
-        with _Flock(self._lock_path(e.name), fcntl.LOCK_EX, 60.0):
+        """Removes a bad file even if pinned: a mapper keeps its inode (NOTE [cache pins]).
+
+        Only the file ``e`` listed: a copy published since (another inode) stays.
+        """
+        self._remove_bad(e.name, e.ino or None, e.path)
+
+    def discard(self, i: int, *, reason: str, expect: int | os.stat_result | tuple[int, int] | None = None) -> bool:
+        """Removes the published copy of shard ``i`` that failed a check, so ``ensure(i)`` downloads it again.
+
+        For a reader that found the cached shard corrupt (a checksum that does not match
+        on read), then calls ``ensure(i)`` once more. Safe while other processes have the
+        bad copy mapped (they keep its inode) and against a concurrent re-publish: only
+        the copy ``expect`` names is removed -- an fd open on it, its ``os.stat_result``
+        or ``(st_dev, st_ino)`` taken while the caller still has it open or mapped (an
+        inode number names one file only while that file lives). Without ``expect`` the
+        current copy is checked against the manifest and removed only if it fails.
+        ``reason`` (what failed) is appended to the dataset's ``discarded.log``. Returns
+        whether a file was removed; raises ``CacheError`` if the cache is read-only.
+        """
+        if isinstance(expect, int):
+            st = os.fstat(expect)
+            want: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        elif isinstance(expect, os.stat_result):
+            want = (expect.st_dev, expect.st_ino)
+        else:
+            want = None if expect is None else (int(expect[0]), int(expect[1]))
+        if want is None:
             try:
-                os.unlink(e.path)
+                st = os.stat(self.shard_file(i))
             except FileNotFoundError:
-                pass
+                return False
+            entry = Entry(self, self.names[i], self.shard_file(i), st.st_size, st.st_mtime, True, st.st_ino)
+            if self.verify_entry(entry) is None:
+                return False
+            want = (st.st_dev, st.st_ino)
+        removed = self._remove_bad(self.names[i], want, self.shard_file(i))
+        if removed:
+            line = (f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {os.uname().nodename} pid {os.getpid()} "
+                    f"{self.names[i]}: {reason}").replace("\n", " ")
+            try:
+                fd = os.open(os.path.join(self.dir, _DISCARD_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                             | os.O_CLOEXEC, 0o644)
+                try:
+                    os.write(fd, line.encode("utf-8", "replace") + b"\n")  # one append: whole lines
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # the log is a record for people, not part of the protocol
+        return removed
+
+    def _remove_bad(self, name: str, want: int | tuple[int, int] | None, path: str) -> bool:
+        """Unlinks ``path`` if it still is the file ``want`` names (inode, or (dev, inode)).
+
+        Under the shard's download lock, so no copy is published meanwhile (where flock
+        works; elsewhere a good copy removed in that instant costs one more download).
+        """
+        wait = self.policy.deadline + 2 * self.policy.stall_timeout
+        with _Flock(self._lock_path(name), fcntl.LOCK_EX, wait):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return False
+            if isinstance(want, int) and st.st_ino != want:
+                return False
+            if isinstance(want, tuple) and (st.st_dev, st.st_ino) != want:
+                return False
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise _cache_error(e.errno, f"cannot remove the bad copy {path}: the cache is read-only "
+                                       f"({os.strerror(e.errno)})", name) from None
+                raise
+            _fsync_dir(os.path.dirname(path))
+            return True
 
 
 class _Empty:

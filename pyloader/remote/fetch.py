@@ -27,9 +27,10 @@ import numpy as np
 
 from .. import _C
 from ..errors import ManifestNotFoundError
-from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, VERSION, dump_manifest, parse_manifest
+from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, VERSION, dump_manifest
 from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url
-from .fs import FetchError, RetryPolicy, read_object
+from .fs import FetchError, RetryPolicy
+from .manifest import node_manifest
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
 
@@ -60,12 +61,12 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
     root = normalize_url(url)
     murl = root + "/" + MANIFEST_NAME
     try:
-        data = read_object(murl, storage_options, policy)
+        data = node_manifest(root, cache.root, storage_options, policy)  # NOTE [manifest once per node]
     except FetchError as e:
         if e.errno == errno.ENOENT:
             raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {murl!r}") from e
         raise
-    parse_manifest(data, murl, _C.xxh64)  # raises ManifestError naming the URL
+    # Parsed and checked once, by the DatasetCache (a ManifestError names murl).
     return cache.dataset(root, data, storage_options=storage_options, policy=policy, flavour=flavour)
 
 

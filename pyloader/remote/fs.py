@@ -1,42 +1,87 @@
-"""Remote object I/O through fsspec: URLs, retries with backoff, one-object downloads.
+"""Remote object I/O through fsspec: URLs, retries, per-host request limits, downloads.
+
+A host's request limit adapts to its throttling; a download stops at once on a cancel.
 
 Policy lives here; the cache (``_cache``) decides where bytes go and when they are
 trusted. Nothing here writes into the cache directory except through the file
 descriptor the cache hands over.
 
-NOTE [fetch retries]: an attempt that fails is classified (``classify``):
-  - *permanent* (403, 404, other 4xx, a remote object bigger than the manifest says):
-    raised at once;
+NOTE [fetch retries]: an attempt that fails is classified (``classify``, ``_Failure``):
+  - *permanent* (401, 403, 404, 410, other 4xx, a remote object bigger than the
+    manifest says): raised at once. A missing object raises ``FetchNotFoundError`` (a
+    ``FileNotFoundError``), a forbidden one ``FetchPermissionError`` (a
+    ``PermissionError``), anything else a plain ``FetchError``;
+  - *throttled* (429, 503, S3 ``SlowDown``/``Throttling``...): the server asks us to
+    slow down. It does not count against ``attempts`` nor ``deadline``: the host's
+    request limit reacts (NOTE [fetch throttling]) and the attempt is repeated once
+    the limit lets it through. Only ``throttle_deadline`` ends it;
   - *transient* (connection reset or refused, timeouts, a body that ends early, 408,
-    429, 5xx, S3 ``SlowDown``/throttling): retried after ``base * 2**k`` seconds with
-    full jitter, capped at ``cap``, or after the server's ``Retry-After`` when it gives
-    one (also capped), at most ``attempts`` attempts and never past ``deadline``
-    seconds since the first attempt.
+    500, 502, 504): retried after ``base * 2**k`` seconds with full jitter, capped at
+    ``cap``, or after the server's ``Retry-After`` when it gives one (also capped), at
+    most ``attempts`` attempts and never past ``deadline`` seconds of trying (time spent
+    waiting on a throttling host is not counted).
 A wrong checksum with the right size may be a byte flipped in transit, so it is
 retried once; a second mismatch means the object changed after its manifest was read
-(``RemoteChangedError``). Every error names the URL and the shard.
+(``RemoteChangedError``). Every ``FetchError`` names the URL, the shard (when there is
+one) and the number of attempts in its message, and carries them as ``url``, ``shard``
+and ``attempts``; its ``errno`` is never 0.
+
+NOTE [fetch throttling]: all requests of a process to one host (one bucket for S3) pass
+through one ``HostLimiter`` (``host_limiter``): a window of how many may be in flight
+at once. A throttled response halves the window (from the number then in flight, at
+most once per round of requests: responses to requests sent before the last cut are
+already accounted for) and pauses the host: for the server's ``Retry-After`` when it
+gives one, else for a jittered backoff that grows with the throttled responses since
+the host's last success. Each success while the window is full widens it by
+``1/window`` (about one request per round: AIMD, as TCP). So a throttling storm slows
+the fetchers down to what the server accepts instead of failing them. Once the host
+has answered nothing but throttles for ``throttle_deadline`` seconds, a request that is
+throttled again, or one waiting for a window with nothing in flight, fails with the
+numbers (how long, how many throttled responses, the window reached). After a second
+of idleness past its pause a host's streak is forgotten; after a minute, its window.
+
+NOTE [download cancel]: on an async filesystem (HTTP, S3, GCS...) a download is one
+streaming request read by coroutines on fsspec's event loop; the calling thread waits
+for each chunk in slices of ``_CANCEL_POLL_S`` and, when ``cancel`` is set, cancels
+the coroutine and closes the response, so a stalled server delays a cancel by at most
+a slice, not by the stall timeout. Filesystems without async streaming (memory, local,
+...) are read synchronously and see the cancel between chunks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import errno
+import inspect
 import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from ..errors import FetchError, RemoteChangedError
+from ..errors import FetchError, FetchNotFoundError, FetchPermissionError, RemoteChangedError
+
+_T = TypeVar("_T")
 
 
 def _fetch_error(cls: type[FetchError], message: str, url: str, shard: str | None, err: int = errno.EIO,
-                 transient: bool = False) -> FetchError:
-    e = cls(err, message)
-    e.url, e.shard, e.transient = url, shard, transient
+                 transient: bool = False, attempts: int = 0) -> FetchError:
+    e = cls(err or errno.EIO, message)
+    e.url, e.shard, e.transient, e.attempts = url, shard, transient, attempts
     return e
+
+
+def _attempts(n: int) -> str:
+    return f"{n} attempt" if n == 1 else f"{n} attempts"
+
+
+def _naming(what: str, url: str, shard: str | None) -> str:
+    """The start of an error message: what was done to which URL, and which shard."""
+    return f"{what} {url} (shard {shard!r})" if shard else f"{what} {url}"
 
 
 def is_remote(url: str) -> bool:
@@ -77,13 +122,22 @@ def _env_float(name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounds on retries (NOTE [fetch retries]). ``from_env()`` reads PYLOADER_FETCH_* overrides."""
+    """Bounds on retries (NOTE [fetch retries]). ``from_env()`` reads PYLOADER_FETCH_* overrides.
+
+    ``attempts`` (PYLOADER_FETCH_ATTEMPTS), ``base`` and ``cap`` of the backoff
+    (PYLOADER_FETCH_BACKOFF, PYLOADER_FETCH_BACKOFF_CAP) and ``deadline``
+    (PYLOADER_FETCH_DEADLINE) bound the retries of transient failures;
+    ``stall_timeout`` (PYLOADER_FETCH_STALL_TIMEOUT) is how long a connection may send
+    nothing; ``throttle_deadline`` (PYLOADER_FETCH_THROTTLE_DEADLINE) how long a host may
+    answer nothing but throttles before the requests to it fail (NOTE [fetch throttling]).
+    """
 
     attempts: int = 6
     base: float = 0.25
     cap: float = 10.0
     deadline: float = 120.0
     stall_timeout: float = 30.0
+    throttle_deadline: float = 300.0
 
     @classmethod
     def from_env(cls) -> RetryPolicy:
@@ -93,23 +147,214 @@ class RetryPolicy:
                    base=_env_float("PYLOADER_FETCH_BACKOFF", d.base),
                    cap=_env_float("PYLOADER_FETCH_BACKOFF_CAP", d.cap),
                    deadline=_env_float("PYLOADER_FETCH_DEADLINE", d.deadline),
-                   stall_timeout=max(0.05, _env_float("PYLOADER_FETCH_STALL_TIMEOUT", d.stall_timeout)))
+                   stall_timeout=max(0.05, _env_float("PYLOADER_FETCH_STALL_TIMEOUT", d.stall_timeout)),
+                   throttle_deadline=_env_float("PYLOADER_FETCH_THROTTLE_DEADLINE", d.throttle_deadline))
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         """Seconds to wait before retry ``attempt``: the server's ``retry_after``, else full jitter; capped."""
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.cap)
-        return random.uniform(0.0, min(self.cap, self.base * (2 ** attempt)))
+        return random.uniform(0.0, min(self.cap, self.base * (2 ** min(attempt, 30))))
+
+    def throttle_pause(self, streak: int, retry_after: float | None) -> float:
+        """Seconds a throttled host is paused (NOTE [fetch throttling]).
+
+        Its ``Retry-After`` (at most ``throttle_deadline``), else full jitter growing with
+        ``streak``, the throttled responses since its last success.
+        """
+        if retry_after is not None:
+            return min(max(retry_after, 0.0), self.throttle_deadline)
+        return self.delay(max(streak - 1, 0), None)
 
 
+# -- the per-host request limit (NOTE [fetch throttling]) ----------------------------------
+_CANCEL_POLL_S = 0.05
+_STREAK_IDLE_S = 1.0  # idle past the pause: the host's throttle streak is over
+_WINDOW_IDLE_S = 60.0  # idle this long: the window opens again
+
+
+class _Cancelled(Exception):
+    """``cancel`` was set while waiting (for a window, a pause or a chunk)."""
+
+
+class _ThrottleExpired(Exception):
+    """The host has answered only throttles for longer than the throttle deadline."""
+
+
+class HostLimiter:
+    """How many requests to one host (or bucket) may be in flight at once, adapted to throttling.
+
+    An AIMD window (NOTE [fetch throttling]) shared by every fetch thread of the process:
+    ``with limiter.slot(cancel) as started:`` holds one of the window's places for one
+    request; ``throttled(started, pause)`` reports a throttled response (cut the window,
+    pause the host), ``ok()`` a success (widen the window). ``ceiling`` bounds the window;
+    it starts there, so only a throttle ever limits anything.
+    """
+
+    def __init__(self, ceiling: int = 64) -> None:
+        if ceiling < 1:
+            raise ValueError("ceiling must be >= 1")
+        self.ceiling = ceiling
+        self._cv = threading.Condition(threading.Lock())
+        self._window = float(ceiling)
+        self._in_flight = 0
+        self._waiting = 0
+        self._pause_until = 0.0
+        self._last_cut = float("-inf")
+        self._streak = 0  # throttled responses since the last success
+        self._streak_since: float | None = None  # when the first of them came
+        self._idle_since = time.monotonic()
+        self.throttles = 0  # throttled responses, in all
+        self.peak = 0  # most requests in flight at once
+        self.lowest = ceiling  # the smallest window a throttle cut it to
+        self.last_signal = ""  # what the last throttled response said, e.g. "HTTP 503, Retry-After 1 s"
+
+    # -- state (read without the lock: for messages and tests) -------------------------
+    @property
+    def window(self) -> int:
+        """Requests that may be in flight now."""
+        return max(1, int(self._window))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a place now."""
+        return self._in_flight
+
+    @property
+    def streak(self) -> int:
+        """Throttled responses since the host's last success."""
+        return self._streak
+
+    def streak_seconds(self) -> float:
+        """Seconds since the first throttled response after the host's last success (0 if none)."""
+        since = self._streak_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    # -- use ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def slot(self, cancel: threading.Event | None = None, *,
+             give_up_after: float | None = None) -> Iterator[float]:
+        """Holds a place in the window for one request; yields the time it was granted.
+
+        Blocks while the window is full or the host is paused. Raises ``_Cancelled`` when
+        ``cancel`` is set meanwhile, ``_ThrottleExpired`` when the host has answered only
+        throttles for ``give_up_after`` seconds and nothing is in flight.
+        """
+        started = self._acquire(cancel, give_up_after)
+        try:
+            yield started
+        finally:
+            with self._cv:
+                self._in_flight -= 1
+                if not self._in_flight and not self._waiting:
+                    self._idle_since = time.monotonic()
+                self._cv.notify_all()
+
+    def _acquire(self, cancel: threading.Event | None, give_up_after: float | None) -> float:
+        with self._cv:
+            now = time.monotonic()
+            if not self._in_flight and not self._waiting:
+                idle = now - max(self._idle_since, self._pause_until)
+                if idle > _STREAK_IDLE_S:
+                    self._streak, self._streak_since = 0, None
+                if idle > _WINDOW_IDLE_S:
+                    self._window = float(self.ceiling)
+            self._waiting += 1
+            try:
+                while True:
+                    now = time.monotonic()
+                    if self._in_flight < self.window and now >= self._pause_until:
+                        self._in_flight += 1
+                        self.peak = max(self.peak, self._in_flight)
+                        return now
+                    if cancel is not None and cancel.is_set():
+                        raise _Cancelled()
+                    if (give_up_after is not None and not self._in_flight and self._streak_since is not None
+                            and now - self._streak_since > give_up_after):
+                        raise _ThrottleExpired()
+                    left = self._pause_until - now
+                    self._cv.wait(min(left, _CANCEL_POLL_S) if left > 0 else _CANCEL_POLL_S)
+            finally:
+                self._waiting -= 1
+
+    def throttled(self, started: float, pause: float, signal: str = "") -> float:
+        """A request granted at ``started`` was throttled: cut the window, pause the host.
+
+        The host is paused ``pause`` seconds; ``signal`` says how the server throttled.
+        Returns how long the host has answered only throttles.
+        """
+        with self._cv:
+            now = time.monotonic()
+            self.throttles += 1
+            self.last_signal = signal or self.last_signal
+            self._streak += 1
+            if self._streak_since is None:
+                self._streak_since = now
+            if started >= self._last_cut:
+                self._window = max(1.0, min(self._window, float(max(self._in_flight, 1))) / 2)
+                self._last_cut = now
+                self.lowest = min(self.lowest, self.window)
+            self._pause_until = max(self._pause_until, now + pause)
+            self._cv.notify_all()
+            return now - self._streak_since
+
+    def ok(self) -> None:
+        """A request succeeded: the streak is over; a full window widens by ``1/window``."""
+        with self._cv:
+            self._streak, self._streak_since = 0, None
+            if self._waiting or self._in_flight >= self.window:
+                before = self.window
+                self._window = min(float(self.ceiling), self._window + 1.0 / self._window)
+                if self.window > before:
+                    self._cv.notify_all()
+
+
+_LIMITERS: dict[str, HostLimiter] = {}
+_LIMITERS_MU = threading.Lock()
+
+
+def _host_key(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "file://"
+    return scheme.lower() + "://" + rest.split("/", 1)[0].lower()
+
+
+def host_limiter(url: str) -> HostLimiter:
+    """The process's ``HostLimiter`` for ``url``'s scheme and host (an S3 URL's bucket)."""
+    key = _host_key(url)
+    with _LIMITERS_MU:
+        lim = _LIMITERS.get(key)
+        if lim is None:
+            lim = _LIMITERS[key] = HostLimiter()
+        return lim
+
+
+def _forget_limiters() -> None:
+    # A forked child has none of its parent's requests in flight, and a lock a parent
+    # thread held at the fork would never be released.
+    global _LIMITERS_MU
+    _LIMITERS_MU = threading.Lock()
+    _LIMITERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_limiters)
+
+
+# -- classifying failures (NOTE [fetch retries]) -------------------------------------------
 class _ShortBody(Exception):
     """The body ended before the manifest's size: a truncated transfer (transient)."""
 
 
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
                      errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN}
-_TRANSIENT_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                       "InternalError", "ServiceUnavailable", "503", "500", "502", "504"}
+_THROTTLE_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                      "TooManyRequestsException", "ServiceUnavailable", "503"}
+_TRANSIENT_S3_CODES = {"RequestTimeout", "RequestTimeTooSkewed", "InternalError", "500", "502", "504"}
+_NOT_FOUND_S3_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
+_FORBIDDEN_S3_CODES = {"AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
+_THROTTLE_STATUSES = {429, 503}
 
 
 def _status_of(e: BaseException) -> int | None:
@@ -122,6 +367,15 @@ def _status_of(e: BaseException) -> int | None:
         if isinstance(code, int):
             return code
     return None
+
+
+def _s3_code(e: BaseException) -> str:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        err = resp.get("Error")
+        if isinstance(err, dict):
+            return str(err.get("Code", ""))
+    return ""
 
 
 def _retry_after(e: BaseException) -> float | None:
@@ -142,8 +396,20 @@ def _retry_after(e: BaseException) -> float | None:
         return None  # an HTTP date: fall back to our own backoff
 
 
-def classify(e: BaseException) -> tuple[bool, float | None]:
-    """(transient?, Retry-After seconds or None) for one failed attempt (NOTE [fetch retries])."""
+@dataclass(frozen=True)
+class _Failure:
+    """What one failed attempt means (NOTE [fetch retries])."""
+
+    kind: str  # "throttle" | "transient" | "not_found" | "forbidden" | "permanent"
+    retry_after: float | None = None
+    signal: str = ""  # for a throttle: what the server said, e.g. "HTTP 503"
+
+    @property
+    def transient(self) -> bool:
+        return self.kind in ("throttle", "transient")
+
+
+def _failure(e: BaseException) -> _Failure:
     # Walk the cause chain: fsspec and s3fs wrap the client's exception.
     seen: list[BaseException] = []
     cur: BaseException | None = e
@@ -152,66 +418,144 @@ def classify(e: BaseException) -> tuple[bool, float | None]:
         cur = cur.__cause__ or cur.__context__
     for x in seen:
         if isinstance(x, _ShortBody):
-            return True, None
+            return _Failure("transient")
+        code = _s3_code(x)
         status = _status_of(x)
+        if code in _THROTTLE_S3_CODES or status in _THROTTLE_STATUSES:
+            return _Failure("throttle", _retry_after(x), f"S3 {code}" if code else f"HTTP {status}")
+        if code in _NOT_FOUND_S3_CODES or status in (404, 410):
+            return _Failure("not_found")
+        if code in _FORBIDDEN_S3_CODES or status in (401, 403):
+            return _Failure("forbidden")
+        if code in _TRANSIENT_S3_CODES:
+            return _Failure("transient", _retry_after(x))
         if status is not None:
-            if status in (408, 429) or status >= 500:
-                return True, _retry_after(x)
-            return False, None
-        code = getattr(x, "response", None)
-        if isinstance(code, dict):
-            c = str(code.get("Error", {}).get("Code", ""))
-            if c in _TRANSIENT_S3_CODES:
-                return True, _retry_after(x)
+            if status == 408 or status >= 500:
+                return _Failure("transient", _retry_after(x))
+            return _Failure("permanent")
     for x in seen:
-        if isinstance(x, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-            return False, None
+        if isinstance(x, FileNotFoundError):
+            return _Failure("not_found")
+        if isinstance(x, PermissionError):
+            return _Failure("forbidden")
+        if isinstance(x, (IsADirectoryError, NotADirectoryError)):
+            return _Failure("permanent")
         name = type(x).__name__
         mod = type(x).__module__ or ""
         if isinstance(x, (TimeoutError, ConnectionError)):
-            return True, None
+            return _Failure("transient")
         if mod.startswith("aiohttp") and name != "InvalidURL":
-            return True, None  # payload errors, disconnects, client/server connection errors
+            return _Failure("transient")  # payload errors, disconnects, client/server connection errors
         if mod.startswith(("botocore", "urllib3", "requests")) and any(
                 k in name for k in ("Timeout", "Connection", "ProtocolError", "IncompleteRead", "ResponseStreaming")):
-            return True, None
+            return _Failure("transient")
         if name in ("IncompleteReadError", "ContentLengthError", "ClientPayloadError"):
-            return True, None
+            return _Failure("transient")
         if isinstance(x, OSError) and x.errno in _TRANSIENT_ERRNOS:
-            return True, None
-    return False, None
+            return _Failure("transient")
+    return _Failure("permanent")
 
 
-def with_retries(fn: Callable[[], Any], policy: RetryPolicy, *, what: str, url: str, shard: str | None,
-                 cancel: threading.Event | None = None) -> Any:
-    """Calls ``fn`` until it succeeds, retrying transient failures (NOTE [fetch retries])."""
+def classify(e: BaseException) -> tuple[bool, float | None]:
+    """(transient?, Retry-After seconds or None) for one failed attempt (NOTE [fetch retries])."""
+    f = _failure(e)
+    return f.transient, f.retry_after
+
+
+def is_throttle(e: BaseException) -> bool:
+    """True if the attempt that raised ``e`` was throttled: 429, 503, S3 ``SlowDown``..."""
+    return _failure(e).kind == "throttle"
+
+
+_PERMANENT_CLASS: dict[str, tuple[type[FetchError], int]] = {
+    "not_found": (FetchNotFoundError, errno.ENOENT),
+    "forbidden": (FetchPermissionError, errno.EACCES),
+}
+
+
+def with_retries(fn: Callable[[], _T], policy: RetryPolicy, *, what: str, url: str, shard: str | None,
+                 cancel: threading.Event | None = None) -> _T:
+    """Calls ``fn`` until it succeeds, retrying transient failures (NOTE [fetch retries]).
+
+    Each call holds a place in ``url``'s host limit (NOTE [fetch throttling]).
+    """
+    limiter = host_limiter(url)
     start = time.monotonic()
-    attempt = 0
+    attempts = 0  # requests made
+    hard = 0  # failed attempts that count against policy.attempts
+    throttled = 0  # of the attempts, those throttled
+    waited = 0.0  # seconds spent on throttling: not counted against policy.deadline
+
+    def throttle_error(host_s: float) -> FetchError:
+        return _fetch_error(
+            FetchError,
+            f"{_naming(what, url, shard)}: the server throttled every request ({limiter.last_signal}) for "
+            f"{host_s:.1f} s, over the throttle deadline of {policy.throttle_deadline:g} s "
+            f"(PYLOADER_FETCH_THROTTLE_DEADLINE): {limiter.streak} throttled responses from "
+            f"{_host_key(url)} since its last success ({throttled} to this request, {limiter.throttles} in all); "
+            f"concurrency cut from {limiter.peak} to {limiter.window} (gave up after {_attempts(attempts)})",
+            url, shard, errno.EAGAIN, transient=True, attempts=attempts)
+
+    def cancelled() -> FetchError:
+        return _fetch_error(FetchError, f"{_naming(what, url, shard)}: cancelled (after {_attempts(attempts)})",
+                            url, shard, errno.ECANCELED, attempts=attempts)
+
+    last: BaseException | None = None
     while True:
+        t0 = time.monotonic()
         try:
-            return fn()
+            with limiter.slot(cancel, give_up_after=policy.throttle_deadline) as granted:
+                waited += granted - t0
+                attempts += 1
+                try:
+                    result = fn()
+                except FetchError as e:  # cancelled, or a changed object: final
+                    if not e.attempts:
+                        e.attempts = attempts
+                    raise
+                except Exception as e:
+                    failure = _failure(e)
+                    if failure.kind != "throttle":
+                        raise
+                    throttled += 1
+                    signal = failure.signal + (f", Retry-After {failure.retry_after:g} s"
+                                               if failure.retry_after is not None else "")
+                    pause = policy.throttle_pause(limiter.streak + 1, failure.retry_after)
+                    host_s = limiter.throttled(granted, pause, signal)
+                    waited += time.monotonic() - granted
+                    if host_s > policy.throttle_deadline:
+                        raise throttle_error(host_s) from e
+                    last = e
+                    continue  # the limiter's pause is the backoff
+                limiter.ok()
+                return result
+        except _Cancelled:
+            raise cancelled() from last
+        except _ThrottleExpired:
+            raise throttle_error(limiter.streak_seconds()) from last
         except (FetchError, KeyboardInterrupt):
             raise
         except Exception as e:
-            transient, retry_after = classify(e)
-            attempt += 1
+            last = e
+            failure = _failure(e)
+            hard += 1
             detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            if not transient:
-                err = getattr(e, "errno", None) or errno.EIO
-                if isinstance(e, FileNotFoundError):
-                    err = errno.ENOENT
-                elif isinstance(e, PermissionError):
-                    err = errno.EACCES
-                raise _fetch_error(FetchError, f"{what} {url}: {detail} (permanent, not retried)", url, shard,
-                                   err) from e
-            wait = policy.delay(attempt - 1, retry_after)
-            elapsed = time.monotonic() - start
-            if attempt >= policy.attempts or elapsed + wait > policy.deadline:
-                raise _fetch_error(FetchError, f"{what} {url}: {detail} (gave up after {attempt} attempts in "
-                                   f"{elapsed:.1f} s)", url, shard, transient=True) from e
+            also = f", {throttled} of them throttled" if throttled else ""
+            if not failure.transient:
+                cls, err = _PERMANENT_CLASS.get(failure.kind, (FetchError, 0))
+                if not err:
+                    err = getattr(e, "errno", None) or errno.EIO
+                raise _fetch_error(cls, f"{_naming(what, url, shard)}: {detail} (permanent, not retried; "
+                                   f"{_attempts(attempts)}{also})", url, shard, err, attempts=attempts) from e
+            wait = policy.delay(hard - 1, failure.retry_after)
+            elapsed = time.monotonic() - start - waited
+            if hard >= policy.attempts or elapsed + wait > policy.deadline:
+                raise _fetch_error(FetchError, f"{_naming(what, url, shard)}: {detail} (gave up after "
+                                   f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s{also})", url, shard,
+                                   transient=True, attempts=attempts) from e
             if cancel is not None:
                 if cancel.wait(wait):
-                    raise _fetch_error(FetchError, f"{what} {url}: cancelled", url, shard) from e
+                    raise cancelled() from e
             else:
                 time.sleep(wait)
 
@@ -219,11 +563,114 @@ def with_retries(fn: Callable[[], Any], policy: RetryPolicy, *, what: str, url: 
 def read_object(url: str, storage_options: dict[str, Any] | None, policy: RetryPolicy) -> bytes:
     """The whole object at ``url`` (a manifest), with retries."""
     fs, path = filesystem(url, storage_options, policy.stall_timeout)
-    return with_retries(lambda: fs.cat_file(path), policy, what="reading", url=url, shard=None)
+    data: bytes = with_retries(lambda: fs.cat_file(path), policy, what="reading", url=url, shard=None)
+    return data
 
 
+# -- downloads (NOTE [download cancel]) ------------------------------------------------------
 _HTTP_CHUNK = 1 << 20
 _OTHER_CHUNK = 8 << 20
+_CLOSE_WAIT_S = 1.0
+
+
+def _run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], cancel: threading.Event | None,
+            timeout: float | None = None) -> _T:
+    """Runs ``coro`` on ``loop`` (another thread's); waits in slices, cancelling it when ``cancel`` is set.
+
+    Raises ``_Cancelled`` on a cancel, ``TimeoutError`` after ``timeout`` seconds.
+    """
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    end = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            concurrent.futures.wait([fut], timeout=_CANCEL_POLL_S)
+            if fut.done():
+                return fut.result()
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled()
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError("no answer from the event loop")
+    finally:
+        if not fut.done():
+            fut.cancel()  # cancels the task on the loop: its pending read ends with CancelledError
+
+
+async def _read_up_to(f: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of stream ``f``: fewer only at its end."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        b = await f.read(n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _close_stream(f: Any) -> None:
+    # fsspec's HTTP stream closes its response in close(); s3fs's keeps the body in .r.
+    body = getattr(f, "r", None)
+    with contextlib.suppress(Exception):
+        await f.close()
+    close = getattr(body, "aclose", None) or getattr(body, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            res = close()
+            if inspect.isawaitable(res):
+                await res
+
+
+class _AsyncStream:
+    """One streaming GET of an async filesystem's object, read from a plain thread (NOTE [download cancel])."""
+
+    def __init__(self, fs: Any, path: str, size: int, cancel: threading.Event | None, http: bool) -> None:
+        self.loop = fs.loop
+        self.cancel = cancel
+        # HTTP: the size skips a HEAD request; the filesystem's request options (headers,
+        # auth...) are passed as its own open() passes them.
+        kw = {**getattr(fs, "kwargs", {}), "size": size} if http else {}
+        self.f = _run_on(self.loop, fs.open_async(path, "rb", **kw), cancel)
+
+    def read(self, n: int) -> bytes:
+        return _run_on(self.loop, _read_up_to(self.f, n), self.cancel)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
+            _run_on(self.loop, _close_stream(self.f), None, timeout=_CLOSE_WAIT_S)
+
+
+class _SyncStream:
+    """A file of a synchronous filesystem (memory, local...): the cancel is seen between chunks."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def read(self, n: int) -> bytes:
+        data: bytes = self.f.read(n)
+        return data
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
+            self.f.close()
+
+
+def _open_stream(fs: Any, path: str, size: int, cancel: threading.Event | None) -> tuple[_AsyncStream | _SyncStream,
+                                                                                         int]:
+    """(stream, chunk size) for one download of ``path`` (NOTE [download cancel])."""
+    from fsspec.implementations.http import HTTPFileSystem
+
+    http = isinstance(fs, HTTPFileSystem)
+    chunk = _HTTP_CHUNK if http else _OTHER_CHUNK
+    if getattr(fs, "async_impl", False) and not getattr(fs, "asynchronous", False):
+        try:
+            return _AsyncStream(fs, path, size, cancel, http), chunk
+        except NotImplementedError:
+            pass  # no async streaming for this filesystem: read it synchronously
+    if http:
+        # size= skips the HEAD request; block_size=0 is one streaming GET.
+        return _SyncStream(fs.open(path, "rb", block_size=0, size=size)), chunk
+    return _SyncStream(fs.open(path, "rb", cache_type="none", block_size=_OTHER_CHUNK)), chunk
 
 
 def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: str,
@@ -232,27 +679,34 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
     """One attempt: streams the object into ``fd`` from offset 0; raises unless exactly ``size`` bytes came.
 
     A body longer than ``size`` is a changed object (permanent); a shorter one a
-    truncated transfer (transient).
+    truncated transfer (transient). A set ``cancel`` ends it within about
+    ``_CANCEL_POLL_S`` on an async filesystem, even while the server sends nothing
+    (NOTE [download cancel]); nothing is written to ``fd`` after the cancel is seen.
     """
-    from fsspec.implementations.http import HTTPFileSystem
+
+    def cancelled() -> FetchError:
+        return _fetch_error(FetchError, f"downloading {url} (shard {shard!r}): cancelled", url, shard,
+                            errno.ECANCELED)
 
     os.lseek(fd, 0, os.SEEK_SET)
-    if isinstance(fs, HTTPFileSystem):
-        # size= skips the HEAD request; block_size=0 is one streaming GET.
-        f = fs.open(path, "rb", block_size=0, size=size)
-        chunk = _HTTP_CHUNK
-    else:
-        f = fs.open(path, "rb", cache_type="none", block_size=_OTHER_CHUNK)
-        chunk = _OTHER_CHUNK
+    try:
+        stream, chunk = _open_stream(fs, path, size, cancel)
+    except _Cancelled:
+        raise cancelled() from None
     got = 0
     try:
         while True:
             if cancel is not None and cancel.is_set():
-                raise _fetch_error(FetchError, f"downloading {url}: cancelled", url, shard)
+                raise cancelled()
             want = min(chunk, size + 1 - got)
-            data = f.read(want)
+            try:
+                data = stream.read(want)
+            except _Cancelled:
+                raise cancelled() from None
             if not data:
                 break
+            if cancel is not None and cancel.is_set():
+                raise cancelled()
             got += len(data)
             if got > size:
                 raise _fetch_error(RemoteChangedError, f"{url}: shard {shard!r} is larger than the manifest's "
@@ -264,7 +718,6 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
             if on_bytes is not None:
                 on_bytes(len(data))
     finally:
-        with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
-            f.close()
+        stream.close()
     if got < size:
         raise _ShortBody(f"the body ended after {got} of {size} bytes")

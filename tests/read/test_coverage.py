@@ -307,19 +307,10 @@ def test_tiny_dataset_pad_gives_every_rank_the_same_batches(write_dataset) -> No
     check_coverage(per_rank, 3, 4, "pad", plan_ids(make_ds(path, rank=0, world=1)))
 
 
-@pytest.mark.timeout(120)
-def test_tiny_dataset_drop_gives_every_rank_zero_batches(write_dataset) -> None:
+def test_tiny_dataset_drop_fails_at_construction(write_dataset) -> None:
+    # Fewer records than ranks would give every rank an empty epoch: an error, not silence
+    # (tests/read/test_rank_checks.py has the rest).
     path = write_dataset(3, FIELDS, sample, shard_bytes=SHARD_BYTES)
     for rank in range(4):
-        ds = make_ds(path, rank=rank, world=4, partition="drop")
-        assert len(ds) == 0
-        assert native_labels(ds) == ([], 0)
-        it = ds.batches(2, num_threads=3)
-        assert len(it) == 0
-        with pytest.raises(StopIteration):
-            next(it)
-        loader = pyloader.DataLoader(ds, batch_size=2, num_workers=2)
-        assert len(loader) == 0 and list(loader) == []
-        assert list(loader) == []  # a second epoch as well
-        dl = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, timeout=60)
-        assert list(dl) == []
+        with pytest.raises(ValueError, match=r"partition='drop' with world_size=4 and 3 records"):
+            make_ds(path, rank=rank, world=4, partition="drop")

@@ -238,3 +238,63 @@ class S3Server:
         return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": self.endpoint,
                                                                          "region_name": "us-east-1"},
                 "skip_instance_cache": True}
+
+
+class ThrottlingServer(FaultServer):
+    """A ``FaultServer`` that throttles its shard GETs as a busy object store does.
+
+    A GET (of anything but a ``.json``) is answered ``status`` (503) with ``retry_after``
+    (None: no Retry-After header) when ``max_concurrent`` GETs are already being served,
+    when more than ``rate`` GETs arrived in the last second, or always (``always``).
+    ``latency`` delays each admitted GET, so that concurrency is visible. ``arrivals``
+    records (time, GETs open at arrival including this one, throttled?) per GET.
+    """
+
+    def __init__(self, root: str, *, max_concurrent: int | None = None, rate: float | None = None,
+                 always: bool = False, retry_after: str | None = "1", status: int = 503, **kw: Any) -> None:
+        super().__init__(root, **kw)
+        self.max_concurrent, self.rate, self.always = max_concurrent, rate, always
+        self.retry_after, self.status = retry_after, status
+        self.arrivals: list[tuple[float, int, bool]] = []
+        self._tmu = threading.Lock()
+        self._open = 0  # GETs being answered
+        self._admitted = 0  # of them, those not throttled
+        self._recent: collections.deque[float] = collections.deque()
+
+    def _serve(self, h: BaseHTTPRequestHandler, *, head: bool) -> None:
+        path = h.path.split("?", 1)[0]
+        if head or path.endswith(".json"):
+            super()._serve(h, head=head)
+            return
+        with self._tmu:
+            now = time.monotonic()
+            self._open += 1
+            self._recent.append(now)
+            while self._recent and self._recent[0] < now - 1.0:
+                self._recent.popleft()
+            throttle = (self.always or (self.max_concurrent is not None and self._admitted >= self.max_concurrent)
+                        or (self.rate is not None and len(self._recent) > self.rate))
+            if not throttle:
+                self._admitted += 1
+            self.arrivals.append((now, self._open, throttle))
+        try:
+            if throttle:
+                with self._mu:
+                    self.gets[path] += 1
+                try:
+                    self._status(h, self.status, self.retry_after)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                with self._mu:
+                    self.log.append((time.monotonic(), "GET", path, self.status))
+                return
+            super()._serve(h, head=False)
+        finally:
+            with self._tmu:
+                self._open -= 1
+                if not throttle:
+                    self._admitted -= 1
+
+    def first_throttle(self) -> float | None:
+        with self._tmu:
+            return next((t for t, _, thr in self.arrivals if thr), None)

@@ -38,3 +38,27 @@ def temp_files(cache_dir: str) -> list[str]:
     for root, _, files in os.walk(cache_dir):
         out += [os.path.join(root, f) for f in files if f.endswith(".part")]
     return out
+
+
+def write_one_record_shards(d: str, n: int) -> str:
+    """A dataset of ``n`` shards holding one record each (labels 0..n-1)."""
+    with pyloader.ShardWriter(d, FIELDS, compression="none", shard_bytes=1, overwrite=True) as w:
+        for i in range(n):
+            w.write(sample(i))
+    return d
+
+
+def published(cache_dir: str) -> list[str]:
+    """Every published shard file under ``cache_dir``."""
+    out = []
+    for root, _, files in os.walk(cache_dir):
+        if os.path.basename(root) == "shards":
+            out += [os.path.join(root, f) for f in files]
+    return out
+
+
+def child_env(root: str) -> dict[str, str]:
+    """The environment of a child Python that imports this checkout's pyloader."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env

@@ -512,7 +512,6 @@ class ShardFetcher:
 
         Released shards held by this process's other fetchers are dropped first.
         """
-        print("X", i, type(e), getattr(e, "errno", None), file=__import__("sys").stderr)
         if not (isinstance(e, CacheError) and e.errno == errno.ENOSPC) or self._stop.is_set():
             return False
         now = time.monotonic()

@@ -94,27 +94,36 @@ def _sizes(root: str, name: str) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_limit_evicts_lru_but_never_a_pinned_shard(srv_root, server, cache_dir):
+def test_limit_evicts_lru_but_never_a_shard_a_reader_needs(srv_root, server, cache_dir, monkeypatch):
+    monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "2")  # how long a fetch waits for room in a full cache
     write_ds(os.path.join(srv_root, "ds2"), offset=5000)
     a, b = _sizes(srv_root, "ds"), _sizes(srv_root, "ds2")
     limit = max(a, b) + 4096  # room for one dataset at a time
-    ds_a = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit=limit)
-    assert labels(ds_a) == list(range(N_RECORDS))  # ds_a stays alive: all its shards are pinned
-    ds_b = pyloader.ShardDataset(server.url + "/ds2", cache_dir=cache_dir, cache_limit=limit)
+    # Global shuffle: every shard of ds_a is in its working set until its epoch ends.
+    ds_a = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit=limit, shuffle=True)
+    it = ds_a.batches(32)
+    got = [int(x) for x in next(it)["label"]]
+    assert ds_a._fetcher.wait(timeout=20)
+    ds_b = pyloader.ShardDataset(server.url + "/ds2", cache_dir=cache_dir, cache_limit=limit, shuffle=True)
     with pytest.raises(pyloader.ShardIOError, match="is full"):
         labels(ds_b)
-    assert len(published(cache_dir)) >= len(ds_a.shard_paths)  # nothing of ds_a was evicted
+    assert len(published(cache_dir)) >= len(ds_a.shard_paths)  # nothing ds_a needs was evicted
+    got += [int(x) for bt in it for x in bt["label"]]
+    assert sorted(got) == list(range(N_RECORDS))
+    # ds_a's epoch is over: its shards are released (still cached, evictable), ds_a lives on.
+    ds_b = pyloader.ShardDataset(server.url + "/ds2", cache_dir=cache_dir, cache_limit=limit)
+    assert labels(ds_b) == list(range(5000, 5000 + N_RECORDS))
+    assert ShardCache(cache_dir).usage() <= limit
     del ds_a, ds_b
     gc.collect()
-    ds_b = pyloader.ShardDataset(server.url + "/ds2", cache_dir=cache_dir, cache_limit=limit)
-    assert labels(ds_b) == list(range(5000, 5000 + N_RECORDS))  # evicts ds_a's shards now
-    assert ShardCache(cache_dir).usage() <= limit
 
 
 @pytest.mark.timeout(30)
 def test_limit_too_small_for_a_reader_fails_at_construction(server, cache_dir):
-    with pytest.raises(CacheLimitError, match="cannot hold"):
-        pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit="20K")
+    with pytest.raises(CacheLimitError, match="needs at once"):
+        pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit="2K")
+    with pytest.raises(CacheLimitError, match="shuffle_mode='window'"):
+        pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, cache_limit="20K", shuffle=True)
     assert server.shard_gets() == {}
 
 
@@ -216,7 +225,7 @@ def test_parquet_dataset_goes_through_the_same_limit_check(tmp_path):
         sizes.append(len(buf.getvalue()))
     try:
         cache = str(tmp_path / "cache")
-        with pytest.raises(CacheLimitError, match="cannot hold the 2 shards"):
+        with pytest.raises(CacheLimitError, match="cannot hold the 2 files"):
             pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes) - 1,
                                     rank=0, world_size=1)
         ds = pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes),

@@ -38,7 +38,10 @@ def lz4_decode_into(src: _BufferLike, dst: _BufferLike, *, repeat: int = 1) -> N
 # register_pipeline.cpp
 
 class ShardSet:
-    """The shards of one dataset, each mapped and validated on first use, kept across epochs."""
+    """The shards of one dataset, each mapped and validated on first use; idle ones stay mapped in LRU order.
+
+    NOTE [working set] in core/shard_reader.h.
+    """
 
     def __init__(
         self,
@@ -48,12 +51,35 @@ class ShardSet:
         records: Sequence[int],
         schema: bytes,
         pending: bool = False,
+        max_idle: int = 4096,
     ) -> None: ...
     def mark_ready(self, index: int, path: str) -> None:
         """A pending shard's file is verified and in place at `path` (NOTE [shard readiness])."""
 
-    def mark_failed(self, index: int, message: str) -> None:
-        """A pending shard could not be fetched; readers of it raise ShardIOError(message)."""
+    def mark_failed(self, index: int, message: str, errno: int = 0) -> None:
+        """A pending shard could not be fetched; readers of it raise ShardIOError(errno, message).
+
+        A FileNotFoundError for ENOENT, a PermissionError for EACCES.
+        """
+
+    def unload(self, index: int, force: bool = False) -> bool:
+        """Unmaps shard `index` of a pending set and makes it pending again.
+
+        An idle one, or with force=True one that no worker holds now. False if it cannot be.
+        """
+
+    def wait_events(self, timeout: float = 0.0) -> tuple[list[int], list[int], list[tuple[int, str]]]:
+        """Waits up to `timeout` seconds for an event; returns (released, waiting, corrupt).
+
+        Shards that became idle, shards a worker waits on now, and (shard, reason) of
+        cached copies to fetch again.
+        """
+
+    def waiting(self) -> list[int]:
+        """The shards a worker waits on now."""
+
+    def counts(self) -> dict[str, int]:
+        """Mapped, idle and active shards, heals, unloads and the peak of mapped shards."""
 
     def __len__(self) -> int: ...
 

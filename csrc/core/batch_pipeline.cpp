@@ -253,7 +253,8 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   auto corrupt = [&](size_t i, uint64_t rec, size_t f, uint64_t got, uint64_t want) {
     const Shard& sh = *shard_of[i];
     char digests[160];
-    std::snprintf(digests, sizeof digests, "payload checksum mismatch (corrupt data): XXH64 %016llx, index says %016llx",
+    std::snprintf(digests, sizeof digests,
+                  "payload checksum mismatch (corrupt data): XXH64 %016llx, index says %016llx",
                   static_cast<unsigned long long>(got), static_cast<unsigned long long>(want));
     LoaderError err(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name, digests);
     std::string earlier;
@@ -261,8 +262,10 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       throw RetryBatch{};
     if (earlier.empty()) throw err;
     throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
-                      std::string(digests) + "; the cached copy was discarded and fetched again after an earlier "
-                                             "failure (" + earlier + "), and failed again");
+                      std::string(digests) +
+                          "; the cached copy was discarded and fetched again after an earlier "
+                          "failure (" +
+                          earlier + "), and failed again");
   };
   uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
   for (size_t k = 0; k < rows; ++k) {

@@ -110,7 +110,7 @@ class BatchPipeline {
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;
-  std::vector<Pending> ring_;  // batch b lives at ring_[b % prefetch]
+  std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]
   std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])
   std::vector<std::thread> threads_;
   PipelineCounters counters_;

@@ -268,14 +268,15 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     } catch (const LoaderError& e) {
       // NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||
-                            e.kind() == ErrorKind::kSchema ||
-                            (e.kind() == ErrorKind::kIO && e.sys_errno() == ENOENT);
+                            e.kind() == ErrorKind::kSchema || (e.kind() == ErrorKind::kIO && e.sys_errno() == ENOENT);
       std::string earlier;
       if (pending_set_ && healable && report_corrupt(i, nullptr, e.what(), &earlier)) continue;
       if (!earlier.empty())
         throw LoaderError(e.kind(), path, -1, "",
-                          std::string(e.what()) + "; the cached copy was discarded and fetched again after an earlier "
-                                                  "failure (" + earlier + "), and failed again",
+                          std::string(e.what()) +
+                              "; the cached copy was discarded and fetched again after an earlier "
+                              "failure (" +
+                              earlier + "), and failed again",
                           e.sys_errno());
       throw;
     }
@@ -342,8 +343,14 @@ void ShardSet::leave_idle_locked(size_t i) {
   if (!in_idle_[i]) return;
   in_idle_[i] = 0;
   uint32_t p = idle_prev_[i], n = idle_next_[i];
-  if (p != kNone) idle_next_[p] = n; else idle_head_ = n;
-  if (n != kNone) idle_prev_[n] = p; else idle_tail_ = p;
+  if (p != kNone)
+    idle_next_[p] = n;
+  else
+    idle_head_ = n;
+  if (n != kNone)
+    idle_prev_[n] = p;
+  else
+    idle_tail_ = p;
   idle_prev_[i] = idle_next_[i] = kNone;
   --idle_count_;
 }
@@ -410,7 +417,7 @@ bool ShardSet::report_corrupt(size_t i, const Shard* bad, const std::string& mes
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (bad != nullptr ? open_[i].get() != bad : bool(open_[i])) return true;  // replaced meanwhile: retry
-    if (state_[i] == 1) return true;                                             // a re-fetch is under way
+    if (state_[i] == 1) return true;                                           // a re-fetch is under way
     if (!pending_set_ || state_[i] != 0 || healed_[i]) {
       if (earlier) *earlier = first_failure_[i];
       return false;

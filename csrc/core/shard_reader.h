@@ -111,8 +111,8 @@ class Shard {
 // cached file and fetches it again, and the worker retries its batch. A second failure
 // of the same shard is raised, naming both.
 struct ShardEvents {
-  std::vector<uint32_t> released;  // shards that became idle, in order
-  std::vector<uint32_t> waiting;   // shards a worker waits on now
+  std::vector<uint32_t> released;                         // shards that became idle, in order
+  std::vector<uint32_t> waiting;                          // shards a worker waits on now
   std::vector<std::pair<uint32_t, std::string>> corrupt;  // shards to discard and fetch again, with the reason
 };
 
@@ -175,9 +175,9 @@ class ShardSet {
   std::vector<uint8_t> state_;  // 0 ready to open, 1 pending, 2 failed
   std::vector<std::string> failure_;
   std::vector<int> failure_errno_;
-  std::vector<uint32_t> active_;    // batches in flight or planned that read the shard
-  std::vector<uint32_t> waiters_;   // workers waiting for the shard to be ready
-  std::vector<uint8_t> healed_;     // a re-fetch was requested once
+  std::vector<uint32_t> active_;   // batches in flight or planned that read the shard
+  std::vector<uint32_t> waiters_;  // workers waiting for the shard to be ready
+  std::vector<uint8_t> healed_;    // a re-fetch was requested once
   std::vector<std::string> first_failure_;
   // Idle mapped shards, least recently released first: a doubly linked list by index.
   static constexpr uint32_t kNone = 0xffffffffu;

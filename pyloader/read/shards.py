@@ -264,11 +264,13 @@ class ShardDataset(UnitDataset, IterableDataset):
                     data = fh.read()
             except FileNotFoundError:
                 raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {mpath!r}") from None
-        self.manifest = parse_manifest(data, mpath, _C.xxh64)
+        # A remote manifest was parsed (and checked) by the cache already.
+        self.manifest = self._remote.manifest if self._remote is not None else parse_manifest(data, mpath, _C.xxh64)
         self.fields: list[Field] = fields_from_manifest(self.manifest, mpath)
         self.root = os.path.dirname(mpath)
         shards = self.manifest["shards"]
-        self.shard_paths = [os.path.join(self.root, s["path"]) for s in shards]
+        prefix = os.path.join(self.root, "")
+        self.shard_paths = [prefix + s["path"] for s in shards]
         self.shard_bytes = [int(s["bytes"]) for s in shards]
         self.records_per_shard = [int(s["records"]) for s in shards]
         self.unit_records = self.records_per_shard  # UnitDataset plans by shard
@@ -283,8 +285,8 @@ class ShardDataset(UnitDataset, IterableDataset):
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fingerprint: str | None = None
-        if self._remote is not None:  # the working set of the plan must fit this reader's share
-            self._check_working_set(self.plan()[0], 0)
+        if self._remote is not None and self._remote.cache.limit is not None:
+            self._check_working_set(self.plan()[0], 0)  # the plan's working set must fit this reader's share
 
     @property
     def is_remote(self) -> bool:
@@ -299,7 +301,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         """
         if self._remote is None:
             return list(self.shard_paths)
-        return [self._remote.shard_file(i) for i in range(len(self.shard_paths))]
+        return self._remote.shard_files()
 
     def fetch_all(self) -> dict[str, int]:
         """Fetches every shard of a remote dataset into the node cache now (no-op when local).
@@ -331,7 +333,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         # Mappings and locks do not survive fork safely: each process opens its own set.
         if self._shards is None or self._shards_pid != os.getpid():
             remote = self._remote
-            paths = self.shard_paths if remote is None else [remote.shard_file(i) for i in range(len(self.shard_paths))]
+            paths = self.shard_paths if remote is None else remote.shard_files()
             self._shards = _C.ShardSet(paths=paths, bytes=self.shard_bytes, records=self.records_per_shard,
                                        schema=self._schema, pending=remote is not None)
             self._shards_pid = os.getpid()

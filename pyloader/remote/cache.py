@@ -75,6 +75,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import struct
 import threading
 import time
@@ -448,8 +449,11 @@ def _temp_is_stale(ddir: str, path: str, now: float) -> bool:
     return old
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_.~-]+")  # what quote(safe="") leaves as it is
+
+
 def _quote(path: str) -> str:
-    return urllib.parse.quote(path, safe="")
+    return path if _PLAIN.fullmatch(path) else urllib.parse.quote(path, safe="")
 
 
 class _TempLost(Exception):
@@ -717,7 +721,16 @@ class DatasetCache:
 
     def shard_file(self, i: int) -> str:
         """The local path shard ``i`` is published at (whether or not it is yet)."""
-        return os.path.join(self.shard_dir, self.names[i])
+        return self._shard_prefix + self.names[i]
+
+    def shard_files(self) -> list[str]:
+        """``shard_file(i)`` of every shard, in manifest order."""
+        prefix = self._shard_prefix
+        return [prefix + n for n in self.names]
+
+    @property
+    def _shard_prefix(self) -> str:
+        return os.path.join(self.dir, "shards", "")
 
     def shard_url(self, i: int) -> str:
         """The remote URL of shard ``i``."""

@@ -7,6 +7,7 @@ the same dataset read from local files.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,10 +171,8 @@ def test_several_processes_stream_through_one_small_cache(server, big, cache_dir
         procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r in range(3)]
         outs = [p.communicate(timeout=150) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    import json
-
     got = sorted(i for out, _ in outs for i in json.loads(out))
     assert got == list(range(N))
     assert usage.peak <= limit + largest, (usage.peak, limit)

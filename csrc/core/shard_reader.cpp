@@ -90,7 +90,12 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
   int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("cannot open: ") + std::strerror(e), e);
+    std::string why = std::string("cannot open: ") + std::strerror(e);
+    if (e == EMFILE)
+      why +=
+          " (this process reached its open-file limit, `ulimit -n`; a reader holds no descriptor per shard, so "
+          "raise the limit by what the rest of the program keeps open)";
+    throw LoaderError(ErrorKind::kIO, path_, -1, "", why, e);
   }
   struct stat st;
   if (::fstat(fd, &st) != 0) {

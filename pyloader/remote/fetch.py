@@ -142,6 +142,17 @@ def _close_at_exit(ref: weakref.ref[ShardFetcher], finish_s: float = 5.0, cancel
     fetcher.wait(timeout=cancel_s)
 
 
+def _nofile_limit() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _fds_per_job() -> int:
+    """File descriptors one download holds at most: its socket, temp file and lock files."""
+    return 4
+
+
 # Shards a schedule() call pins on the calling thread when already cached (the rest go
 # through the download threads, so scheduling a 100k-shard plan returns at once).
 _SYNC_READY = 256
@@ -494,6 +505,10 @@ class ShardFetcher:
                 url = self.dcache.shard_url(i)
                 if url not in msg:
                     msg = f"{url}: shard {self.dcache.shards[i]['path']!r}: {msg}"
+                if isinstance(e, OSError) and e.errno == errno.EMFILE:
+                    msg += (f" (this process reached its open-file limit, `ulimit -n` = {_nofile_limit()}; a reader "
+                            f"needs about {_fds_per_job() * self.jobs} for its {self.jobs} fetch jobs, plus what "
+                            "the rest of the program keeps open)")
                 if heal is not None:
                     msg = f"{msg} (fetching it again after its cached copy failed: {heal})"
                 err_no = e.errno if isinstance(e, OSError) and isinstance(e.errno, int) else 0

@@ -62,6 +62,12 @@ class ShardSet:
         A FileNotFoundError for ENOENT, a PermissionError for EACCES.
         """
 
+    def retry(self, index: int) -> bool:
+        """A failed shard of a pending set becomes pending again, for a later iterator to fetch.
+
+        False if it had not failed.
+        """
+
     def unload(self, index: int, force: bool = False) -> bool:
         """Unmaps shard `index` of a pending set and makes it pending again.
 

@@ -68,6 +68,9 @@ void register_pipeline(py::module_& m) {
       .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"), py::arg("errno") = 0,
            "A pending shard could not be fetched; readers of it raise ShardIOError(errno, message) "
            "(a FileNotFoundError for ENOENT, a PermissionError for EACCES).")
+      .def("retry", &ShardSet::retry, py::arg("index"),
+           "A failed shard of a pending set becomes pending again, for a later iterator to fetch; False if it "
+           "had not failed.")
       .def(
           "unload", [](ShardSet& s, size_t i, bool force) { return without_gil([&] { return s.unload(i, force); }); },
           py::arg("index"), py::arg("force") = false,

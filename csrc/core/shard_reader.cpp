@@ -333,6 +333,16 @@ void ShardSet::mark_failed(size_t i, std::string message, int sys_errno) {
   cv_->notify_all();
 }
 
+bool ShardSet::retry(size_t i) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (i >= paths_.size()) throw std::out_of_range("shard index out of range");
+  if (!pending_set_ || state_[i] != 2) return false;
+  state_[i] = 1;
+  failure_[i].clear();
+  failure_errno_[i] = 0;
+  return true;
+}
+
 void ShardSet::make_idle_locked(size_t i) {
   if (in_idle_[i]) return;
   in_idle_[i] = 1;

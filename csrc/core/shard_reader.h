@@ -134,6 +134,8 @@ class ShardSet {
   std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr);
   void mark_ready(size_t i, std::string path);
   void mark_failed(size_t i, std::string message, int sys_errno = 0);
+  // A failed shard of a pending set becomes pending again (a later iterator retries it). False if it was not failed.
+  bool retry(size_t i);
   pid_t owner_pid() const noexcept { return pid_; }
 
   // NOTE [working set]. `shards` may repeat; each occurrence counts once.

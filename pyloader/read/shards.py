@@ -181,7 +181,8 @@ class BatchIterator:
             out.update(mapped_shards=n["mapped"], peak_mapped_shards=n["peak_mapped"], healed_shards=n["heals"])
         if self._fetcher is not None:
             f = self._fetcher.stats()
-            out.update(cache_held_bytes=f["held_bytes"], cache_peak_held_bytes=f["peak_held_bytes"],
+            out.update(cache_working_set_bytes=f["working_set_bytes"], cache_held_bytes=f["held_bytes"],
+                       cache_peak_held_bytes=f["peak_held_bytes"],
                        cache_budget_bytes=f["budget_bytes"], shards_downloaded=f["downloaded"],
                        bytes_fetched=f["bytes_fetched"], shards_unloaded=f["unloaded_shards"])
         return out
@@ -397,8 +398,10 @@ class ShardDataset(UnitDataset, IterableDataset):
             pool = _C.SlotPool(num_fields=len(self.fields))
         shards = self._shard_set()
         if self._fetcher is not None:
-            _, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size)
-            self._fetcher.max_open = max(_MAX_OPEN, count + 2 * self.fetch_jobs)
+            if self._remote.cache.limit is not None:  # (no limit: nothing to check, so no plan scan)
+                need, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size)
+                self._fetcher.working_set_bytes = need
+                self._fetcher.max_open = max(_MAX_OPEN, count + 2 * self.fetch_jobs)
             self._fetcher.schedule(_fetch.first_touch_order(sidx))  # fetch ahead, in plan order
         pipeline = _C.BatchPipeline(
             shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,

@@ -216,6 +216,7 @@ class ShardFetcher:
         self._progress: dict[int, int] = {}  # bytes received by each running download
         self._heal: dict[int, str] = {}  # shard -> why its cached copy is fetched again
         self._room_since: dict[int, float] = {}
+        self.working_set_bytes = 0  # what the latest scheduled plan needs at once (set by its reader)
         self.heals = 0  # cached copies discarded and fetched again
         self.unloads = 0  # released shards unmapped and unpinned to make room
         self._pilot: threading.Thread | None = None
@@ -240,6 +241,12 @@ class ShardFetcher:
             self._min_rank = base
             for k, i in enumerate(order):
                 self._rank[i] = base + k
+        if self.streaming:  # a shard that failed for an earlier iterator is tried again for this one
+            with self._cv:
+                for i in order:
+                    if self._state[i] == _FAILED and self.shards.retry(i):
+                        self._state[i] = _IDLE
+                        self._errors.pop(i, None)
         order = [i for i in order if self._state[i] in (_IDLE, _QUEUED)]
         if not order:
             return
@@ -313,6 +320,7 @@ class ShardFetcher:
         """What this fetcher holds and did: pinned bytes now and at peak, heals, unloads."""
         with self._cv:
             return {"held_shards": len(self._held), "held_bytes": self._held_bytes,
+                    "working_set_bytes": self.working_set_bytes,
                     "peak_held_bytes": self.peak_held_bytes, "budget_bytes": self.budget,
                     "downloaded": self.downloaded, "bytes_fetched": self.bytes,
                     "healed_shards": self.heals, "unloaded_shards": self.unloads}

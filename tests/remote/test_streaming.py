@@ -277,3 +277,17 @@ def test_working_set_follows_the_plan() -> None:
     assert working_set([0, 0, 1, 1, 2, 2, 3, 3], sizes, 2) == (70, 2)  # reading ahead overlaps the next
     assert working_set([0, 1, 2, 3, 0, 1, 2, 3], sizes, 0) == (100, 4)  # every shard open until the end
     assert working_set([], sizes, 4) == (0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_that_failed_for_one_iterator_is_fetched_again_for_the_next(server, cache_dir):
+    url = server.url + "/ds"
+    ds = pyloader.ShardDataset(url, cache_dir=cache_dir)
+    name = ds.manifest["shards"][2]["path"]
+    server.inject("ds/" + name, Fault("status", status=404, times=1))
+    with pytest.raises(FileNotFoundError, match=name):
+        for _ in ds.batches(16):
+            pass
+    got = sorted(i for b in ds.batches(16) for i in check_batch(b))  # the next epoch's iterator
+    assert got == list(range(ds.num_records))
+    assert server.count("ds/" + name) == 2

@@ -190,21 +190,26 @@ def _try_flock(fd: int, op: int) -> bool:
         raise
 
 
-def _wait_flock(fd: int, op: int, timeout: float, cancel: threading.Event | None) -> bool:
-    """Polls a non-blocking flock so a cancel or a timeout is seen; True once locked."""
+def _wait_flock(fd: int, op: int, timeout: float, cancel: threading.Event | None,
+                poll: tuple[float, float] = (_LOCK_POLL_S, 0.25)) -> bool:
+    """Polls a non-blocking flock so a cancel or a timeout is seen; True once locked.
+
+    ``poll``: (first, longest) sleep between tries, growing 1.5x.
+    """
     deadline = time.monotonic() + timeout
-    delay = _LOCK_POLL_S
+    delay, cap = poll
     while not _try_flock(fd, op):
         if cancel is not None and cancel.is_set():
             return False
         if time.monotonic() >= deadline:
             return False
         time.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
+        delay = min(delay * 1.5, cap)
     return True
 
 
-def _lock_fd(path: str, op: int, timeout: float, cancel: threading.Event | None) -> int | None:
+def _lock_fd(path: str, op: int, timeout: float, cancel: threading.Event | None,
+             poll: tuple[float, float] = (_LOCK_POLL_S, 0.25)) -> int | None:
     """An fd holding flock ``op`` on ``path``; None if the file cannot exist (read-only cache).
 
     Lock files are removed only by ``clear`` (while it holds them), so after locking we
@@ -214,7 +219,7 @@ def _lock_fd(path: str, op: int, timeout: float, cancel: threading.Event | None)
         fd = _open_lockfile(path)
         if fd is None:
             return None
-        if not _wait_flock(fd, op, timeout, cancel):
+        if not _wait_flock(fd, op, timeout, cancel, poll):
             os.close(fd)
             what = "cancelled" if cancel is not None and cancel.is_set() else f"timed out after {timeout:.0f} s"
             raise _cache_error(errno.ETIMEDOUT, f"{what} waiting for lock {path}")
@@ -556,15 +561,25 @@ class ShardCache:
 
     def usage(self) -> int:
         """Bytes held: published shards plus temp files (what ``limit`` caps)."""
-        return sum(e.bytes for e in self.entries()) + sum(s for _, _, s in self.temp_files())
+        return self._held()[1]
 
-    def space_lock(self, timeout: float = 60.0) -> _Flock:
+    def _held(self) -> tuple[list[Entry], int]:
+        """(published entries, bytes of temps plus entries).
+
+        Temps are listed first: a download renamed from ``tmp/`` into ``shards/`` between
+        the two listings is then counted twice (safe), never missed.
+        """
+        temps = sum(s for _, _, s in self.temp_files())
+        entries = self.entries()
+        return entries, temps + sum(e.bytes for e in entries)
+
+    def space_lock(self, timeout: float = 60.0) -> _SpaceLock:
         """The node-wide lock (a context manager) held while accounting space or evicting.
 
         Raises ``CacheError`` when it is not acquired within ``timeout`` seconds.
         """
         os.makedirs(self.root, exist_ok=True)
-        return _Flock(os.path.join(self.root, "space.lock"), fcntl.LOCK_EX, timeout)
+        return _SpaceLock(self.root, timeout)
 
     def make_room(self, need: int, *, shard: str | None = None) -> None:
         """With the space lock held: evicts LRU unpinned shards until ``need`` more bytes fit the limit."""
@@ -573,12 +588,11 @@ class ShardCache:
         if need > self.limit:
             raise CacheLimitError(f"shard {shard!r} ({need} bytes) is larger than the cache limit of "
                                   f"{self.limit} bytes ({self.base})")
-        entries = self.entries()
-        used = sum(e.bytes for e in entries) + sum(s for _, _, s in self.temp_files())
+        entries, used = self._held()
         if used + need <= self.limit:
             return
         if self.clean_stale():  # dead writers' temps count against the limit too
-            used = sum(e.bytes for e in entries) + sum(s for _, _, s in self.temp_files())
+            entries, used = self._held()
         # Shards the current manifests no longer name go first, then least recently used.
         for e in sorted(entries, key=lambda e: (e.referenced, e.mtime)):
             if used + need <= self.limit:
@@ -593,8 +607,7 @@ class ShardCache:
     def evict(self, *, to_bytes: int = 0, url: str | None = None) -> tuple[list[Entry], list[Entry]]:
         """Evicts unpinned shards, LRU first, until usage <= ``to_bytes``. Returns (evicted, skipped as in use)."""
         with self.space_lock():
-            entries = self.entries()
-            used = sum(e.bytes for e in entries) + sum(s for _, _, s in self.temp_files())
+            entries, used = self._held()
             if url is not None:
                 key = dataset_key(url)
                 entries = [e for e in entries if e.dataset.key == key]
@@ -661,12 +674,13 @@ class ShardCache:
 class _Flock:
     """Context manager: an flock on a file, waited for with a timeout."""
 
-    def __init__(self, path: str, op: int, timeout: float, cancel: threading.Event | None = None) -> None:
-        self.path, self.op, self.timeout, self.cancel = path, op, timeout, cancel
+    def __init__(self, path: str, op: int, timeout: float, cancel: threading.Event | None = None,
+                 poll: tuple[float, float] = (_LOCK_POLL_S, 0.25)) -> None:
+        self.path, self.op, self.timeout, self.cancel, self.poll = path, op, timeout, cancel, poll
         self.fd: int | None = None
 
     def __enter__(self) -> _Flock:
-        fd = _lock_fd(self.path, self.op, self.timeout, self.cancel)
+        fd = _lock_fd(self.path, self.op, self.timeout, self.cancel, self.poll)
         if fd is None:
             raise _cache_error(errno.EROFS, f"cannot create lock file {self.path}: the cache directory is read-only")
         self.fd = fd
@@ -676,6 +690,58 @@ class _Flock:
         if self.fd is not None:
             os.close(self.fd)  # closing the only fd of the open file description releases the flock
             self.fd = None
+
+
+# One lock per cache root and process, taken before the space flock: the threads of a
+# process queue on it in order and wake at once, instead of polling the flock (held for
+# milliseconds) with growing sleeps while their downloads wait. New in a forked child.
+_SPACE_MUTEXES: dict[str, threading.Lock] = {}
+_SPACE_MUTEXES_MU = threading.Lock()
+
+
+def _reset_space_mutexes() -> None:
+    global _SPACE_MUTEXES_MU
+    _SPACE_MUTEXES.clear()
+    _SPACE_MUTEXES_MU = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_space_mutexes)
+
+
+def _space_mutex(root: str) -> threading.Lock:
+    with _SPACE_MUTEXES_MU:
+        return _SPACE_MUTEXES.setdefault(root, threading.Lock())
+
+
+class _SpaceLock:
+    """The node-wide space lock: this process's mutex for the root, then the flock (polled from 1 ms)."""
+
+    def __init__(self, root: str, timeout: float) -> None:
+        self.root, self.timeout = root, timeout
+        self._mutex = _space_mutex(root)
+        self._flock: _Flock | None = None
+
+    def __enter__(self) -> _SpaceLock:
+        start = time.monotonic()
+        if not self._mutex.acquire(timeout=self.timeout):
+            raise _cache_error(errno.ETIMEDOUT, f"timed out after {self.timeout:.0f} s waiting for the space lock "
+                               f"of {self.root}")
+        try:
+            left = max(0.0, self.timeout - (time.monotonic() - start))
+            self._flock = _Flock(os.path.join(self.root, "space.lock"), fcntl.LOCK_EX, left, poll=(0.001, 0.02))
+            self._flock.__enter__()
+        except BaseException:
+            self._mutex.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._flock is not None:
+                self._flock.__exit__()
+        finally:
+            self._flock = None
+            self._mutex.release()
 
 
 class DatasetCache:

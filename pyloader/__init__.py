@@ -22,6 +22,7 @@ from .errors import (
     LoaderTimeoutError,
     ManifestError,
     ManifestNotFoundError,
+    NotADatasetError,
     ParquetReadError,
     PyloaderError,
     RemoteChangedError,
@@ -30,6 +31,8 @@ from .errors import (
     ShardCorruptError,
     ShardFormatError,
     ShardIOError,
+    ShardNotFoundError,
+    ShardPermissionError,
     VerifyError,
 )
 from .write.convert import ConvertResult, convert
@@ -72,6 +75,7 @@ __all__ = [
     "LoaderTimeoutError",
     "ManifestError",
     "ManifestNotFoundError",
+    "NotADatasetError",
     "ParquetDataset",
     "ParquetReadError",
     "PyloaderError",
@@ -82,6 +86,8 @@ __all__ = [
     "ShardDataset",
     "ShardFormatError",
     "ShardIOError",
+    "ShardNotFoundError",
+    "ShardPermissionError",
     "ShardWriter",
     "VerifyError",
     "convert",

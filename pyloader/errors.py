@@ -60,8 +60,31 @@ class ManifestNotFoundError(_MessageOnly, ManifestError, FileNotFoundError):
 
 
 
+class NotADatasetError(ManifestNotFoundError, NotADirectoryError):
+    """A local path names no pyloader dataset: a file, or a folder of other data without a manifest.
+
+    The message says what the path holds (Parquet, WebDataset tars, ...) and how to read or
+    convert it. ``errno`` is ``ENOTDIR`` for a file, ``ENOENT`` for a folder; it is a
+    ``ManifestNotFoundError``, a ``FileNotFoundError`` and a ``NotADirectoryError``.
+    """
+
+
 class ShardIOError(_MessageOnly, PyloaderError, OSError):
     """A shard could not be opened, mapped or fetched. Built as ``cls(errno, message)``."""
+
+
+class ShardNotFoundError(ShardIOError, FileNotFoundError):
+    """A shard file (or remote object) does not exist; errno ``ENOENT``.
+
+    Both ``except ShardIOError`` and ``except FileNotFoundError`` catch it.
+    """
+
+
+class ShardPermissionError(ShardIOError, PermissionError):
+    """A shard file (or remote object) may not be read; errno ``EACCES`` or ``EPERM``.
+
+    Both ``except ShardIOError`` and ``except PermissionError`` catch it.
+    """
 
 
 class LoaderStateError(PyloaderError, RuntimeError):
@@ -158,18 +181,10 @@ def from_native(kind: int, message: str, shard: str, record: int, field: str, sy
     return exc
 
 
-class _ShardNotFound(ShardIOError, FileNotFoundError):
-    """A shard file (or remote object) does not exist."""
-
-
-class _ShardPermissionDenied(ShardIOError, PermissionError):
-    """A shard file (or remote object) may not be read."""
-
-
 _SHARD_IO_BY_ERRNO: dict[int, type[ShardIOError]] = {
-    _errno.ENOENT: _ShardNotFound,
-    _errno.EACCES: _ShardPermissionDenied,
-    _errno.EPERM: _ShardPermissionDenied,
+    _errno.ENOENT: ShardNotFoundError,
+    _errno.EACCES: ShardPermissionError,
+    _errno.EPERM: ShardPermissionError,
 }
 
 
@@ -190,7 +205,10 @@ __all__ = [
     "SchemaError",
     "ManifestError",
     "ManifestNotFoundError",
+    "NotADatasetError",
     "ShardIOError",
+    "ShardNotFoundError",
+    "ShardPermissionError",
     "LoaderStateError",
     "LoaderTimeoutError",
     "DeviceError",

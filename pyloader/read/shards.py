@@ -16,7 +16,14 @@ from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 from .. import _C
-from ..errors import CacheLimitError, LoaderStateError, LoaderTimeoutError, ManifestError, ManifestNotFoundError
+from ..errors import (
+    CacheLimitError,
+    LoaderStateError,
+    LoaderTimeoutError,
+    ManifestError,
+    ManifestNotFoundError,
+    NotADatasetError,
+)
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
@@ -32,6 +39,42 @@ def _local_path(url: str | os.PathLike[str]) -> str:
             f"{s!r}: only local paths and file:// URLs are readable directly; remote URLs go through the node cache"
         )
     return s
+
+
+_PARQUET_EXT = (".parquet", ".pq", ".parq")
+_TAR_EXT = (".tar", ".tar.gz", ".tgz")
+_CONVERT_HINT = "or convert it to shards with `pyloader convert {src} DST`"
+
+
+def _not_a_dataset(path: str, mpath: str) -> NotADatasetError | None:
+    """The error for a local ``path`` that holds data but no pyloader dataset (None if it holds nothing)."""
+    low = path.lower()
+    if os.path.isfile(path) and not low.endswith(".json"):
+        if low.endswith(_PARQUET_EXT):
+            what = (f"{path!r} is a Parquet file, not a pyloader dataset: read it with "
+                    f"pyloader.ParquetDataset({path!r}) " + _CONVERT_HINT.format(src=path))
+        elif low.endswith(_TAR_EXT):
+            what = (f"{path!r} is a tar file (WebDataset?), not a pyloader dataset: "
+                    + _CONVERT_HINT.format(src=path).replace("or convert", "convert"))
+        else:
+            what = (f"{path!r} is a file, not a pyloader dataset: ShardDataset takes the dataset's folder "
+                    f"(the one holding {MANIFEST_NAME}) or its {MANIFEST_NAME}")
+        return NotADatasetError(errno.ENOTDIR, what)
+    if not os.path.isdir(path):
+        return None
+    try:
+        names = [n.lower() for n in os.listdir(path) if not n.startswith(".")]
+    except OSError:
+        return None
+    if any(n.endswith(_PARQUET_EXT) for n in names):
+        return NotADatasetError(errno.ENOENT, f"no manifest at {mpath!r}: {path!r} holds Parquet files, not a "
+                                f"pyloader dataset: read them with pyloader.ParquetDataset({path!r}) "
+                                + _CONVERT_HINT.format(src=path))
+    if any(n.endswith(_TAR_EXT) for n in names):
+        return NotADatasetError(errno.ENOENT, f"no manifest at {mpath!r}: {path!r} holds tar files (WebDataset?), "
+                                "not a pyloader dataset: " + _CONVERT_HINT.format(src=path).replace("or convert",
+                                                                                                   "convert"))
+    return None
 
 
 def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
@@ -259,12 +302,14 @@ class ShardDataset(UnitDataset, IterableDataset):
                                               storage_options=storage_options)
             mpath, data = self._remote.url + "/" + MANIFEST_NAME, self._remote.manifest_bytes
         else:
-            mpath = manifest_path(_local_path(path))
+            local = _local_path(path)
+            mpath = manifest_path(local)
             try:
                 with open(mpath, "rb") as fh:
                     data = fh.read()
-            except FileNotFoundError:
-                raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {mpath!r}") from None
+            except (FileNotFoundError, NotADirectoryError):
+                raise (_not_a_dataset(local, mpath)
+                       or ManifestNotFoundError(errno.ENOENT, f"no manifest at {mpath!r}")) from None
         # A remote manifest was parsed (and checked) by the cache already.
         self.manifest = self._remote.manifest if self._remote is not None else parse_manifest(data, mpath, _C.xxh64)
         self.fields: list[Field] = fields_from_manifest(self.manifest, mpath)

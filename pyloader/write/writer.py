@@ -6,6 +6,8 @@ The bytes are laid out by ``pyloader.format.encode.ShardEncoder``, as for ``pylo
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -19,28 +21,73 @@ from ..format.spec import Field, make_fields
 _COMPRESSIONS = ("lz4", "none")
 
 
+def _writable_dir(path: str | os.PathLike[str]) -> str:
+    """The local folder a writer may create: a path or a ``file://`` URL; other URLs raise ValueError."""
+    s = os.fspath(path)
+    if s.startswith("file://"):
+        return s[len("file://"):]
+    if "://" in s:
+        raise ValueError(
+            f"{s!r}: ShardWriter writes to a local folder only, not to a remote URL. Write the dataset "
+            "to a local folder, upload that folder (shards and manifest.json) as is, e.g. with "
+            "`aws s3 cp --recursive` or fsspec's put(recursive=True), then read the URL with "
+            "pyloader.ShardDataset(url)")
+    return s
+
+
+def _unclosed(path: str, encoder: ShardEncoder, pid: int) -> None:
+    """NOTE [unclosed writer]: a ShardWriter dropped without close() publishes nothing.
+
+    Its records are not written as a dataset: a writer abandoned half way (an exception
+    outside a ``with`` block, a forgotten ``close()``) must not leave something that reads
+    as complete. So at garbage collection or interpreter exit the shards it already wrote
+    are removed (no manifest lists them) and a RuntimeWarning names the folder and the
+    records lost. RuntimeWarning, not ResourceWarning: Python hides ResourceWarning by
+    default, and lost data must be seen. Only the process that created the writer acts.
+    """
+    if os.getpid() != pid:
+        return
+    n, on_disk = encoder.records, len(encoder.shards)
+    encoder.abort()
+    warnings.warn(
+        f"ShardWriter({path!r}) was never closed: its {n} records were not published "
+        f"({on_disk} shard files removed, no manifest written). Call close() or use `with ShardWriter(...)`.",
+        RuntimeWarning, stacklevel=2)
+
+
 class ShardWriter:
     """Writes a dataset of shards plus ``manifest.json`` into directory ``path``.
 
     ``fields`` maps a name to ``(dtype, shape)``: dtype is a name (``"uint8"``,
     ``"bfloat16"``, ``"bytes"``...), a numpy dtype or a torch dtype; shape is a tuple whose
     leading entry may be ``None`` for a variable length. ``compression`` is ``"lz4"`` or
-    ``"none"``, or a dict per field; a record is stored raw whenever LZ4 does not save at
-    least ``min_gain`` of its size. Shards roll over once their payload reaches
-    ``shard_bytes``. The manifest is written on a clean ``close()``; if the ``with`` block
-    raises, the shards written so far are removed and no manifest is written.
+    ``"none"`` (None means ``"none"``), or a dict per field; a record is stored raw whenever
+    LZ4 does not save at least ``min_gain`` of its size. Shards roll over once their payload
+    reaches ``shard_bytes``. ``path`` is a local folder (or ``file://`` URL): to publish to
+    object storage, write locally and upload the folder.
+
+    The manifest is written on a clean ``close()``; until then the dataset does not exist.
+    If the ``with`` block raises, the shards written so far are removed and no manifest is
+    written. A writer garbage-collected (or alive at interpreter exit) without ``close()``
+    publishes nothing either: it removes its shards and emits a RuntimeWarning naming the
+    folder and the records lost (NOTE [unclosed writer]).
     """
 
     def __init__(self, path: str | os.PathLike[str], fields: Mapping[str, Any], *,
-                 compression: str | Mapping[str, str] = "lz4", shard_bytes: int = 64 << 20,
+                 compression: str | Mapping[str, str | None] | None = "lz4", shard_bytes: int = 64 << 20,
                  min_gain: float = MIN_GAIN, overwrite: bool = False) -> None:
-        self._dir = os.fspath(path)
+        self._closed = True  # until constructed: nothing to close
+        self._dir = _writable_dir(path)
         self.fields: list[Field] = make_fields(fields)
-        if isinstance(compression, str):
+        if compression is None or isinstance(compression, str):
             compression = {f.name: compression for f in self.fields}
+        elif not isinstance(compression, Mapping):
+            raise ValueError(f"compression must be one of {_COMPRESSIONS}, None or a dict per field, "
+                             f"got {type(compression).__name__}")
         self._codec: list[bool] = []
         for f in self.fields:
             c = compression.get(f.name, "none")
+            c = "none" if c is None else c
             if c not in _COMPRESSIONS:
                 raise ValueError(f"compression for field {f.name!r} must be one of {_COMPRESSIONS}, got {c!r}")
             self._codec.append(c == "lz4")
@@ -59,6 +106,7 @@ class ShardWriter:
         self._encoder = ShardEncoder(self._dir, self.fields, self._codec, shard_bytes=shard_bytes,
                                      prefix=f"shard-{token}", min_gain=min_gain)
         self._closed = False
+        self._finalizer = weakref.finalize(self, _unclosed, self._dir, self._encoder, os.getpid())
 
     # -- sample validation -------------------------------------------------------------
     def _to_array(self, f: Field, value: Any, sample_no: int) -> np.ndarray:
@@ -104,6 +152,8 @@ class ShardWriter:
             arr = np.asarray(value)
         except Exception as e:  # noqa: BLE001 - any conversion failure is a schema error
             raise SchemaError(f"{where}: cannot convert {type(value).__name__} to an array: {e}") from None
+        if arr.dtype.kind == "O" and target.kind in "iu":
+            self._check_big_ints(f, arr, where)
         if arr.dtype.kind not in "biuf":
             raise SchemaError(f"{where}: expected {f.dtype} data, got {type(value).__name__}")
         if arr.dtype.kind == "f" and target.kind in "iub":
@@ -126,6 +176,18 @@ class ShardWriter:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < info.min or hi > info.max:
                 raise SchemaError(f"{where}: value out of range for {f.dtype} ([{lo}, {hi}])")
+
+    @staticmethod
+    def _check_big_ints(f: Field, arr: np.ndarray, where: str) -> None:
+        """Python ints beyond 64 bits make numpy fall back to objects: name the value out of range."""
+        flat = arr.reshape(-1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+            return
+        info = np.iinfo(f.np_dtype)
+        for v in flat:
+            if not info.min <= v <= info.max:
+                raise SchemaError(f"{where}: value {v} is out of range for {f.dtype} "
+                                  f"([{info.min}, {info.max}])")
 
     def _check_shape(self, f: Field, arr: np.ndarray, sample_no: int) -> int:
         where = f"sample {sample_no} field {f.name!r}"
@@ -163,14 +225,17 @@ class ShardWriter:
         """Flushes the last shard and writes the manifest. Idempotent."""
         if self._closed:
             return
+        self._finalizer.detach()  # NOTE [unclosed writer]: a failed close warns through its exception
         shards = self._encoder.close()
         publish_manifest(self._dir, self.fields, shards, self._replaced)  # NOTE [overwrite]
         self._closed = True
 
     def abort(self) -> None:
         """Discards everything this writer wrote (shards and no manifest)."""
+        if not self._closed:
+            self._finalizer.detach()
+            self._encoder.abort()
         self._closed = True
-        self._encoder.abort()
 
     @property
     def records_written(self) -> int:

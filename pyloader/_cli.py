@@ -2,6 +2,8 @@
 
 Each command lives with its stage: ``pyloader bench`` in pyloader/bench/cli.py,
 ``pyloader cache`` in pyloader/remote/cli.py, ``pyloader convert`` in pyloader/write/cli.py.
+``pyloader`` alone prints the help (the commands) and exits 2; ``--version`` prints the
+version. A usage error inside a command prints that command's usage, not the top level's.
 """
 
 from __future__ import annotations
@@ -13,21 +15,51 @@ from .bench.cli import add_bench_parser, run_bench
 from .remote.cli import add_cache_parser, run_cache
 from .write.cli import add_convert_parser, run_convert
 
+EXIT_USAGE = 2
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _deepest_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser that ``args`` reached: the one whose usage fits an error in them."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions:
+            return parser
+        name = getattr(args, actions[0].dest, None)
+        child = actions[0].choices.get(name) if name is not None else None
+        if child is None:
+            return parser
+        parser = child
+
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses ``argv`` (default ``sys.argv[1:]``), runs the command and returns its exit code."""
     ap = argparse.ArgumentParser(prog="pyloader", description="pyloader: a data-loading engine for PyTorch")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--version", action="version", version=f"pyloader {_version()}")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
     add_bench_parser(sub)
     add_cache_parser(sub)
     add_convert_parser(sub)
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        ap.print_help(sys.stderr)
+        return EXIT_USAGE
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # the command's parser owns the message, so the user sees that command's usage
+        _deepest_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "bench":
         return run_bench(args)
     if args.cmd == "cache":
         return run_cache(args)
     if args.cmd == "convert":
         return run_convert(args)
-    return 2
+    ap.print_help(sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""``pyloader convert SRC DST``: the command line of pyloader.write.convert and .verify.
+"""``pyloader convert SRC [SRC ...] DST``: the command line of pyloader.write.convert and .verify.
+
+SRC is one file or folder, several files (a shell glob), or a quoted glob pattern that
+convert expands itself (``"wds/*.tar"``). Messages name the command's flags (``--kind``),
+not the Python keywords (``kind=``) of the same options.
 
 Exit codes: 0 converted (and verified, with ``--verify``); 1 the source could not be
 converted or read (the message names the file, column and row), or DST already holds a
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from typing import Any
 
@@ -21,6 +26,14 @@ from .sources import KINDS, NULL_POLICIES
 from .verify import verify_dataset
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+# convert()'s keywords as the command's flags, in the messages it prints.
+_KEYWORD = re.compile(r"\b(kind|fields|nulls|labels|compression|jobs)=(?:True\b)?")
+
+
+def cli_words(message: str) -> str:
+    """``message`` with ``kind=`` (a keyword of ``convert()``) written as its flag ``--kind``."""
+    return _KEYWORD.sub(lambda m: f"--{m.group(1)}", message)
 
 
 def parse_fields(text: str | None) -> Any:
@@ -49,8 +62,9 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
         "or folder, an Arrow IPC file, a .npy/.npz file or folder of .npy files, WebDataset .tar shards, or "
         "any other folder (each file a record). Exit codes: 0 ok, 1 conversion failed, 2 bad arguments, "
         "3 verification found a difference.")
-    p.add_argument("src", help="source file or folder")
-    p.add_argument("dst", help="dataset folder to write")
+    p.add_argument("src", nargs="+", metavar="SRC",
+                   help="source file or folder; several files; or a quoted glob pattern such as \"wds/*.tar\"")
+    p.add_argument("dst", metavar="DST", help="dataset folder to write")
     p.add_argument("--kind", choices=KINDS, help="source kind (default: guessed from the file names)")
     p.add_argument("--fields", help="columns to convert, in order: a,b,c; name:dtype casts a Parquet/Arrow column "
                    "(checked: lossy casts fail)")
@@ -82,23 +96,24 @@ def run_convert(args: argparse.Namespace) -> int:
         print(f"pyloader convert: {e}", file=err)
         return EXIT_USAGE
     opts = {"kind": args.kind, "fields": fields, "nulls": args.nulls, "labels": args.labels}
+    src = args.src[0] if isinstance(args.src, list) and len(args.src) == 1 else args.src
     try:
         if args.verify_only:
-            out: dict[str, Any] = {"verified": verify_dataset(args.src, args.dst, **opts)}
+            out: dict[str, Any] = {"verified": verify_dataset(src, args.dst, **opts)}
         else:
-            res = convert(args.src, args.dst, compression=args.compression, shard_size=args.shard_size,
+            res = convert(src, args.dst, compression=args.compression, shard_size=args.shard_size,
                             jobs=args.jobs, overwrite=args.overwrite, progress=not args.quiet and not args.json,
                             verify=args.verify, **opts)
             out = dataclasses.asdict(res)
             out["mb_per_s"] = res.mb_per_s
     except VerifyError as e:
-        print(f"pyloader convert: verification failed: {e}", file=err)
+        print(f"pyloader convert: verification failed: {cli_words(str(e))}", file=err)
         return EXIT_MISMATCH
     except (PyloaderError, OSError) as e:
-        print(f"pyloader convert: {e}", file=err)
+        print(f"pyloader convert: {cli_words(str(e))}", file=err)
         return EXIT_FAILED
     except ValueError as e:  # invalid option combinations found while opening the source
-        print(f"pyloader convert: {e}", file=err)
+        print(f"pyloader convert: {cli_words(str(e))}", file=err)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("pyloader convert: interrupted; no dataset was written", file=err)

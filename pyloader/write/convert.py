@@ -289,7 +289,8 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
     Args:
         src: a Parquet file or folder of Parquet files, an Arrow IPC file, a ``.npy``/``.npz``
             file, a folder of ``.npy`` files, a dict of arrays or ``.npy`` paths, a folder of
-            files, or WebDataset ``.tar`` shards (a file, a folder or a list); see ``open_source``.
+            files, or WebDataset ``.tar`` shards (a file, a folder or a list); a glob pattern
+            (``"wds/*.tar"``) or a list of files and patterns; see ``open_source``.
         dst: the dataset folder to write (created if missing).
         kind: the source kind (``"parquet"``, ``"arrow"``, ``"numpy"``, ``"files"``, ``"tar"``);
             None guesses it from the file names.
@@ -324,6 +325,10 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
     shard_bytes = parse_size(shard_size, minimum=1)
     source = src if isinstance(src, Source) else open_source(src, kind=kind, fields=fields, nulls=nulls,
                                                              labels=labels)
+    if source.num_records == 0:  # a dataset of no records cannot be read: refuse to write one
+        where = getattr(source, "root", None) or ", ".join(getattr(source, "paths", None) or []) or "the source"
+        raise ConvertError(f"{where}: the {source.kind} source holds no records; nothing to convert "
+                           "(a dataset needs at least one record)")
     comp = choose_compression(source, compression)
     root = os.fspath(dst)
     os.makedirs(root, exist_ok=True)

@@ -11,6 +11,7 @@ are not, each process reopens its own.
 
 from __future__ import annotations
 
+import glob
 import os
 import tarfile
 from collections.abc import Iterator, Mapping
@@ -579,6 +580,13 @@ class TarSource(Source):
 
 
 # -- dispatch ---------------------------------------------------------------------------------
+def _files_source(root: str, fields: Any, labels: bool) -> FilesSource:
+    src = FilesSource(root, fields, labels)
+    if not src.rels:
+        raise ConvertError(f"{root}: the folder holds no files to convert")
+    return src
+
+
 def _list_files(root: str) -> list[str]:
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -600,13 +608,50 @@ def _kind_of(path: str) -> str | None:
     return None
 
 
+_GLOB_CHARS = frozenset("*?[")
+_TEXT_EXT = (".csv", ".tsv", ".json", ".jsonl", ".txt")
+
+
+def expand_paths(src: str | os.PathLike[str] | list[Any] | tuple[Any, ...]) -> str | list[str]:
+    """``src`` with glob patterns expanded: one path stays a str, several become a sorted list.
+
+    A pattern (``*``, ``?``, ``[``) that names no existing path is expanded (sorted, like a
+    shell); one that matches nothing raises ConvertError. An existing path is taken as is,
+    even if its name holds such characters.
+    """
+    items = [src] if isinstance(src, (str, os.PathLike)) else list(src)
+    out: list[str] = []
+    for item in items:
+        s = os.fspath(item)
+        if "://" in s or os.path.exists(s) or not _GLOB_CHARS & set(s):
+            out.append(s)
+            continue
+        hits = sorted(glob.glob(s, recursive=True))
+        if not hits:
+            raise ConvertError(f"the pattern {s!r} matches no file")
+        out.extend(hits)
+    if not out:
+        raise ConvertError("the source lists no files")
+    return out[0] if len(out) == 1 else out
+
+
+def _unknown_kind(path: str) -> ConvertError:
+    low = path.lower()
+    if low.endswith(_TEXT_EXT):
+        return ConvertError(f"{path!r}: {os.path.splitext(low)[1]} is not a convert source (Parquet, Arrow IPC, "
+                            ".npy/.npz, WebDataset .tar or a folder of files): write it as Parquet first (e.g. "
+                            "pyarrow.csv.read_csv then pyarrow.parquet.write_table) and convert that")
+    return ConvertError(f"cannot tell the kind of {path!r} from its name; pass kind= (one of {', '.join(KINDS)})")
+
+
 def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls: str = "error",
                 labels: bool = False) -> Source:
-    """The Source for ``src``: a path (file or folder), a list of files, or a dict of arrays.
+    """The Source for ``src``: a path (file or folder), a glob pattern, a list of files, or a dict of arrays.
 
     ``kind`` (``"parquet"``, ``"arrow"``, ``"numpy"``, ``"files"``, ``"tar"``) overrides the
     guess: a file by its extension; a folder is Parquet, Arrow, tar or numpy when every
-    (non-hidden) file in it is of that kind, else a folder of files.
+    (non-hidden) file in it is of that kind, else a folder of files. Patterns are expanded
+    as a shell would (``expand_paths``); a list may mix patterns and files.
     """
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -616,10 +661,15 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
         if kind not in (None, "numpy"):
             raise ValueError("a dict source is a numpy source")
         return NumpySource(src, fields, nulls)
-    if isinstance(src, (list, tuple)):
-        paths = [os.fspath(p) for p in src]
-        if not paths:
-            raise ConvertError("the source lists no files")
+    if isinstance(src, (str, os.PathLike, list, tuple)):
+        src = expand_paths(src)
+    if isinstance(src, list):
+        paths = src
+        for p in paths:
+            if os.path.isdir(p):
+                raise ConvertError(f"{p!r} is a folder: give one folder, or a list of files")
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"no such file: {p!r}")
     else:
         s = os.fspath(src)
         if "://" in s:
@@ -629,13 +679,13 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
             raise FileNotFoundError(f"no such file or folder: {s!r}")
         if os.path.isdir(s):
             if kind == "files" or (kind is None and not _list_files(s)):
-                return FilesSource(s, fields, labels)
+                return _files_source(s, fields, labels)
             paths = _list_files(s)
             kinds = {_kind_of(p) for p in paths}
             if kind is None:
                 kind = kinds.pop() if len(kinds) == 1 and None not in kinds else "files"
             if kind == "files":
-                return FilesSource(s, fields, labels)
+                return _files_source(s, fields, labels)
             paths = [p for p in paths if _kind_of(p) == kind] if kind != "numpy" else \
                 [p for p in paths if p.endswith(".npy")]
             if not paths:
@@ -645,7 +695,10 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
     if kind is None:
         kinds = {_kind_of(p) for p in paths}
         if len(kinds) != 1 or None in kinds:
-            raise ConvertError(f"cannot tell the kind of {paths[0]!r}; pass kind= (one of {', '.join(KINDS)})")
+            if None in kinds:
+                raise _unknown_kind(next(p for p in paths if _kind_of(p) is None))
+            raise ConvertError(f"the files are of several kinds ({', '.join(sorted(str(k) for k in kinds))}); "
+                               "convert one kind at a time")
         kind = kinds.pop()
     if labels and kind != "files":
         raise ValueError("labels= applies to a folder of files only")

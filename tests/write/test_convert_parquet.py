@@ -130,10 +130,12 @@ def test_corrupt_footer_is_a_clear_error(tmp_path):
         pyloader.convert(src, str(tmp_path / "out"))
 
 
-def test_empty_parquet_converts_to_an_empty_dataset(tmp_path):
+def test_empty_parquet_is_refused(tmp_path):
+    # A dataset of no records cannot be read (ShardDataset refuses it): convert writes none.
     src = write_parquet(tmp_path / "e.parquet", mixed_table(1).slice(0, 0))
-    res = pyloader.convert(src, str(tmp_path / "out"), verify=True)
-    assert res.records == 0 and res.shards == 0 and res.verified["records"] == 0
+    with pytest.raises(pyloader.ConvertError, match="no records"):
+        pyloader.convert(src, str(tmp_path / "out"), verify=True)
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -68,10 +68,10 @@ def test_folder_of_files_with_labels_and_empty_files(tmp_path):
     assert [f["name"] for f in res.fields] == ["path"] and res.records == 5
 
 
-def test_empty_folder_is_an_empty_dataset(tmp_path):
+def test_empty_folder_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
-    res = pyloader.convert(str(tmp_path / "empty"), str(tmp_path / "out"), verify=True)
-    assert res.records == 0
+    with pytest.raises(pyloader.ConvertError, match="holds no files"):
+        pyloader.convert(str(tmp_path / "empty"), str(tmp_path / "out"), verify=True)
 
 
 def _samples(n, start=0):

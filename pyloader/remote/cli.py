@@ -6,8 +6,14 @@ it alone.
 
 Exit codes (``EXIT_*``): 0 done; 1 done in part (a shard failed to download, a cached
 file failed verification and was removed, or shards in use were left in place when the
-target needed them gone); 2 bad usage, URL or manifest; 3 the cache cannot take the data
-(size limit too small, disk full, read-only); 130 interrupted.
+target needed them gone); 2 bad usage, URL or manifest (none at that URL); 3 the cache
+cannot take the data (size limit too small, disk full, read-only); 4 cannot reach the
+data (the host does not answer, the request is refused or times out, credentials are
+missing or denied: nothing was downloaded); 130 interrupted.
+
+A request that gets no answer is not silent: after ``QUIET_S`` seconds without a byte,
+``warm`` prints a line naming the URL it waits for and the timeouts that bound the wait
+(``PYLOADER_FETCH_STALL_TIMEOUT``, ``PYLOADER_FETCH_DEADLINE``).
 """
 
 from __future__ import annotations
@@ -26,13 +32,19 @@ from ..format.sizes import parse_size
 from ..read import order as _plan
 from .cache import CacheError, CacheLimitError, ShardCache, dataset_key
 from .fetch import ShardFetcher, first_touch_order, open_remote
-from .fs import FetchError, is_remote
+from .fs import FetchError, RemoteChangedError, RetryPolicy, is_remote
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1
 EXIT_USAGE = 2
 EXIT_CACHE = 3
+EXIT_UNREACHABLE = 4
 EXIT_INTERRUPTED = 130
+EXIT_HELP = ("Exit codes: 0 done; 1 done in part; 2 bad usage, URL or manifest; 3 the cache cannot take the data; "
+             "4 cannot reach the data (no answer, refused, timed out, credentials missing or denied); "
+             "130 interrupted.")
+
+QUIET_S = 5.0  # seconds without a byte before warm says what it waits for
 
 
 def _size_arg(s: str) -> int:
@@ -64,8 +76,7 @@ _nonneg = _int_at_least(0, "non-negative")
 def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds ``cache`` (with warm/ls/stats/verify/evict/clear) to a ``pyloader`` subparsers object."""
     p = subparsers.add_parser("cache", help="the node-local shard cache of remote datasets",
-                              description="Exit codes: 0 done; 1 done in part; 2 bad usage, URL or manifest; "
-                                          "3 the cache cannot take the data; 130 interrupted.")
+                              description=EXIT_HELP)
     sub = p.add_subparsers(dest="cache_cmd", required=True)
 
     def common(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
@@ -74,7 +85,8 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
         if json_flag:
             sp.add_argument("--json", action="store_true", help="print a machine-readable result on stdout")
 
-    w = sub.add_parser("warm", help="download a remote dataset's shards into the cache (idempotent, resumable)")
+    w = sub.add_parser("warm", help="download a remote dataset's shards into the cache (idempotent, resumable)",
+                       description=EXIT_HELP)
     w.add_argument("url", help="dataset URL (s3://, gs://, https://, ...)")
     common(w)
     w.add_argument("--jobs", type=_positive, default=8, help="parallel downloads (default 8)")
@@ -133,7 +145,7 @@ def run_cache(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except FetchError as e:  # the manifest could not be read
         _err(args, str(e))
-        return EXIT_USAGE if e.errno == errno.ENOENT else EXIT_PARTIAL
+        return EXIT_USAGE if e.errno == errno.ENOENT else EXIT_UNREACHABLE
     except (PyloaderError, OSError) as e:
         _err(args, str(e))
         return EXIT_PARTIAL
@@ -165,6 +177,48 @@ def select_shards(records_per_shard: list[int], *, nodes: int, node_rank: int, r
                 seen.add(o[k])
                 out.append(o[k])
     return out
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A failure to reach the data (network, timeout, credentials), not a missing or changed object."""
+    return (isinstance(e, FetchError) and not isinstance(e, RemoteChangedError)
+            and e.errno not in (errno.ENOENT, errno.ECANCELED))
+
+
+class _QuietWatch:
+    """Prints a line to stderr whenever ``progress()`` has not moved for ``QUIET_S`` seconds.
+
+    A server that accepts a connection and never answers would otherwise leave the command
+    silent until the stall timeout and the retry deadline run out.
+    """
+
+    def __init__(self, what: Callable[[], str], progress: Callable[[], int]) -> None:
+        self.what, self.progress = what, progress
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pyloader-quiet-watch")
+
+    def _run(self) -> None:
+        last, since, told = self.progress(), time.monotonic(), 0.0
+        policy = RetryPolicy.from_env()
+        while not self._stop.wait(min(0.25, QUIET_S / 4)):
+            now, cur = time.monotonic(), self.progress()
+            if cur != last:
+                last, since, told = cur, now, 0.0
+                continue
+            quiet = now - since
+            if quiet >= QUIET_S and quiet - told >= max(QUIET_S, 30.0 if told else 0.0):
+                told = quiet
+                print(f"pyloader cache: no data for {quiet:.0f} s from {self.what()}; still trying (a request "
+                      f"stalled {policy.stall_timeout:g} s fails and is retried until {policy.deadline:g} s: "
+                      "PYLOADER_FETCH_STALL_TIMEOUT, PYLOADER_FETCH_DEADLINE)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _QuietWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _Progress:
@@ -217,7 +271,8 @@ def _warm(args: argparse.Namespace) -> int:
     opts = json.loads(args.storage_options) if args.storage_options else None
     if opts is not None and not isinstance(opts, dict):
         raise ValueError("--storage-options must be a JSON object")
-    dcache = open_remote(args.url, cache_dir=args.cache_dir, cache_limit=args.limit, storage_options=opts)
+    with _QuietWatch(lambda: f"{args.url.rstrip('/')}/manifest.json", lambda: 0):
+        dcache = open_remote(args.url, cache_dir=args.cache_dir, cache_limit=args.limit, storage_options=opts)
     rps = [int(s["records"]) for s in dcache.shards]
     order = select_shards(rps, nodes=args.nodes, node_rank=args.node_rank, ranks_per_node=args.ranks_per_node,
                           epoch=args.epoch, seed=args.seed, shuffle=args.shuffle, shuffle_mode=args.shuffle_mode,
@@ -230,7 +285,7 @@ def _warm(args: argparse.Namespace) -> int:
     prog = _Progress(len(order), total, fetcher, args.progress or (sys.stderr.isatty() and not args.json))
     fetcher.on_done = prog.shard_done
     t0 = time.monotonic()
-    with prog:
+    with prog, _QuietWatch(lambda: dcache.url, lambda: fetcher.bytes):
         try:
             fetcher.schedule(order)
             fetcher.wait()
@@ -253,6 +308,8 @@ def _warm(args: argparse.Namespace) -> int:
     if failed:
         if all(isinstance(e, (CacheError, CacheLimitError)) for e in errors.values()):
             return EXIT_CACHE
+        if fetcher.downloaded == 0 and all(_unreachable(e) for e in errors.values()):
+            return EXIT_UNREACHABLE
         return EXIT_PARTIAL
     return EXIT_OK
 

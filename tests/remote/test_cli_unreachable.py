@@ -1,0 +1,53 @@
+"""pyloader cache warm when the data cannot be reached: its own exit code, and never silent."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pyloader.remote import cli as cache_cli
+from pyloader.remote.cli import EXIT_OK, EXIT_UNREACHABLE, main
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connection_is_exit_4_not_done_in_part(cache_dir, capsys) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/ds"
+    assert main(["cache", "warm", url, "--cache-dir", cache_dir]) == EXIT_UNREACHABLE
+    assert url in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_answers_is_named_while_waiting(cache_dir, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cache_cli, "QUIET_S", 0.3)
+    monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", "2")
+    monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", "1.5")
+    with socket.socket() as silent:  # the kernel completes the handshake; nobody ever reads or answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/ds"
+        code = main(["cache", "warm", url, "--cache-dir", cache_dir])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNREACHABLE, err
+    assert "no data for" in err and f"{url}/manifest.json" in err and "PYLOADER_FETCH_STALL_TIMEOUT" in err
+
+
+def test_the_help_documents_exit_4(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["cache", "--help"])
+    out = capsys.readouterr().out
+    assert "4 cannot reach the data" in " ".join(out.split())
+
+
+def test_a_reachable_dataset_prints_no_waiting_line(server, cache_dir, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cache_cli, "QUIET_S", 5.0)
+    assert main(["cache", "warm", server.url + "/ds", "--cache-dir", cache_dir]) == EXIT_OK
+    assert "no data for" not in capsys.readouterr().err

@@ -92,6 +92,22 @@ class _Readiness:
         return self.paths[i]  # type: ignore[return-value]
 
 
+def _sized_info(fs: Any, url: str, name: str, info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` with the file's size, asked of the store itself (an HTTP listing has no sizes: a HEAD)."""
+    try:
+        full = fs.info(name)
+    except Exception as e:  # noqa: BLE001 - any failure to learn the size is reported the same way
+        full, why = {}, f"{type(e).__name__}: {e}"
+    else:
+        why = "the server sends no Content-Length"
+    if full.get("size") is None:
+        raise ParquetReadError(
+            f"{url}: the listing does not give the size of {name!r} and asking for it failed ({why}); "
+            "a folder over HTTP can be read only when its server answers HEAD with a Content-Length: "
+            "give the URL of one file, or copy the folder to local disk (or to object storage such as s3://)")
+    return {**info, **full}
+
+
 def _list_remote(url: str, storage_options: dict[str, Any] | None
                  ) -> tuple[Any, str, str, list[tuple[str, int, str]]]:
     """The Parquet files at ``url``, sorted by path.
@@ -111,6 +127,8 @@ def _list_remote(url: str, storage_options: dict[str, Any] | None
     for info in sorted(infos, key=lambda i: i["name"]):
         name = info["name"]
         rel = name[len(root):].lstrip("/") if name.startswith(root) else name.rsplit("/", 1)[-1]
+        if info.get("size") is None:
+            info = _sized_info(fs, url, name, info)
         tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
         size = int(info["size"])
         ident = f"{_C.xxh64(f'{rel}|{size}|{tag}'.encode()):016x}"

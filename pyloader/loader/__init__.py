@@ -2,7 +2,7 @@
 
 | file | what it is for |
 |---|---|
-| ``dataloader.py`` | ``DataLoader``: torch's constructor; native over a ``PlannedDataset``, else torch's loader |
+| ``dataloader.py`` | ``DataLoader``: a subclass of torch's, its constructor; native over a ``PlannedDataset``, else torch's loader |
 | ``transfer.py`` | slot pools (pinned or pageable), the copy engine stage, the pinned batch fence |
 | ``state.py`` | the resume state of ``state_dict()``/``load_state_dict()`` (NOTE [resume state]) |
 

@@ -6,10 +6,18 @@ import collections
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data
+from torch.utils.data import BatchSampler, IterableDataset
+
+# torch's class, bound now: a program that drops pyloader in with
+# ``torch.utils.data.DataLoader = pyloader.DataLoader`` must not make the generic path (and
+# the base class) find pyloader's class again. The defining module's name is the one such a
+# patch leaves alone.
+from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
+from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
 from .. import _C
 from ..read import order as _order
@@ -19,6 +27,13 @@ from . import transfer as _transfer
 
 # Records per native batch when the loader yields single samples (batch_size=None).
 _SAMPLE_BATCH = 64
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+# Attributes torch reads when it makes an iterator: assigned after construction, they are
+# passed on to the generic path's torch loader, so the next iter() uses them as torch's would.
+_PASSED_ON = frozenset({"num_workers", "collate_fn", "timeout", "worker_init_fn", "generator", "prefetch_factor",
+                        "in_order", "pin_memory_device"})
 
 
 class ConsumedCount:
@@ -80,7 +95,7 @@ def _pin_device_index(pin_memory_device: str) -> int | None:
     return dev.index
 
 
-class DataLoader:
+class DataLoader(_TorchDataLoader[_T_co]):
     """A drop-in replacement for ``torch.utils.data.DataLoader``.
 
     Same constructor, same iteration semantics, plus native staging and device prefetch.
@@ -114,9 +129,19 @@ class DataLoader:
     dataset's epoch when the loader was built; ``set_epoch(n)`` makes the next ``iter()``
     read epoch ``n``. ``state_dict()``/``load_state_dict()`` resume a native loader over a
     resumable dataset (one with a ``fingerprint``: ShardDataset) mid-epoch (docs/resume.md).
+
+    It is a ``torch.utils.data.DataLoader`` (a subclass, generic like it:
+    ``DataLoader[T]``) with torch's public attributes; ``batch_size``, ``sampler``,
+    ``batch_sampler``, ``drop_last``, ``dataset`` and ``persistent_workers`` cannot be
+    assigned once it is built (NOTE [torch's DataLoader attributes]).
     """
 
-    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+    # The native path uses the dataset contract (PlannedDataset), not torch's Dataset type.
+    dataset: Any
+    collate_fn: Any
+
+    def __init__(self, dataset: torch.utils.data.Dataset[_T_co], batch_size: int | None = 1,
+                 shuffle: bool | None = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
                  collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False, drop_last: bool = False,
                  timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
@@ -124,6 +149,8 @@ class DataLoader:
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory_device: str = "",
                  in_order: bool = True, device: str | torch.device | int | None = None, device_prefetch: int = 2,
                  prefetch: int | None = None) -> None:
+        # torch's __init__ is not run: the attributes torch's own code reads are set here
+        # (NOTE [torch's DataLoader attributes]).
         _check_common(num_workers, timeout, prefetch_factor, persistent_workers, device_prefetch, pin_memory_device)
         self.dataset = dataset
         self.batch_size = batch_size
@@ -134,13 +161,13 @@ class DataLoader:
         self.drop_last = drop_last
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
         self.generator = generator
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.device = _transfer.resolve_device(device)
         self.device_prefetch = device_prefetch
+        self.prefetch = prefetch
         self._pin_named = _pin_device_index(pin_memory_device)
         if self.device is not None and self.device.type == "cuda":
             self._pin_named = self.device.index
@@ -152,21 +179,25 @@ class DataLoader:
         self.sampler: Any = None
         self.batch_sampler: Any = None
         self.shuffle: bool | None = shuffle
+        self._dataset_kind = _DatasetKind.Iterable if isinstance(dataset, IterableDataset) else _DatasetKind.Map
+        self._len_called: int | None = None  # _IterableDataset_len_called of the native path
         # Host buffers are made at the first iter(), not here (NOTE [lazy pinned pools]).
         self._batch_pool: _C.SlotPool | None = None  # see _pool
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
-        self._inner: torch.utils.data.DataLoader[Any] | None = None  # the generic path's torch loader
+        self._inner: _TorchDataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
         if self._native:
-            self._init_native(shuffle, sampler, batch_sampler, prefetch)
+            self._init_native(shuffle, sampler, batch_sampler, multiprocessing_context)
         else:
             if prefetch is not None:
                 raise ValueError("prefetch= sets native collation depth and needs a pyloader dataset; "
                                  "use prefetch_factor with worker processes")
-            self._init_torch(shuffle, sampler, batch_sampler)
+            self._init_torch(shuffle, sampler, batch_sampler, multiprocessing_context)
+        # From now on torch's __setattr__ refuses to change the attributes that fix the order.
+        self._DataLoader__initialized = True
 
     # -- construction ------------------------------------------------------------------
-    def _init_native(self, shuffle: bool | None, sampler: Any, batch_sampler: Any, prefetch: int | None) -> None:
+    def _init_native(self, shuffle: bool | None, sampler: Any, batch_sampler: Any, multiprocessing_context: Any) -> None:
         name = type(self.dataset).__name__
         for arg, value in (("sampler", sampler), ("batch_sampler", batch_sampler)):
             if value is not None:
@@ -176,7 +207,7 @@ class DataLoader:
         if self.worker_init_fn is not None:
             raise ValueError(f"DataLoader over a {name}: worker_init_fn is not supported; the native path has no "
                              f"worker processes to initialise (num_workers sets native threads)")
-        if self.multiprocessing_context is not None:
+        if multiprocessing_context is not None:
             raise ValueError(f"DataLoader over a {name}: multiprocessing_context is not supported; the native path "
                              f"starts no processes")
         bs = self.batch_size
@@ -188,32 +219,111 @@ class DataLoader:
             raise ValueError(f"shuffle must be None, True or False, got {shuffle!r}")
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator, got {type(self.generator).__name__}")
-        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+        if self.prefetch is not None and (not isinstance(self.prefetch, int) or self.prefetch < 1):
             raise ValueError("prefetch must be a positive int")
-        self._threads = max(1, self.num_workers)
-        self.prefetch = prefetch if prefetch is not None else (
-            None if self.prefetch_factor is None else max(1, self.prefetch_factor * self._threads))
-        self._seed = None if self.generator is None else int(self.generator.initial_seed())
+        if self._dataset_kind == _DatasetKind.Iterable:
+            # What torch's DataLoader holds for an iterable dataset (code that reads them
+            # finds the same objects); the native path plans without them.
+            self.sampler = _InfiniteConstantSampler()
+            if bs is not None:
+                self.batch_sampler = BatchSampler(self.sampler, bs, self.drop_last)
         self._next_epoch = self.dataset.epoch
         # Resumable state is defined for datasets with a fingerprint (NOTE [resume state]).
         self._fingerprint = self.dataset.fingerprint
 
-    def _init_torch(self, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> None:
+    @property
+    def _threads(self) -> int:
+        """Native collation threads (read at each iter(): ``num_workers`` may be set after construction)."""
+        return max(1, self.num_workers)
+
+    @property
+    def _prefetch(self) -> int | None:
+        """Batches collated ahead: ``prefetch``, else ``prefetch_factor`` per thread, else the dataset's default."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return None if self.prefetch_factor is None else max(1, self.prefetch_factor * self._threads)
+
+    @property
+    def _seed(self) -> int | None:
+        """The ``generator``'s seed, which replaces the dataset's (None: the dataset's)."""
+        return None if self.generator is None else int(self.generator.initial_seed())
+
+    def _init_torch(self, shuffle: bool | None, sampler: Any, batch_sampler: Any, multiprocessing_context: Any) -> None:
         # torch's DataLoader does the loading (and its own argument checks); pyloader's copy
         # engine does the pinning and the device copies, so torch's pin thread is off.
-        inner: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+        inner: _TorchDataLoader[Any] = _TorchDataLoader(
             self.dataset, batch_size=self.batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=False, drop_last=self.drop_last,
             timeout=self.timeout, worker_init_fn=self.worker_init_fn,
-            multiprocessing_context=self.multiprocessing_context, generator=self.generator,
+            multiprocessing_context=multiprocessing_context, generator=self.generator,
             prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers, in_order=self.in_order)
         self._inner = inner
+        self.dataset = inner.dataset
         self.batch_size = inner.batch_size
         self.drop_last = inner.drop_last
         self.sampler = inner.sampler
         self.batch_sampler = inner.batch_sampler
         self.collate_fn = inner.collate_fn
         self.prefetch_factor = inner.prefetch_factor
+
+    # -- torch's DataLoader attributes ---------------------------------------------------
+    # NOTE [torch's DataLoader attributes]: pyloader.DataLoader subclasses torch's DataLoader
+    # (isinstance checks and frameworks that re-build a loader from its attributes, as
+    # Lightning and Accelerate do, see a torch DataLoader) without running its __init__. The
+    # constructor arguments are public attributes of the same names, as torch's; torch's
+    # __setattr__ refuses batch_size, sampler, batch_sampler, drop_last, dataset and
+    # persistent_workers once built (``_DataLoader__initialized``); the private attributes
+    # torch's own methods and iterators read (``_dataset_kind``, ``_iterator``,
+    # ``_IterableDataset_len_called``, ``multiprocessing_context``) are kept here, and on
+    # the generic path are those of the torch loader that does the loading, to which later
+    # assignments of the attributes torch reads at iter() are passed on (``_PASSED_ON``).
+    def __setattr__(self, attr: str, val: Any) -> None:
+        super().__setattr__(attr, val)  # torch's: raises ValueError for the attributes it freezes
+        if attr in _PASSED_ON:
+            inner = self.__dict__.get("_inner")
+            if inner is not None:
+                setattr(inner, attr, val)
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        """The ``multiprocessing_context`` of torch (a context object once set; None on the native path)."""
+        inner = self.__dict__.get("_inner")
+        return None if inner is None else inner.multiprocessing_context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, value: Any) -> None:
+        inner = self.__dict__.get("_inner")
+        if inner is not None:
+            inner.multiprocessing_context = value  # torch validates it against num_workers
+        elif value is not None:
+            raise ValueError(f"DataLoader over a {type(self.dataset).__name__}: multiprocessing_context is not "
+                             f"supported; the native path starts no processes")
+
+    @property
+    def _iterator(self) -> Any:
+        """The persistent workers' iterator (torch's ``_iterator``; None on the native path)."""
+        inner = self.__dict__.get("_inner")
+        return None if inner is None else inner._iterator
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        inner = self.__dict__.get("_inner")
+        if inner is not None:
+            inner._iterator = value
+
+    @property  # type: ignore[override]
+    def _IterableDataset_len_called(self) -> int | None:  # noqa: N802 - torch's name
+        """What ``len()`` last reported for an iterable dataset (torch warns when iteration yields more)."""
+        inner = self.__dict__.get("_inner")
+        return self._len_called if inner is None else inner._IterableDataset_len_called
+
+    @_IterableDataset_len_called.setter
+    def _IterableDataset_len_called(self, value: int | None) -> None:  # noqa: N802 - torch's name
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            self._len_called = value
+        else:
+            inner._IterableDataset_len_called = value
 
     @property
     def _pool(self) -> _C.SlotPool | None:
@@ -252,13 +362,17 @@ class DataLoader:
         return self.pin_memory or (self.device is not None and self.device.type == "cuda")
 
     # -- iteration ---------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         prev = self._active() if self._active is not None else None
         if prev is not None:
             prev.close()  # a new iter() ends the previous one (torch's own iterators manage themselves)
-        it = self._iter_native() if self._native else self._iter_torch()
+        it = self._get_iterator()
         self._active = weakref.ref(it) if isinstance(it, _LoaderIterator) else None
         return it
+
+    def _get_iterator(self) -> Any:
+        """A new iterator of this loader (torch's hook; ``iter()`` also closes the previous one)."""
+        return self._iter_native() if self._native else self._iter_torch()
 
     def _new_stage(self, in_slots: bool) -> _transfer.DeviceStage | None:
         """The copy engine for this epoch's batches, or None when they need none.
@@ -297,7 +411,7 @@ class DataLoader:
         native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
         pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
         src: BatchStream = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                                      prefetch=self.prefetch, pool=pool)
+                                      prefetch=self._prefetch, pool=pool)
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -431,7 +545,7 @@ class DataLoader:
         if not self._native:
             assert self._inner is not None
             return len(self._inner)
-        n = len(self.dataset)
+        n = self._len_called = len(self.dataset)
         if self.batch_size is None:
             return n
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)

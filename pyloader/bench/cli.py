@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -21,6 +22,8 @@ from ..read.shards import ShardDataset
 from . import measure as B
 from . import stages as R
 
+DEFAULT_RECORDS = 20000
+
 
 def _generate(tmp: str, name: str, record_bytes: int, records: int, compression: str) -> str:
     path = os.path.join(tmp, name)
@@ -28,6 +31,19 @@ def _generate(tmp: str, name: str, record_bytes: int, records: int, compression:
     p = B.Profile(name, record_bytes, kind, name)
     B.write_profile_dataset(path, p, records, compression=compression, seed=0)
     return path
+
+
+def _workload(args: argparse.Namespace) -> R.Workload | None:
+    """The AU workload the options name (``None`` with ``--workload none``); options checked already."""
+    if args.workload == "none":
+        return None
+    if args.workload == "custom":
+        return R.Workload("custom", args.record_bytes or 0, args.au_batch_size, args.compute_time,
+                          args.au_records or max(64, 4 * args.au_batch_size))
+    w = R.WORKLOADS[args.workload]
+    if args.au_records:
+        w = R.Workload(w.name, w.record_bytes, w.batch_size, w.compute_s, args.au_records)
+    return w
 
 
 def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
@@ -49,29 +65,27 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
                              "records": ds.num_records, "shards": len(ds.shard_paths),
                              "bytes": sum(ds.shard_bytes), "fields": [f.to_json() for f in ds.fields]}
         stages = R.run_stages(ds, batch_size=args.batch_size, threads=args.threads, epochs=args.epochs,
-                              torch_workers=args.torch_workers, progress=progress)
+                              torch_workers=args.torch_workers, progress=progress, min_seconds=args.min_seconds)
         result["stages"] = stages
         result["diagnosis"] = R.diagnose(stages)
 
-        if args.workload != "none":
-            if args.workload == "custom":
-                if not (args.record_bytes and args.compute_time and args.au_batch_size):
-                    raise ValueError("--workload custom needs --record-bytes, --au-batch-size and --compute-time")
-                w = R.Workload("custom", args.record_bytes, args.au_batch_size, args.compute_time,
-                               args.au_records or max(64, 4 * args.au_batch_size))
-            else:
-                w = R.WORKLOADS[args.workload]
-                if args.au_records:
-                    w = R.Workload(w.name, w.record_bytes, w.batch_size, w.compute_s, args.au_records)
+        w = _workload(args)
+        if w is not None:
             if args.url is None:
                 progress(f"generating the {w.name} dataset: {w.records} x {w.record_bytes / 1e3:.1f} KB records")
                 au_path = _generate(tmp, f"au-{w.name}", w.record_bytes, w.records, "none")
+                source = "generated"
             else:
-                au_path = url
+                # The user's own records: their size, not the preset's, is what the loaders move.
+                py = stages["pyloader"]
+                w = R.Workload(w.name, round(py["bytes"] / max(py["samples"], 1)), w.batch_size, w.compute_s,
+                               ds.num_records)
+                au_path, source = url, "dataset"
             result["accelerator_utilization"] = R.run_au(
                 au_path, w, cache_dir=args.cache_dir, threads=args.au_threads, torch_workers=args.au_torch_workers,
                 batches=R.au_batches(w, args.au_seconds), threshold=args.au_threshold,
                 cap=args.max_accelerators, progress=progress)
+            result["accelerator_utilization"]["workload"]["records_from"] = source
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -85,33 +99,50 @@ def _print_bench(r: dict[str, Any]) -> None:
     if rf:
         speed = f"{rf['gbps']:.3f} GB/s" if rf["gbps"] else "all cached"
         rows.append((f"remote fetch ({rf['shards_downloaded']} shards)", speed, rf["cpu_s"]))
-    rows.append(("storage read", f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"]))
+    rows.append((f"storage read ({st['storage_read'].get('threads', 1)} thr)",
+                 f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"]))
     if st["decode"]:
-        rows.append((f"LZ4 decode ({st['decode']['threads']} threads)", f"{st['decode']['gbps']:.2f} GB/s",
+        rows.append((f"LZ4 decode ({st['decode']['threads']} thr)", f"{st['decode']['gbps']:.2f} GB/s",
                      st["decode"]["cpu_s"]))
-    rows.append((f"collation limit: memcpy ({st['collate_limit']['threads']} thr)",
+    rows.append((f"collation copy ({st['collate_limit']['threads']} thr)",
                  f"{st['collate_limit']['memcpy_gbps']:.2f} GB/s", st["collate_limit"]["cpu_s"]))
     for key, label in (("pyloader", f"pyloader, end to end ({st['pyloader']['threads']} thr)"),
                        ("torch_dataloader", f"torch DataLoader (workers={st['torch_dataloader']['num_workers']})")):
         s = st[key]
         rows.append((label, f"{s['samples_per_s']:,.0f} samples/s", s["cpu_s"]))
-        rows.append(("", f"{s['gbps']:.2f} GB/s", None))
+        rows.append((f"  {s['epochs']} x {1e3 * s['epoch_s']:.0f} ms epochs, first {1e3 * s['startup_s']:.0f} ms",
+                     f"{s['gbps']:.2f} GB/s", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
     print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")
     for name, val, cpu in rows:
         print(f"  {name:<40}{val:>22}{'' if cpu is None else f'{cpu:8.2f}'}")
-    print(f"\n  pyloader / torch DataLoader: {dg['speedup_vs_torch']:.2f}x samples/s")
-    print(f"  bound by: {dg['bound']} (headroom of each stage over the loader: "
-          + ", ".join(f"{k} {v}x" for k, v in dg["headroom"].items()) + ")")
+    for wmsg in dg.get("warnings", []):
+        print(f"\n  WARNING: {wmsg}")
+    flag = " (see WARNING above)" if dg.get("warnings") else ""
+    print(f"\n  pyloader / torch DataLoader: {dg['speedup_vs_torch']:.2f}x samples/s{flag}")
+    print(f"  pyloader delivered {dg['loader_gbps']:.2f} GB/s (decoded). What it drew from each stage, "
+          "against that stage's measured capacity:")
+    print(f"    {'stage':<10}{'capacity':>12}{'drawn':>12}{'used':>8}  measured as")
+    for name, row in dg["stages"].items():
+        print(f"    {name:<10}{row['capacity_gbps']:>7.2f} GB/s{row['demand_gbps']:>7.2f} GB/s"
+              f"{100 * row['utilization']:>7.0f}%  {row['how']}")
+    if dg["bound"]:
+        row = dg["stages"][dg["bound"]]
+        print(f"  bound by: {dg['bound']}, at {100 * row['utilization']:.0f}% of its capacity "
+              f"({row['demand_gbps']:.2f} of {row['capacity_gbps']:.2f} GB/s)")
+    else:
+        print("  bound by: no measured stage")
     for n in dg["notes"]:
         print(f"  - {n}")
     au = r.get("accelerator_utilization")
     if au:
         w = au["workload"]
-        print(f"\n  accelerator utilization, {w['name']}: {w['record_bytes'] / 1e3:.1f} KB records, batch "
-              f"{w['batch_size']}, {w['compute_s'] * 1e3:.1f} ms compute per batch (AU >= "
-              f"{100 * au['pyloader']['threshold']:.0f}% wanted, at most {au['cap']} accelerators tried)")
+        where = ("this dataset" if w.get("records_from") == "dataset"
+                 else f"a generated {w['name']} dataset")
+        print(f"\n  accelerator utilization, {where}: {w['records']} records of {w['record_bytes'] / 1e3:.1f} KB, "
+              f"batch {w['batch_size']}, {w['compute_s'] * 1e3:.1f} ms compute per batch ({w['name']}); "
+              f"AU >= {100 * au['pyloader']['threshold']:.0f}% wanted")
         print(f"  {'accelerators':>14}{'AU pyloader':>14}{'AU torch':>12}")
         py = {t["accelerators"]: t["au"] for t in au["pyloader"]["trials"]}
         tc = {t["accelerators"]: t["au"] for t in au["torch_dataloader"]["trials"]}
@@ -120,7 +151,17 @@ def _print_bench(r: dict[str, Any]) -> None:
             b = f"{100 * tc[n]:.1f}%" if n in tc else "-"
             print(f"  {n:>14}{a:>14}{b:>12}")
         print(f"  max accelerators at AU >= {100 * au['pyloader']['threshold']:.0f}%: pyloader "
-              f"{au['pyloader']['max_accelerators']}, torch DataLoader {au['torch_dataloader']['max_accelerators']}")
+              f"{_au_count(au['pyloader'])}, torch DataLoader {_au_count(au['torch_dataloader'])}")
+        if au["pyloader"].get("capped") or au["torch_dataloader"].get("capped"):
+            if au.get("cap_reason") == "memory":
+                print(f"  (the search stopped at {au['cap']}: more loaders' batches would not fit in 40% of "
+                      "free memory)")
+            else:
+                print(f"  (the search stopped at {au['cap']}, the cap: raise --max-accelerators to search further)")
+
+
+def _au_count(r: dict[str, Any]) -> str:
+    return f"at least {r['max_accelerators']} (cap)" if r.get("capped") else str(r["max_accelerators"])
 
 
 def _plot_bench(r: dict[str, Any], path: str) -> None:
@@ -136,7 +177,7 @@ def _plot_bench(r: dict[str, Any], path: str) -> None:
     if st["decode"]:
         names.append("LZ4 decode")
         vals.append(st["decode"]["gbps"])
-    names += ["memcpy limit", "pyloader", "torch DataLoader"]
+    names += ["collation copy", "pyloader", "torch DataLoader"]
     vals += [st["collate_limit"]["memcpy_gbps"], st["pyloader"]["gbps"], st["torch_dataloader"]["gbps"]]
     au = r.get("accelerator_utilization")
     fig, axes = plt.subplots(1, 2 if au else 1, figsize=(11 if au else 6, 4))
@@ -160,13 +201,23 @@ def _plot_bench(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _positive(kind: type) -> Any:
+def _number(kind: type, low: float, *, low_open: bool = True, high: float | None = None) -> Any:
+    """An argparse type: a finite ``kind`` in (low, high] (or [low, high] with ``low_open=False``)."""
     def parse(s: str) -> Any:
-        v = kind(s)
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {s!r}") from None
+        if not math.isfinite(v) or (v <= low if low_open else v < low) or (high is not None and v > high):
+            rng = f"{'>' if low_open else '>='} {low:g}" if high is None else \
+                f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {s}")
         return v
     return parse
+
+
+def _positive(kind: type) -> Any:
+    return _number(kind, 0)
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -178,36 +229,79 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--batch-size", type=_positive(int), default=256)
     b.add_argument("--threads", type=_positive(int), default=max(1, min(os.cpu_count() or 1, 8)),
                    help="pyloader native threads")
-    b.add_argument("--epochs", type=_positive(int), default=2, help="epochs per measurement (best is kept)")
-    b.add_argument("--torch-workers", type=int, default=2, help="num_workers of the torch DataLoader baseline")
-    b.add_argument("--records", type=_positive(int), default=20000, help="records in the generated dataset")
+    b.add_argument("--epochs", type=_positive(int), default=2,
+                   help="timed rounds per loader, each at least --min-seconds of whole epochs (best is kept)")
+    b.add_argument("--min-seconds", type=_positive(float), default=0.5,
+                   help="shortest timed round: epochs repeat until it is reached (default 0.5)")
+    b.add_argument("--torch-workers", type=_number(int, 0, low_open=False), default=2,
+                   help="num_workers of the torch DataLoader baseline (>= 0)")
+    b.add_argument("--records", type=_positive(int), help="records in the generated dataset (default 20000)")
     b.add_argument("--workload", choices=[*R.WORKLOADS, "custom", "none"], default="resnet50",
-                   help="accelerator-utilization workload (MLPerf Storage H100 presets)")
-    b.add_argument("--record-bytes", type=_positive(int), help="custom workload: bytes per record")
+                   help="accelerator-utilization workload (MLPerf Storage H100 presets); with URL, "
+                        "its batch size and compute time on the dataset's own records")
+    b.add_argument("--record-bytes", type=_positive(int), help="custom workload, generated data: bytes per record")
     b.add_argument("--au-batch-size", type=_positive(int), help="custom workload: batch size")
     b.add_argument("--compute-time", type=_positive(float), help="custom workload: seconds of compute per batch")
     b.add_argument("--au-records", type=_positive(int), help="records in the generated AU dataset")
     b.add_argument("--au-seconds", type=_positive(float), default=1.0, help="steady-state seconds per AU trial")
-    b.add_argument("--au-threshold", type=float, default=0.9)
+    b.add_argument("--au-threshold", type=_number(float, 0, high=1.0), default=0.9,
+                   help="AU an accelerator count must keep, in (0, 1] (default 0.9)")
     b.add_argument("--au-threads", type=_positive(int), default=1, help="pyloader threads per accelerator")
-    b.add_argument("--au-torch-workers", type=int, default=1, help="torch workers per accelerator")
-    b.add_argument("--max-accelerators", type=_positive(int), default=32)
+    b.add_argument("--au-torch-workers", type=_number(int, 0, low_open=False), default=1,
+                   help="torch workers per accelerator (>= 0)")
+    b.add_argument("--max-accelerators", type=_positive(int), default=32,
+                   help="where the AU search stops (default 32); a result at it reads 'at least N'")
     b.add_argument("--cache-dir", help="node cache directory for a remote URL (default: PYLOADER_CACHE_DIR)")
     b.add_argument("--json", action="store_true", help="print the result as JSON (docs/bench.md) on stdout")
     b.add_argument("--plot", metavar="FILE.png", help="plot stage throughput and AU (needs matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress messages")
 
 
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with options that argparse cannot check one at a time; None if nothing.
+
+    Checked before anything is measured.
+    """
+    if args.workload == "custom":
+        need = ["--au-batch-size", "--compute-time"] + (["--record-bytes"] if args.url is None else [])
+        missing = [o for o in need if getattr(args, o[2:].replace("-", "_")) is None]
+        if missing:
+            return f"--workload custom needs {', '.join(need)} (missing: {', '.join(missing)})"
+    else:
+        given = [o for o in ("--record-bytes", "--au-batch-size", "--compute-time")
+                 if getattr(args, o[2:].replace("-", "_")) is not None]
+        if given:
+            return f"{', '.join(given)} apply to --workload custom only (got --workload {args.workload})"
+    if args.url is not None:
+        given = [o for o in ("--records", "--au-records", "--record-bytes")
+                 if getattr(args, o[2:].replace("-", "_")) is not None]
+        if given:
+            return f"{', '.join(given)} size the generated datasets; with URL the dataset's own records are used"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib: pip install 'pyloader[plot]' (or drop --plot)"
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            return f"--plot {args.plot}: no such directory {folder!r}"
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Runs ``pyloader bench`` with the parsed ``args``; returns the exit code.
 
-    Prints a table (or JSON with ``--json``) on stdout and progress on stderr. Returns 0;
-    1 when the measurement failed; 2 for a negative worker count or a URL that holds no
-    dataset.
+    Prints a table (or JSON with ``--json``) on stdout and progress on stderr; with
+    ``--plot``, draws the plot after printing. Returns 0; 1 when the measurement (or the
+    plot) failed; 2 for options that do not fit together, ``--plot`` without matplotlib
+    (both checked before measuring), or a URL that holds no dataset.
     """
-    if args.torch_workers < 0 or args.au_torch_workers < 0:
-        print("pyloader bench: error: worker counts must be >= 0", file=sys.stderr)
+    problem = _usage_error(args)
+    if problem:
+        print(f"pyloader bench: error: {problem}", file=sys.stderr)
         return 2
+    if args.url is None and args.records is None:
+        args.records = DEFAULT_RECORDS
 
     def progress(msg: str) -> None:
         if not args.quiet:
@@ -215,8 +309,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         r = _bench_result(args, progress)
-        if args.plot:
-            _plot_bench(r, args.plot)
     except ManifestError as e:  # a bad URL or a dataset that is not one: like a usage error
         print(f"pyloader bench: error: {e}", file=sys.stderr)
         return 2
@@ -228,4 +320,11 @@ def run_bench(args: argparse.Namespace) -> int:
         print()
     else:
         _print_bench(r)
+    sys.stdout.flush()
+    if args.plot:
+        try:
+            _plot_bench(r, args.plot)
+        except (OSError, ValueError) as e:  # the results are printed above already
+            print(f"pyloader bench: error: the plot was not written: {e}", file=sys.stderr)
+            return 1
     return 0

@@ -121,14 +121,29 @@ def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[s
 
 
 def parallel(fn: Callable[[], None], threads: int) -> float:
-    """Wall seconds for `threads` Python threads each running fn (fn must release the GIL)."""
-    ts = [threading.Thread(target=fn) for _ in range(threads)]
+    """Wall seconds for `threads` Python threads each running fn (fn must release the GIL).
+
+    An exception in any thread is re-raised here, on the calling thread, once all have ended
+    (the first one raised; no thread prints a traceback of its own).
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
     t0 = time.perf_counter()
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall
 
 
 def memcpy_gbps(threads: int, nbytes: int = 64 << 20, repeat: int = 8) -> float:
@@ -156,16 +171,69 @@ def memcpy_gbps(threads: int, nbytes: int = 64 << 20, repeat: int = 8) -> float:
     return threads * repeat * nbytes / wall / 1e9
 
 
-def read_gbps(paths: list[str]) -> float:
-    """Sequential read bandwidth of files (page cache if they were just written)."""
-    total = 0
-    buf = bytearray(8 << 20)
+def collate_copy_gbps(threads: int, batch_bytes: int, *, source_bytes: int = 64 << 20,
+                      seconds: float = 0.3) -> float:
+    """GB/s of bytes copied the way collation copies them, on `threads` threads.
+
+    Each thread copies a large source (out of the CPU caches, like a dataset's mapped
+    pages) in batch-sized pieces into one reused batch-sized buffer, as the loader's
+    workers fill its pooled batch buffers.
+    """
+    chunk = max(4096, min(batch_bytes, source_bytes))
+    src_n = max(chunk, source_bytes // max(threads, 1) // chunk * chunk)
+    bufs = [(np.ones(src_n, np.uint8), np.empty(chunk, np.uint8)) for _ in range(threads)]
+    for s, d in bufs:
+        np.copyto(d, s[:chunk])
+    reps = max(1, int(seconds * 10e9 / max(src_n * threads, 1)))  # sized for ~10 GB/s
+    idx = iter(range(threads))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        with lock:
+            s, d = bufs[next(idx)]
+        for _ in range(reps):
+            for off in range(0, src_n, chunk):
+                np.copyto(d, s[off : off + chunk])
+
+    wall = parallel(worker, threads)
+    return threads * reps * src_n / wall / 1e9
+
+
+def read_gbps(paths: list[str], threads: int = 1, *, min_seconds: float = 0.0) -> float:
+    """Read bandwidth of files (page cache if they were just written), on `threads` threads.
+
+    The files are cut into 8 MiB pieces dealt round-robin to the threads. With
+    ``min_seconds``, each thread reads its pieces again until that much time has passed
+    (a small dataset reads in microseconds, too short to time).
+    """
+    piece = 8 << 20
+    work = [(p, off) for p in paths for off in range(0, max(os.path.getsize(p), 1), piece)]
+    done: list[int] = []
+    lock = threading.Lock()
+    deal = iter(range(threads))
     t0 = time.perf_counter()
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
-    return total / (time.perf_counter() - t0) / 1e9
+
+    def worker() -> None:
+        with lock:
+            k = next(deal)
+        mine = work[k::threads]
+        fds = {path: os.open(path, os.O_RDONLY) for path in {p for p, _ in mine}}
+        buf = bytearray(min(piece, max((os.path.getsize(p) for p in fds), default=1)))
+        n = 0
+        try:
+            while mine:
+                for path, off in mine:
+                    n += os.preadv(fds[path], [buf], off)
+                if time.perf_counter() - t0 >= min_seconds:
+                    break
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        with lock:
+            done.append(n)
+
+    wall = parallel(worker, threads)
+    return sum(done) / max(wall, 1e-9) / 1e9
 
 
 def loader_epoch(loader: Any, *, touch: bool = False) -> tuple[int, int, CpuTimer]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,12 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..format.spec import CODEC_LZ4, INDEX_DTYPE, unpack_header
+from .. import _C
+from ..errors import ShardCorruptError, ShardFormatError
+from ..format.spec import CODEC_LZ4, HEADER_SIZE, INDEX_DTYPE, unpack_header
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from . import measure as B
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -45,20 +48,58 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20) -> list[tuple[bytes, int]]:
-    """The dataset's own LZ4-compressed values (up to limit_bytes decoded), for the decode stage."""
+def _corrupt(path: str, what: str, record: int | None = None, field: str | None = None) -> ShardCorruptError:
+    where = f"shard {path!r}" + (f" record {record} field {field!r}" if record is not None else "")
+    e = ShardCorruptError(f"{where}: {what}")
+    e.shard, e.record, e.field = path, record, field
+    return e
+
+
+def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20,
+               field_names: list[str] | None = None) -> list[tuple[bytes, int]]:
+    """The dataset's own LZ4-compressed values (up to limit_bytes decoded), for the decode stage.
+
+    Each shard's header and index checksums, and each value's, are verified, and each value
+    is decoded once, here on the calling thread: a corrupt shard raises a
+    ``ShardCorruptError`` naming it (and the record and field) before any timed run.
+    """
     out: list[tuple[bytes, int]] = []
     total = 0
     for path in paths:
         with open(path, "rb") as f:
             data = f.read()
-        header = unpack_header(data)
-        index = np.frombuffer(data, INDEX_DTYPE, count=header.index_size // INDEX_DTYPE.itemsize,
-                              offset=header.index_offset)
-        for e in index[index["codec"] == CODEC_LZ4]:
-            start = header.payload_offset + int(e["offset"])
-            out.append((data[start : start + int(e["stored"])], int(e["decoded"])))
-            total += int(e["decoded"])
+        try:
+            header = unpack_header(data)
+        except ShardFormatError as e:
+            raise _corrupt(path, str(e)) from None
+        (stored_header_hash,) = struct.unpack_from("<Q", data, HEADER_SIZE - 8)
+        if _C.xxh64(data[: HEADER_SIZE - 8]) != stored_header_hash:
+            raise _corrupt(path, "header checksum mismatch (corrupt data)")
+        if header.file_size != len(data) or header.index_offset + header.index_size > len(data):
+            raise _corrupt(path, f"the header says {header.file_size} bytes, the file has {len(data)}")
+        index_bytes = data[header.index_offset : header.index_offset + header.index_size]
+        if _C.xxh64(index_bytes) != header.index_xxh64:
+            raise _corrupt(path, "index checksum mismatch (corrupt data)")
+        index = np.frombuffer(index_bytes, INDEX_DTYPE)
+        for i in np.flatnonzero(index["codec"] == CODEC_LZ4):
+            entry = index[i]
+            record, f_i = divmod(int(i), max(header.num_fields, 1))
+            field = field_names[f_i] if field_names and f_i < len(field_names) else f"#{f_i}"
+            start = header.payload_offset + int(entry["offset"])
+            size, decoded = int(entry["stored"]), int(entry["decoded"])
+            if start + size > len(data):
+                raise _corrupt(path, "value runs past the end of the shard", record, field)
+            block = data[start : start + size]
+            got = _C.xxh64(block)
+            if got != int(entry["xxh64"]):
+                raise _corrupt(path, f"payload checksum mismatch (corrupt data): XXH64 {got:016x}, "
+                                     f"index says {int(entry['xxh64']):016x}", record, field)
+            try:
+                _C.lz4_decode_block(block, decoded)
+            except ValueError as err:
+                raise _corrupt(path, f"LZ4 block does not decode: {err}", record, field) from None
+            out.append((block, decoded))
+            total += decoded
             if total >= limit_bytes:
                 return out
     return out
@@ -89,15 +130,43 @@ class PadCollate:
         return out
 
 
-def _best_epoch(make_loader: Callable[[], Any], epochs: int) -> dict[str, Any]:
+_STAT_SUMS = ("batches", "records", "stored_bytes", "decoded_bytes", "lz4_stored_bytes", "collate_s",
+              "shard_wait_s", "consumer_wait_s", "wall_s")
+
+
+def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: int,
+                    min_seconds: float, max_epochs: int = 1000) -> dict[str, Any]:
+    """The best of ``rounds`` timed rounds of one loader, after an untimed first epoch.
+
+    The first epoch (torch starts its worker processes, pyloader maps the shards) is
+    reported apart as ``startup_s``. A round runs whole epochs back to back until it spans
+    ``min_seconds`` (at most ``max_epochs``), so that a small dataset is still timed over
+    enough time; the round with the highest rate is kept.
+    """
     loader = make_loader()
+    samples, _, t = B.loader_epoch(loader)
+    startup = t.wall
     best: dict[str, Any] | None = None
-    for _ in range(epochs):
-        samples, nbytes, t = B.loader_epoch(loader)
-        r: dict[str, Any] = {"samples": samples, "bytes": nbytes, "wall_s": t.wall, "cpu_s": t.cpu,
-                             "samples_per_s": samples / t.wall, "gbps": nbytes / t.wall / 1e9}
+    for _ in range(rounds):
+        n = nbytes = epochs = 0
+        stats: dict[str, float] = {k: 0 for k in _STAT_SUMS}
+        t0 = time.perf_counter()
+        with B.CpuTimer() as t:
+            while True:
+                s, nb, _ = B.loader_epoch(loader)
+                n, nbytes, epochs = n + s, nbytes + nb, epochs + 1
+                if isinstance(loader, DataLoader):
+                    st = loader.stats()
+                    for k in _STAT_SUMS:
+                        stats[k] += st[k]
+                if time.perf_counter() - t0 >= min_seconds or epochs >= max_epochs:
+                    break
+        r: dict[str, Any] = {"samples": n // epochs, "bytes": nbytes // epochs, "epochs": epochs,
+                             "wall_s": t.wall, "epoch_s": t.wall / epochs, "cpu_s": t.cpu,
+                             "samples_per_s": n / t.wall, "gbps": nbytes / t.wall / 1e9,
+                             "batches_per_epoch": math.ceil(samples / batch_size), "startup_s": startup}
         if isinstance(loader, DataLoader):
-            r["stats"] = loader.stats()
+            r["stats"] = stats
         if best is None or r["samples_per_s"] > best["samples_per_s"]:
             best = r
     assert best is not None
@@ -105,13 +174,15 @@ def _best_epoch(make_loader: Callable[[], Any], epochs: int) -> dict[str, Any]:
 
 
 def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, torch_workers: int,
-               progress: Callable[[str], None]) -> dict[str, Any]:
+               progress: Callable[[str], None], min_seconds: float = 0.5) -> dict[str, Any]:
     """Measures each stage of the data path on ``ds``, then the whole; returns the figures by stage.
 
     Stages: remote fetch (remote datasets only), storage read, LZ4 decode (when the dataset
-    holds compressed values), the memcpy limit of collation, pyloader end to end, torch's
-    DataLoader on the same data and, with CUDA, the host-to-device copy. A stage that does
-    not apply is ``None``. ``progress`` receives one line per stage.
+    holds compressed values), the copy capacity of collation, pyloader end to end, torch's
+    DataLoader on the same data and, with CUDA, the host-to-device copy. Storage, decode
+    and copy run on ``threads`` threads, as the loader does. A stage that does not apply is
+    ``None``. ``progress`` receives one line per stage; ``epochs`` timed rounds of at least
+    ``min_seconds`` each are run per loader (the best is kept).
     """
     stages: dict[str, Any] = {}
     stages["remote_fetch"] = None
@@ -124,13 +195,13 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
                                   "shards_cached": len(ds.shard_paths) - got["downloaded"],
                                   "wall_s": t.wall, "cpu_s": t.cpu}
     local = ds.local_files()
-    progress("stage 1/5: storage read")
+    progress(f"stage 1/5: storage read ({threads} threads)")
     with B.CpuTimer() as t:
-        gbps = B.read_gbps(local)
-    stages["storage_read"] = {"gbps": gbps, "cpu_s": t.cpu, "wall_s": t.wall}
+        gbps = B.read_gbps(local, threads, min_seconds=0.2)
+    stages["storage_read"] = {"gbps": gbps, "threads": threads, "cpu_s": t.cpu, "wall_s": t.wall}
 
     progress("stage 2/5: LZ4 decode")
-    blocks = lz4_blocks(local)
+    blocks = lz4_blocks(local, field_names=[f.name for f in ds.fields])
     if blocks:
         with B.CpuTimer() as t:
             one = B.native_decode_gbps(blocks, 1, seconds=0.5)
@@ -139,25 +210,30 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
     else:
         stages["decode"] = None  # nothing in this dataset is compressed
 
-    progress("stage 3/5: collation limit (memcpy)")
+    progress("stage 3/5: collation copy capacity")
+    batch_bytes = max(1, sum(ds.shard_bytes)) // max(1, ds.num_records) * batch_size
     with B.CpuTimer() as t:
-        stages["collate_limit"] = {"memcpy_gbps": B.memcpy_gbps(threads, nbytes=32 << 20, repeat=4),
-                                   "threads": threads}
+        stages["collate_limit"] = {"memcpy_gbps": B.collate_copy_gbps(threads, batch_bytes), "threads": threads,
+                                   "copy_bytes": batch_bytes}
     stages["collate_limit"]["cpu_s"] = t.cpu
 
     progress(f"stage 4/5: pyloader end to end ({threads} threads)")
-    e2e = _best_epoch(lambda: DataLoader(ds, batch_size=batch_size, num_workers=threads), epochs)
+    e2e = _measure_loader(lambda: DataLoader(ds, batch_size=batch_size, num_workers=threads), rounds=epochs,
+                          batch_size=batch_size, min_seconds=min_seconds)
     st = e2e.pop("stats")
-    stages["pyloader"] = {**e2e, "threads": threads, "wait_fraction": st["wait_fraction"],
-                          "stored_bytes": st["stored_bytes"], "decoded_bytes": st["decoded_bytes"],
-                          "lz4_stored_bytes": st["lz4_stored_bytes"], "collate_s": st["collate_s"],
-                          "shard_wait_s": st["shard_wait_s"]}
+    stages["pyloader"] = {**e2e, "threads": threads,
+                          "wait_fraction": st["consumer_wait_s"] / max(st["wall_s"], 1e-12),
+                          "workers_busy": st["collate_s"] / max(threads * st["wall_s"], 1e-12),
+                          **{k: st[k] // e2e["epochs"] for k in ("stored_bytes", "decoded_bytes",
+                                                                  "lz4_stored_bytes")},
+                          "collate_s": st["collate_s"], "shard_wait_s": st["shard_wait_s"]}
 
     progress(f"stage 5/5: torch DataLoader on the same data (num_workers={torch_workers})")
     stages["torch_dataloader"] = {
-        **_best_epoch(lambda: torch.utils.data.DataLoader(
+        **_measure_loader(lambda: torch.utils.data.DataLoader(
             ds, batch_size=batch_size, num_workers=torch_workers, collate_fn=PadCollate(ds),
-            prefetch_factor=4 if torch_workers else None), epochs),
+            persistent_workers=torch_workers > 0, prefetch_factor=4 if torch_workers else None),
+            rounds=epochs, batch_size=batch_size, min_seconds=min_seconds),
         "num_workers": torch_workers,
     }
     if torch.cuda.is_available():
@@ -175,41 +251,144 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
     return stages
 
 
+# A stage used at or above this share of its measured capacity is what binds the loader.
+BOUND_AT = 0.8
+# Measurements shorter than these are flagged as too short to trust.
+MIN_EPOCH_S = 0.5
+MIN_BATCHES = 20
+
+_ADVICE = {
+    "network": "run `pyloader cache warm URL` on each node before training, raise fetch_jobs, or compress "
+               "the dataset (fewer bytes to move)",
+    "storage": "warm the node cache (pyloader cache warm), use faster storage, or compress (LZ4 pays when "
+               "storage is the bottleneck)",
+    "decode": "add threads (--threads / num_workers), or write the dataset with compression='none' if "
+              "storage is fast enough to carry the larger files",
+    "collate": "add threads if the copy capacity grows with them (--threads); otherwise only fewer bytes "
+               "per sample (smaller dtype, cropping) help",
+    "workers": "add threads (--threads / num_workers): they verify, decode and copy every batch; with "
+               "compression, writing the dataset with compression='none' halves their work if storage keeps up",
+}
+_HOW = {
+    "network": "every shard downloaded once into the node cache",
+    "storage": "the shard files read with read() on {t} threads",
+    "decode": "the dataset's own LZ4 blocks decoded on {t} threads",
+    "collate": "batch-sized copies from memory on {t} threads",
+    "workers": "the loader's {t} threads, by its own counters: delivered rate / share of time busy",
+}
+# Why a stage can measure below what the loader drew from it.
+_BELOW = {
+    "network": "the download ran once, cold; the loader also read shards that were already cached",
+    "storage": "read() copies every byte out of the page cache into a buffer, while the loader maps "
+               "the shards and copies each byte once, straight into its batch",
+    "decode": "the stage and the loader ran at different moments of a shared machine: the spread "
+              "between runs is that large here",
+    "collate": "the stage and the loader ran at different moments of a shared machine: the spread "
+               "between runs is that large here",
+    "workers": "",
+}
+
+
 def diagnose(st: dict[str, Any]) -> dict[str, Any]:
-    """Which stage bounds the loader, and what to change. Uses only measured numbers."""
+    """Which stage bounds the loader, by how much, and what to change. Uses only measured numbers.
+
+    For each stage: its measured ``capacity_gbps``, the rate the loader drew from it
+    (``demand_gbps``, in the same bytes: stored bytes for network and storage, decoded LZ4
+    bytes for decode, bytes copied raw for collation) and ``utilization`` = demand /
+    capacity. Row ``workers`` is the loader's own threads, from its counters in the timed
+    epochs: utilization = the share of time they were busy. The stage with the highest
+    utilization binds the loader when it is at least ``BOUND_AT`` (decode and collate only
+    when the workers were that busy too); ``workers`` binds when they were busy and no
+    separate stage explains it; else ``bound`` is None. A capacity measured below
+    what the loader drew gets a note saying why.
+    """
     py = st["pyloader"]
-    e2e_stored = py["gbps"] * (py["stored_bytes"] / py["decoded_bytes"] if py["decoded_bytes"] else 1.0)
-    read = st["storage_read"]["gbps"]
-    dec = st["decode"]
-    lz4_share = py["lz4_stored_bytes"] / py["stored_bytes"] if py["stored_bytes"] else 0.0
+    threads = py["threads"]
+    wall = max(py["epoch_s"], 1e-12)
+    stored, decoded, lz4_stored = py["stored_bytes"], py["decoded_bytes"], py["lz4_stored_bytes"]
+    raw = max(stored - lz4_stored, 0)  # raw values: stored == decoded, copied into the batch
+    lz4_decoded = max(decoded - raw, 0)
+    stage_rows: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, capacity: float | None, demand_bytes: int) -> None:
+        if capacity is None or demand_bytes <= 0:
+            return
+        demand = demand_bytes / wall / 1e9
+        stage_rows[name] = {"capacity_gbps": capacity, "demand_gbps": demand,
+                            "utilization": demand / max(capacity, 1e-12), "how": _HOW[name].format(t=threads)}
+
     fetch = st.get("remote_fetch")
-    limits = {"storage": read / max(e2e_stored, 1e-12),
-              "collate": st["collate_limit"]["memcpy_gbps"] / max(py["gbps"], 1e-12)}
-    if dec and lz4_share > 0.05:
-        limits["decode"] = dec["gbps"] / max(py["gbps"] * lz4_share, 1e-12)
     if fetch and fetch["gbps"]:
-        limits["network"] = fetch["gbps"] / max(e2e_stored, 1e-12)
-    bound = min(limits, key=lambda k: limits[k])
-    advice = {
-        "network": "the network bounds a cold epoch: run `pyloader cache warm URL` on each node before "
-                   "training, raise fetch_jobs, or compress the dataset (fewer bytes to move)",
-        "storage": "storage bounds the loader: warm the node cache (pyloader cache warm), use faster "
-                   "storage, or compress (LZ4 pays when storage is the bottleneck)",
-        "decode": "LZ4 decode bounds the loader: add threads (--threads / num_workers), or write the "
-                  "dataset with compression='none' if storage is fast (decode is ~5x slower than memcpy)",
-        "collate": "copying into batch buffers bounds the loader: it is near the memory-bandwidth limit; "
-                   "only fewer bytes per sample (smaller dtype, cropping) or more memory channels help",
-    }
-    notes = [advice[bound]]
+        add("network", fetch["gbps"], stored)
+    add("storage", st["storage_read"]["gbps"], stored)
+    if st["decode"]:
+        add("decode", st["decode"]["gbps"], lz4_decoded)
+    add("collate", st["collate_limit"]["memcpy_gbps"], raw)
+
+    busy = py.get("workers_busy")
+    if busy:
+        # The loader's own threads, timed by its own counters in the same epochs: the capacity
+        # of its verify/decode/copy work is what it delivered over the share of time it worked.
+        stage_rows["workers"] = {"capacity_gbps": py["gbps"] / busy, "demand_gbps": py["gbps"], "utilization": busy,
+                                 "how": _HOW["workers"].format(t=threads)}
+    # decode and collate are measured apart; when the loader's own workers were mostly idle,
+    # its CPU work cannot be what held it back, whatever those separate runs measured.
+    cpu_idle = busy is not None and busy < BOUND_AT
+    candidates = [k for k in stage_rows if k != "workers" and not (cpu_idle and k in ("decode", "collate"))]
+    top = max(candidates or list(stage_rows), key=lambda k: stage_rows[k]["utilization"])
+    use = stage_rows[top]["utilization"]
+    if use < BOUND_AT and busy is not None and busy >= BOUND_AT:
+        # The threads are saturated by work the separate stages do not capture (verifying, overhead).
+        top, use = "workers", busy
+    bound = top if use >= BOUND_AT else None
+    notes: list[str] = []
+    for name, row in stage_rows.items():
+        excluded = cpu_idle and name in ("decode", "collate")
+        if excluded and row["utilization"] >= BOUND_AT:
+            notes.append(f"{name} measured apart at {row['capacity_gbps']:.2f} GB/s ({100 * row['utilization']:.0f}% "
+                         f"used), yet the loader's own workers, doing this work in the same epochs, were busy "
+                         f"only {100 * busy:.0f}% of the time: the separate run met a busier machine (another "
+                         "process on these cores), so it does not bind; trust the workers row")
+        elif row["utilization"] > 1.0:
+            notes.append(f"{name} measured {row['capacity_gbps']:.2f} GB/s, below the {row['demand_gbps']:.2f} GB/s "
+                         f"the loader drew from it ({row['how']}): {_BELOW[name]}; read it as at its limit")
+    if bound:
+        notes.insert(0, f"to go faster: {_ADVICE[bound]}")
+    else:
+        notes.insert(0, f"no stage is near its limit (the busiest, {top}, at {100 * use:.0f}% of its capacity): "
+                        "the rate is set by what these stages do not measure (handing batches to the "
+                        "consumer, per-batch overhead, the start of each epoch)")
     if py["wait_fraction"] > 0.5:
-        notes.append("the consumer waited most of the time: this loop does no work, so any loader waits; "
-                     "in training, watch loader.stats()['wait_fraction']")
+        notes.append(f"the consumer waited for batches {100 * py['wait_fraction']:.0f}% of the time: this "
+                     "loop does no work, so the loader set the pace; in training, watch "
+                     "loader.stats()['wait_fraction']")
+    elif py["wait_fraction"] < 0.2:
+        notes.append(f"the consumer waited for batches only {100 * py['wait_fraction']:.0f}% of the time: the "
+                     "loop itself set the pace, so the loader's figure is a lower bound")
     if py["samples"] and py["bytes"] / py["samples"] < 4096:
         notes.append("records are small (< 4 KB): per-record overhead dominates; larger records or "
                      "batching several samples per record raise throughput")
+    warnings = []
+    loaders = (("pyloader", st["pyloader"]), ("torch", st["torch_dataloader"]))
+    few = [(label, s) for label, s in loaders if s["batches_per_epoch"] < MIN_BATCHES]
+    if few:
+        warnings.append(
+            f"too short to trust: one epoch is only {few[0][1]['batches_per_epoch']} batches ("
+            + ", ".join(f"{label} {1e3 * s['epoch_s']:.1f} ms" for label, s in few)
+            + "), so the start of each epoch weighs on every figure and the pyloader / torch ratio is not a "
+            f"steady-state one: measure at least {MIN_BATCHES} batches per epoch (a larger dataset, --records "
+            "for the generated one, or a smaller --batch-size)")
+    brief = [(label, s) for label, s in loaders if s["wall_s"] < MIN_EPOCH_S]
+    if brief:
+        warnings.append(
+            "too short to trust: timed over only "
+            + ", ".join(f"{label} {s['wall_s']:.2f} s" for label, s in brief)
+            + f" (at least {MIN_EPOCH_S} s wanted): raise --min-seconds or --epochs")
     torch_ratio = py["samples_per_s"] / max(st["torch_dataloader"]["samples_per_s"], 1e-12)
-    return {"bound": bound, "headroom": {k: round(v, 2) for k, v in limits.items()},
-            "speedup_vs_torch": torch_ratio, "notes": notes}
+    return {"bound": bound, "bound_utilization": use, "loader_gbps": py["gbps"],
+            "stages": stage_rows,
+            "headroom": {k: round(1 / max(v["utilization"], 1e-12), 2) for k, v in stage_rows.items()},
+            "speedup_vs_torch": torch_ratio, "notes": notes, "warnings": warnings}
 
 
 # -- accelerator utilization ------------------------------------------------------------
@@ -264,7 +443,11 @@ def _measure_au(factory: Callable[[int, int], Callable[[], Iterator[Any]]], n: i
 def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]], compute_s: float, *,
                      batches: int, threshold: float, cap: int,
                      progress: Callable[[str], None], label: str) -> dict[str, Any]:
-    """Largest accelerator count with AU >= threshold: doubling, then bisection."""
+    """Largest accelerator count with AU >= threshold: doubling until AU falls below it, then bisection.
+
+    The search stops at ``cap``: when AU is still >= threshold there, the result is
+    ``capped`` (at least ``cap``, not a measured maximum).
+    """
     trials: dict[int, dict[str, float]] = {}
 
     def trial(n: int) -> bool:
@@ -282,9 +465,10 @@ def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]],
             bad = n
             break
     if bad is None and good < cap:
-        bad = cap + 1 if not trial(cap) else None
-        if bad is None:
+        if trial(cap):
             good = cap
+        else:
+            bad = cap
     if bad is not None:
         lo, hi = good, bad
         while hi - lo > 1:
@@ -294,7 +478,7 @@ def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]],
             else:
                 hi = mid
         good = lo
-    return {"max_accelerators": good, "threshold": threshold, "cap": cap,
+    return {"max_accelerators": good, "capped": bad is None, "threshold": threshold, "cap": cap,
             "trials": [trials[k] for k in sorted(trials)]}
 
 
@@ -305,7 +489,8 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
     Each accelerator reads its rank's part of the dataset at ``path`` with its own loader
     and computes ``w.compute_s`` per batch; the count that keeps AU >= ``threshold`` is
     searched up to ``cap``, lowered further so that the loaders' batches fit in 40% of
-    free memory.
+    free memory (``cap_reason`` says which cap applies). ``w.record_bytes`` is the size of
+    the records at ``path`` (what sizes the memory cap).
     """
     batch_bytes = w.record_bytes * w.batch_size
     try:
@@ -314,6 +499,7 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
         avail = 8 << 30
     # Each accelerator's loader holds about (prefetch + 2) batches; stay within 40% of free RAM.
     mem_cap = max(1, int(0.4 * avail / (batch_bytes * (2 * threads + 3))))
+    cap_reason = "memory" if mem_cap < cap else "max_accelerators"
     cap = min(cap, mem_cap)
 
     def py_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
@@ -328,7 +514,7 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
                                              prefetch_factor=2 if torch_workers else None)
         return lambda: iter(loader)
 
-    out: dict[str, Any] = {"workload": w.__dict__, "cap": cap}
+    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": cap, "cap_reason": cap_reason}
     out["pyloader"] = max_accelerators(py_factory, w.compute_s, batches=batches, threshold=threshold, cap=cap,
                                        progress=progress, label="pyloader")
     out["torch_dataloader"] = max_accelerators(torch_factory, w.compute_s, batches=batches, threshold=threshold,

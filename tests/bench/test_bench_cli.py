@@ -30,7 +30,7 @@ def test_bench_json_schema_on_the_generated_dataset() -> None:
     res = run_cli(*TINY, "--json", "--quiet")
     assert res.returncode == 0, res.stderr
     r = json.loads(res.stdout)
-    assert r["schema_version"] == 1
+    assert r["schema_version"] == 2
     assert r["dataset"]["generated"] is True and r["dataset"]["records"] == 400
     st = r["stages"]
     for key in ("storage_read", "decode", "collate_limit", "pyloader", "torch_dataloader"):
@@ -44,7 +44,10 @@ def test_bench_json_schema_on_the_generated_dataset() -> None:
     assert st["pyloader"]["bytes"] == st["torch_dataloader"]["bytes"] > 400 * 12288
     assert 0.0 <= st["pyloader"]["wait_fraction"] <= 1.0
     dg = r["diagnosis"]
-    assert dg["bound"] in ("storage", "decode", "collate", "network")
+    assert dg["bound"] in ("storage", "decode", "collate", "network", "workers", None)
+    assert dg["loader_gbps"] == pytest.approx(st["pyloader"]["gbps"])
+    for row in dg["stages"].values():
+        assert row["utilization"] == pytest.approx(row["demand_gbps"] / row["capacity_gbps"])
     assert dg["notes"] and all(isinstance(n, str) for n in dg["notes"])
     assert dg["speedup_vs_torch"] == pytest.approx(
         st["pyloader"]["samples_per_s"] / st["torch_dataloader"]["samples_per_s"])
@@ -54,6 +57,7 @@ def test_bench_json_schema_on_the_generated_dataset() -> None:
         trials = au[key]["trials"]
         assert trials and all(0.0 < t["au"] <= 1.05 for t in trials)
         assert 0 <= au[key]["max_accelerators"] <= 2
+        assert au[key]["capped"] == (au[key]["max_accelerators"] == 2)
         ns = [t["accelerators"] for t in trials]
         assert ns == sorted(set(ns))
 
@@ -65,7 +69,7 @@ def test_bench_table_and_plot(tmp_path) -> None:
     res = run_cli(*TINY, "--plot", str(png))
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    assert "pyloader / torch DataLoader:" in out and "bound by:" in out
+    assert "pyloader / torch DataLoader:" in out and "bound by:" in out and "What it drew" in out
     assert "max accelerators at AU >= 90%" in out
     assert "[pyloader bench] stage 4/5" in res.stderr  # live progress went to stderr
     data = png.read_bytes()
@@ -128,5 +132,5 @@ def test_bench_corrupt_dataset_exits_1_naming_the_shard(tmp_path) -> None:
 def test_bench_rejects_bad_arguments() -> None:
     res = run_cli("--records", "0")
     assert res.returncode == 2 and "must be > 0" in res.stderr
-    res = run_cli("--workload", "custom", "--quiet", "--records", "50")
-    assert res.returncode == 1 and "--workload custom needs" in res.stderr
+    res = run_cli("--workload", "custom", "--records", "50")  # checked before anything is measured
+    assert res.returncode == 2 and "--workload custom needs" in res.stderr and "[pyloader bench]" not in res.stderr

@@ -474,3 +474,76 @@ def test_patched_iterable_len_warning_as_torch(patched):
     assert len(loader) == 4
     with pytest.warns(UserWarning, match="Length of IterableDataset"):
         assert flat(list(loader), None) == list(range(6))
+
+
+def _subclasses(cls: type) -> set[type]:
+    out = set(cls.__subclasses__())
+    for c in list(out):
+        out |= _subclasses(c)
+    return out
+
+
+def _wrap_init(init: Any) -> Any:
+    def wrapper(obj: Any, *args: Any, **kwargs: Any) -> None:
+        old_inside = getattr(obj, "__pl_inside_init", False)
+        object.__setattr__(obj, "__pl_inside_init", True)
+        params = inspect.signature(init).parameters
+        names = [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not hasattr(obj, "__pl_saved_args"):
+            object.__setattr__(obj, "__pl_saved_args", args)
+            object.__setattr__(obj, "__pl_saved_kwargs", kwargs)
+            object.__setattr__(obj, "__pl_saved_arg_names", tuple(names[:len(args)]))
+            object.__setattr__(obj, "__dataset", args[0] if args else kwargs.get("dataset"))
+        init(obj, *args, **kwargs)
+        object.__setattr__(obj, "__pl_inside_init", old_inside)
+    return wrapper
+
+
+def _wrap_setattr(method: Any) -> Any:
+    def wrapper(obj: Any, name: str, value: Any) -> None:
+        prev = getattr(obj, "__pl_current_call", (None, "abc"))
+        first_call = prev != (name, "__setattr__")
+        object.__setattr__(obj, "__pl_current_call", (name, "__setattr__"))
+        method(obj, name, value)
+        if first_call and not getattr(obj, "__pl_inside_init", True):
+            record = getattr(obj, "__pl_attrs_record", [])
+            record.append(((name, value), "__setattr__"))
+            object.__setattr__(obj, "__pl_attrs_record", record)
+        object.__setattr__(obj, "__pl_current_call", prev)
+    return wrapper
+
+
+@pytest.fixture
+def lightning_hooks() -> Any:
+    """Lightning's ``_replace_dunder_methods(DataLoader, "dataset")``: while a user's
+    ``*_dataloader()`` hook runs, ``__init__`` and ``__setattr__`` of torch's DataLoader and
+    of every subclass record how the loader was built and changed."""
+    assert issubclass(pyloader.DataLoader, TorchDataLoader)  # imported, as the user's module would have it
+    saved = []
+    for cls in _subclasses(TorchDataLoader) | {TorchDataLoader}:
+        for name, wrap in (("__init__", _wrap_init), ("__setattr__", _wrap_setattr)):
+            if name in cls.__dict__:
+                saved.append((cls, name, cls.__dict__[name]))
+                setattr(cls, name, wrap(cls.__dict__[name]))
+    yield
+    for cls, name, original in saved:
+        setattr(cls, name, original)
+
+
+def test_lightning_rebuilds_from_recorded_init_args(lightning_hooks):
+    """The wrapped path of ``_get_dataloader_init_args_and_kwargs`` and ``_reinstantiate_wrapped_cls``."""
+    ds = Squares()
+    loader = pyloader.DataLoader(ds, 3, shuffle=True, generator=torch.Generator().manual_seed(1))
+    loader.in_order = False  # after __init__: recorded, replayed on the copy
+    with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+        loader.batch_size = 4
+    args, kwargs = getattr(loader, "__pl_saved_args"), dict(getattr(loader, "__pl_saved_kwargs"))
+    assert getattr(loader, "__pl_saved_arg_names") == ("dataset", "batch_size")
+    assert getattr(loader, "__dataset") is ds
+    sampler = tud.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False)
+    kwargs.update(sampler=sampler, shuffle=False, batch_sampler=None)
+    new = type(loader)(*args, **kwargs)
+    for (name, value), _ in getattr(loader, "__pl_attrs_record", []):
+        setattr(new, name, value)
+    assert type(new) is pyloader.DataLoader and new.in_order is False and new.sampler is sampler
+    assert flat(list(new), "x") == list(sampler)

@@ -347,15 +347,19 @@ def diagnose(st: dict[str, Any]) -> dict[str, Any]:
         if excluded and row["utilization"] >= BOUND_AT:
             notes.append(f"{name} measured apart at {row['capacity_gbps']:.2f} GB/s ({100 * row['utilization']:.0f}% "
                          f"used), yet the loader's own workers, doing this work in the same epochs, were busy "
-                         f"only {100 * busy:.0f}% of the time: the separate run met a busier machine (another "
-                         "process on these cores), so it does not bind; trust the workers row")
+                         f"only {100 * busy:.0f}% of the time, so it does not bind: the separate run (another "
+                         "moment, Python threads calling the decoder or copy) reads low; the workers row is "
+                         "timed with the loader")
         elif row["utilization"] > 1.0:
             notes.append(f"{name} measured {row['capacity_gbps']:.2f} GB/s, below the {row['demand_gbps']:.2f} GB/s "
                          f"the loader drew from it ({row['how']}): {_BELOW[name]}; read it as at its limit")
     if bound:
         notes.insert(0, f"to go faster: {_ADVICE[bound]}")
     else:
-        notes.insert(0, f"no stage is near its limit (the busiest, {top}, at {100 * use:.0f}% of its capacity): "
+        busiest = max([*candidates, *(["workers"] if "workers" in stage_rows else [])],
+                      key=lambda k: stage_rows[k]["utilization"])
+        notes.insert(0, f"no stage is near its limit (the busiest, {busiest}, at "
+                        f"{100 * stage_rows[busiest]['utilization']:.0f}% of its capacity): "
                         "the rate is set by what these stages do not measure (handing batches to the "
                         "consumer, per-batch overhead, the start of each epoch)")
     if py["wait_fraction"] > 0.5:

@@ -195,7 +195,7 @@ def check_gets_once(c: Cluster) -> None:
         gets = srv.shard_gets()
         assert gets, f"node {node} downloaded nothing"
         with srv._mu:
-            arrivals = [(t, p) for t, p in srv.arrivals if not p.endswith(".json")]
+            arrivals = [(t, p) for t, p in srv.get_times if not p.endswith(".json")]
         before = collections.Counter(p for t, p in arrivals if t <= c.killed_at)
         after = collections.Counter(p for t, p in arrivals if t > c.killed_at)
         assert set(before.values()) <= {1}, f"node {node} downloaded a shard twice in the killed job: {before}"

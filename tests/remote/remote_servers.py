@@ -41,7 +41,7 @@ class FaultServer:
         self.faults: dict[str, list[Fault]] = collections.defaultdict(list)
         self.gets: collections.Counter[str] = collections.Counter()
         self.log: list[tuple[float, str, str, int]] = []
-        self.arrivals: list[tuple[float, str]] = []  # (time.monotonic() of arrival, path) of every GET
+        self.get_times: list[tuple[float, str]] = []  # (time.monotonic() of arrival, path) of every GET
         self._mu = threading.Lock()
         self._stop = threading.Event()
         server = self
@@ -131,7 +131,7 @@ class FaultServer:
         with self._mu:
             if not head:
                 self.gets[path] += 1
-                self.arrivals.append((time.monotonic(), path))
+                self.get_times.append((time.monotonic(), path))
         if self.latency:
             time.sleep(self.latency)
         fault = None if head else self._take_fault(path)

@@ -128,7 +128,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
     Epochs: the k-th ``iter()`` of a native loader reads epoch ``e + k``, where ``e`` is the
     dataset's epoch when the loader was built; ``set_epoch(n)`` makes the next ``iter()``
     read epoch ``n``. ``state_dict()``/``load_state_dict()`` resume a native loader over a
-    resumable dataset (one with a ``fingerprint``: ShardDataset) mid-epoch (docs/resume.md).
+    resumable dataset (one with a ``fingerprint``: ShardDataset, ParquetDataset) mid-epoch
+    (docs/resume.md).
 
     It is a ``torch.utils.data.DataLoader`` (a subclass, generic like it:
     ``DataLoader[T]``) with torch's public attributes; ``batch_size``, ``sampler``,
@@ -176,6 +177,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._run: _Run | None = None
         self._resume: list[list[int]] = []
         self._fingerprint: str | None = None  # the dataset's, when it is resumable
+        self._fingerprint_parts: dict[str, str] | None = None  # its fingerprint_parts, if any
         self.sampler: Any = None
         self.batch_sampler: Any = None
         self.shuffle: bool | None = shuffle
@@ -230,6 +232,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._next_epoch = self.dataset.epoch
         # Resumable state is defined for datasets with a fingerprint (NOTE [resume state]).
         self._fingerprint = self.dataset.fingerprint
+        self._fingerprint_parts = getattr(self.dataset, "fingerprint_parts", None)
 
     @property
     def _threads(self) -> int:
@@ -504,7 +507,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         else:
             epoch = run.epoch
             segments = _state.add_segment(run.segments, run.world_size, run.batch_size, run.consumed.batches)
-        return _state.make_state(fingerprint, self.dataset.num_records, self._settings, epoch, segments)
+        return _state.make_state(fingerprint, self.dataset.num_records, self._settings, epoch, segments,
+                                 parts=self._fingerprint_parts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next ``iter()`` read the rest of ``state``'s epoch, then epochs continue.
@@ -516,7 +520,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         fingerprint = self._require_resumable()
         epoch, segments = _state.check_state(
-            state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings)
+            state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings,
+            parts=self._fingerprint_parts)
         try:  # validates the segments against the dataset now, not at the next iter()
             _order.unread_count(self.dataset.num_records, partition=self._order.partition, segments=segments)
         except ValueError as e:
@@ -533,7 +538,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _require_resumable(self) -> str:
         if self._fingerprint is None or not self._native:
             raise TypeError(f"state_dict()/load_state_dict() need a resumable dataset (one with a fingerprint, "
-                            f"e.g. ShardDataset), not {type(self.dataset).__name__}")
+                            f"e.g. ShardDataset or ParquetDataset), not {type(self.dataset).__name__}")
         if self.batch_size is None:
             raise TypeError("state_dict()/load_state_dict() need batched iteration (batch_size=None counts samples)")
         return self._fingerprint

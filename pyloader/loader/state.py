@@ -5,6 +5,7 @@ epoch, never the samples themselves::
 
     {"version": 1,
      "dataset": "<16 hex digits>",   # the dataset's fingerprint (ShardDataset: its manifest's)
+     ["dataset_parts": {name: "<16 hex digits>", ...},]   # only for datasets with fingerprint_parts
      "records": N,                    # samples in the dataset
      "shuffle": bool, "seed": int, "shuffle_mode": "global"|"window", "window": int,
      "partition": "pad"|"drop",       # the loader's OrderSpec: the epoch order and pad/drop rule
@@ -38,13 +39,16 @@ _KEYS = ("version", "dataset", "records", "shuffle", "seed", "shuffle_mode", "wi
 
 
 def make_state(fingerprint: str, records: int, settings: Mapping[str, Any], epoch: int,
-               segments: Sequence[Sequence[int]]) -> dict[str, Any]:
+               segments: Sequence[Sequence[int]], parts: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The state (NOTE [resume state]) of ``epoch`` consumed as ``segments``.
 
-    ``fingerprint`` and ``records`` name the dataset; ``settings`` are the order keys
-    (``OrderSpec.settings()``).
+    ``fingerprint`` and ``records`` name the dataset, ``parts`` (if any) its
+    ``fingerprint_parts``; ``settings`` are the order keys (``OrderSpec.settings()``).
     """
-    state: dict[str, Any] = {"version": STATE_VERSION, "dataset": fingerprint, "records": records}
+    state: dict[str, Any] = {"version": STATE_VERSION, "dataset": fingerprint}
+    if parts:
+        state["dataset_parts"] = dict(parts)
+    state["records"] = records
     state.update(settings)
     state["epoch"] = epoch
     state["segments"] = [list(s) for s in segments]
@@ -79,10 +83,20 @@ def _relevant(settings: Mapping[str, Any]) -> list[str]:
     return keys
 
 
-def check_state(state: object, *, fingerprint: str, records: int,
-                settings: Mapping[str, Any]) -> tuple[int, list[list[int]]]:
+def _differing_parts(saved: object, parts: Mapping[str, str] | None) -> str:
+    """`` (differing in: a, b)`` when both sides have fingerprint parts and some differ, else ``""``."""
+    if not isinstance(saved, Mapping) or not parts:
+        return ""
+    names = [k for k in parts if saved.get(k) != parts[k]] + [k for k in saved if k not in parts]
+    return f" (differing in: {', '.join(names)})" if names else ""
+
+
+def check_state(state: object, *, fingerprint: str, records: int, settings: Mapping[str, Any],
+                parts: Mapping[str, str] | None = None) -> tuple[int, list[list[int]]]:
     """(epoch, segments) of ``state`` if it fits this dataset and order, else ResumeError.
 
+    A state for another dataset names the ``parts`` (the dataset's ``fingerprint_parts``)
+    that differ from those the state kept.
     The segments are checked against the dataset later, when the plan is computed
     (``pyloader.read.order.resume_partition`` raises ValueError for steps beyond a segment).
     """
@@ -97,8 +111,9 @@ def check_state(state: object, *, fingerprint: str, records: int,
     if state["dataset"] != fingerprint or state["records"] != records:
         raise ResumeError(
             f"the state was saved for another dataset (fingerprint {state['dataset']!r}, "
-            f"{state['records']!r} records); this one is {fingerprint!r} with {records} records. "
-            "Resume with the same shards (same manifest) the state was taken from")
+            f"{state['records']!r} records); this one is {fingerprint!r} with {records} records"
+            f"{_differing_parts(state.get('dataset_parts'), parts)}. Resume with the same data the state was "
+            "taken from (ShardDataset: the same manifest; ParquetDataset: the same files and columns)")
     for key in _relevant(settings):
         if state[key] != settings[key]:
             raise ResumeError(

@@ -11,7 +11,9 @@ NOTE [dataset contract]: a pyloader dataset subclasses ``PlannedDataset`` and pr
   epoch already consumed that way (NOTE [resume segments] in ``pyloader.read.order``);
 * ``batches(batch_size, plan=..., ...)``: a ``BatchStream`` reading exactly that plan;
 * ``sample(batch, i)``: sample ``i`` of a batch, as the per-sample paths yield it;
-* ``fingerprint``: the identity a resumed loader checks (``None``: not resumable).
+* ``fingerprint``: the identity a resumed loader checks (``None``: not resumable);
+  optionally ``fingerprint_parts``, the named digests it combines, so that a state from
+  other data can name what differs (``None`` by default).
 
 The loader plans (``epoch_plan``), reads (``batches``) and splits (``sample``) through
 these alone, so any dataset that implements them -- shards, Parquet row groups, and
@@ -212,6 +214,11 @@ class PlannedDataset(abc.ABC):
     @abc.abstractmethod
     def fingerprint(self) -> str | None:
         """The resumable identity (NOTE [resume state]); None when the dataset cannot resume."""
+
+    @property
+    def fingerprint_parts(self) -> dict[str, str] | None:
+        """Named digests the fingerprint combines (a state keeps them to name what differs); None: none."""
+        return None
 
 
 class _OrderField:

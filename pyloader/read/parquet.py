@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import json
 import os
 import threading
 import time
@@ -138,6 +139,59 @@ def _list_remote(url: str, storage_options: dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------------------------
+# NOTE [parquet fingerprint]: what a resumed loader must find again, from the files'
+# footers alone (no data page is read to compute it). ``fingerprint`` is XXH64 (hex) of
+# the JSON of four named digests, ``fingerprint_parts``, each XXH64 (hex) of a JSON list:
+#
+# * ``paths``: each file's path relative to the folder it was found in (its name when it
+#   was named alone), in reading order (sorted by path): the names and their order;
+# * ``row_groups``: each file's row counts, row group by row group: the units the epoch
+#   plan orders (NOTE [row group lifetime]);
+# * ``footers``: each file's size in bytes and ``_footer_digest``, XXH64 of its Parquet
+#   footer (the Thrift file metadata, its length and the closing ``PAR1``). The footer
+#   holds every column chunk's offsets, compressed and uncompressed sizes, value counts
+#   and (as most writers store them) min/max statistics, so rewriting a file almost always
+#   changes it, even at the same size and mtime; it is no checksum of every byte: a
+#   rewrite that keeps every one of those equal is not seen;
+# * ``columns``: the columns selected, in order, and the fields they map to.
+#
+# Locations are not part of it: the same files read from another folder, URL or cache
+# match (remote files are fetched under names from their ETag or mtime, NOTE [cache
+# publish], which guards the cache, not the identity). A state from other data names the
+# parts that differ (``pyloader.loader.state.check_state``).
+def _footer_digest(fh: Any, size: int, name: str) -> str:
+    """XXH64 (hex) of the footer of the Parquet file open as ``fh`` (``size`` bytes): its last 8 + n bytes.
+
+    n is the footer length stored before the closing magic. Raises ``ParquetReadError``
+    when the file is shorter than its footer says.
+    """
+    fh.seek(size - 8)
+    tail = fh.read(8)
+    n = int.from_bytes(tail[:4], "little") if len(tail) == 8 else -1
+    if n < 0 or n + 8 > size:
+        raise ParquetReadError(f"{name}: not a readable Parquet file: its footer does not fit in {size} bytes")
+    fh.seek(size - 8 - n)
+    footer = fh.read(n)
+    if len(footer) != n:
+        raise ParquetReadError(f"{name}: not a readable Parquet file: its footer is cut short")
+    return f"{_C.xxh64(footer + tail):016x}"
+
+
+def _xxh64_json(value: Any) -> str:
+    return f"{_C.xxh64(json.dumps(value, sort_keys=True, separators=(',', ':')).encode()):016x}"
+
+
+def _parquet_fingerprint_parts(columns: list[str], fields: list[Field], named: list[tuple[str, int]],
+                               footers: list[str], metas: list[Any]) -> dict[str, str]:
+    """The named digests of NOTE [parquet fingerprint]."""
+    return {
+        "paths": _xxh64_json([rel for rel, _ in named]),
+        "row_groups": _xxh64_json([[md.row_group(j).num_rows for j in range(md.num_row_groups)] for md in metas]),
+        "footers": _xxh64_json([[size, digest] for (_, size), digest in zip(named, footers, strict=True)]),
+        "columns": _xxh64_json({"columns": columns, "fields": [f.to_json() for f in fields]}),
+    }
+
+
 class ParquetDataset(UnitDataset, IterableDataset):
     """An iterable dataset over Parquet files, local or at any fsspec URL.
 
@@ -152,7 +206,11 @@ class ParquetDataset(UnitDataset, IterableDataset):
     because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs are
     fetched whole into the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
     ``storage_options`` as for ShardDataset), in the order the plan first needs them.
-    Not resumable (``fingerprint`` is None): a Parquet listing has no content checksum.
+    Resumable: ``pyloader.DataLoader.state_dict()`` / ``load_state_dict()`` work as for
+    ``ShardDataset`` (docs/resume.md). ``fingerprint`` (what a state names) identifies the
+    files by relative path, row-group row counts, size and footer bytes, and the columns
+    and fields selected, not by location (NOTE [parquet fingerprint]); a state from other
+    data raises ``ResumeError`` naming the ``fingerprint_parts`` that differ.
     """
 
     # A kept sample would hold its whole staging buffer out of reuse (NOTE [staging reuse]).
@@ -185,6 +243,8 @@ class ParquetDataset(UnitDataset, IterableDataset):
         self.url = urls[0] if len(urls) == 1 else urls
         remote = [is_remote(u) for u in urls]
         metas: list[Any] = []
+        named: list[tuple[str, int]] = []  # (path relative to its folder, bytes) per file
+        footers: list[str] = []  # _footer_digest per file
         if any(remote):
             if len(urls) != 1:
                 raise ValueError("a remote ParquetDataset takes one URL (a file or a folder)")
@@ -194,12 +254,17 @@ class ParquetDataset(UnitDataset, IterableDataset):
             self._cache = _fetch.open_remote(root_url, listing=files, flavour=_ParquetFileCache, cache_dir=cache_dir,
                                              cache_limit=cache_limit, storage_options=storage_options)
             self.files = [self._cache.shard_url(i) for i in range(len(files))]
-            for i, (rel, _, _) in enumerate(files):
+            for i, (rel, size, _) in enumerate(files):
                 if self._cache.is_published(i):
-                    metas.append(self._metadata(self._cache.shard_file(i), self.files[i]))
+                    local = self._cache.shard_file(i)
+                    metas.append(self._metadata(local, self.files[i]))
+                    with open(local, "rb") as fh:
+                        footers.append(_footer_digest(fh, size, self.files[i]))
                 else:  # only the footer is read: the file is fetched whole when the plan needs it
                     with fs.open(root + "/" + rel, "rb") as fh:
                         metas.append(self._metadata(fh, self.files[i]))
+                        footers.append(_footer_digest(fh, size, self.files[i]))
+                named.append((rel, size))
         else:
             files_local: list[str] = []
             for u in urls:
@@ -210,12 +275,17 @@ class ParquetDataset(UnitDataset, IterableDataset):
                     if not found:
                         raise ParquetReadError(f"{p}: holds no Parquet files")
                     files_local.extend(found)
+                    named.extend((os.path.relpath(f, p).replace(os.sep, "/"), os.path.getsize(f)) for f in found)
                 elif os.path.exists(p):
                     files_local.append(p)
+                    named.append((os.path.basename(p), os.path.getsize(p)))
                 else:
                     raise FileNotFoundError(f"no such Parquet file or folder: {p!r}")
             self.files = files_local
-            metas = [self._metadata(p, p) for p in files_local]
+            for p, (_, size) in zip(files_local, named, strict=True):
+                metas.append(self._metadata(p, p))
+                with open(p, "rb") as fh:
+                    footers.append(_footer_digest(fh, size, p))
         # Fields: the same mapping as `pyloader convert` (pyloader.write.convert.arrow_field).
         schema0 = metas[0].schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema0.names)
@@ -257,14 +327,21 @@ class ParquetDataset(UnitDataset, IterableDataset):
         if self.num_records == 0:
             raise ParquetReadError(f"{self.url}: the Parquet data holds no rows")
         self._local = threading.local()
+        self._fingerprint_parts = _parquet_fingerprint_parts(self.columns, self.fields, named, footers, metas)
+        self._fingerprint = _xxh64_json(self._fingerprint_parts)
         del pa, pq
         if self._cache is not None:  # the fetcher pins every file the plan reads, until closed
             _fetch.check_limit(self._cache, self._plan_files(self.plan()[0]))
 
     @property
-    def fingerprint(self) -> None:
-        """Not resumable: None (NOTE [dataset contract])."""
-        return None
+    def fingerprint(self) -> str:
+        """The identity a loader state names (NOTE [parquet fingerprint]): XXH64 of ``fingerprint_parts``."""
+        return self._fingerprint
+
+    @property
+    def fingerprint_parts(self) -> dict[str, str]:
+        """The digests the fingerprint combines (NOTE [parquet fingerprint]), by name."""
+        return dict(self._fingerprint_parts)
 
     def _plan_files(self, gidx: np.ndarray) -> np.ndarray:
         """The file of each row group in ``gidx``."""

@@ -86,7 +86,9 @@ def test_both_datasets_implement_the_contract(write_dataset, tmp_path) -> None:
         first = ds.sample(batches[0], 0)
         assert set(first) == {f.name for f in ds.fields}
     assert isinstance(shards.fingerprint, str) and len(shards.fingerprint) == 16
-    assert pq.fingerprint is None
+    assert isinstance(pq.fingerprint, str) and len(pq.fingerprint) == 16
+    assert set(pq.fingerprint_parts) == {"paths", "row_groups", "footers", "columns"}
+    assert shards.fingerprint_parts is None
 
 
 def test_epoch_plan_with_segments_is_resume_plan(write_dataset) -> None:

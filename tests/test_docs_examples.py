@@ -1,34 +1,48 @@
-"""The code blocks of the docs run as written.
+"""The code blocks of the README and of every page under ``docs/`` run as written.
 
-Which blocks run: every fenced ``python`` and ``bash`` block of ``docs/from-torch.md``, and
-the ``python`` blocks of the README sections named in ``README_SECTIONS``. A block whose
-preceding non-blank line is ``<!-- not run: REASON -->`` is skipped (it needs a GPU,
-remote storage or credentials); a skipped block must give its reason.
+The convention, checked by ``test_every_block_is_run_or_says_why``:
 
-A page runs as one session, in order, in a temporary folder prepared as the page says
-(``data/train/image.npy`` and ``label.npy``): ``python`` blocks share one namespace,
-``bash`` blocks run with ``bash -euo pipefail`` and the ``pyloader`` command of this
-interpreter. The README's ``/data/`` paths are moved under the temporary folder.
+- Every fenced block names its language. ``python`` and ``bash`` blocks run; ``text`` and
+  ``json`` blocks are diagrams, synopses of formats and sample output, never run.
+- A ``python`` or ``bash`` block whose preceding non-blank line is
+  ``<!-- not run: REASON -->`` is not run; the reason must be a real one (it needs a GPU or
+  remote credentials, it is a signature or a usage synopsis, it installs the package or runs
+  a long benchmark). Such blocks are few; ``MAX_NOT_RUN`` caps them per page.
+- A block inside an HTML comment opened by a line ``<!-- setup`` is a hidden setup block: it
+  runs like the others but does not show on the rendered page (the stand-ins an example
+  assumes: a dataset, a checkpoint path, a training step).
+
+A page runs as one session, in order, in a temporary folder prepared by ``workdir`` with the
+small data the pages name: ``data/train/image.npy`` (uint8 ``[1000, 3, 32, 32]``) and
+``label.npy`` (int64 ``[1000]``), ``data/part-0.parquet`` and ``part-1.parquet`` (columns
+``image``, ``label``), ``images/<class>/<n>.bin`` and ``wds/shard-0.tar``. ``python`` blocks
+share one namespace; ``bash`` blocks run with ``bash -euo pipefail`` and the ``pyloader``
+command of this interpreter.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed
 import torch.utils.data
 
 ROOT = Path(__file__).resolve().parent.parent
-FROM_TORCH = ROOT / "docs" / "from-torch.md"
-README = ROOT / "README.md"
-README_SECTIONS = ["Write and read a dataset"]  # the quick start
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN = ("python", "bash")
+DATA = ("text", "json")
+MAX_NOT_RUN = 4
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")
+SETUP = "<!-- setup"
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -39,10 +53,11 @@ class Block:
     line: int  # 1-based line of the opening fence
     section: str
     skip: str | None  # the not-run reason
+    hidden: bool  # a setup block inside an HTML comment
 
 
 def blocks(path: Path) -> list[Block]:
-    """The fenced blocks of a Markdown file, with their section and not-run marker."""
+    """The fenced blocks of a Markdown file, with their section and markers."""
     out: list[Block] = []
     lines = path.read_text().splitlines()
     section, last_text, i = "", "", 0
@@ -64,61 +79,92 @@ def blocks(path: Path) -> list[Block]:
         i += 1
         marker = NOT_RUN.fullmatch(last_text)
         out.append(Block(m.group(1), "\n".join(body) + "\n", start + 1, section,
-                         marker.group(1) if marker else None))
+                         marker.group(1) if marker else None, last_text == SETUP))
         last_text = ""
     return out
 
 
+def page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch) -> Path:
-    """The folder the pages describe; torch's DataLoader name restored afterwards."""
+    """The folder the pages describe; torch's DataLoader name and process group restored afterwards."""
+    rng = np.random.default_rng(0)
     train = tmp_path / "data" / "train"
     train.mkdir(parents=True)
     n = 1000
-    rng = np.random.default_rng(0)
     np.save(train / "image.npy", rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8))
     np.save(train / "label.npy", np.arange(n, dtype=np.int64) % 10)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for part in range(2):
+        flat = pa.array(rng.integers(0, 256, 300 * 192, dtype=np.uint8))
+        table = pa.table({"image": pa.FixedSizeListArray.from_arrays(flat, 192),
+                          "label": pa.array(np.arange(300, dtype=np.int64) % 10)})
+        pq.write_table(table, tmp_path / "data" / f"part-{part}.parquet", row_group_size=100)
+    for cls in ("cat", "dog"):
+        (tmp_path / "images" / cls).mkdir(parents=True)
+        for k in range(3):
+            (tmp_path / "images" / cls / f"{k}.bin").write_bytes(rng.bytes(64))
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "shard-0.tar", "w") as tar:
+        for key in range(4):
+            for ext, payload in (("jpg", rng.bytes(32)), ("cls", str(key % 2).encode())):
+                info = tarfile.TarInfo(f"{key:06d}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.utils.data, "DataLoader", torch.utils.data.DataLoader)  # a page may patch it
     monkeypatch.setenv("PYLOADER_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path
+    yield tmp_path
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a page may start a one-process group
 
 
-def run_page(path: Path, runnable: list[Block], workdir: Path, replace: dict[str, str] | None = None) -> None:
+def run_page(path: Path, runnable: list[Block], workdir: Path) -> None:
     namespace: dict[str, object] = {"__name__": "__docs__"}
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     for b in runnable:
-        code = b.code
-        for old, new in (replace or {}).items():
-            code = code.replace(old, new)
-        where = f"{path.relative_to(ROOT)}:{b.line} ({b.section})"
+        where = f"{page_id(path)}:{b.line} ({b.section})"
         if b.lang == "python":
             try:
-                exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
+                exec(compile(b.code, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
             except Exception as e:
                 raise AssertionError(f"{where}: the example raised {type(e).__name__}: {e}") from e
         else:
-            r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=workdir, env=env,
+            r = subprocess.run(["bash", "-euo", "pipefail", "-c", b.code], cwd=workdir, env=env,
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, f"{where}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
 
 
-def test_from_torch_blocks_are_run_or_say_why():
-    found = blocks(FROM_TORCH)
-    assert sum(b.skip is None for b in found) >= 6
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_block_is_run_or_says_why(page):
+    found = blocks(page)
     for b in found:
-        assert b.lang in ("python", "bash"), f"line {b.line}: a block without a runnable language"
+        where = f"{page_id(page)}:{b.line}"
+        assert b.lang in RUN + DATA, f"{where}: a block must name its language, one of {RUN + DATA}"
+        if b.lang in DATA:
+            assert b.skip is None and not b.hidden, f"{where}: a {b.lang} block is never run: drop its marker"
+        if b.hidden:
+            assert b.lang in RUN and b.skip is None, f"{where}: a setup block must run"
+    assert sum(b.skip is not None for b in found) <= MAX_NOT_RUN, f"{page_id(page)}: too many blocks not run"
+    text = page.read_text()
+    assert text.count("not run:") == sum(b.skip is not None for b in found), \
+        f"{page_id(page)}: a not-run marker that is not directly above a block"
+    assert text.count(SETUP) == sum(b.hidden for b in found), \
+        f"{page_id(page)}: a setup comment that is not directly above a block"
+
+
+def test_pages_are_found():
+    names = {page_id(p) for p in PAGES}
+    assert {"README.md", "docs/from-torch.md", "docs/resume.md", "docs/convert.md"} <= names
+    assert sum(b.lang in RUN and b.skip is None for p in PAGES for b in blocks(p)) >= 15
 
 
 @pytest.mark.timeout(120)
-def test_from_torch_runs(workdir):
-    run_page(FROM_TORCH, [b for b in blocks(FROM_TORCH) if b.skip is None], workdir)
-    assert (workdir / "shards" / "train" / "manifest.json").exists()
-
-
-@pytest.mark.timeout(120)
-def test_readme_quick_start_runs(workdir):
-    chosen = [b for b in blocks(README) if b.lang == "python" and b.section in README_SECTIONS and b.skip is None]
-    assert {b.section for b in chosen} == set(README_SECTIONS)
-    run_page(README, chosen, workdir, replace={'"/data/': f'"{workdir}/data/'})
-    assert (workdir / "data" / "mnist-like" / "manifest.json").exists()
+@pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang in RUN and b.skip is None for b in blocks(p))],
+                         ids=page_id)
+def test_page_runs(page, workdir):
+    run_page(page, [b for b in blocks(page) if b.lang in RUN and b.skip is None], workdir)

@@ -1065,6 +1065,9 @@ class DatasetCache:
         size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
         self._reclaim_temps(name)
         tmp, fd = "", -1
+        # The filesystem first (its first use imports and connects, which a cancel cannot
+        # interrupt): a temp then exists only while bytes can flow or be cancelled.
+        fs, root = self._filesystem()
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
@@ -1077,7 +1080,6 @@ class DatasetCache:
                                            f"for {size} bytes ({os.strerror(e.errno)})", shard) from None
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
-            fs, root = self._filesystem()
             path = root.rstrip("/") + "/" + shard
             for attempt in range(2):
                 with_retries(lambda: download_into(fd, fs, path, size, url=url, shard=shard, cancel=cancel,

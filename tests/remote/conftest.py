@@ -46,9 +46,10 @@ def cache_dir(tmp_path):
     # Datasets dropped by the test cancel their fetchers (weakref.finalize); a download
     # still in flight stops at its next chunk and removes its temp file.
     gc.collect()
-    # Cancels take ~50 ms, but a download thread has been seen to need over 10 s to reach its
-    # temp's removal after its dataset was dropped (rarely, on a loaded machine): not a leak,
-    # a slow path that is not yet explained; the bound catches a temp that is never removed.
+    # Cancels take ~50 ms, but removing a temp can take seconds where the filesystem is
+    # mounted with online discard (ext4 `discard`: unlinking a file whose blocks were
+    # reserved with posix_fallocate issues a synchronous TRIM; seen blocking 1.5-10 s on
+    # this machine's virtual disk). The bound still catches a temp that is never removed.
     deadline = time.monotonic() + 30
     while temp_files(d) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from resume_util import common_state, lockstep
 
 import pyloader
 from pyloader.loader.state import ResumeError
@@ -47,32 +48,11 @@ def loaders(path: str, world: int, batch: int, *, threads: int = 2, prefetch: in
             for r in range(world)]
 
 
-def lockstep(its: list[Any], steps: int | None) -> list[list[list[int]]]:
-    """Takes ``steps`` batches (None: all) from every rank's iterator; batches per rank."""
-    out: list[list[list[int]]] = [[] for _ in its]
-    k = 0
-    while steps is None or k < steps:
-        got = [next(it, None) for it in its]
-        if all(g is None for g in got):
-            break
-        assert all(g is not None for g in got), "ranks ran out of batches at different steps"
-        for r, g in enumerate(got):
-            out[r].append(g["label"].tolist())
-        k += 1
-    return out
-
-
-def common_state(ls: list[pyloader.DataLoader]) -> dict[str, Any]:
-    states = [loader.state_dict() for loader in ls]
-    assert all(s == states[0] for s in states), "ranks in lockstep must report the same state"
-    return json.loads(json.dumps(states[0]))  # states are JSON: a checkpoint round trip
-
-
 def uninterrupted(path: str, world: int, batch: int, epoch: int = 0, **kw: Any) -> list[list[list[int]]]:
     ls = loaders(path, world, batch, **kw)
     for loader in ls:
         loader.set_epoch(epoch)
-    return lockstep([iter(loader) for loader in ls], None)
+    return lockstep([iter(loader) for loader in ls], None, "label")
 
 
 @pytest.mark.timeout(60)
@@ -89,7 +69,7 @@ def test_same_world_size_stops_resume_batch_for_batch(ds_path, mode, stops):
             for loader in ls:
                 loader.load_state_dict(state)
         its = [iter(loader) for loader in ls]
-        for r, batches in enumerate(lockstep(its, steps)):
+        for r, batches in enumerate(lockstep(its, steps, "label")):
             got[r] += batches
         state = common_state(ls)
         del its, ls
@@ -112,7 +92,7 @@ def test_elastic_resume_reads_the_rest_of_the_epoch_once(ds_path, partition, job
         if state is not None:
             for loader in ls:
                 loader.load_state_dict(state)
-        for batches in lockstep([iter(loader) for loader in ls], steps):
+        for batches in lockstep([iter(loader) for loader in ls], steps, "label"):
             for b in batches:
                 seen.update(b)
         state = common_state(ls)
@@ -132,7 +112,7 @@ def test_elastic_resume_reads_the_rest_of_the_epoch_once(ds_path, partition, job
 def test_prefetched_batches_are_not_consumed(ds_path):
     ls = loaders(ds_path, 2, 4, threads=3, prefetch=12)
     its = [iter(loader) for loader in ls]
-    first = lockstep(its, 2)
+    first = lockstep(its, 2, "label")
     deadline = time.monotonic() + 10
     while min(loader.stats()["batches"] for loader in ls) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)  # let the threads run ahead
@@ -143,7 +123,7 @@ def test_prefetched_batches_are_not_consumed(ds_path):
     ls2 = loaders(ds_path, 2, 4)
     for loader in ls2:
         loader.load_state_dict(state)
-    rest = lockstep([iter(loader) for loader in ls2], None)
+    rest = lockstep([iter(loader) for loader in ls2], None, "label")
     assert [a + b for a, b in zip(first, rest, strict=False)] == uninterrupted(ds_path, 2, 4)
 
 
@@ -177,13 +157,13 @@ def test_end_of_epoch_and_drop_last(ds_path):
     ls = loaders(ds_path, 2, 8, drop_last=True)
     its = [iter(loader) for loader in ls]
     per_rank = -(-N // 2) // 8  # 102 samples per rank, 12 full batches
-    lockstep(its, per_rank)
+    lockstep(its, per_rank, "label")
     state = common_state(ls)  # every batch taken, StopIteration not yet seen
     assert state["epoch"] == 1 and state["segments"] == []
     ls = loaders(ds_path, 2, 8, drop_last=True)
     for loader in ls:
         loader.load_state_dict(dict(state, epoch=0, segments=[[2, 8, 7]]))
-    rest = lockstep([iter(loader) for loader in ls], None)
+    rest = lockstep([iter(loader) for loader in ls], None, "label")
     assert [len(r) for r in rest] == [5, 5]
     assert [len(b) for b in rest[0]] == [8] * 5
 

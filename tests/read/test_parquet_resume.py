@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from convert_util import mixed_table, pa, pq, write_parquet
+from resume_util import common_state, lockstep
 
 import pyloader
 
@@ -46,33 +47,12 @@ def loaders(path: str | list[str], world: int, batch: int, *, columns: tuple[str
             for r in range(world)]
 
 
-def lockstep(its: list[Any], steps: int | None) -> list[list[list[int]]]:
-    """Takes ``steps`` batches (None: all) from every rank's iterator; the ids of each batch, per rank."""
-    out: list[list[list[int]]] = [[] for _ in its]
-    k = 0
-    while steps is None or k < steps:
-        got = [next(it, None) for it in its]
-        if all(g is None for g in got):
-            break
-        assert all(g is not None for g in got), "ranks ran out of batches at different steps"
-        for r, g in enumerate(got):
-            out[r].append(g["id"].tolist())
-        k += 1
-    return out
-
-
-def common_state(ls: list[pyloader.DataLoader]) -> dict[str, Any]:
-    states = [loader.state_dict() for loader in ls]
-    assert all(s == states[0] for s in states), "ranks in lockstep must report the same state"
-    return json.loads(json.dumps(states[0]))  # a checkpoint round trip
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["global", "window"])
 @pytest.mark.parametrize("stops", [[1], [4, 3]])
 def test_mid_epoch_resume_gives_exactly_the_remaining_batches(pq_dir, mode, stops):
     kw = dict(shuffle_mode=mode, window=40)
-    want = lockstep([iter(loader) for loader in loaders(pq_dir, 3, 8, **kw)], None)
+    want = lockstep([iter(loader) for loader in loaders(pq_dir, 3, 8, **kw)], None, "id")
     got: list[list[list[int]]] = [[] for _ in range(3)]
     state = None
     for steps in [*stops, None]:
@@ -81,7 +61,7 @@ def test_mid_epoch_resume_gives_exactly_the_remaining_batches(pq_dir, mode, stop
             for loader in ls:
                 loader.load_state_dict(state)
         its = [iter(loader) for loader in ls]
-        for r, batches in enumerate(lockstep(its, steps)):
+        for r, batches in enumerate(lockstep(its, steps, "id")):
             got[r] += batches
         state = common_state(ls)
         del its, ls
@@ -94,7 +74,7 @@ def test_mid_epoch_resume_gives_exactly_the_remaining_batches(pq_dir, mode, stop
     again = loaders(pq_dir, 3, 8, **kw)
     for loader in again:
         loader.set_epoch(1)
-    assert lockstep([iter(x) for x in ls], None) == lockstep([iter(x) for x in again], None)
+    assert lockstep([iter(x) for x in ls], None, "id") == lockstep([iter(x) for x in again], None, "id")
 
 
 @pytest.mark.timeout(120)
@@ -110,7 +90,7 @@ def test_resume_at_another_world_size_reads_every_remaining_sample_once(pq_dir, 
         if state is not None:
             for loader in ls:
                 loader.load_state_dict(state)
-        for batches in lockstep([iter(loader) for loader in ls], steps):
+        for batches in lockstep([iter(loader) for loader in ls], steps, "id"):
             for b in batches:
                 seen.update(b)
         state = common_state(ls)
@@ -188,7 +168,7 @@ def test_other_row_groups_files_or_columns_are_refused_naming_each(pq_dir, tmp_p
 def test_the_same_files_elsewhere_resume(pq_dir, tmp_path):
     """The fingerprint names the data, not where it lies: a copy (new mtimes), a list of its files, a cache."""
     state = _stopped_state(pq_dir)
-    (full,) = lockstep([iter(loaders(pq_dir, 1, 10)[0])], None)
+    (full,) = lockstep([iter(loaders(pq_dir, 1, 10)[0])], None, "id")
     assert sorted(x for b in full for x in b) == list(range(N))
     copy = str(tmp_path / "copy")
     shutil.copytree(pq_dir, copy)  # new mtimes
@@ -200,7 +180,7 @@ def test_the_same_files_elsewhere_resume(pq_dir, tmp_path):
                 loader.load_state_dict(state)
             continue
         loader.load_state_dict(state)
-        (got,) = lockstep([iter(loader)], None)
+        (got,) = lockstep([iter(loader)], None, "id")
         assert got == full[3:]
 
     fsspec = pytest.importorskip("fsspec")
@@ -212,7 +192,7 @@ def test_the_same_files_elsewhere_resume(pq_dir, tmp_path):
         for _ in range(2):  # footers read from the store, then from the node cache
             (loader,) = loaders("memory://pyl-resume/data", 1, 10, cache_dir=str(tmp_path / "cache"))
             loader.load_state_dict(state)
-            (got,) = lockstep([iter(loader)], None)
+            (got,) = lockstep([iter(loader)], None, "id")
             assert got == full[3:]
     finally:
         mem.rm("/pyl-resume", recursive=True)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from remote_servers import Fault, FaultServer
-from remote_util import N_RECORDS, labels, temp_files, write_ds
+from remote_util import N_RECORDS, labels, published, temp_files, write_ds
 
 import pyloader
 from pyloader.remote.cache import CacheLimitError, ShardCache
@@ -27,14 +27,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-def published(cache_dir: str) -> list[str]:
-    out = []
-    for root, _, files in os.walk(cache_dir):
-        if os.path.basename(root) == "shards":
-            out += [os.path.join(root, f) for f in files]
-    return out
 
 
 @pytest.mark.timeout(90)

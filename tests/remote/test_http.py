@@ -7,7 +7,7 @@ import time
 
 import pytest
 from remote_servers import Fault
-from remote_util import N_RECORDS, labels, write_ds
+from remote_util import N_RECORDS, labels, published, write_ds
 
 import pyloader
 from pyloader.remote.cache import ShardCache
@@ -15,14 +15,6 @@ from pyloader.remote.fetch import open_remote
 from pyloader.remote.fs import FetchError, RemoteChangedError
 
 SHARD1 = "ds/shard-000001.pyl"
-
-
-def published(cache_dir: str) -> list[str]:
-    out = []
-    for root, _, files in os.walk(cache_dir):
-        if os.path.basename(root) == "shards":
-            out += [os.path.join(root, f) for f in files]
-    return out
 
 
 def assert_all_verified(cache_dir: str) -> None:

@@ -13,11 +13,13 @@ from typing import Any
 from .errors import (
     CacheError,
     CacheLimitError,
+    CollateError,
     ConvertError,
     DeviceError,
     FetchError,
     FetchNotFoundError,
     FetchPermissionError,
+    ImageDecodeError,
     LoaderStateError,
     LoaderTimeoutError,
     ManifestError,
@@ -33,6 +35,8 @@ from .errors import (
     ShardIOError,
     ShardNotFoundError,
     ShardPermissionError,
+    SharedMemoryError,
+    TransformWorkerError,
     VerifyError,
 )
 from .write.convert import ConvertResult, convert
@@ -45,6 +49,9 @@ _LAZY = {
     "DataLoader": ".loader.dataloader",
     "ShardDataset": ".read.shards",
     "ParquetDataset": ".read.parquet",
+    "SampleContext": ".transform.context",
+    "sample_seed": ".transform.context",
+    "ImageDecode": ".transform.image",
 }
 
 
@@ -64,6 +71,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CacheError",
     "CacheLimitError",
+    "CollateError",
     "ConvertError",
     "ConvertResult",
     "DataLoader",
@@ -71,6 +79,8 @@ __all__ = [
     "FetchError",
     "FetchNotFoundError",
     "FetchPermissionError",
+    "ImageDecodeError",
+    "ImageDecode",
     "LoaderStateError",
     "LoaderTimeoutError",
     "ManifestError",
@@ -89,7 +99,11 @@ __all__ = [
     "ShardNotFoundError",
     "ShardPermissionError",
     "ShardWriter",
+    "SharedMemoryError",
+    "SampleContext",
+    "TransformWorkerError",
     "VerifyError",
     "convert",
+    "sample_seed",
     "verify_conversion",
 ]

@@ -155,6 +155,22 @@ class ResumeError(PyloaderError, ValueError):
     """A loader state does not fit this loader: another dataset, order or a malformed state."""
 
 
+class ImageDecodeError(PyloaderError, ValueError):
+    """An encoded image field could not be decoded; names the shard, record and field."""
+
+
+class CollateError(PyloaderError, ValueError):
+    """Transformed samples cannot be collated into one batch: names the field and the shapes or types."""
+
+
+class SharedMemoryError(_MessageOnly, PyloaderError, OSError):
+    """The process executor could not get shared memory (``/dev/shm`` full or missing). Built as ``cls(errno, message)``."""
+
+
+class TransformWorkerError(PyloaderError, RuntimeError):
+    """A transform worker process exited without reporting an error (killed, out of memory)."""
+
+
 # Kind codes are those of csrc/core/errors.h (ErrorKind).
 _KINDS: dict[int, type[PyloaderError]] = {
     0: ShardFormatError,
@@ -200,6 +216,10 @@ __all__ = [
     "CacheLimitError",
     "ParquetReadError",
     "ResumeError",
+    "ImageDecodeError",
+    "CollateError",
+    "SharedMemoryError",
+    "TransformWorkerError",
     "ShardFormatError",
     "ShardCorruptError",
     "SchemaError",

@@ -22,6 +22,8 @@ from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 from .. import _C
 from ..read import order as _order
 from ..read.contract import BatchStream, OrderSpec, PlannedDataset
+from ..transform import stage as _stage
+from ..transform.image import resolve_decode as _resolve_decode
 from . import state as _state
 from . import transfer as _transfer
 
@@ -149,7 +151,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  multiprocessing_context: Any = None, generator: torch.Generator | None = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory_device: str = "",
                  in_order: bool = True, device: str | torch.device | int | None = None, device_prefetch: int = 2,
-                 prefetch: int | None = None) -> None:
+                 prefetch: int | None = None, transform: Callable[..., Any] | None = None,
+                 executor: str = "threads", batch_transform: Callable[[Any], Any] | None = None) -> None:
         # torch's __init__ is not run: the attributes torch's own code reads are set here
         # (NOTE [torch's DataLoader attributes]).
         _check_common(num_workers, timeout, prefetch_factor, persistent_workers, device_prefetch, pin_memory_device)
@@ -169,6 +172,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device = _transfer.resolve_device(device)
         self.device_prefetch = device_prefetch
         self.prefetch = prefetch
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform must be callable, got {transform!r}")
+        if batch_transform is not None and not callable(batch_transform):
+            raise ValueError(f"batch_transform must be callable, got {batch_transform!r}")
+        if executor not in _stage.EXECUTORS:
+            raise ValueError(f"executor must be one of {_stage.EXECUTORS}, got {executor!r}")
+        self.transform = transform
+        self.batch_transform = batch_transform
+        self.executor = executor
+        self._mp_context: Any = None
         self._pin_named = _pin_device_index(pin_memory_device)
         if self.device is not None and self.device.type == "cuda":
             self._pin_named = self.device.index
@@ -194,6 +207,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
             if prefetch is not None:
                 raise ValueError("prefetch= sets native collation depth and needs a pyloader dataset; "
                                  "use prefetch_factor with worker processes")
+            if transform is not None or executor != "threads":
+                raise ValueError("transform= and executor= run per-sample transforms on a pyloader dataset's "
+                                 "native path; over another dataset, apply the transform in its __getitem__ "
+                                 "(torch's worker processes run it)")
             self._init_torch(shuffle, sampler, batch_sampler, multiprocessing_context)
         # From now on torch's __setattr__ refuses to change the attributes that fix the order.
         self._DataLoader__initialized = True
@@ -210,8 +227,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(f"DataLoader over a {name}: worker_init_fn is not supported; the native path has no "
                              f"worker processes to initialise (num_workers sets native threads)")
         if multiprocessing_context is not None:
-            raise ValueError(f"DataLoader over a {name}: multiprocessing_context is not supported; the native path "
-                             f"starts no processes")
+            if self.executor != "processes":
+                raise ValueError(f"DataLoader over a {name}: multiprocessing_context is not supported; the native "
+                                 f"path starts no processes (except executor='processes', the transform workers)")
+            self._mp_context = multiprocessing_context
+        _resolve_decode(self.dataset.fields, self.dataset.decode)  # a bad decode= fails now
         bs = self.batch_size
         if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs < 1):
             raise ValueError(f"batch_size should be a positive integer value, but got batch_size={bs}")
@@ -291,13 +311,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def multiprocessing_context(self) -> Any:
         """The ``multiprocessing_context`` of torch (a context object once set; None on the native path)."""
         inner = self.__dict__.get("_inner")
-        return None if inner is None else inner.multiprocessing_context
+        return self.__dict__.get("_mp_context") if inner is None else inner.multiprocessing_context
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, value: Any) -> None:
         inner = self.__dict__.get("_inner")
         if inner is not None:
             inner.multiprocessing_context = value  # torch validates it against num_workers
+        elif self.__dict__.get("executor") == "processes":
+            self._mp_context = value
         elif value is not None:
             raise ValueError(f"DataLoader over a {type(self.dataset).__name__}: multiprocessing_context is not "
                              f"supported; the native path starts no processes")
@@ -412,6 +434,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         plan = ds.epoch_plan(epoch, rank, world, segments, shuffle=self.shuffle, seed=self._seed)
         batched = self.batch_size is not None
         native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
+        spec = self._transform_spec(epoch)
+        if spec is not None:
+            return self._iter_transformed(ds, epoch, world, segments, plan, spec, native_bs)
         pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
         src: BatchStream = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                                       prefetch=self._prefetch, pool=pool)
@@ -419,10 +444,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
         length = len(src)
-        if self.batch_size is not None and self._fingerprint is not None:
-            self._run = _Run(epoch, world, self.batch_size, segments, consumed, length)
-        else:
-            self._run = None
+        self._start_run(epoch, world, segments, consumed, length)
         # Per-sample semantics (batch_size=None, or a collate_fn over the list of samples)
         # run on the host; their results are staged like any batch.
         per_sample = not batched or self.collate_fn is not None
@@ -442,10 +464,72 @@ class DataLoader(_TorchDataLoader[_T_co]):
                                    go_on_after_error=False)
         else:
             gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=per_sample)
+        return self._loader_iterator(gen, length, src, stage, consumed)
+
+    def _start_run(self, epoch: int, world: int, segments: list[list[int]], consumed: ConsumedCount,
+                   length: int) -> None:
+        if self.batch_size is not None and self._fingerprint is not None:
+            self._run = _Run(epoch, world, self.batch_size, segments, consumed, length)
+        else:
+            self._run = None
+
+    def _loader_iterator(self, gen: Iterator[Any], length: int, src: Any, stage: Any,
+                         consumed: ConsumedCount) -> _LoaderIterator:
+        if self.batch_transform is not None:
+            gen = _BatchTransformed(gen, self.batch_transform)
         it = _LoaderIterator(gen, length, src, stage, consumed=consumed, native=True)
         it.on_close = self._keep_stats
         it.fence = self._fence(stage)
         return it
+
+    # -- per-sample transforms (native path) -------------------------------------------
+    def _transform_spec(self, epoch: int) -> _stage.TransformSpec | None:
+        """What the transform workers do this epoch; None when there is nothing per sample to do."""
+        ds = self.dataset
+        fn = self.transform if self.transform is not None else ds.transform
+        decode = _resolve_decode(ds.fields, ds.decode)
+        if fn is None and not decode:
+            return None
+        if self.batch_size is None:
+            collate = None  # the workers return samples; collate_fn applies to each (as torch's)
+        else:
+            collate = self.collate_fn if self.collate_fn is not None else _stage.collate_samples
+        return _stage.TransformSpec(fn, decode, collate, self._order.seed, epoch,
+                                    seed_globals=self.executor == "processes")
+
+    def _iter_transformed(self, ds: PlannedDataset, epoch: int, world: int, segments: list[list[int]], plan: Any,
+                          spec: _stage.TransformSpec, native_bs: int) -> _LoaderIterator:
+        """An epoch through the transform workers (NOTE [thread executor], NOTE [process executor])."""
+        from ..transform.processes import ProcessTransformStream
+        from ..transform.threads import ThreadTransformStream
+
+        units, records = plan
+        gidx = ds.global_index(units, records)
+        workers = self._threads
+        depth = self._prefetch if self._prefetch is not None else 2 * workers
+        src: Any
+        if self.executor == "processes":
+            src = ProcessTransformStream(ds, spec, units, records, gidx, native_bs, self.drop_last, workers=workers,
+                                         depth=depth, context=self._mp_context)
+        else:
+            # One native thread reads and collates the raw records (memory speed); the
+            # transform threads do the per-sample work.
+            raw = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=1 if workers < 4 else 2,
+                             prefetch=depth + workers)
+            src = ThreadTransformStream(raw, ds, spec, units, records, gidx, native_bs, workers=workers, depth=depth)
+        src.timeout = float(self.timeout)
+        src.on_finish = self._keep_stats
+        consumed = ConsumedCount()
+        length = len(src)
+        src.consumed = consumed  # a batch whose samples were all skipped still counts as read
+        self._start_run(epoch, world, segments, consumed, length)
+        items: Iterator[Any] = src
+        if self.batch_size is None:
+            items = _Flattened(src, self.collate_fn)
+            length = len(ds)
+        stage = self._new_stage(in_slots=False)
+        gen = items if stage is None else _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=True)
+        return self._loader_iterator(gen, length, src, stage, consumed)
 
     def _fence(self, stage: _transfer.DeviceStage | None) -> _transfer.PinnedFence | None:
         """A fence for batches the loop receives in pyloader's pinned memory (NOTE [pinned batch fence]).
@@ -625,6 +709,51 @@ class _Samples:
             return sample if fn is None else fn(sample)
         assert fn is not None
         return fn(self._next_samples())
+
+
+class _Flattened:
+    """The samples of a transform stream that yields lists of samples (``batch_size=None``).
+
+    ``collate_fn``, when given, is applied to each sample, as torch applies it without batching.
+    """
+
+    def __init__(self, src: Any, collate_fn: Callable[[Any], Any] | None) -> None:
+        self._src = src
+        self._fn = collate_fn
+        self._buf: collections.deque[Any] = collections.deque()
+
+    def __iter__(self) -> _Flattened:
+        return self
+
+    def __next__(self) -> Any:
+        while not self._buf:
+            self._buf.extend(next(self._src))
+        sample = self._buf.popleft()
+        return sample if self._fn is None else self._fn(sample)
+
+
+class _BatchTransformed:
+    """``batch_transform`` applied to each batch the loop receives, on the consumer's thread.
+
+    After the device copy when ``device=`` is set, so it runs on the consumer's current CUDA
+    stream, which the copy engine ordered after the batch's copies: GPU augmentation of one
+    batch overlaps the copy of the next.
+    """
+
+    def __init__(self, src: Iterator[Any], fn: Callable[[Any], Any]) -> None:
+        self._src = src
+        self._fn = fn
+
+    def __iter__(self) -> _BatchTransformed:
+        return self
+
+    def __next__(self) -> Any:
+        return self._fn(next(self._src))
+
+    def close(self) -> None:
+        close = getattr(self._src, "close", None)
+        if close is not None:
+            close()
 
 
 class _LoaderIterator:

@@ -173,6 +173,24 @@ class PlannedDataset(abc.ABC):
     num_records: int
     fields: list[Field]
     epoch: int
+    # Per-sample work (NOTE [thread executor] in pyloader.transform.threads): the default
+    # transform and image decoding of the loaders reading this dataset.
+    transform: Callable[..., Any] | None = None
+    decode: Any = None
+
+    def global_index(self, units: np.ndarray, records: np.ndarray) -> np.ndarray:
+        """The global record indices (position in the dataset) of plan rows: the seeds' ``index`` (NOTE [sample seeds])."""
+        offsets = getattr(self, "_unit_offsets", None)
+        if offsets is None:
+            counts = np.asarray(self.unit_records, dtype=np.int64)  # type: ignore[attr-defined]
+            offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            self._unit_offsets = offsets
+        return offsets[np.asarray(units, dtype=np.int64)] + np.asarray(records, dtype=np.int64)
+
+    def record_name(self, unit: int, record: int) -> str:
+        """Where a record lives, for messages (``"unit U, record R"``; datasets name their shards)."""
+        return f"unit {unit}, record {record}"
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch ``batches`` and per-sample iteration read when none is given."""
@@ -368,15 +386,38 @@ class UnitDataset(PlannedDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        it = self.batches(_SAMPLE_MODE_BATCH, plan=self.plan(worker=worker, num_workers=num_workers),
-                          num_threads=1, prefetch=2)
+        units, records = self.plan(worker=worker, num_workers=num_workers)
+        it = self.batches(_SAMPLE_MODE_BATCH, plan=(units, records), num_threads=1, prefetch=2)
+        spec = self._sample_spec()
         try:
+            if spec is None:
+                for batch in it:
+                    rows = next(iter(batch.values())).shape[0]
+                    for i in range(rows):
+                        yield self.sample(batch, i)
+                return
+            # The dataset's decode and transform, sample by sample, in this (torch worker) process.
+            from ..transform.stage import run_batch
+
+            gidx = self.global_index(units, records)
+            pos = 0
             for batch in it:
                 rows = next(iter(batch.values())).shape[0]
-                for i in range(rows):
-                    yield self.sample(batch, i)
+                sl = slice(pos, pos + rows)
+                pos += rows
+                yield from run_batch(spec, self, batch, units[sl], records[sl], gidx[sl], worker).result
         finally:
             it.close()
+
+    def _sample_spec(self) -> Any:
+        """The ``TransformSpec`` of this dataset's own transform and decoding (None: nothing to do)."""
+        from ..transform.image import resolve_decode
+        from ..transform.stage import TransformSpec
+
+        decode = resolve_decode(self.fields, self.decode)
+        if self.transform is None and not decode:
+            return None
+        return TransformSpec(self.transform, decode, None, self.order.seed, self.epoch)
 
     def sample(self, batch: dict[str, torch.Tensor], i: int) -> dict[str, Any]:
         """Row ``i`` of ``batch`` per field (views unless ``clone_samples``).

@@ -211,6 +211,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
     files by relative path, row-group row counts, size and footer bytes, and the columns
     and fields selected, not by location (NOTE [parquet fingerprint]); a state from other
     data raises ``ResumeError`` naming the ``fingerprint_parts`` that differ.
+    ``transform`` and ``decode``: as for ``ShardDataset`` (docs/transforms.md).
     """
 
     # A kept sample would hold its whole staging buffer out of reuse (NOTE [staging reuse]).
@@ -221,7 +222,8 @@ class ParquetDataset(UnitDataset, IterableDataset):
                  rank: int | None = None, world_size: int | None = None, partition: str = "pad",
                  nulls: str = "error", cache_dir: str | os.PathLike[str] | None = None,
                  cache_limit: int | str | None = None, fetch_jobs: int = 4,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, transform: Any = None,
+                 decode: Any = None) -> None:
         super().__init__()
         pa = _pa()
         import pyarrow.parquet as pq
@@ -233,6 +235,9 @@ class ParquetDataset(UnitDataset, IterableDataset):
         if not isinstance(fetch_jobs, int) or fetch_jobs < 1:
             raise ValueError("fetch_jobs must be a positive int")
         self.rank, self.world_size, self.nulls = rank, world_size, nulls
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform must be callable, got {transform!r}")
+        self.transform, self.decode = transform, decode
         self.fetch_jobs = fetch_jobs
         self.epoch = 0
         self._cache: DatasetCache | None = None

@@ -27,6 +27,7 @@ from ..errors import (
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
+from ..transform.image import resolve_decode as _resolve_decode
 from .contract import OrderSpec, Plan, UnitDataset, check_batch_args
 
 
@@ -281,13 +282,23 @@ class ShardDataset(UnitDataset, IterableDataset):
             reader on the node (``LOCAL_WORLD_SIZE`` ranks, times DataLoader worker
             processes), each held to its share of the limit. A limit below what a reader
             needs raises ``CacheLimitError`` naming both numbers.
+        transform: ``fn(sample)`` or ``fn(sample, ctx)`` applied to every sample (a dict of
+            tensors) before collation: by ``pyloader.DataLoader`` on its transform workers
+            (docs/transforms.md), by ``iter()`` (under torch's DataLoader) in the worker
+            process. ``ctx`` is a ``pyloader.SampleContext`` with generators seeded from
+            (seed, epoch, sample index).
+        decode: how image fields (written as ``"jpeg"``, ``"png"`` or ``"image"``) are
+            decoded: None (each to a ``uint8 [H, W, C]`` tensor of its own size), a
+            ``pyloader.ImageDecode`` (size, crop, flip...), a dict of them per field, or
+            False (the encoded bytes).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
                  shuffle_mode: str = "global", window: int = 65536, rank: int | None = None,
                  world_size: int | None = None, partition: str = "pad", cache_dir: str | os.PathLike[str] | None = None,
                  cache_limit: int | str | None = None, fetch_jobs: int = 4,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, transform: Any = None,
+                 decode: Any = None) -> None:
         super().__init__()
         self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
                                partition=partition)
@@ -328,11 +339,20 @@ class ShardDataset(UnitDataset, IterableDataset):
         self.partition = partition
         self.epoch = 0
         self._schema = encode_schema(self.fields)
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform must be callable, got {transform!r}")
+        self.transform = transform
+        self.decode = decode
+        _resolve_decode(self.fields, decode)  # checks it now
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fingerprint: str | None = None
         if self._remote is not None and self._remote.cache.limit is not None:
             self._check_working_set(self.plan()[0], 0)  # the plan's working set must fit this reader's share
+
+    def record_name(self, unit: int, record: int) -> str:
+        """``shard 'PATH', record R``: where a record lives, for messages."""
+        return f"shard {self.shard_paths[unit]!r}, record {record}"
 
     @property
     def is_remote(self) -> bool:

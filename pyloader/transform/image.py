@@ -1,0 +1,218 @@
+"""Decoding encoded image fields (JPEG, PNG and what Pillow reads) on the transform workers.
+
+NOTE [image decode]: an image field (``Field.is_image``: written as ``"jpeg"``, ``"png"``
+or ``"image"``) is decoded by Pillow, whose decoders and resampling run with the GIL
+released, so the thread executor decodes on all its workers at once. The decode reads the
+record's bytes in place (a view of the mapped shard) and, for JPEG, asks the decoder for
+the smallest DCT scale that still covers the output (``Image.draft``), so a 1 MP photo
+cropped to 224x224 is decoded at a fraction of its size. Crop and resize are one
+resampling pass (``Image.resize(box=...)``); the random choices come from the sample's
+seed (NOTE [sample seeds]), so augmented images are reproducible. A record that is not a
+readable image raises ``ImageDecodeError`` naming the shard, record and field, or, with
+``on_error="skip"``, drops the sample and counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import random
+from typing import Any
+
+import numpy as np
+
+from ..errors import ImageDecodeError
+
+CROPS = ("resize", "center", "random")
+LAYOUTS = ("HWC", "CHW")
+ON_ERROR = ("raise", "skip")
+# Pillow's modes with 8 bits per channel, and their channel counts.
+_MODES = {"RGB": 3, "L": 1, "RGBA": 4}
+
+
+def _pair(name: str, value: Any, kind: type) -> tuple[Any, Any]:
+    try:
+        a, b = value
+    except (TypeError, ValueError):
+        raise ValueError(f"ImageDecode: {name} must be a pair, got {value!r}") from None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        raise ValueError(f"ImageDecode: {name} must hold numbers, got {value!r}")
+    return kind(a), kind(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageDecode:
+    """How an image field is decoded into a ``uint8`` tensor (NOTE [image decode]).
+
+    Args:
+        size: ``(height, width)`` (or one int for a square) of every decoded image, so a
+            batch is a dense ``[B, H, W, C]`` tensor; None keeps each image's own size (a
+            batch then needs images of one size, or a ``transform`` that makes them so).
+        crop: how an image reaches ``size``: ``"resize"`` (the whole image, aspect ratio
+            not kept), ``"center"`` (resize the shorter side to the target's, then a
+            centre crop: evaluation), ``"random"`` (a random resized crop of ``scale`` of
+            the area and an aspect ratio in ``ratio``, as torchvision's
+            ``RandomResizedCrop``: training).
+        scale, ratio: the random crop's area fraction and aspect-ratio ranges.
+        flip: flip horizontally with probability 1/2 (from the sample's seed).
+        mode: ``"RGB"`` (3 channels), ``"L"`` (grey, 1 channel) or ``"RGBA"``.
+        layout: ``"HWC"`` (Pillow's and numpy's) or ``"CHW"`` (torch's convolution layout).
+        on_error: ``"raise"`` an ``ImageDecodeError`` for an unreadable image, or
+            ``"skip"`` the sample (the batch is one sample shorter; counted in
+            ``stats()["skipped_samples"]``).
+    """
+
+    size: tuple[int, int] | int | None = None
+    crop: str = "resize"
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = False
+    mode: str = "RGB"
+    layout: str = "HWC"
+    on_error: str = "raise"
+
+    def __post_init__(self) -> None:
+        size: Any = self.size
+        if size is not None:
+            if isinstance(size, int) and not isinstance(size, bool):
+                size = (size, size)
+            h, w = _pair("size", size, int)
+            if h < 1 or w < 1 or (h, w) != tuple(size):
+                raise ValueError(f"ImageDecode: size must be positive ints (height, width), got {self.size!r}")
+            object.__setattr__(self, "size", (h, w))
+        if self.crop not in CROPS:
+            raise ValueError(f"ImageDecode: crop must be one of {CROPS}, got {self.crop!r}")
+        if self.crop != "resize" and size is None:
+            raise ValueError(f"ImageDecode: crop={self.crop!r} needs a size")
+        lo, hi = _pair("scale", self.scale, float)
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"ImageDecode: scale must satisfy 0 < min <= max <= 1, got {self.scale!r}")
+        rlo, rhi = _pair("ratio", self.ratio, float)
+        if not 0 < rlo <= rhi:
+            raise ValueError(f"ImageDecode: ratio must satisfy 0 < min <= max, got {self.ratio!r}")
+        object.__setattr__(self, "scale", (lo, hi))
+        object.__setattr__(self, "ratio", (rlo, rhi))
+        if self.mode not in _MODES:
+            raise ValueError(f"ImageDecode: mode must be one of {tuple(_MODES)}, got {self.mode!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"ImageDecode: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"ImageDecode: on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if not isinstance(self.flip, bool):
+            raise ValueError(f"ImageDecode: flip must be a bool, got {self.flip!r}")
+
+    @property
+    def channels(self) -> int:
+        """Channels of a decoded image."""
+        return _MODES[self.mode]
+
+    def needs_random(self) -> bool:
+        """Whether decoding draws random numbers (a random crop or flip)."""
+        return self.crop == "random" or self.flip
+
+    def _box(self, w: int, h: int, rnd: random.Random | None) -> tuple[float, float, float, float]:
+        """The source box (left, top, right, bottom) that is resampled to ``size``."""
+        assert self.size is not None
+        th, tw = self.size  # type: ignore[misc]
+        if self.crop == "center":
+            s = max(th / h, tw / w)  # resize the shorter side (relative to the target) to fit
+            cw, ch = tw / s, th / s
+            left, top = (w - cw) / 2, (h - ch) / 2
+            return left, top, left + cw, top + ch
+        if self.crop == "random":
+            assert rnd is not None
+            area = w * h
+            log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+            for _ in range(10):
+                target = area * rnd.uniform(*self.scale)
+                aspect = math.exp(rnd.uniform(log_lo, log_hi))
+                cw = int(round(math.sqrt(target * aspect)))
+                ch = int(round(math.sqrt(target / aspect)))
+                if 0 < cw <= w and 0 < ch <= h:
+                    top = rnd.randint(0, h - ch)
+                    left = rnd.randint(0, w - cw)
+                    return left, top, left + cw, top + ch
+            # No draw fitted: the largest centred crop whose aspect lies within ratio.
+            aspect = w / h
+            if aspect < self.ratio[0]:
+                cw, ch = w, int(round(w / self.ratio[0]))
+            elif aspect > self.ratio[1]:
+                ch, cw = h, int(round(h * self.ratio[1]))
+            else:
+                cw, ch = w, h
+            left, top = (w - cw) // 2, (h - ch) // 2
+            return left, top, left + cw, top + ch
+        return 0.0, 0.0, float(w), float(h)
+
+    def decode(self, data: Any, seed: int) -> np.ndarray:
+        """Decodes ``data`` (a bytes-like object) into a ``uint8`` array (``layout``).
+
+        ``seed`` drives the random crop and flip. Raises ``ImageDecodeError`` (without the
+        shard and record, which the caller adds) when ``data`` is not a readable image.
+        """
+        from PIL import Image  # Pillow: imported on first decode
+
+        rnd = random.Random(seed) if self.needs_random() else None
+        try:
+            img: Any = Image.open(io.BytesIO(data))
+            if self.size is not None:
+                w, h = img.size
+                box = self._box(w, h, rnd)
+                th, tw = self.size  # type: ignore[misc]
+                if img.format == "JPEG":
+                    # Decode at the smallest DCT scale that keeps the box at least the target size.
+                    bw, bh = box[2] - box[0], box[3] - box[1]
+                    want = (max(1, math.ceil(w * tw / bw)), max(1, math.ceil(h * th / bh)))
+                    img.draft(self.mode if self.mode != "RGBA" else "RGB", want)
+                    sx, sy = img.size[0] / w, img.size[1] / h
+                    box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+                if img.mode != self.mode:
+                    img = img.convert(self.mode)
+                img = img.resize((tw, th), Image.Resampling.BILINEAR, box=box)
+            elif img.mode != self.mode:
+                img = img.convert(self.mode)
+            if self.flip and rnd is not None and rnd.random() < 0.5:
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            arr = np.asarray(img)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            # (UnidentifiedImageError and "image file is truncated" are OSErrors.)
+            raise ImageDecodeError(f"not a readable image: {type(e).__name__}: {e}") from e
+        if arr.ndim == 2:
+            arr = arr[:, :, None]
+        if self.layout == "CHW":
+            arr = np.ascontiguousarray(arr.transpose(2, 0, 1))
+        return arr
+
+
+def resolve_decode(fields: list[Any], decode: Any) -> dict[str, ImageDecode]:
+    """The image fields to decode and how (field name -> ``ImageDecode``).
+
+    ``decode`` is None (every image field, defaults), False (none), an ``ImageDecode``
+    (every image field) or ``{field name: ImageDecode or None}``.
+
+    Raises ValueError naming a field that is not an image field of the dataset.
+    """
+    images = [f.name for f in fields if getattr(f, "is_image", False)]
+    if decode is False:
+        return {}
+    if decode is None:
+        return {n: ImageDecode() for n in images}
+    if isinstance(decode, ImageDecode):
+        return {n: decode for n in images}
+    if isinstance(decode, dict):
+        out: dict[str, ImageDecode] = {}
+        for name, spec in decode.items():
+            if name not in images:
+                raise ValueError(f"decode={{{name!r}: ...}}: {name!r} is not an image field of this dataset "
+                                 f"(image fields: {images or 'none'})")
+            if spec is None or spec is False:
+                continue
+            if not isinstance(spec, ImageDecode):
+                raise ValueError(f"decode[{name!r}] must be a pyloader.ImageDecode or None, got {spec!r}")
+            out[name] = spec
+        for n in images:  # image fields not named keep the defaults
+            if n not in decode:
+                out[n] = ImageDecode()
+        return out
+    raise ValueError(f"decode must be None, False, a pyloader.ImageDecode or a dict of them, got {decode!r}")

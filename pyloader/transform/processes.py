@@ -1,0 +1,510 @@
+"""The process executor: per-sample transforms in worker processes that read the shards themselves.
+
+NOTE [process executor]: for transforms that hold the GIL (pure Python). Worker ``w`` of
+``W`` makes the batches whose plan position ``t`` has ``t % W == w``: it reads their
+records through its own native pipeline (``dataset.batches`` over just those rows, one
+thread), so no sample byte is pickled on the way in. It decodes, transforms and collates
+each batch (``stage.run_batch``, the code the thread executor runs) and writes the batch's
+tensors into a *slot*: a file in ``/dev/shm`` it created with ``posix_fallocate`` (so a
+full ``/dev/shm`` is a clear ``SharedMemoryError`` naming it, never a SIGBUS), named
+``pyloader-<parent pid>-<token>-w<worker>-s<slot>-g<generation>``. It sends only the
+layout (dtypes, shapes, offsets) through a queue; the parent maps the slot, removes the
+file (both keep their mappings), and hands the consumer tensors that view the mapping --
+zero-copy. A slot is reused only when every tensor of its batch is gone: a finaliser on
+each view clears the slot's flag in a shared array, which the worker polls before reusing
+it (it makes a new slot when none is free). The parent sends each worker *credits* (the
+tickets it may make next) so that at most ``depth`` batches are in flight, and takes
+results in plan order. Workers ignore SIGINT (the parent decides), exit when their
+parent dies, and remove their slot files on exit; the parent removes any left at
+``close()`` and, at start, those of dead processes. A worker that dies raises
+``TransformWorkerError``; a transform's exception is re-raised in the parent with its type
+and the worker's traceback (torch's ``ExceptionWrapper``), and the iteration goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import mmap
+import multiprocessing
+import os
+import queue
+import re
+import secrets
+import signal
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import LoaderStateError, LoaderTimeoutError, SharedMemoryError, TransformWorkerError
+from .stage import TransformSpec, run_batch
+from .threads import TransformStats
+
+MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worker at once
+_ALIGN = 64
+_NAME_RE = re.compile(r"^pyloader-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
+
+
+def shm_dir() -> str:
+    """Where slots are made: ``$PYLOADER_SHM_DIR``, else ``/dev/shm``, else the temp dir."""
+    d = os.environ.get("PYLOADER_SHM_DIR")
+    if d:
+        return d
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(directory: str) -> int:
+    """Removes the slot files of processes that no longer run; returns how many."""
+    n = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                n += 1
+    return n
+
+
+class _Leaf:
+    """A tensor's place in a batch's structure, sent instead of the tensor."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Leaf, (self.i,))
+
+
+def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return _Leaf(len(leaves) - 1)
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biuf":
+        leaves.append(torch.from_numpy(np.ascontiguousarray(obj)))
+        return _Leaf(len(leaves) - 1)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_flatten(v, leaves) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_flatten(v, leaves) for v in obj)
+    return obj
+
+
+def _unflatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Leaf):
+        return leaves[obj.i]
+    if isinstance(obj, dict):
+        return {k: _unflatten(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unflatten(v, leaves) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_unflatten(v, leaves) for v in obj)
+    return obj
+
+
+# -- the worker process ---------------------------------------------------------------
+
+class _Slot:
+    __slots__ = ("fd", "map", "size", "gen", "path")
+
+    def __init__(self, fd: int, mp: mmap.mmap, size: int, gen: int, path: str) -> None:
+        self.fd, self.map, self.size, self.gen, self.path = fd, mp, size, gen, path
+
+
+def _shm_error(directory: str, need: int, e: OSError | None) -> SharedMemoryError:
+    try:
+        st = os.statvfs(directory)
+        free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        free = "free space unknown"
+    why = f" ({e.strerror})" if e is not None and e.strerror else ""
+    return SharedMemoryError(
+        e.errno if e is not None and e.errno else errno.ENOSPC,
+        f"{directory}: no room for a transform batch of {need} bytes{why}; {free}. The process executor "
+        f"returns batches through shared memory: make {directory} larger (in a container, --shm-size), "
+        f"hold fewer batches, use fewer workers or a smaller prefetch, set PYLOADER_SHM_DIR to another "
+        f"tmpfs, or use executor='threads' (no shared memory)")
+
+
+class _Worker:
+    def __init__(self, w: int, prefix: str, directory: str, busy: Any) -> None:
+        self.w, self.prefix, self.dir, self.busy = w, prefix, directory, busy
+        self.slots: list[_Slot | None] = []
+
+    def _make(self, s: int, size: int, gen: int) -> _Slot:
+        path = os.path.join(self.dir, f"{self.prefix}-w{self.w}-s{s}-g{gen}")
+        try:
+            st = os.statvfs(self.dir)
+            if st.f_bavail * st.f_frsize < size:
+                raise _shm_error(self.dir, size, None)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except SharedMemoryError:
+            raise
+        except OSError as e:
+            raise _shm_error(self.dir, size, e) from None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mp = mmap.mmap(fd, size)
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise _shm_error(self.dir, size, e) from None
+        return _Slot(fd, mp, size, gen, path)
+
+    def slot_for(self, size: int, stop: Callable[[], bool]) -> tuple[int, _Slot]:
+        """A free slot of at least ``size`` bytes (made or grown as needed); waits while all are held."""
+        while True:
+            base = self.w * MAX_SLOTS
+            for s, slot in enumerate(self.slots):
+                if self.busy[base + s] == 0:
+                    if slot is None or slot.size < size:
+                        gen = 0 if slot is None else slot.gen + 1
+                        if slot is not None:
+                            self._drop(slot)
+                        grown = size if slot is None else max(size, slot.size + slot.size // 4)
+                        slot = self._make(s, grown, gen)
+                        self.slots[s] = slot
+                    return s, slot
+            if len(self.slots) < MAX_SLOTS:
+                s = len(self.slots)
+                self.slots.append(self._make(s, size, 0))
+                return s, self.slots[s]  # type: ignore[return-value]
+            if stop():
+                raise SystemExit(0)
+            time.sleep(0.002)
+
+    def _drop(self, slot: _Slot, unlink: bool = True) -> None:
+        with contextlib.suppress(Exception):
+            slot.map.close()
+        with contextlib.suppress(OSError):
+            os.close(slot.fd)
+        if unlink:  # a slot is regrown only once free, so the parent has mapped (and removed) it already
+            with contextlib.suppress(OSError):
+                os.unlink(slot.path)
+
+    def close(self, unlink: bool) -> None:
+        """Unmaps the slots; ``unlink``: also removes their files (the parent is gone and will not)."""
+        for slot in self.slots:
+            if slot is not None:
+                self._drop(slot, unlink)
+        self.slots = []
+
+
+def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: np.ndarray, tickets: list[int],
+                 batch_size: int, spec: TransformSpec, tasks: Any, results: Any, busy: Any, prefix: str,
+                 directory: str, parent: int) -> None:
+    from torch._utils import ExceptionWrapper
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(1)
+    worker = _Worker(w, prefix, directory, busy)
+
+    def parent_gone() -> bool:
+        return os.getppid() != parent
+
+    stream = None
+    try:
+        stream = ds.batches(batch_size, plan=(units, records), drop_last=False, num_threads=1, prefetch=2)
+        pos = 0
+        for t in tickets:
+            while True:  # a credit for ticket t
+                try:
+                    msg = tasks.get(timeout=1.0)
+                except queue.Empty:
+                    if parent_gone():
+                        return
+                    continue
+                break
+            if msg is None:
+                return
+            t0 = time.perf_counter_ns()
+            try:
+                raw = next(stream)
+                rows = len(units[pos:pos + batch_size])
+                work = run_batch(spec, ds, raw, units[pos:pos + rows], records[pos:pos + rows],
+                                 gidx[pos:pos + rows], w)
+                del raw
+                pos += rows
+                leaves: list[torch.Tensor] = []
+                skeleton = _flatten(work.result, leaves)
+                metas = []
+                off = 0
+                for leaf in leaves:
+                    n = leaf.numel() * leaf.element_size()
+                    metas.append((str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape), off, n))
+                    off += -(-n // _ALIGN) * _ALIGN
+                s, slot, gen = -1, None, -1
+                if leaves:
+                    s, slot = worker.slot_for(max(off, _ALIGN), parent_gone)
+                    gen = slot.gen
+                    for leaf, (_, _, o, n) in zip(leaves, metas):
+                        if n:
+                            dst = torch.frombuffer(slot.map, dtype=torch.uint8, count=n, offset=o)
+                            dst.copy_(leaf.contiguous().reshape(-1).view(torch.uint8))
+                    busy[w * MAX_SLOTS + s] = 1
+                costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0)
+                results.put(("ok", t, w, s, gen, slot.size if slot is not None else 0, skeleton, metas, costs))
+            except StopIteration:
+                results.put(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w}: its "
+                                                                 "native stream ended early")))
+                return
+            except Exception:  # noqa: BLE001 - sent to the parent with its traceback
+                results.put(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w} (pid "
+                                                                 f"{os.getpid()})")))
+    finally:
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.close()
+        # The parent may not have mapped the last slots yet: it removes the files (at close()).
+        worker.close(unlink=parent_gone())
+        # Results still queued must reach the parent before the process exits.
+        with contextlib.suppress(Exception):
+            results.close()
+            results.join_thread()
+
+
+# -- the parent -----------------------------------------------------------------------
+
+def _release(busy: Any, index: int, left: list[int]) -> None:
+    """A tensor of a slot's batch was freed; the last one frees the slot."""
+    left[0] -= 1
+    if left[0] == 0:
+        with contextlib.suppress(Exception):
+            busy[index] = 0
+
+
+class ProcessTransformStream:
+    """Batches of transformed samples made by ``workers`` processes, in plan order (NOTE [process executor]).
+
+    ``units``/``records``/``gidx``: every planned row; batches of ``batch_size`` rows (the
+    last one partial unless ``drop_last``). Implements the ``BatchStream`` protocol.
+    """
+
+    def __init__(self, ds: Any, spec: TransformSpec, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
+                 batch_size: int, drop_last: bool, *, workers: int, depth: int, context: Any = None) -> None:
+        n = len(units)
+        self._len = n // batch_size if drop_last else -(-n // batch_size)
+        self._workers_n = workers
+        self._depth = max(depth, workers)
+        self._closed = False
+        self.timeout = 0.0
+        self.on_finish: Any = None
+        self.consumed: Any = None  # the loader's ConsumedCount, if any
+        self._stats = TransformStats("processes", workers)
+        self._results: dict[int, Any] = {}
+        self._sent = 0
+        self._delivered = 0
+        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
+        self._dir = shm_dir()
+        clean_stale(self._dir)
+        self._prefix = f"pyloader-{os.getpid()}-{secrets.token_hex(4)}"
+        if context is None:
+            methods = multiprocessing.get_all_start_methods()
+            context = "fork" if "fork" in methods else multiprocessing.get_start_method()
+        ctx: Any = multiprocessing.get_context(context) if isinstance(context, str) else context
+        self._busy = ctx.Array("b", workers * MAX_SLOTS, lock=False)
+        self._results_q = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(workers)]
+        self._procs: list[Any] = []
+        try:
+            for w in range(workers):
+                tickets = list(range(w, self._len, workers))
+                rows = np.concatenate([np.arange(t * batch_size, min((t + 1) * batch_size, n)) for t in tickets]) \
+                    if tickets else np.empty(0, dtype=np.int64)
+                p = ctx.Process(target=_worker_main, name=f"pyloader-transform-{w}", daemon=True,
+                                args=(w, ds, np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
+                                      np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec, self._tasks[w],
+                                      self._results_q, self._busy, self._prefix, self._dir, os.getpid()))
+                try:
+                    p.start()
+                except Exception as e:
+                    raise type(e)(f"executor='processes' could not start a worker with the {ctx.get_start_method()!r} "
+                                  f"start method (a transform must be picklable for 'spawn' and 'forkserver': "
+                                  f"a module-level function, not a lambda or closure): {e}") from e
+                self._procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._tasks, self._results_q, self._dir,
+                                           self._prefix)
+        self._dispatch()
+
+    def __iter__(self) -> ProcessTransformStream:
+        return self
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _dispatch(self) -> None:
+        while self._sent < self._len and self._sent < self._delivered + self._depth:
+            self._tasks[self._sent % self._workers_n].put(self._sent)
+            self._sent += 1
+
+    def __next__(self) -> Any:
+        while True:
+            item = self._take()
+            if item is not None:
+                return item
+            if self.consumed is not None:  # a batch whose samples were all skipped still counts as read
+                self.consumed.batches += 1
+
+    def _take(self) -> Any:
+        if self._closed:
+            raise LoaderStateError("iterator is closed")
+        k = self._delivered
+        if k >= self._len:
+            if self._stats.end is None:
+                self._stats.end = time.perf_counter()
+            self._finish()
+            raise StopIteration
+        t0 = time.perf_counter_ns()
+        deadline = None if not self.timeout else time.monotonic() + self.timeout
+        try:
+            while k not in self._results:
+                wait = 0.1
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise LoaderTimeoutError(f"no transformed batch within timeout={self.timeout} s (batch {k}, "
+                                                 f"transform worker {k % self._workers_n})")
+                    wait = min(wait, left)
+                try:
+                    msg = self._results_q.get(timeout=wait)
+                except queue.Empty:
+                    self._check_alive(k)
+                    continue
+                self._results[msg[1]] = msg
+        finally:
+            self._stats.wait_ns += time.perf_counter_ns() - t0
+        msg = self._results.pop(k)
+        self._delivered += 1
+        self._dispatch()
+        if msg[0] == "err":
+            msg[3].reraise()
+        return self._build(msg)
+
+    def _check_alive(self, k: int) -> None:
+        w = k % self._workers_n
+        p = self._procs[w]
+        if p.exitcode is not None:
+            code = p.exitcode
+            how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self.close()
+            raise TransformWorkerError(
+                f"pyloader transform worker {w} (pid {p.pid}) {how} before making batch {k}"
+                + (" (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""))
+
+    def _build(self, msg: tuple[Any, ...]) -> Any:
+        _, t, w, s, gen, size, skeleton, metas, costs = msg
+        samples, skipped, transform_ns, decode_ns, busy_ns = costs
+        self._stats.samples += samples
+        self._stats.skipped += skipped
+        self._stats.transform_ns += transform_ns
+        self._stats.decode_ns += decode_ns
+        self._stats.busy_ns += busy_ns
+        self._stats.batches += 1
+        if not metas:
+            return skeleton
+        mp = self._map(w, s, gen, size)
+        left = [len(metas)]
+        index = w * MAX_SLOTS + s
+        leaves: list[torch.Tensor] = []
+        for dtype, shape, off, n in metas:
+            a = np.frombuffer(mp, dtype=np.uint8, count=n, offset=off) if n else np.empty(0, np.uint8)
+            weakref.finalize(a, _release, self._busy, index, left)
+            leaves.append(torch.from_numpy(a).view(getattr(torch, dtype)).reshape(shape))
+        return _unflatten(skeleton, leaves)
+
+    def _map(self, w: int, s: int, gen: int, size: int) -> mmap.mmap:
+        have = self._maps.get((w, s))
+        if have is not None and have[0] == gen:
+            return have[1]
+        path = os.path.join(self._dir, f"{self._prefix}-w{w}-s{s}-g{gen}")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mp = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # both sides keep their mappings; nothing is left behind
+        self._maps[(w, s)] = (gen, mp)  # an older generation stays mapped while its tensors live
+        return mp
+
+    def close(self) -> None:
+        """Stops the workers, removes the slot files. Idempotent. Batches already returned stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
+        else:
+            _shutdown(self._procs, self._tasks, self._results_q, self._dir, self._prefix)
+        self._results.clear()
+        self._maps.clear()
+        self._finish()
+
+    def _finish(self) -> None:
+        cb, self.on_finish = self.on_finish, None
+        if cb is not None:
+            cb(self.stats())
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    def stats(self) -> dict[str, Any]:
+        """The transform stage's counters (``transform_*``, ``skipped_samples``, the consumer's wait)."""
+        s = self._stats.as_dict()
+        s["batches"] = self._stats.batches
+        s["records"] = self._stats.samples + self._stats.skipped
+        return s
+
+
+def _shutdown(procs: list[Any], tasks: list[Any], results: Any, directory: str, prefix: str) -> None:
+    for q in tasks:
+        with contextlib.suppress(Exception):
+            q.put(None)
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+            p.join(2.0)
+        if p.exitcode is None:
+            p.kill()
+            p.join(2.0)
+    for q in [*tasks, results]:
+        with contextlib.suppress(Exception):
+            q.cancel_join_thread()
+            q.close()
+    for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "-*")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -1,0 +1,219 @@
+"""The per-sample transform stage: what one worker does with one native batch.
+
+A worker (a thread of the thread executor or a process of the process executor) takes a
+batch the native pipeline collated, splits it into samples (views of the batch), decodes
+the image fields (NOTE [image decode]), calls the user's ``transform`` on each sample, and
+collates the results into new batch tensors. Both executors run exactly this code, so they
+give the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CollateError, ImageDecodeError
+from .context import SampleContext, _splitmix64, sample_seeds
+from .image import ImageDecode
+
+EXECUTORS = ("threads", "processes")
+
+
+def takes_context(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` accepts a second positional argument (the ``SampleContext``)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n >= 2
+
+
+@dataclasses.dataclass
+class TransformSpec:
+    """What the workers apply to every batch of one epoch.
+
+    ``collate``: the function that makes a batch of the transformed samples
+    (``collate_samples`` or the loader's ``collate_fn``); None yields the list of samples
+    (a loader with ``batch_size=None``). ``seed``/``epoch``: NOTE [sample seeds].
+    ``seed_globals``: also seed ``random``, ``numpy.random`` and ``torch`` from each
+    sample's seed before its transform (the process executor, where a worker runs one
+    sample at a time, so transforms drawing from the global generators are reproducible).
+    """
+
+    transform: Callable[..., Any] | None
+    decode: dict[str, ImageDecode]
+    collate: Callable[[list[Any]], Any] | None
+    seed: int
+    epoch: int
+    seed_globals: bool = False
+
+    def __post_init__(self) -> None:
+        self.with_context = self.transform is not None and takes_context(self.transform)
+
+
+def record_name(ds: Any, unit: int, record: int) -> str:
+    """Where a sample comes from, for messages: the dataset's own words if it has them."""
+    namer = getattr(ds, "record_name", None)
+    if namer is not None:
+        return str(namer(int(unit), int(record)))
+    return f"unit {int(unit)}, record {int(record)}"
+
+
+def _note(e: BaseException, text: str) -> None:
+    add = getattr(e, "add_note", None)  # Python >= 3.11
+    if add is not None:
+        add(text)
+
+
+@dataclasses.dataclass
+class BatchWork:
+    """One batch's outcome: the collated result (or samples), and what it cost."""
+
+    result: Any
+    samples: int = 0
+    skipped: int = 0
+    transform_ns: int = 0
+    decode_ns: int = 0
+
+
+def run_batch(spec: TransformSpec, ds: Any, raw: Mapping[str, torch.Tensor], units: np.ndarray,
+              records: np.ndarray, gidx: np.ndarray, worker: int) -> BatchWork:
+    """Decodes, transforms and collates one native batch (rows ``units``/``records``, global indices ``gidx``).
+
+    Exceptions from ``transform`` propagate with their type and traceback, a note naming
+    the sample's shard, record and worker added (Python >= 3.11); decode errors are
+    ``ImageDecodeError`` naming them (or skipped, ``on_error="skip"``).
+    """
+    rows = len(units)
+    seeds = sample_seeds(spec.seed, spec.epoch, gidx) if rows else np.empty(0, np.uint64)
+    decode = list(spec.decode.items())
+    with np.errstate(over="ignore"):
+        dseeds = [_splitmix64(seeds ^ np.uint64(j + 1)) for j in range(len(decode))]
+    fn = spec.transform
+    out: list[Any] = []
+    skipped = 0
+    t_dec = t_tr = 0
+    for i in range(rows):
+        sample = ds.sample(raw, i)
+        seed = int(seeds[i])
+        t0 = time.perf_counter_ns()
+        skip = False
+        for j, (name, dec) in enumerate(decode):
+            try:
+                sample[name] = torch.from_numpy(dec.decode(sample[name], int(dseeds[j][i])))
+            except ImageDecodeError as e:
+                if dec.on_error == "skip":
+                    skip = True
+                    break
+                err = ImageDecodeError(f"{record_name(ds, units[i], records[i])}, field {name!r}: {e}")
+                err.shard = record_name(ds, units[i], records[i])
+                err.record, err.field = int(records[i]), name
+                raise err from e.__cause__
+        t1 = time.perf_counter_ns()
+        t_dec += t1 - t0
+        if skip:
+            skipped += 1
+            continue
+        if fn is not None:
+            if spec.seed_globals:
+                _seed_globals(seed)
+            try:
+                if spec.with_context:
+                    ctx = SampleContext(seed, spec.epoch, int(gidx[i]), record_name(ds, units[i], records[i]),
+                                        int(records[i]), worker)
+                    sample = fn(sample, ctx)
+                else:
+                    sample = fn(sample)
+            except Exception as e:
+                _note(e, f"raised by the transform in pyloader transform worker {worker}, on the sample at "
+                         f"{record_name(ds, units[i], records[i])} (global index {int(gidx[i])})")
+                raise
+            t_tr += time.perf_counter_ns() - t1
+        out.append(sample)
+    result: Any = out
+    if spec.collate is not None:
+        if not out:
+            result = None  # every sample skipped: no batch
+        else:
+            result = spec.collate(out)
+    return BatchWork(result, len(out), skipped, t_tr, t_dec)
+
+
+def _seed_globals(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+
+
+# -- collation --------------------------------------------------------------------------
+
+def collate_samples(samples: Sequence[Any]) -> Any:
+    """Collates transformed samples into one batch, as torch's ``default_collate`` does.
+
+    Tensors and numpy arrays of one shape and dtype are stacked into a new ``[B, ...]``
+    tensor; numbers become a 1-D tensor; strings, bytes and other objects a list; dicts,
+    tuples and lists are collated per key or position. Raises ``CollateError`` naming the
+    field whose shapes, dtypes or types differ.
+    """
+    return _collate("sample", list(samples))
+
+
+def _collate(name: str, values: list[Any]) -> Any:
+    v0 = values[0]
+    if isinstance(v0, (torch.Tensor, np.ndarray)):
+        return _stack(name, values)
+    if isinstance(v0, Mapping):
+        keys = list(v0)
+        for i, v in enumerate(values):
+            if not isinstance(v, Mapping) or list(v) != keys:
+                got = list(v) if isinstance(v, Mapping) else type(v).__name__
+                raise CollateError(f"cannot collate {name!r}: sample {i} has keys {got}, sample 0 has {keys}")
+        prefix = "" if name == "sample" else f"{name}."
+        return {k: _collate(f"{prefix}{k}", [v[k] for v in values]) for k in keys}
+    if isinstance(v0, (tuple, list)):
+        n = len(v0)
+        for i, v in enumerate(values):
+            if not isinstance(v, (tuple, list)) or len(v) != n:
+                raise CollateError(f"cannot collate {name!r}: sample {i} is not a sequence of {n} items like sample 0")
+        cols = [_collate(f"{name}[{j}]", [v[j] for v in values]) for j in range(n)]
+        return tuple(cols) if isinstance(v0, tuple) else cols
+    if isinstance(v0, (bool, int, float, np.number, np.bool_)):
+        kinds = {type(v) for v in values}
+        if not all(isinstance(v, (bool, int, float, np.number, np.bool_)) for v in values):
+            raise CollateError(f"cannot collate field {name!r}: mixed types {sorted(k.__name__ for k in kinds)}")
+        return torch.tensor(values)
+    return values  # strings, bytes, None, objects: a list, as torch's default_collate keeps them
+
+
+def _stack(name: str, values: list[Any]) -> torch.Tensor:
+    ts: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(v)
+        elif not isinstance(v, torch.Tensor):
+            raise CollateError(f"cannot collate field {name!r}: sample 0 is a tensor, another is a "
+                               f"{type(v).__name__}")
+        ts.append(v)
+    t0 = ts[0]
+    for i, t in enumerate(ts):
+        if t.shape != t0.shape or t.dtype != t0.dtype:
+            raise CollateError(
+                f"cannot collate field {name!r}: sample {i} is {t.dtype} {tuple(t.shape)}, sample 0 is "
+                f"{t0.dtype} {tuple(t0.shape)}; every sample of a batch needs one shape and dtype: make the "
+                f"transform return one shape (for images, ImageDecode(size=...); for sequences, pad or cut to a "
+                f"fixed length), or pass a collate_fn")
+    return torch.stack(ts)

@@ -44,6 +44,9 @@ DTYPES: dict[str, tuple[int, int, str]] = {
     "float64": (13, 8, "<f8"),
     "bytes": (14, 1, "u1"),
 }
+# Encodings a bytes field may be annotated with (NOTE [field encoding]). "image" is any
+# format an image decoder sniffs from the bytes (a mix of formats, WebP, BMP, GIF, TIFF).
+IMAGE_ENCODINGS = ("image", "jpeg", "png")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Index entry: offset, stored size, decoded size, leading length, codec, 3 pad, xxh64.
 INDEX_DTYPE = np.dtype(
@@ -81,11 +84,33 @@ def normalize_dtype(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class Field:
-    """One named field of a dataset: a dtype and a shape whose leading dim may be None."""
+    """One named field of a dataset: a dtype and a shape whose leading dim may be None.
+
+    NOTE [field encoding]: ``encoding`` says what the bytes of a ``"bytes"`` field hold
+    (one of IMAGE_ENCODINGS: encoded images), or is None. It lives in the manifest only:
+    the shard's schema block stores the field as plain bytes, so readers that ignore the
+    annotation (the native reader included) read the same bytes either way. Other dtypes
+    never have an encoding.
+    """
 
     name: str
     dtype: str
     shape: tuple[int | None, ...]
+    encoding: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.encoding is not None:
+            if self.encoding not in IMAGE_ENCODINGS:
+                raise SchemaError(f"field {self.name!r}: unknown encoding {self.encoding!r}; "
+                                  f"supported: {', '.join(IMAGE_ENCODINGS)}")
+            if self.dtype != "bytes":
+                raise SchemaError(f"field {self.name!r}: encoding {self.encoding!r} applies to a bytes field "
+                                  f"only, not to dtype {self.dtype}")
+
+    @property
+    def is_image(self) -> bool:
+        """Whether the field holds encoded images (its encoding is one of IMAGE_ENCODINGS)."""
+        return self.encoding in IMAGE_ENCODINGS
 
     @property
     def variable(self) -> bool:
@@ -112,19 +137,34 @@ class Field:
         return n
 
     def to_json(self) -> dict[str, Any]:
-        """The field as the manifest stores it: ``{"name", "dtype", "shape"}`` (None for a varying dim)."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        """The field as the manifest stores it: ``{"name", "dtype", "shape"}``, plus ``"encoding"`` if set.
+
+        A varying dim is None. ``"encoding"`` is left out when None (NOTE [field encoding]), so
+        manifests of fields without one are unchanged.
+        """
+        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.encoding is not None:
+            out["encoding"] = self.encoding
+        return out
 
 
 def make_field(name: str, spec: Any) -> Field:
-    """Builds a Field from ``(dtype, shape)`` (shape optional for scalars) and validates it."""
+    """Builds a Field from ``(dtype, shape)`` (shape optional for scalars) and validates it.
+
+    The dtype may also be an image encoding, ``"image"``, ``"jpeg"`` or ``"png"`` (shape
+    ``()`` or ``(None,)``): a bytes field with that encoding (NOTE [field encoding]).
+    """
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise SchemaError(f"field name {name!r} must be an identifier of at most 128 characters")
     if isinstance(spec, tuple) and len(spec) == 2:
         dtype, shape = spec
     else:
         dtype, shape = spec, ()
-    dt = normalize_dtype(dtype)
+    encoding: str | None = None
+    if isinstance(dtype, str) and dtype in IMAGE_ENCODINGS:
+        encoding, dt = dtype, "bytes"
+    else:
+        dt = normalize_dtype(dtype)
     if isinstance(shape, int):
         shape = (shape,)
     try:
@@ -133,7 +173,8 @@ def make_field(name: str, spec: Any) -> Field:
         raise SchemaError(f"field {name!r}: shape {shape!r} is not a tuple") from e
     if dt == "bytes":
         if shape not in ((), (None,)):
-            raise SchemaError(f"field {name!r}: a bytes field has no shape (got {shape!r})")
+            kind = f"an {encoding} field" if encoding == "image" else f"a {encoding or 'bytes'} field"
+            raise SchemaError(f"field {name!r}: {kind} has no shape (got {shape!r})")
         shape = (None,)
     for i, d in enumerate(shape):
         if d is None and i == 0:
@@ -145,7 +186,7 @@ def make_field(name: str, spec: Any) -> Field:
     shape = tuple(None if d is None else int(d) for d in shape)
     if len(shape) > 16:
         raise SchemaError(f"field {name!r}: at most 16 dimensions")
-    f = Field(name, dt, shape)
+    f = Field(name, dt, shape, encoding)
     if f.row_bytes > MAX_FIELD_BYTES:
         raise SchemaError(f"field {name!r}: a record may hold at most 4 GiB per field")
     return f
@@ -346,10 +387,32 @@ def _valid_records(shards: list[Any]) -> int | None:
     return sum(records)
 
 
+def _manifest_field_spec(entry: Mapping[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """The ``(dtype, shape)`` spec of a manifest field entry, its optional ``"encoding"`` applied."""
+    dtype, shape = entry["dtype"], tuple(entry["shape"])
+    if isinstance(dtype, str) and dtype in IMAGE_ENCODINGS:  # a spelling make_field takes, not a dtype
+        raise SchemaError(f"field {entry['name']!r}: dtype {dtype!r} is an encoding; the manifest stores "
+                          f'"dtype": "bytes", "encoding": {json.dumps(dtype)}')
+    if "encoding" not in entry:
+        return dtype, shape
+    enc = entry["encoding"]
+    if not isinstance(enc, str) or enc not in IMAGE_ENCODINGS:
+        raise SchemaError(f"field {entry['name']!r}: unknown encoding {enc!r}; "
+                          f"supported: {', '.join(IMAGE_ENCODINGS)}")
+    if dtype != "bytes":
+        raise SchemaError(f"field {entry['name']!r}: encoding {enc!r} applies to a bytes field only, "
+                          f"not to dtype {dtype!r}")
+    return enc, shape
+
+
 def fields_from_manifest(body: Mapping[str, Any], where: str) -> list[Field]:
-    """The Fields a parsed manifest lists; raises ManifestError naming ``where`` if they are invalid."""
+    """The Fields a parsed manifest lists; raises ManifestError naming ``where`` if they are invalid.
+
+    A field entry is ``{"name", "dtype", "shape"}`` plus an optional ``"encoding"`` (one of
+    IMAGE_ENCODINGS, on a bytes field only: NOTE [field encoding]).
+    """
     try:
-        return make_fields({f["name"]: (f["dtype"], tuple(f["shape"])) for f in body["fields"]})
+        return make_fields({f["name"]: _manifest_field_spec(f) for f in body["fields"]})
     except (KeyError, TypeError, SchemaError) as e:
         raise ManifestError(f"manifest {where!r}: invalid fields: {e}") from None
 

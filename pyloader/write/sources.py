@@ -14,7 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import tarfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +31,34 @@ from ..format.arrow import (
     pyarrow_module,
     var_from_bytes,
 )
-from ..format.spec import Field, make_field
+from ..format.spec import IMAGE_ENCODINGS, Field, make_field
 
 KINDS = ("parquet", "arrow", "numpy", "files", "tar")
 NULL_POLICIES = ("error", "zero")
 _CHUNK_BYTES = 16 << 20  # target decoded bytes per chunk (bounds a job's memory with shard_size)
 _TAR_EXT = (".tar", ".tar.gz", ".tgz")
+# File extension (lowercase, no dot) -> the encoding of a field of such files
+# (NOTE [field encoding] in pyloader/format/spec.py).
+_IMAGE_EXT = {"jpg": "jpeg", "jpeg": "jpeg", "png": "png", "webp": "image", "bmp": "image", "gif": "image",
+              "tif": "image", "tiff": "image"}
+
+
+def image_encoding(exts: Iterable[str]) -> str | None:
+    """The encoding of a bytes field whose values are files with extensions ``exts`` (no dot).
+
+    ``"jpeg"`` (.jpg, .jpeg) or ``"png"`` when all are of that format, ``"image"`` for
+    another image format or a mix of image formats, None (plain bytes) if any is not an
+    image extension or there are none.
+    """
+    found = set()
+    for e in exts:
+        enc = _IMAGE_EXT.get(e.lower())
+        if enc is None:
+            return None
+        found.add(enc)
+    if not found:
+        return None
+    return found.pop() if len(found) == 1 else "image"
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,6 +151,10 @@ def _parse_field_spec(fields: Any) -> tuple[list[str] | None, dict[str, str]]:
         raise ValueError(f"fields names a column twice: {names}")
     norm = {}
     for k, v in casts.items():
+        if isinstance(v, str) and v in IMAGE_ENCODINGS:
+            # A cast changes values; an encoding only annotates bytes. Convert sets it itself
+            # for folders of images and image members of tars.
+            raise ValueError(f"fields: {k!r}: {v!r} is an encoding, not a dtype to cast to")
         try:
             f = make_field("x", (v, ()))
         except SchemaError as e:
@@ -368,7 +394,8 @@ class FilesSource(Source):
 
     Fields: ``data`` (bytes), ``path`` (the relative path, UTF-8 bytes, '/'-separated) and
     with ``labels=True`` a ``label`` (int64): the index of the file's top-level folder among
-    the sorted folder names.
+    the sorted folder names. When every file has an image extension, ``data`` carries that
+    image encoding (``image_encoding``: .jpg/.jpeg -> "jpeg", .png -> "png", else "image").
     """
 
     kind = "files"
@@ -403,7 +430,8 @@ class FilesSource(Source):
             self.classes = sorted(set(top))
             idx = {c: i for i, c in enumerate(self.classes)}
             self.labels = [idx[t] for t in top]
-        all_fields = {"data": ("bytes", ()), "path": ("bytes", ())}
+        data_enc = image_encoding(os.path.splitext(r)[1][1:] for r in self.rels)
+        all_fields = {"data": (data_enc or "bytes", ()), "path": ("bytes", ())}
         if labels:
             all_fields["label"] = ("int64", ())
         chosen = names or list(all_fields)
@@ -501,8 +529,19 @@ def _tar_samples(path: str) -> Iterator[tuple[str, dict[str, tarfile.TarInfo], t
             yield key, members, tf
 
 
+def _tar_field(ext: str) -> Field:
+    """The field of tar members with extension ``ext`` (``seg.png`` -> ``seg_png``, a png field)."""
+    if ext == _KEY_FIELD:
+        return make_field(ext, ("bytes", ()))
+    return make_field(field_name(ext), (image_encoding([ext.rsplit(".", 1)[-1]]) or "bytes", ()))
+
+
 class TarSource(Source):
-    """WebDataset-style tars: one record per sample key, a bytes field per extension, plus ``__key__``."""
+    """WebDataset-style tars: one record per sample key, a bytes field per extension, plus ``__key__``.
+
+    The field of an image extension (``jpg``, ``seg.png``, ...) carries that image encoding
+    (``image_encoding`` of the extension's last part).
+    """
 
     kind = "tar"
 
@@ -530,7 +569,7 @@ class TarSource(Source):
             ordered = [n_ for n_ in names]
         else:
             ordered = [_KEY_FIELD, *ordered]
-        pairs = [(e, make_field(e if e == _KEY_FIELD else field_name(e), ("bytes", ()))) for e in ordered]
+        pairs = [(e, _tar_field(e)) for e in ordered]
         _unique_fields(pairs, "extension")
         self.columns = ordered
         self.fields = [f for _, f in pairs]

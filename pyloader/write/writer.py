@@ -60,7 +60,14 @@ class ShardWriter:
 
     ``fields`` maps a name to ``(dtype, shape)``: dtype is a name (``"uint8"``,
     ``"bfloat16"``, ``"bytes"``...), a numpy dtype or a torch dtype; shape is a tuple whose
-    leading entry may be ``None`` for a variable length. ``compression`` is ``"lz4"`` or
+    leading entry may be ``None`` for a variable length. The dtype ``"jpeg"``, ``"png"`` or
+    ``"image"`` (any image format) makes a bytes field annotated with that encoding in the
+    manifest (NOTE [field encoding] in pyloader/format/spec.py), e.g.
+    ``fields={"image": "jpeg", "label": "int64"}``: its values are the encoded files as
+    bytes, bytearray, memoryview or a 1-D uint8 array, stored exactly as a bytes field. They
+    are not decoded or checked at write time (writing stays a copy): a value that is not a
+    valid image of that format is written as given and fails only when a reader decodes it.
+    ``compression`` is ``"lz4"`` or
     ``"none"`` (None means ``"none"``), or a dict per field; a record is stored raw whenever
     LZ4 does not save at least ``min_gain`` of its size. Shards roll over once their payload
     reaches ``shard_bytes``. ``path`` is a local folder (or ``file://`` URL): to publish to

@@ -1,8 +1,15 @@
 """Per-sample work on the loader's workers: transforms, image decoding, reproducible randomness.
 
-``stage`` is what a worker does with one batch; ``threads`` and ``processes`` are the two
-executors that run it (docs/transforms.md); ``context`` gives every sample its seed;
-``image`` decodes encoded image fields.
+| file | what it holds |
+|---|---|
+| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``, ``collate_samples``) |
+| ``threads.py`` | the thread executor (NOTE [thread executor]) and the stage's counters |
+| ``processes.py`` | the process executor: worker processes, shared-memory slots (NOTE [process executor]) |
+| ``context.py`` | per-sample seeds and ``SampleContext`` (NOTE [sample seeds]) |
+| ``image.py`` | ``ImageDecode``: image fields decoded by Pillow (NOTE [image decode]) |
+
+Nothing here imports the readers: the executors drive any dataset through the contract
+(``batches``, ``sample``; NOTE [dataset contract] in ``pyloader.read.contract``).
 """
 
 from .context import SampleContext, sample_seed

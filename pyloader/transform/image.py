@@ -174,7 +174,7 @@ class ImageDecode:
                 img = img.convert(self.mode)
             if self.flip and rnd is not None and rnd.random() < 0.5:
                 img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            arr = np.asarray(img)
+            arr = np.array(img)  # (writable: np.asarray of an Image is a read-only view of a bytes copy)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             # (UnidentifiedImageError and "image file is truncated" are OSErrors.)
             raise ImageDecodeError(f"not a readable image: {type(e).__name__}: {e}") from e

@@ -244,11 +244,10 @@ def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: 
             t0 = time.perf_counter_ns()
             try:
                 raw = next(stream)
-                rows = len(units[pos:pos + batch_size])
-                work = run_batch(spec, ds, raw, units[pos:pos + rows], records[pos:pos + rows],
-                                 gidx[pos:pos + rows], w)
+                sl = slice(pos, pos + batch_size)
+                pos += batch_size  # (before the transform, which may raise: the next batch starts there)
+                work = run_batch(spec, ds, raw, units[sl], records[sl], gidx[sl], w)
                 del raw
-                pos += rows
                 leaves: list[torch.Tensor] = []
                 skeleton = _flatten(work.result, leaves)
                 metas = []
@@ -491,7 +490,9 @@ def _shutdown(procs: list[Any], tasks: list[Any], results: Any, directory: str, 
     for q in tasks:
         with contextlib.suppress(Exception):
             q.put(None)
-    deadline = time.monotonic() + 5.0
+    # A worker between batches exits at once; one inside a transform is stopped: its batch is
+    # no longer wanted, and the slot files are removed below.
+    deadline = time.monotonic() + 0.5
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:

@@ -88,13 +88,20 @@ class BatchWork:
     decode_ns: int = 0
 
 
+class _Stopped(Exception):
+    """The executor is shutting down: the batch in progress is abandoned (between two samples)."""
+
+
 def run_batch(spec: TransformSpec, ds: Any, raw: Mapping[str, torch.Tensor], units: np.ndarray,
-              records: np.ndarray, gidx: np.ndarray, worker: int) -> BatchWork:
+              records: np.ndarray, gidx: np.ndarray, worker: int,
+              stop: Callable[[], bool] | None = None) -> BatchWork:
     """Decodes, transforms and collates one native batch (rows ``units``/``records``, global indices ``gidx``).
 
     Exceptions from ``transform`` propagate with their type and traceback, a note naming
     the sample's shard, record and worker added (Python >= 3.11); decode errors are
-    ``ImageDecodeError`` naming them (or skipped, ``on_error="skip"``).
+    ``ImageDecodeError`` naming them (or skipped, ``on_error="skip"``). ``stop``, checked
+    before each sample, abandons the batch (``_Stopped``) so that shutting down waits for one
+    sample at most, not a batch.
     """
     rows = len(units)
     seeds = sample_seeds(spec.seed, spec.epoch, gidx) if rows else np.empty(0, np.uint64)
@@ -106,6 +113,8 @@ def run_batch(spec: TransformSpec, ds: Any, raw: Mapping[str, torch.Tensor], uni
     skipped = 0
     t_dec = t_tr = 0
     for i in range(rows):
+        if stop is not None and stop():
+            raise _Stopped
         sample = ds.sample(raw, i)
         seed = int(seeds[i])
         t0 = time.perf_counter_ns()
@@ -165,7 +174,8 @@ def collate_samples(samples: Sequence[Any]) -> Any:
     """Collates transformed samples into one batch, as torch's ``default_collate`` does.
 
     Tensors and numpy arrays of one shape and dtype are stacked into a new ``[B, ...]``
-    tensor; numbers become a 1-D tensor; strings, bytes and other objects a list; dicts,
+    tensor; those of a dict key that differ only in their leading dimension (sequences) are
+    zero-padded to the longest, with ``<key>_lengths``, as pyloader's variable fields are; numbers become a 1-D tensor; strings, bytes and other objects a list; dicts,
     tuples and lists are collated per key or position. Raises ``CollateError`` naming the
     field whose shapes, dtypes or types differ.
     """
@@ -183,7 +193,16 @@ def _collate(name: str, values: list[Any]) -> Any:
                 got = list(v) if isinstance(v, Mapping) else type(v).__name__
                 raise CollateError(f"cannot collate {name!r}: sample {i} has keys {got}, sample 0 has {keys}")
         prefix = "" if name == "sample" else f"{name}."
-        return {k: _collate(f"{prefix}{k}", [v[k] for v in values]) for k in keys}
+        out: dict[Any, Any] = {}
+        for k in keys:
+            col = [v[k] for v in values]
+            ragged = _ragged(col)
+            if ragged is not None and f"{k}_lengths" not in keys:
+                # Variable-length sequences: padded, with their lengths, as the native batches are.
+                out[k], out[f"{k}_lengths"] = ragged
+            else:
+                out[k] = _collate(f"{prefix}{k}", col)
+        return out
     if isinstance(v0, (tuple, list)):
         n = len(v0)
         for i, v in enumerate(values):
@@ -197,6 +216,25 @@ def _collate(name: str, values: list[Any]) -> Any:
             raise CollateError(f"cannot collate field {name!r}: mixed types {sorted(k.__name__ for k in kinds)}")
         return torch.tensor(values)
     return values  # strings, bytes, None, objects: a list, as torch's default_collate keeps them
+
+
+def _ragged(values: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(zero-padded ``[B, L_max, ...]``, lengths int64) for tensors that differ in their leading dim alone; else None."""
+    v0 = values[0]
+    if not isinstance(v0, (torch.Tensor, np.ndarray)) or v0.ndim == 0:
+        return None
+    ts = [torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in values]
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        return None
+    t0 = ts[0]
+    lead = {int(t.shape[0]) for t in ts}
+    if len(lead) == 1 or any(t.ndim != t0.ndim or t.shape[1:] != t0.shape[1:] or t.dtype != t0.dtype for t in ts):
+        return None
+    lengths = torch.tensor([int(t.shape[0]) for t in ts], dtype=torch.int64)
+    out = torch.zeros((len(ts), max(lead), *t0.shape[1:]), dtype=t0.dtype)
+    for i, t in enumerate(ts):
+        out[i, : t.shape[0]] = t
+    return out, lengths
 
 
 def _stack(name: str, values: list[Any]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LoaderStateError, LoaderTimeoutError
-from .stage import BatchWork, TransformSpec, run_batch
+from .stage import BatchWork, TransformSpec, _Stopped, run_batch
 
 
 class _Failed:
@@ -160,15 +160,20 @@ class ThreadTransformStream:
             result: Any
             try:
                 work = run_batch(self._spec, self._ds, raw, self._units[lo:hi], self._records[lo:hi],
-                                 self._gidx[lo:hi], w)
+                                 self._gidx[lo:hi], w, self._stopping)
                 del raw  # the native slot goes back to its pool
                 self._stats.add(work, time.perf_counter_ns() - t0)
                 result = work.result
+            except _Stopped:
+                return
             except BaseException as e:  # noqa: BLE001 - delivered in its place, with its traceback
                 result = _Failed(e)
             with self._cv:
                 self._results[k] = result
                 self._cv.notify_all()
+
+    def _stopping(self) -> bool:
+        return self._stop
 
     # -- consumer --------------------------------------------------------------------
     def __next__(self) -> Any:

@@ -1,0 +1,429 @@
+"""Per-sample transforms on the thread and process executors: same batches, errors, shutdown, resume."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import pyloader
+from pyloader.transform.processes import shm_dir
+
+FIELDS = {"x": ("float32", (4,)), "label": "int64", "tokens": ("int32", (None,))}
+N = 300
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {"x": np.full(4, i, np.float32), "label": i, "tokens": np.arange(i % 7, dtype=np.int32)}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("transform") / "ds")
+    with pyloader.ShardWriter(d, FIELDS, shard_bytes=2048) as w:
+        for i in range(N):
+            w.write(sample(i))
+    return d
+
+
+def augment(s: dict[str, Any], ctx: pyloader.SampleContext) -> dict[str, Any]:
+    """Draws from all three of the context's generators, so each must be reproducible."""
+    noise = torch.rand(4, generator=ctx.torch_generator)
+    return {"x": s["x"] * 2 + noise + float(ctx.rng.random()), "label": s["label"],
+            "coin": ctx.random.random() < 0.5, "index": ctx.index, "n": len(s["tokens"])}
+
+
+def global_random(s: dict[str, Any]) -> dict[str, Any]:
+    """Draws from the process-wide generators (reproducible on the process executor only)."""
+    return {"label": s["label"], "r": torch.rand(()) + np.random.rand() + __import__("random").random()}
+
+
+def read(path: str, **kw: Any) -> list[Any]:
+    ds_kw = {k: kw.pop(k) for k in ("shuffle", "seed", "transform", "decode") if k in kw}
+    ds = pyloader.ShardDataset(path, **{"shuffle": True, "seed": 7, **ds_kw})
+    kw.setdefault("batch_size", 16)
+    return list(pyloader.DataLoader(ds, **kw))
+
+
+def assert_batches_equal(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert torch.equal(x[k], y[k]), k
+            else:
+                assert x[k] == y[k], k
+
+
+def test_transform_applies_to_every_sample_in_plan_order(shards) -> None:
+    plain = read(shards)
+    got = read(shards, transform=augment)
+    assert [b["label"].tolist() for b in got] == [b["label"].tolist() for b in plain]
+    assert sum(len(b["label"]) for b in got) == N
+    for b, p in zip(got, plain):
+        assert b["x"].shape == (len(p["label"]), 4) and b["x"].dtype == torch.float32
+        assert torch.all(b["x"] >= p["x"] * 2) and torch.all(b["x"] < p["x"] * 2 + 2)
+        assert b["index"].tolist() == p["label"].tolist()  # global index == record position here
+        assert b["coin"].dtype == torch.bool
+
+
+@pytest.mark.parametrize("executor,workers", [("threads", 2), ("threads", 3), ("processes", 1),
+                                              ("processes", 2)])
+def test_same_batches_for_every_executor_and_worker_count(shards, executor: str, workers: int) -> None:
+    want = read(shards, transform=augment, num_workers=1)
+    got = read(shards, transform=augment, num_workers=workers, executor=executor)
+    assert_batches_equal(got, want)
+
+
+def test_seeds_change_with_epoch_and_seed_not_with_rank_or_world(shards) -> None:
+    a = read(shards, transform=augment, num_workers=2)
+    ds = pyloader.ShardDataset(shards, shuffle=True, seed=7)
+    loader = pyloader.DataLoader(ds, batch_size=16, transform=augment)
+    list(loader)  # epoch 0
+    b = list(loader)  # epoch 1
+    c = read(shards, transform=augment, seed=8)
+    assert not torch.equal(a[0]["x"], b[0]["x"]) or a[0]["label"].tolist() != b[0]["label"].tolist()
+
+    def by_index(batches: list[Any]) -> dict[int, torch.Tensor]:
+        return {int(i): x for bt in batches for i, x in zip(bt["index"], bt["x"])}
+
+    ia, ic = by_index(a), by_index(c)
+    assert set(ia) == set(ic) == set(range(N))
+    assert all(not torch.equal(ia[i], ic[i]) for i in range(N))  # another seed: other noise
+    # Two ranks of a world of 2 transform each sample as the single reader did.
+    halves = [read(shards, transform=augment, batch_size=16) for _ in range(1)]
+    for rank in range(2):
+        ds = pyloader.ShardDataset(shards, shuffle=True, seed=7, rank=rank, world_size=2)
+        part = by_index(list(pyloader.DataLoader(ds, batch_size=8, transform=augment, num_workers=2)))
+        assert all(torch.equal(part[i], ia[i]) for i in part)
+    assert halves
+
+
+def test_global_generators_are_seeded_per_sample_on_the_process_executor(shards) -> None:
+    one = read(shards, transform=global_random, num_workers=1, executor="processes")
+    two = read(shards, transform=global_random, num_workers=2, executor="processes")
+    assert_batches_equal(one, two)
+    assert len({float(r) for b in one for r in b["r"]}) == N  # not one value repeated
+
+
+def test_resume_mid_epoch_reproduces_the_augmented_batches(shards) -> None:
+    full = read(shards, transform=augment, num_workers=2)
+    ds = pyloader.ShardDataset(shards, shuffle=True, seed=7)
+    loader = pyloader.DataLoader(ds, batch_size=16, transform=augment, num_workers=2)
+    it = iter(loader)
+    head = [next(it) for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    for executor in ("threads", "processes"):
+        ds2 = pyloader.ShardDataset(shards, shuffle=True, seed=7)
+        again = pyloader.DataLoader(ds2, batch_size=16, transform=augment, num_workers=3, executor=executor)
+        again.load_state_dict(state)
+        assert_batches_equal(head + list(again), full)
+
+
+def test_dataset_transform_under_torch_dataloader(shards) -> None:
+    ds = pyloader.ShardDataset(shards, shuffle=True, seed=7, transform=augment)
+    ours = read(shards, transform=augment)
+    theirs = list(torch.utils.data.DataLoader(ds, batch_size=16))
+    assert [b["label"].tolist() for b in theirs] == [b["label"].tolist() for b in ours]
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a["x"], b["x"])
+    # The dataset's transform is the loader's default; the loader's own replaces it.
+    via_ds = list(pyloader.DataLoader(ds, batch_size=16))
+    assert_batches_equal(via_ds, ours)
+    replaced = list(pyloader.DataLoader(ds, batch_size=16, transform=lambda s: {"label": s["label"] + 1}))
+    assert replaced[0].keys() == {"label"} and replaced[0]["label"].tolist() == (ours[0]["label"] + 1).tolist()
+
+
+def test_transform_and_collate_fn_run_off_the_training_thread(shards) -> None:
+    seen: set[int] = set()
+    collated: set[int] = set()
+    main = threading.get_ident()
+
+    def tr(s: dict[str, Any]) -> dict[str, Any]:
+        seen.add(threading.get_ident())
+        return s
+
+    def collate(samples: list[Any]) -> Any:
+        collated.add(threading.get_ident())
+        return len(samples)
+
+    got = read(shards, transform=tr, collate_fn=collate, num_workers=2)
+    assert sum(got) == N
+    assert seen and main not in seen
+    assert collated and main not in collated
+
+
+def test_variable_fields_pass_through_a_transform_as_native_batches(shards) -> None:
+    plain = read(shards)
+    got = read(shards, transform=lambda s: s, num_workers=2)
+    assert_batches_equal(got, plain)
+    assert got[0]["tokens_lengths"].dtype == torch.int64
+
+
+def test_batch_size_none_yields_transformed_samples(shards) -> None:
+    got = read(shards, transform=augment, batch_size=None, num_workers=2)
+    assert len(got) == N
+    assert isinstance(got[0], dict) and got[0]["x"].shape == (4,)
+    batched = read(shards, transform=augment, num_workers=2)
+    assert [int(s["label"]) for s in got] == [int(v) for b in batched for v in b["label"]]
+
+
+def test_batch_transform_runs_on_each_batch(shards) -> None:
+    def norm(b: dict[str, Any]) -> dict[str, Any]:
+        return {**b, "x": (b["x"] - 1) / 2, "normed": True}
+
+    plain = read(shards, transform=augment)
+    for kw in ({}, {"device": "cpu"}, {"executor": "processes"}):
+        got = read(shards, transform=augment, batch_transform=norm, **kw)
+        assert all(b["normed"] is True for b in got)
+        assert all(torch.allclose(b["x"], (p["x"] - 1) / 2) for b, p in zip(got, plain))
+    # Without a per-sample transform too.
+    raw = read(shards, batch_transform=norm)
+    assert all(b["normed"] is True for b in raw)
+
+
+class Boom(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def explode_on_42(s: dict[str, Any]) -> dict[str, Any]:
+    if int(s["label"]) == 42:
+        raise Boom("record 42 is bad")
+    return {"label": s["label"]}
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_transform_errors_keep_type_and_traceback_and_iteration_goes_on(shards, executor: str) -> None:
+    ds = pyloader.ShardDataset(shards)  # in order: record 42 is in batch 2 (16 per batch)
+    it = iter(pyloader.DataLoader(ds, batch_size=16, transform=explode_on_42, num_workers=2, executor=executor))
+    assert next(it)["label"][0] == 0
+    assert next(it)["label"][0] == 16
+    with pytest.raises(Boom) as ei:
+        next(it)
+    text = str(ei.value) + "".join(getattr(ei.value, "__notes__", []))
+    assert "record 42 is bad" in text
+    assert "explode_on_42" in text or "explode_on_42" in "".join(
+        __import__("traceback").format_tb(ei.value.__traceback__))
+    assert "transform worker" in text
+    shard = ds.record_name(0, 0).split(",")[0].split("'")[1]
+    assert os.path.dirname(shard) in text and "record" in text
+    assert next(it)["label"][0] == 48  # the iteration goes on, as torch's does
+    assert sum(len(b["label"]) for b in it) == N - 64
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_inconsistent_shapes_name_the_field(shards, executor: str) -> None:
+    def ragged(s: dict[str, Any]) -> dict[str, Any]:
+        n = len(s["tokens"])
+        return {"label": s["label"], "toks": torch.zeros(n, n)}  # ragged in two dims: no padding rule
+
+    with pytest.raises(pyloader.CollateError, match=r"field 'toks'.*shape") as ei:
+        read(shards, transform=ragged, executor=executor)
+    assert isinstance(ei.value, ValueError)
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_timeout_applies_to_transformed_batches(shards, executor: str) -> None:
+    def slow(s: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(2.0)
+        return s
+
+    ds = pyloader.ShardDataset(shards)
+    loader = pyloader.DataLoader(ds, batch_size=4, transform=slow, timeout=0.3, executor=executor)
+    t0 = time.monotonic()
+    it = iter(loader)
+    with pytest.raises(pyloader.LoaderTimeoutError, match="timeout=0.3"):
+        next(it)
+    assert time.monotonic() - t0 < 3
+    it.close()  # waits for the sample in progress, not the whole batch (4 x 2 s)
+    assert time.monotonic() - t0 < 5
+
+
+def _transform_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("pyloader-transform")]
+
+
+def _slot_files() -> list[str]:
+    return glob.glob(os.path.join(shm_dir(), f"pyloader-{os.getpid()}-*"))
+
+
+def _children() -> list[int]:
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+@pytest.mark.parametrize("how", ["break", "del", "close", "end"])
+def test_nothing_left_after_break_del_or_end(shards, executor: str, how: str) -> None:
+    def tr(s: dict[str, Any]) -> dict[str, Any]:
+        return {"x": s["x"] + 1}
+
+    gc.collect()  # iterators of earlier tests that ended in an exception are in reference cycles
+    ds = pyloader.ShardDataset(shards)
+    loader = pyloader.DataLoader(ds, batch_size=8, transform=tr, num_workers=2, executor=executor)
+    it = iter(loader)
+    kept = next(it)  # a batch the loop keeps must stay valid after shutdown
+    if how == "break":
+        for _ in it:
+            break
+        it.close()
+    elif how == "close":
+        it.close()
+    elif how == "end":
+        list(it)
+    del it
+    deadline = time.monotonic() + 10
+    while (_transform_threads() or _children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _transform_threads()
+    assert not _children()
+    assert not _slot_files()
+    assert torch.equal(kept["x"][:, 0], torch.arange(8, dtype=torch.float32) + 1)
+
+
+def test_process_slots_are_reused_only_once_released(shards) -> None:
+    def tr(s: dict[str, Any]) -> dict[str, Any]:
+        return {"x": s["x"] + 0}
+
+    ds = pyloader.ShardDataset(shards)
+    held = list(pyloader.DataLoader(ds, batch_size=4, transform=tr, num_workers=2, executor="processes"))
+    # Every batch held at once: no slot was overwritten under a batch the loop still had.
+    flat = torch.cat([b["x"][:, 0] for b in held])
+    assert flat.tolist() == [float(i) for i in range(N)]
+
+
+def test_a_killed_worker_raises_transform_worker_error(shards) -> None:
+    def slow(s: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(0.02)
+        return {"label": s["label"]}
+
+    ds = pyloader.ShardDataset(shards)
+    it = iter(pyloader.DataLoader(ds, batch_size=8, transform=slow, num_workers=2, executor="processes"))
+    next(it)
+    for pid in _children():
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(pyloader.TransformWorkerError, match="SIGKILL"):
+        for _ in range(N):
+            next(it)
+    del it
+    assert not _slot_files()
+
+
+def test_full_shared_memory_is_a_clear_error(shards) -> None:
+    free = os.statvfs(shm_dir())
+    need = free.f_bavail * free.f_frsize + (1 << 30)
+
+    def huge(samples: list[Any]) -> dict[str, torch.Tensor]:
+        return {"x": torch.zeros(1, dtype=torch.uint8).expand(need)}  # a view: no memory used
+
+    ds = pyloader.ShardDataset(shards)
+    loader = pyloader.DataLoader(ds, batch_size=8, collate_fn=huge, transform=lambda s: s, executor="processes")
+    with pytest.raises(pyloader.SharedMemoryError) as ei:
+        next(iter(loader))
+    assert shm_dir() in str(ei.value) and str(need) in str(ei.value)
+    assert isinstance(ei.value, OSError)
+    assert not _slot_files()
+
+
+def test_ctrl_c_leaves_no_process_or_segment(shards, tmp_path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        import pyloader
+
+        def tr(s):
+            time.sleep(0.01)
+            return {{"label": s["label"]}}
+
+        ds = pyloader.ShardDataset({shards!r})
+        loader = pyloader.DataLoader(ds, batch_size=4, transform=tr, num_workers=2, executor="processes")
+        try:
+            for epoch in range(1000):
+                for b in loader:
+                    print("batch", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            import faulthandler
+            faulthandler.dump_traceback_later(20, exit=True)  # a hang at exit shows where
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for _ in range(3):
+            assert proc.stdout.readline().startswith("batch")
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+            kids = [int(p) for p in fh.read().split()]
+        assert kids
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "interrupted" in out
+    assert proc.returncode == 0, err
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{k}") for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
+    assert not glob.glob(os.path.join(shm_dir(), f"pyloader-{proc.pid}-*"))
+
+
+def test_bad_arguments_are_refused(shards) -> None:
+    ds = pyloader.ShardDataset(shards)
+    with pytest.raises(ValueError, match="executor"):
+        pyloader.DataLoader(ds, transform=augment, executor="fibers")
+    with pytest.raises(ValueError, match="transform must be callable"):
+        pyloader.DataLoader(ds, transform=3)
+    with pytest.raises(ValueError, match="transform must be callable"):
+        pyloader.ShardDataset(shards, transform="x")
+    with pytest.raises(ValueError, match="batch_transform"):
+        pyloader.DataLoader(ds, batch_transform=3)
+    with pytest.raises(ValueError, match="pyloader dataset"):
+        pyloader.DataLoader(list(range(4)), transform=augment)
+    with pytest.raises(ValueError, match="multiprocessing_context"):
+        pyloader.DataLoader(ds, multiprocessing_context="spawn")
+    loader = pyloader.DataLoader(ds, batch_size=50, transform=augment, executor="processes",
+                                 multiprocessing_context="spawn")
+    assert loader.multiprocessing_context == "spawn"
+
+
+def test_spawn_context_runs_a_module_level_transform(shards) -> None:
+    ds = pyloader.ShardDataset(shards, shuffle=True, seed=7)
+    got = list(pyloader.DataLoader(ds, batch_size=16, transform=augment, executor="processes",
+                                   multiprocessing_context="spawn", num_workers=2))
+    assert_batches_equal(got, read(shards, transform=augment))
+
+
+def test_stats_report_the_transform_stage(shards) -> None:
+    def slow(s: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(0.004)
+        return s
+
+    for executor in ("threads", "processes"):
+        ds = pyloader.ShardDataset(shards)
+        loader = pyloader.DataLoader(ds, batch_size=16, transform=slow, executor=executor, num_workers=2)
+        list(loader)
+        s = loader.stats()
+        assert s["transform_executor"] == executor and s["transform_workers"] == 2
+        assert s["transformed_samples"] == N and s["transform_batches"] == len(loader)
+        assert s["transform_per_sample_us"] >= 4000
+        assert 0 < s["transform_busy_fraction"] <= 1.0 + 1e-6
+        assert isinstance(s["transform_hint"], str) and s["transform_hint"]
+        assert s["wait_fraction"] > 0.5  # nothing else to do: the loop waited for the transform
+        assert "more workers would help" in s["transform_hint"]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..errors import ManifestError, PyloaderError
 from ..read.shards import ShardDataset
+from ..transform.image import ImageDecode
 from . import measure as B
 from . import stages as R
 
@@ -60,7 +62,8 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
             progress(f"generating the embedded dataset: {args.records} x {p.description}, LZ4")
             url = os.path.join(tmp, "data")
             B.write_profile_dataset(url, p, args.records, compression="lz4", seed=0)
-        ds = ShardDataset(url, cache_dir=args.cache_dir) if args.url else ShardDataset(url)
+        # The data path itself: encoded fields (images) are measured as the bytes they are.
+        ds = ShardDataset(url, cache_dir=args.cache_dir, decode=False) if args.url else ShardDataset(url)
         result["dataset"] = {"url": url if args.url else None, "generated": args.url is None,
                              "records": ds.num_records, "shards": len(ds.shard_paths),
                              "bytes": sum(ds.shard_bytes), "fields": [f.to_json() for f in ds.fields]}
@@ -68,6 +71,18 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
                               torch_workers=args.torch_workers, progress=progress, min_seconds=args.min_seconds)
         result["stages"] = stages
         result["diagnosis"] = R.diagnose(stages)
+        if args.transform is not None or (args.image_size is not None):
+            fn = _load_transform(args.transform) if args.transform else None
+            decode = None if args.image_size is None else ImageDecode(size=args.image_size, crop="random", flip=True)
+
+            def make_ds(**kw: Any) -> ShardDataset:
+                return ShardDataset(url, cache_dir=args.cache_dir if args.url else None, **kw)
+
+            result["transform"] = R.run_transform_stage(
+                make_ds, fn, executor=args.executor, decode=decode, batch_size=args.batch_size,
+                threads=args.threads, epochs=args.epochs, torch_workers=args.torch_workers,
+                min_seconds=args.min_seconds, progress=progress)
+            result["transform"]["function"] = args.transform
 
         w = _workload(args)
         if w is not None:
@@ -89,6 +104,42 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_transform(spec: str) -> Any:
+    """The function ``MODULE:FUNCTION`` names (the module importable from the current directory)."""
+    mod_name, _, fn_name = spec.partition(":")
+    if "" in (mod_name, fn_name):
+        raise ValueError(f"--transform {spec!r}: expected MODULE:FUNCTION, e.g. mytransforms:augment")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--transform {spec!r}: cannot import {mod_name!r}: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--transform {spec!r}: {mod_name} has no function {fn_name!r}")
+    return fn
+
+
+def _print_transform(t: dict[str, Any]) -> None:
+    name = t["function"] or "image decoding"
+    w, wo, tc = t["with_transform"], t["without_transform"], t["torch_dataloader"]
+    print(f"\n  transform stage: {name} on {t['workers']} {t['executor']} workers")
+    print(f"    pyloader with it      {w['samples_per_s']:>12,.0f} samples/s")
+    print(f"    pyloader without it   {wo['samples_per_s']:>12,.0f} samples/s")
+    print(f"    torch DataLoader      {tc['samples_per_s']:>12,.0f} samples/s (num_workers={tc['num_workers']}, "
+          f"the transform in its workers)")
+    limit = t["limit_samples_per_s"]
+    print(f"    per sample: {t['per_sample_us']:.0f} us of transform and decoding on a worker"
+          + (f" (limit with {t['workers']} workers: {limit:,.0f} samples/s)" if limit else ""))
+    print(f"    share of each sample's time in the loader: {100 * t['share_of_sample_time']:.0f}%; workers busy "
+          f"{100 * t['workers_busy']:.0f}%, the consumer waited {100 * t['wait_fraction']:.0f}%")
+    if t["skipped_samples"]:
+        print(f"    skipped samples (undecodable images): {t['skipped_samples']}")
+    print(f"    pyloader / torch DataLoader with the transform: {t['speedup_vs_torch']:.2f}x")
+    print(f"    {t['hint']}")
 
 
 def _print_bench(r: dict[str, Any]) -> None:
@@ -135,6 +186,8 @@ def _print_bench(r: dict[str, Any]) -> None:
         print("  bound by: no measured stage")
     for n in dg["notes"]:
         print(f"  - {n}")
+    if r.get("transform"):
+        _print_transform(r["transform"])
     au = r.get("accelerator_utilization")
     if au:
         w = au["workload"]
@@ -251,6 +304,13 @@ def add_bench_parser(sub: Any) -> None:
                    help="torch workers per accelerator (>= 0)")
     b.add_argument("--max-accelerators", type=_positive(int), default=32,
                    help="where the AU search stops (default 32); a result at it reads 'at least N'")
+    b.add_argument("--transform", metavar="MODULE:FUNCTION",
+                   help="also measure a per-sample transform (fn(sample) or fn(sample, ctx)), importable from "
+                        "the current directory: pyloader with and without it, and torch's DataLoader running it")
+    b.add_argument("--executor", choices=["threads", "processes"], default="threads",
+                   help="the transform's executor (docs/transforms.md)")
+    b.add_argument("--image-size", type=_positive(int), metavar="N",
+                   help="decode image fields to N x N with a random resized crop and flip in the transform stage")
     b.add_argument("--cache-dir", help="node cache directory for a remote URL (default: PYLOADER_CACHE_DIR)")
     b.add_argument("--json", action="store_true", help="print the result as JSON (docs/bench.md) on stdout")
     b.add_argument("--plot", metavar="FILE.png", help="plot stage throughput and AU (needs matplotlib)")
@@ -277,6 +337,11 @@ def _usage_error(args: argparse.Namespace) -> str | None:
                  if getattr(args, o[2:].replace("-", "_")) is not None]
         if given:
             return f"{', '.join(given)} size the generated datasets; with URL the dataset's own records are used"
+    if args.transform is not None:
+        try:
+            _load_transform(args.transform)
+        except ValueError as e:
+            return str(e)
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -158,7 +158,7 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
                 if isinstance(loader, DataLoader):
                     st = loader.stats()
                     for k in _STAT_SUMS:
-                        stats[k] += st[k]
+                        stats[k] += st.get(k, 0)  # (the process executor reads in its workers)
                 if time.perf_counter() - t0 >= min_seconds or epochs >= max_epochs:
                     break
         r: dict[str, Any] = {"samples": n // epochs, "bytes": nbytes // epochs, "epochs": epochs,
@@ -249,6 +249,49 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
     else:
         stages["h2d"] = None
     return stages
+
+
+def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., Any] | None, *, executor: str,
+                        decode: Any, batch_size: int, threads: int, epochs: int, torch_workers: int,
+                        min_seconds: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The per-sample transform stage: pyloader with and without it, and torch's DataLoader running it.
+
+    ``make_ds(**kw)`` builds the dataset (``transform``, ``decode`` given here). Reports the
+    rates, the transform's cost per sample on the workers, its share of each sample's time
+    in the loader, the workers' busy share and the consumer's wait, and the loader's
+    ``transform_hint`` (whether more workers would help).
+    """
+    progress(f"transform stage: pyloader with the transform ({threads} {executor} workers)")
+    with_tr = _measure_loader(lambda: DataLoader(make_ds(decode=decode), batch_size=batch_size, num_workers=threads,
+                                                 transform=fn, executor=executor),
+                              rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
+    progress("transform stage: pyloader without it (the same records, encoded fields as bytes)")
+    without = _measure_loader(lambda: DataLoader(make_ds(decode=False), batch_size=batch_size, num_workers=threads),
+                              rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
+    loader = DataLoader(make_ds(decode=decode), batch_size=batch_size, num_workers=threads, transform=fn,
+                        executor=executor)
+    B.loader_epoch(loader)
+    st = loader.stats()
+    progress(f"transform stage: torch DataLoader running it in its workers (num_workers={torch_workers})")
+    torch_r = _measure_loader(lambda: torch.utils.data.DataLoader(
+        make_ds(decode=decode, transform=fn), batch_size=batch_size, num_workers=torch_workers,
+        persistent_workers=torch_workers > 0, prefetch_factor=4 if torch_workers else None),
+        rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
+    with_tr.pop("stats", None)
+    without.pop("stats", None)
+    per_sample_s = st["transform_per_sample_us"] / 1e6
+    sample_s = threads / max(with_tr["samples_per_s"], 1e-12)  # worker time each sample took in the loader
+    return {
+        "executor": executor, "workers": threads,
+        "with_transform": with_tr, "without_transform": without, "torch_dataloader": {**torch_r,
+                                                                                       "num_workers": torch_workers},
+        "per_sample_us": st["transform_per_sample_us"], "decode_s": st["decode_s"], "transform_s": st["transform_s"],
+        "share_of_sample_time": min(1.0, per_sample_s / sample_s) if sample_s > 0 else 0.0,
+        "workers_busy": st["transform_busy_fraction"], "wait_fraction": st["wait_fraction"],
+        "skipped_samples": st["skipped_samples"], "hint": st["transform_hint"],
+        "limit_samples_per_s": threads / per_sample_s if per_sample_s > 0 else None,
+        "speedup_vs_torch": with_tr["samples_per_s"] / max(torch_r["samples_per_s"], 1e-12),
+    }
 
 
 # A stage used at or above this share of its measured capacity is what binds the loader.

@@ -417,9 +417,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         assert self._inner is not None
         source = iter(self._inner)
         stage = self._new_stage(in_slots=False)
-        if stage is None:
+        if stage is None and self.batch_transform is None:
             return source  # torch's own iterator: nothing to add
-        gen = _transfer.Staged(source, stage, stage.submit_tree, go_on_after_error=True)
+        gen: Iterator[Any] = source if stage is None else _transfer.Staged(source, stage, stage.submit_tree,
+                                                                            go_on_after_error=True)
+        if self.batch_transform is not None:
+            gen = _BatchTransformed(gen, self.batch_transform)
         it = _LoaderIterator(gen, len(self._inner) if _has_len(self._inner) else None, source, stage)
         it.fence = self._fence(stage)
         return it

@@ -134,3 +134,50 @@ def test_bench_rejects_bad_arguments() -> None:
     assert res.returncode == 2 and "must be > 0" in res.stderr
     res = run_cli("--workload", "custom", "--records", "50")  # checked before anything is measured
     assert res.returncode == 2 and "--workload custom needs" in res.stderr and "[pyloader bench]" not in res.stderr
+
+
+def _write_images(path: str, n: int) -> str:
+    import io
+
+    from PIL import Image
+
+    with pyloader.ShardWriter(path, {"image": "jpeg", "label": "int64"}) as w:
+        for i in range(n):
+            buf = io.BytesIO()
+            Image.fromarray(np.full((24 + i % 3, 32, 3), i % 250, np.uint8)).save(buf, "JPEG")
+            w.write({"image": buf.getvalue(), "label": i})
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_bench_measures_a_users_transform(tmp_path) -> None:
+    path = _write_images(str(tmp_path / "imgs"), 200)
+    (tmp_path / "usertr.py").write_text(
+        "def shrink(sample, ctx):\n"
+        "    return {'x': sample['image'].float().mean((0, 1)), 'label': sample['label']}\n")
+    res = subprocess.run([sys.executable, "-m", "pyloader", "bench", path, "--transform", "usertr:shrink",
+                          "--image-size", "16", "--epochs", "1", "--torch-workers", "0", "--workload", "none",
+                          "--json", "--quiet"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    t = json.loads(res.stdout)["transform"]
+    assert t["function"] == "usertr:shrink" and t["executor"] == "threads"
+    assert t["with_transform"]["samples"] == 200 and t["torch_dataloader"]["samples"] == 200
+    assert t["per_sample_us"] > 0 and 0 < t["share_of_sample_time"] <= 1 and t["hint"]
+    # The table says the same.
+    res = subprocess.run([sys.executable, "-m", "pyloader", "bench", path, "--transform", "usertr:shrink",
+                          "--image-size", "16", "--epochs", "1", "--torch-workers", "0", "--workload", "none",
+                          "--quiet", "--executor", "processes"], capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "transform stage: usertr:shrink on 2 processes workers" in res.stdout or \
+        "transform stage: usertr:shrink on" in res.stdout
+    assert "per sample:" in res.stdout and "pyloader / torch DataLoader with the transform" in res.stdout
+
+
+def test_bench_rejects_a_transform_it_cannot_import(tmp_path) -> None:
+    res = run_cli("--transform", "no_such_module_xyz:fn", "--quiet")
+    assert res.returncode == 2 and "cannot import 'no_such_module_xyz'" in res.stderr
+    res = run_cli("--transform", "json", "--quiet")
+    assert res.returncode == 2 and "MODULE:FUNCTION" in res.stderr
+    res = run_cli("--transform", "json:no_such_fn", "--quiet")
+    assert res.returncode == 2 and "no function 'no_such_fn'" in res.stderr

@@ -190,9 +190,13 @@ def test_batch_transform_runs_on_each_batch(shards) -> None:
         got = read(shards, transform=augment, batch_transform=norm, **kw)
         assert all(b["normed"] is True for b in got)
         assert all(torch.allclose(b["x"], (p["x"] - 1) / 2) for b, p in zip(got, plain))
-    # Without a per-sample transform too.
+    # Without a per-sample transform too, and over any dataset (torch's generic path).
     raw = read(shards, batch_transform=norm)
     assert all(b["normed"] is True for b in raw)
+    plain_list = [{"x": torch.full((4,), float(i))} for i in range(6)]
+    got = list(pyloader.DataLoader(plain_list, batch_size=2, batch_transform=norm))
+    assert len(got) == 3 and all(b["normed"] is True for b in got)
+    assert torch.equal(got[1]["x"], (torch.full((2, 4), 2.0) + torch.tensor([[0.0], [1.0]]) - 1) / 2)
 
 
 class Boom(Exception):

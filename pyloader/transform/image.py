@@ -153,7 +153,11 @@ class ImageDecode:
         ``seed`` drives the random crop and flip. Raises ``ImageDecodeError`` (without the
         shard and record, which the caller adds) when ``data`` is not a readable image.
         """
-        from PIL import Image  # Pillow: imported on first decode
+        try:
+            from PIL import Image  # Pillow: imported on first decode
+        except ImportError:
+            raise ImportError("decoding image fields needs Pillow: pip install 'pyloader[image]' "
+                              "(or read the encoded bytes with decode=False)") from None
 
         rnd = random.Random(seed) if self.needs_random() else None
         try:

@@ -86,6 +86,12 @@ def test_fake_driver_pinned_dataloader_gives_identical_batches(fake_cuda, write_
     assert rep["allocs"] > 0 and rep["live_before"] > 0
 
 
+def test_fake_driver_transformed_batches_are_staged_into_pinned_memory(fake_cuda, write_dataset) -> None:
+    path = write_dataset(96, FIELDS, sample)
+    _, rep = run_fake(fake_cuda, "pinned_transformed", path)
+    assert rep["allocs"] > 0
+
+
 def test_fake_driver_cuda_engine_delivers_exact_bytes(fake_cuda) -> None:
     _, rep = run_fake(fake_cuda, "cuda_engine_exact")
     assert rep["streams"] == 3

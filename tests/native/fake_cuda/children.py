@@ -206,6 +206,34 @@ def pinned_dataloader(path: str) -> None:
     report(allocs=s["allocs"], live_before=live)
 
 
+def _plus_one(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"img": sample["img"] + 1, "label": sample["label"]}
+
+
+def pinned_transformed(path: str) -> None:
+    """pin_memory=True over transformed batches (both executors): the same batches, staged into pinned memory."""
+    ds = open_ds(path)
+    want = list(pyloader.DataLoader(ds, batch_size=8, transform=_plus_one))
+    assert not any(pinned(b["img"]) for b in want)
+    for executor in ("threads", "processes"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = list(pyloader.DataLoader(ds, batch_size=8, num_workers=2, transform=_plus_one, executor=executor,
+                                           pin_memory=True))
+        assert not caught, [str(w.message) for w in caught]
+        assert len(got) == len(want) == 12
+        for a, b in zip(want, got, strict=True):
+            for k in a:
+                assert torch.equal(a[k], b[k]), (executor, k)
+                assert pinned(b[k]), f"{executor}: field {k} of a transformed pin_memory batch is not pinned"
+        depth0(f"transformed, {executor}")
+    del want, got, a, b
+    gc.collect()
+    s = stats()
+    check_clean(s, allocs_live=0)
+    report(allocs=s["allocs"])
+
+
 def cuda_engine_exact() -> None:
     """backend="cuda" at depths 1-3: every byte lands once take() and a wait on stream 0 returned."""
     rng = np.random.default_rng(0)
@@ -573,7 +601,7 @@ def cuda_engine_needs_a_stream() -> None:
 SCENARIOS: dict[str, Callable[..., None]] = {f.__name__: f for f in (
     pinned_slot_pool, pinned_dataloader, cuda_engine_exact, cuda_engine_ordering, close_in_flight, copy_error,
     fork_after_pinned, pinned_pool_grows_in_forked_child, pinned_loader_is_lazy, engine_thread_start_fails,
-    cuda_engine_needs_a_stream)}
+    cuda_engine_needs_a_stream, pinned_transformed)}
 # Scenarios that must begin with no driver call at all: main() does not probe the driver first.
 UNPROBED = {"pinned_loader_is_lazy"}
 

@@ -8,7 +8,7 @@ each batch (``stage.run_batch``, the code the thread executor runs) and writes t
 tensors into a *slot*: a file in ``/dev/shm`` it created with ``posix_fallocate`` (so a
 full ``/dev/shm`` is a clear ``SharedMemoryError`` naming it, never a SIGBUS), named
 ``pyloader-<parent pid>-<token>-w<worker>-s<slot>-g<generation>``. It sends only the
-layout (dtypes, shapes, offsets) through a queue; the parent maps the slot, removes the
+layout (dtypes, shapes, offsets) through its pipe; the parent maps the slot, removes the
 file (both keep their mappings), and hands the consumer tensors that view the mapping --
 zero-copy. A slot is reused only when every tensor of its batch is gone: a finaliser on
 each view clears the slot's flag in a shared array, which the worker polls before reusing
@@ -29,7 +29,6 @@ import glob
 import mmap
 import multiprocessing
 import os
-import queue
 import re
 import secrets
 import signal
@@ -37,6 +36,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
 import numpy as np
@@ -215,7 +215,7 @@ class _Worker:
 
 
 def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: np.ndarray, tickets: list[int],
-                 batch_size: int, spec: TransformSpec, tasks: Any, results: Any, busy: Any, prefix: str,
+                 batch_size: int, spec: TransformSpec, conn: Any, busy: Any, prefix: str,
                  directory: str, parent: int) -> None:
     from torch._utils import ExceptionWrapper
 
@@ -231,15 +231,10 @@ def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: 
         stream = ds.batches(batch_size, plan=(units, records), drop_last=False, num_threads=1, prefetch=2)
         pos = 0
         for t in tickets:
-            while True:  # a credit for ticket t
-                try:
-                    msg = tasks.get(timeout=1.0)
-                except queue.Empty:
-                    if parent_gone():
-                        return
-                    continue
-                break
-            if msg is None:
+            while not conn.poll(1.0):  # a credit for ticket t
+                if parent_gone():
+                    return
+            if conn.recv() is None:
                 return
             t0 = time.perf_counter_ns()
             try:
@@ -266,13 +261,13 @@ def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: 
                             dst.copy_(leaf.contiguous().reshape(-1).view(torch.uint8))
                     busy[w * MAX_SLOTS + s] = 1
                 costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0)
-                results.put(("ok", t, w, s, gen, slot.size if slot is not None else 0, skeleton, metas, costs))
+                conn.send(("ok", t, w, s, gen, slot.size if slot is not None else 0, skeleton, metas, costs))
             except StopIteration:
-                results.put(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w}: its "
+                conn.send(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w}: its "
                                                                  "native stream ended early")))
                 return
             except Exception:  # noqa: BLE001 - sent to the parent with its traceback
-                results.put(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w} (pid "
+                conn.send(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w} (pid "
                                                                  f"{os.getpid()})")))
     finally:
         if stream is not None:
@@ -280,10 +275,6 @@ def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: 
                 stream.close()
         # The parent may not have mapped the last slots yet: it removes the files (at close()).
         worker.close(unlink=parent_gone())
-        # Results still queued must reach the parent before the process exits.
-        with contextlib.suppress(Exception):
-            results.close()
-            results.join_thread()
 
 
 # -- the parent -----------------------------------------------------------------------
@@ -326,8 +317,11 @@ class ProcessTransformStream:
             context = "fork" if "fork" in methods else multiprocessing.get_start_method()
         ctx: Any = multiprocessing.get_context(context) if isinstance(context, str) else context
         self._busy = ctx.Array("b", workers * MAX_SLOTS, lock=False)
-        self._results_q = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(workers)]
+        # One pipe per worker: credits go down, results come up, each written synchronously by
+        # the sender (a Queue's feeder thread would wait for the GIL, milliseconds per batch).
+        pipes = [ctx.Pipe(duplex=True) for _ in range(workers)]
+        self._conns = [a for a, _ in pipes]
+        self._ended: set[int] = set()  # workers whose pipe reached its end
         self._procs: list[Any] = []
         try:
             for w in range(workers):
@@ -336,8 +330,8 @@ class ProcessTransformStream:
                     if tickets else np.empty(0, dtype=np.int64)
                 p = ctx.Process(target=_worker_main, name=f"pyloader-transform-{w}", daemon=True,
                                 args=(w, ds, np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
-                                      np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec, self._tasks[w],
-                                      self._results_q, self._busy, self._prefix, self._dir, os.getpid()))
+                                      np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec, pipes[w][1],
+                                      self._busy, self._prefix, self._dir, os.getpid()))
                 try:
                     p.start()
                 except Exception as e:
@@ -345,11 +339,11 @@ class ProcessTransformStream:
                                   f"start method (a transform must be picklable for 'spawn' and 'forkserver': "
                                   f"a module-level function, not a lambda or closure): {e}") from e
                 self._procs.append(p)
+                pipes[w][1].close()  # the worker's end lives in the worker (EOF here when it dies)
         except BaseException:
             self.close()
             raise
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._tasks, self._results_q, self._dir,
-                                           self._prefix)
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix)
         self._dispatch()
 
     def __iter__(self) -> ProcessTransformStream:
@@ -360,7 +354,7 @@ class ProcessTransformStream:
 
     def _dispatch(self) -> None:
         while self._sent < self._len and self._sent < self._delivered + self._depth:
-            self._tasks[self._sent % self._workers_n].put(self._sent)
+            self._conns[self._sent % self._workers_n].send(self._sent)
             self._sent += 1
 
     def __next__(self) -> Any:
@@ -391,12 +385,19 @@ class ProcessTransformStream:
                         raise LoaderTimeoutError(f"no transformed batch within timeout={self.timeout} s (batch {k}, "
                                                  f"transform worker {k % self._workers_n})")
                     wait = min(wait, left)
-                try:
-                    msg = self._results_q.get(timeout=wait)
-                except queue.Empty:
-                    self._check_alive(k)
-                    continue
-                self._results[msg[1]] = msg
+                live = [c for w, c in enumerate(self._conns) if w not in self._ended]
+                ready: list[Any] = list(wait_conns(live, timeout=wait)) if live else []
+                for conn in ready:
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):  # the worker exited: everything it sent was read
+                        self._ended.add(self._conns.index(conn))
+                        continue
+                    self._results[msg[1]] = msg
+                if k not in self._results and k % self._workers_n in self._ended:
+                    self._worker_died(k, k % self._workers_n)
+                if not live and k not in self._results:
+                    time.sleep(wait)  # (unreachable in practice: a worker's end is its ticket's end)
         finally:
             self._stats.wait_ns += time.perf_counter_ns() - t0
         msg = self._results.pop(k)
@@ -406,16 +407,21 @@ class ProcessTransformStream:
             msg[3].reraise()
         return self._build(msg)
 
-    def _check_alive(self, k: int) -> None:
-        w = k % self._workers_n
+    def _worker_died(self, k: int, w: int) -> None:
+        """Worker ``w`` ended without sending batch ``k``: TransformWorkerError, with how it ended."""
         p = self._procs[w]
-        if p.exitcode is not None:
-            code = p.exitcode
-            how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            self.close()
-            raise TransformWorkerError(
-                f"pyloader transform worker {w} (pid {p.pid}) {how} before making batch {k}"
-                + (" (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""))
+        p.join(2.0)
+        code = p.exitcode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        self.close()
+        raise TransformWorkerError(
+            f"pyloader transform worker {w} (pid {p.pid}) {how} before making batch {k}"
+            + (" (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""))
 
     def _build(self, msg: tuple[Any, ...]) -> Any:
         _, t, w, s, gen, size, skeleton, metas, costs = msg
@@ -462,7 +468,7 @@ class ProcessTransformStream:
         if fin is not None:
             fin()
         else:
-            _shutdown(self._procs, self._tasks, self._results_q, self._dir, self._prefix)
+            _shutdown(self._procs, self._conns, self._dir, self._prefix)
         self._results.clear()
         self._maps.clear()
         self._finish()
@@ -486,10 +492,10 @@ class ProcessTransformStream:
         return s
 
 
-def _shutdown(procs: list[Any], tasks: list[Any], results: Any, directory: str, prefix: str) -> None:
-    for q in tasks:
+def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str) -> None:
+    for c in conns:
         with contextlib.suppress(Exception):
-            q.put(None)
+            c.send(None)
     # A worker between batches exits at once; one inside a transform is stopped: its batch is
     # no longer wanted, and the slot files are removed below.
     deadline = time.monotonic() + 0.5
@@ -502,10 +508,9 @@ def _shutdown(procs: list[Any], tasks: list[Any], results: Any, directory: str, 
         if p.exitcode is None:
             p.kill()
             p.join(2.0)
-    for q in [*tasks, results]:
+    for c in conns:
         with contextlib.suppress(Exception):
-            q.cancel_join_thread()
-            q.close()
+            c.close()
     for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "-*")):
         with contextlib.suppress(OSError):
             os.unlink(path)

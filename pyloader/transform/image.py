@@ -206,8 +206,10 @@ def _crop_resize(t: torch.Tensor, box: tuple[float, float, float, float], size: 
     t = t[:, top:bottom, left:right]
     if tuple(t.shape[1:]) == tuple(size):
         return t
-    return torch.nn.functional.interpolate(t[None], size=size, mode="bilinear", antialias=True,
-                                           align_corners=False)[0]
+    # Channels-last in and out: the kernel's vectorised uint8 path, and the result's memory
+    # is already HWC (a quarter of the time of a strided NCHW resize plus a transposing copy).
+    x = t[None].contiguous(memory_format=torch.channels_last)
+    return torch.nn.functional.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def resolve_decode(fields: list[Any], decode: Any) -> dict[str, ImageDecode]:

@@ -11,6 +11,13 @@ where it releases the GIL (Pillow's decoders and resampling, numpy and torch ops
 call on free-threaded Python). A transform's exception is delivered in its batch's place
 and the iteration goes on, as torch's DataLoader does; an error of the native stream ends
 it. ``close()`` (or dropping the stream) stops the workers and joins them.
+
+Each worker runs torch ops on one thread (``torch.set_num_threads(1)`` in the worker, as
+torch's DataLoader does in its worker processes): intra-op threads of W workers at once
+oversubscribe the cores (measured: a resize on two workers ran slower than on one). The
+setting is per thread for the calling thread, but torch also keeps it as the default of
+threads that start using torch later; ``close()`` puts that default back to the value the
+constructing thread had.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError
 from .stage import BatchWork, TransformSpec, _Stopped, run_batch
@@ -116,6 +124,7 @@ class ThreadTransformStream:
         self.on_finish: Any = None
         self.consumed: Any = None  # the loader's ConsumedCount, if any
         self._stats = TransformStats("threads", workers)
+        self._torch_threads = torch.get_num_threads()
         self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
                          for w in range(workers)]
         for t in self._threads:
@@ -129,6 +138,7 @@ class ThreadTransformStream:
 
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
+        torch.set_num_threads(1)
         while True:
             with self._pull:
                 with self._cv:
@@ -234,6 +244,7 @@ class ThreadTransformStream:
         for t in self._threads:
             if t is not me:
                 t.join()
+        torch.set_num_threads(self._torch_threads)  # the default of threads yet to use torch
         self._finish()
 
     def _finish(self) -> None:

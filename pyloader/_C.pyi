@@ -35,6 +35,23 @@ def lz4_decode_into(src: _BufferLike, dst: _BufferLike, *, repeat: int = 1) -> N
     For benchmarks. Releases the GIL.
     """
 
+# register_image.cpp
+
+def normalize_u8(
+    src: _BufferLike,
+    dst: _BufferLike,
+    *,
+    height: int,
+    width: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    chw: bool = True,
+) -> None:
+    """uint8 HWC pixels into float32 (x / 255 - mean) / std, CHW (chw=True) or HWC, in one pass.
+
+    Releases the GIL.
+    """
+
 # register_pipeline.cpp
 
 class ShardSet:

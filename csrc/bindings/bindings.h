@@ -9,5 +9,6 @@ void register_errors(pybind11::module_& m);
 void register_codec(pybind11::module_& m);
 void register_pipeline(pybind11::module_& m);
 void register_copy(pybind11::module_& m);
+void register_image(pybind11::module_& m);
 
 }  // namespace pyloader

@@ -9,6 +9,7 @@ PYBIND11_MODULE(_C, m) {
   pyloader::register_codec(m);
   pyloader::register_pipeline(m);
   pyloader::register_copy(m);
+  pyloader::register_image(m);
 }
 
 namespace pyloader {

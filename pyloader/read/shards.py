@@ -237,13 +237,23 @@ _MAX_OPEN = 4096
 
 
 def _readers_on_node() -> int:
-    """Readers sharing this node's cache: ``LOCAL_WORLD_SIZE`` ranks times this rank's DataLoader workers."""
+    """Readers sharing this node's cache: ``LOCAL_WORLD_SIZE`` ranks times this rank's DataLoader workers.
+
+    (torch's worker processes, or the transform processes of ``executor="processes"``.)
+    """
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
     info = torch.utils.data.get_worker_info()
-    return local * (info.num_workers if info is not None else 1)
+    if info is not None:
+        return local * info.num_workers
+    # A worker of pyloader's process executor (NOTE [process executor]) reads its own share.
+    try:
+        workers = max(1, int(os.environ.get("PYLOADER_TRANSFORM_PROCESSES", "1")))
+    except ValueError:
+        workers = 1
+    return local * workers
 
 
 class ShardDataset(UnitDataset, IterableDataset):

@@ -214,13 +214,17 @@ class _Worker:
         self.slots = []
 
 
-def _worker_main(w: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: np.ndarray, tickets: list[int],
+def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
+                 tickets: list[int],
                  batch_size: int, spec: TransformSpec, conn: Any, busy: Any, prefix: str,
                  directory: str, parent: int) -> None:
     from torch._utils import ExceptionWrapper
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(1)
+    # Each worker streams its own share of a remote dataset through the node cache: the
+    # reader counts this rank's workers when it sizes its share of the cache limit.
+    os.environ["PYLOADER_TRANSFORM_PROCESSES"] = str(workers)
     worker = _Worker(w, prefix, directory, busy)
 
     def parent_gone() -> bool:
@@ -329,7 +333,7 @@ class ProcessTransformStream:
                 rows = np.concatenate([np.arange(t * batch_size, min((t + 1) * batch_size, n)) for t in tickets]) \
                     if tickets else np.empty(0, dtype=np.int64)
                 p = ctx.Process(target=_worker_main, name=f"pyloader-transform-{w}", daemon=True,
-                                args=(w, ds, np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
+                                args=(w, workers, ds, np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
                                       np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec, pipes[w][1],
                                       self._busy, self._prefix, self._dir, os.getpid()))
                 try:

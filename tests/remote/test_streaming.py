@@ -310,3 +310,23 @@ def test_a_shard_that_failed_for_one_iterator_is_fetched_again_for_the_next(serv
     got = sorted(i for b in ds.batches(16) for i in check_batch(b))  # the next epoch's iterator
     assert got == list(range(ds.num_records))
     assert server.count("ds/" + name) == 2
+
+
+def _label_plus(sample: dict) -> dict:
+    return {"label": sample["label"] + 1000000, "image": sample["image"]}
+
+
+@pytest.mark.timeout(180)
+def test_transform_processes_stream_through_a_small_cache(server, big, cache_dir):
+    """Each transform process reads its own share through the node cache, held to its part of the limit."""
+    total, _ = dataset_bytes(big)
+    limit = total // 4
+    kw = dict(shuffle=True, shuffle_mode="window", window=64, seed=5)
+    ds = pyloader.ShardDataset(server.url + "/big", cache_dir=cache_dir, cache_limit=limit, **kw)
+    ref = pyloader.ShardDataset(big, **kw)
+    want = [int(x) for b in pyloader.DataLoader(ref, batch_size=16, transform=_label_plus) for x in b["label"]]
+    with UsageSampler(cache_dir) as usage:
+        got = [int(x) for b in pyloader.DataLoader(ds, batch_size=16, transform=_label_plus, executor="processes",
+                                                   num_workers=2) for x in b["label"]]
+    assert got == want and len(got) == N
+    assert usage.samples > 3 and usage.peak <= limit, (usage.peak, limit)

@@ -182,3 +182,31 @@ def test_truncated_image_error_names_the_record(corrupt) -> None:
     e = ei.value
     assert e.field == "image" and e.record is not None
     assert "not a readable image" in str(e) and f"record {e.record}" in str(e) and "shard '" in str(e)
+
+
+def test_normalisation_in_one_native_pass_matches_torch(images) -> None:
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    for layout in ("CHW", "HWC"):
+        plain = read(images, decode=ImageDecode(size=24, crop="random", flip=True, layout=layout), seed=2,
+                     shuffle=True)
+        normed = read(images, decode=ImageDecode(size=24, crop="random", flip=True, layout=layout, mean=mean,
+                                                 std=std), seed=2, shuffle=True, num_workers=2)
+        shape = (1, 3, 1, 1) if layout == "CHW" else (1, 1, 1, 3)
+        m, s = torch.tensor(mean).view(shape), torch.tensor(std).view(shape)
+        for p, q in zip(plain, normed):
+            assert q["image"].dtype == torch.float32 and q["image"].shape == p["image"].shape
+            assert torch.allclose(q["image"], (p["image"].float() / 255 - m) / s, atol=1e-5)
+
+
+def test_normalisation_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="both mean and std"):
+        ImageDecode(mean=(0.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match="needs 1 values for mode='L'"):
+        ImageDecode(mode="L", mean=(0.5, 0.5, 0.5), std=(1, 1, 1))
+    with pytest.raises(ValueError, match="std must be a positive"):
+        ImageDecode(mean=(0, 0, 0), std=(1, 0, 1))
+    src = np.zeros((2, 2, 3), np.uint8)
+    with pytest.raises(ValueError, match="dst 48 \(got 12 and 20\)"):
+        pyloader._C.normalize_u8(src, np.zeros(5, np.float32), height=2, width=2, mean=[0, 0, 0], std=[1, 1, 1])
+    with pytest.raises(ValueError, match="1 to 4 entries"):
+        pyloader._C.normalize_u8(src, np.zeros(12, np.float32), height=2, width=2, mean=[], std=[])

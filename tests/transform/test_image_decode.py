@@ -206,7 +206,7 @@ def test_normalisation_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="std must be a positive"):
         ImageDecode(mean=(0, 0, 0), std=(1, 0, 1))
     src = np.zeros((2, 2, 3), np.uint8)
-    with pytest.raises(ValueError, match="dst 48 \(got 12 and 20\)"):
+    with pytest.raises(ValueError, match=r"dst 48 \(got 12 and 20\)"):
         pyloader._C.normalize_u8(src, np.zeros(5, np.float32), height=2, width=2, mean=[0, 0, 0], std=[1, 1, 1])
     with pytest.raises(ValueError, match="1 to 4 entries"):
         pyloader._C.normalize_u8(src, np.zeros(12, np.float32), height=2, width=2, mean=[], std=[])

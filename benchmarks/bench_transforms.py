@@ -7,14 +7,16 @@ The data is generated here, in a temporary directory.
 
   (1) Image classification: JPEG decode, random resized crop to 224, horizontal flip,
       normalisation to float CHW with ImageNet mean/std, batch 64.
-      pyloader: ShardDataset(decode=ImageDecode(size=224, crop="random", flip=True)) with the
-      normalisation as a ``batch_transform`` on the whole batch, num_workers 1 and 2
-      (threads); and with the normalisation per sample in ``transform=``.
+      pyloader: ShardDataset(decode=ImageDecode(size=224, crop="random", flip=True,
+      layout="CHW", mean=..., std=...)): all of it on the workers, the normalisation in
+      ImageDecode's one native pass, num_workers 1 and 2 (threads); and, as a GPU job would
+      run it (here on the CPU), uint8 batches normalised by a ``batch_transform`` on the
+      consuming thread.
       torch: DataLoader (workers started per epoch) over a map-style Dataset holding the same JPEG
       bytes in a list, (a) typical ``__getitem__``: PIL open + convert, a random resized
       crop with torchvision's parameter rule as one ``resize(box=...)``, flip, to tensor,
-      normalise; (b) equal decode: ``ImageDecode.decode`` (the loader's own decode) then
-      to tensor and normalise. torch's num_workers 0..4 are swept first (on a subset); the
+      normalise; (b) equal decode: ``ImageDecode.decode`` with the same arguments (the
+      loader's own decode and normalisation: the same work per sample). torch's num_workers 0..4 are swept first (on a subset); the
       best of each is then measured against pyloader.
   (2) A pure-Python transform that holds the GIL (string ops over each record's text):
       pyloader executor="processes", 2 workers, vs torch DataLoader num_workers=2 over the
@@ -24,6 +26,10 @@ The data is generated here, in a temporary directory.
       corpus; a regex word tokenizer when ``tokenizers`` is missing) padded/cut to 512 ids
       vs the same records pre-tokenised into an int32 (512,) field read without a
       transform; threads executor, 2 workers.
+  (4) A training loop: each batch of (1) followed by a simulated accelerator step (a sleep
+      of --step-ms, which leaves the CPU to the loader as a GPU step does), pyloader (2
+      threads) vs torch (num_workers=2): the busy fraction, step time x batches / wall, the
+      share of the run the accelerator would compute.
 
 Prints a table and writes JSON (config, environment, every raw time) for plotting.
 
@@ -216,12 +222,6 @@ def normalise_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"image": x, "label": batch["label"]}
 
 
-def normalise_sample(sample: dict[str, Any]) -> dict[str, Any]:
-    """The same per sample: uint8 [H, W, C] -> float [C, H, W]."""
-    x = sample["image"].permute(2, 0, 1).float().div_(255).sub_(MEAN.view(3, 1, 1)).div_(STD.view(3, 1, 1))
-    return {"image": x, "label": sample["label"]}
-
-
 def rrc_box(w: int, h: int, rnd: Any, scale: tuple[float, float] = (0.08, 1.0),
             ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
     """torchvision's RandomResizedCrop.get_params rule, as a (left, top, right, bottom) box."""
@@ -270,11 +270,11 @@ class TypicalImageDataset(torch.utils.data.Dataset):
 class EqualDecodeDataset(TypicalImageDataset):
     """The same bytes, decoded by pyloader's own ``ImageDecode.decode`` (same work as the loader)."""
 
-    decoder = ImageDecode(size=224, crop="random", flip=True)
+    decoder = ImageDecode(size=224, crop="random", flip=True, layout="CHW", mean=tuple(MEAN.tolist()),
+                          std=tuple(STD.tolist()))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        arr = self.decoder.decode(self.jpegs[i], random.getrandbits(63))
-        x = torch.from_numpy(arr).permute(2, 0, 1).float().div_(255).sub_(MEAN.view(3, 1, 1)).div_(STD.view(3, 1, 1))
+        x = torch.from_numpy(self.decoder.decode(self.jpegs[i], random.getrandbits(63)))  # float CHW, normalised
         return {"image": x, "label": self.labels[i]}
 
 
@@ -296,17 +296,23 @@ def bench_images(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
                               shard_bytes=16 << 20) as w:
         for b, y in zip(jpegs, labels):
             w.write({"image": b, "label": y})
-    dec = ImageDecode(size=224, crop="random", flip=True)
-    ds = pyloader.ShardDataset(path, shuffle=True, seed=0, decode=dec)
+    # pyloader's CPU pipeline: decode, crop, flip and normalise on the workers (the
+    # normalisation in ImageDecode's one native pass); and the GPU-style one run on the CPU:
+    # uint8 batches normalised by a batch_transform on the consuming thread.
+    fused = ImageDecode(size=224, crop="random", flip=True, layout="CHW", mean=tuple(MEAN.tolist()),
+                        std=tuple(STD.tolist()))
+    ds = pyloader.ShardDataset(path, shuffle=True, seed=0, decode=fused)
+    ds_u8 = pyloader.ShardDataset(path, shuffle=True, seed=0, decode=ImageDecode(size=224, crop="random", flip=True))
     py = {
-        "pyloader_w1": pyloader.DataLoader(ds, batch_size=bs, num_workers=1, batch_transform=normalise_batch),
-        "pyloader_w2": pyloader.DataLoader(ds, batch_size=bs, num_workers=2, batch_transform=normalise_batch),
-        "pyloader_w2_sample_norm": pyloader.DataLoader(ds, batch_size=bs, num_workers=2, transform=normalise_sample),
+        "pyloader_w1": pyloader.DataLoader(ds, batch_size=bs, num_workers=1),
+        "pyloader_w2": pyloader.DataLoader(ds, batch_size=bs, num_workers=2),
+        "pyloader_w2_batch_norm": pyloader.DataLoader(ds_u8, batch_size=bs, num_workers=2,
+                                                      batch_transform=normalise_batch),
     }
     # Same images from every variant: a fresh loader per variant reads the dataset's epoch 0.
     firsts = {}
     for k in py:
-        fresh = pyloader.DataLoader(ds, batch_size=bs, num_workers=py[k].num_workers,
+        fresh = pyloader.DataLoader(py[k].dataset, batch_size=bs, num_workers=py[k].num_workers,
                                     transform=py[k].transform, batch_transform=py[k].batch_transform)
         firsts[k] = next(iter(fresh))["image"]
         del fresh
@@ -363,20 +369,48 @@ def bench_images(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
         "pyloader_w2_over_torch_typical_best": paired_ratio(raw["torch_typical_best"], raw["pyloader_w2"]),
         "pyloader_w2_over_torch_equal_best": paired_ratio(raw["torch_equal_best"], raw["pyloader_w2"]),
         "pyloader_w2_over_w1": paired_ratio(raw["pyloader_w1"], raw["pyloader_w2"]),
-        "batch_norm_over_sample_norm": paired_ratio(raw["pyloader_w2_sample_norm"], raw["pyloader_w2"]),
+        "fused_norm_over_batch_norm": paired_ratio(raw["pyloader_w2_batch_norm"], raw["pyloader_w2"]),
     }
     ranges = {
         "pyloader_w2_over_torch_typical_best": ratio_range(raw["torch_typical_best"], raw["pyloader_w2"]),
         "pyloader_w2_over_torch_equal_best": ratio_range(raw["torch_equal_best"], raw["pyloader_w2"]),
         "pyloader_w2_over_w1": ratio_range(raw["pyloader_w1"], raw["pyloader_w2"]),
-        "batch_norm_over_sample_norm": ratio_range(raw["pyloader_w2_sample_norm"], raw["pyloader_w2"]),
+        "fused_norm_over_batch_norm": ratio_range(raw["pyloader_w2_batch_norm"], raw["pyloader_w2"]),
     }
+    overlap = bench_overlap(args, ds, typical, bs)
     sizes = [len(b) for b in jpegs]
-    return {"images": n, "batch_size": bs, "generate_s": gen_s, "jpeg_bytes_mean": statistics.mean(sizes),
+    return {"overlap": overlap, "images": n, "batch_size": bs, "generate_s": gen_s, "jpeg_bytes_mean": statistics.mean(sizes),
             "same_first_batch_across_pyloader_variants": same,
             "sweep_images": len(sub), "sweep_seconds": raw_sweep, "sweep_samples_per_s": sweep_sps,
             "torch_best_workers": best, "seconds": raw, "samples": counts, "samples_per_s": sps,
             "ratios": ratios, "ranges": ranges, "pyloader_stats_last_epoch": loader_stats}
+
+
+def bench_overlap(args: argparse.Namespace, ds: Any, typical: torch.utils.data.Dataset, bs: int) -> dict[str, Any]:
+    """(4): the busy fraction of a loop whose every batch is followed by a --step-ms step."""
+    step = args.step_ms / 1e3
+    batches = args.overlap_batches
+    loaders = {
+        "pyloader_w2": lambda: pyloader.DataLoader(ds, batch_size=bs, num_workers=2),
+        "torch_w2": lambda: torch.utils.data.DataLoader(typical, batch_size=bs, shuffle=True, num_workers=2),
+    }
+
+    def run(make: Callable[[], Any]) -> Callable[[], float]:
+        def go() -> float:
+            it = iter(make())
+            next(it)  # start-up (worker processes, first batch) is not the steady state
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                check_image_batch(next(it))
+                time.sleep(step)
+            dt = time.perf_counter() - t0
+            del it
+            return dt
+        return go
+
+    raw = B.interleaved({k: run(v) for k, v in loaders.items()}, args.rounds)
+    busy = {k: batches * step / statistics.median(v) for k, v in raw.items()}
+    return {"step_ms": args.step_ms, "batches": batches, "seconds": raw, "busy_fraction": busy}
 
 
 # -- (2) pure-Python transform: processes vs torch workers --------------------------------
@@ -579,9 +613,9 @@ def print_table(res: dict[str, Any]) -> None:
                                         for w in res["config"]["torch_workers"]) +
               f"   best w={im['torch_best_workers'][kind]}")
     print(f"  {'variant':<36}{'samples/s':>10}")
-    names = {"pyloader_w1": "pyloader threads w=1, batch_transform",
-             "pyloader_w2": "pyloader threads w=2, batch_transform",
-             "pyloader_w2_sample_norm": "pyloader threads w=2, per-sample norm",
+    names = {"pyloader_w1": "pyloader threads w=1",
+             "pyloader_w2": "pyloader threads w=2",
+             "pyloader_w2_batch_norm": "pyloader w=2, norm as batch_transform",
              "torch_typical_best": f"torch (a) typical, w={im['torch_best_workers']['typical']}",
              "torch_equal_best": f"torch (b) equal decode, w={im['torch_best_workers']['equal']}"}
     for k, label in names.items():
@@ -589,7 +623,7 @@ def print_table(res: dict[str, Any]) -> None:
     rows = [("pyloader w2 / torch (a) best", "pyloader_w2_over_torch_typical_best", ">= 1.5"),
             ("pyloader w2 / torch (b) best", "pyloader_w2_over_torch_equal_best", ">= 1.5"),
             ("pyloader w2 / w1 (scaling)", "pyloader_w2_over_w1", ">= 1.7"),
-            ("batch norm / per-sample norm (w2)", "batch_norm_over_sample_norm", "")]
+            ("norm in ImageDecode / batch_transform", "fused_norm_over_batch_norm", "")]
     print(f"  {'ratio (samples/s)':<36}{'median':>8}{'rounds min..max':>18}{'target':>9}")
     for label, key, target in rows:
         lo, hi = im["ranges"][key]
@@ -597,6 +631,11 @@ def print_table(res: dict[str, Any]) -> None:
     for k, s in im["pyloader_stats_last_epoch"].items():
         print(f"  {k}: {s['transform_per_sample_us']:.0f} us/sample, workers busy {s['transform_busy_fraction']:.0%}, "
               f"consumer waits {s['wait_fraction']:.0%}: {s['transform_hint']}")
+    ov = im["overlap"]
+    print(f"\n(4) training loop: each batch of (1) then a {ov['step_ms']:.0f} ms simulated accelerator step, "
+          f"{ov['batches']} batches after the first")
+    for k, label in (("pyloader_w2", "pyloader threads w=2"), ("torch_w2", "torch DataLoader w=2")):
+        print(f"  {label:<36} accelerator busy {ov['busy_fraction'][k]:.0%}")
     if not im["same_first_batch_across_pyloader_variants"]:
         print("  WARNING: the pyloader variants' first batches differ")
     py = res["python"]
@@ -634,6 +673,7 @@ def main() -> int:
     ap.add_argument("--images", type=int, help="JPEGs generated for (1) (default 3000, --quick 600)")
     ap.add_argument("--texts", type=int, help="text records for (2) and (3) (default 3000, --quick 1200)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds of every comparison")
+    ap.add_argument("--step-ms", type=float, default=100.0, help="(4): simulated accelerator step per batch of 64")
     ap.add_argument("--out", default="bench_results/transforms.json")
     args = ap.parse_args()
     # The sweep runs torch with more workers than cores on purpose.
@@ -646,6 +686,7 @@ def main() -> int:
     args.sweep_rounds = 1 if q else 2
     args.torch_workers = [0, 1, 2, 3, 4]
     args.vocab = 8000
+    args.overlap_batches = 6 if q else 12
     t_start = time.perf_counter()
     env = B.environment()
     env["loadavg_start"] = list(os.getloadavg())

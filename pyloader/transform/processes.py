@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import glob
 import mmap
 import multiprocessing
@@ -327,6 +328,14 @@ class ProcessTransformStream:
         self._conns = [a for a, _ in pipes]
         self._ended: set[int] = set()  # workers whose pipe reached its end
         self._procs: list[Any] = []
+        # Forked workers share the parent's memory until they write to it; a garbage
+        # collection in a worker would write to every object it scans (their gc links and
+        # counts) and so copy the parent's heap page by page. Objects alive at the fork are
+        # moved out of the collector's reach (gc.freeze) for the children; the parent's
+        # collector gets them back right after.
+        freeze = ctx.get_start_method() == "fork"
+        if freeze:
+            gc.freeze()
         try:
             for w in range(workers):
                 tickets = list(range(w, self._len, workers))
@@ -347,6 +356,9 @@ class ProcessTransformStream:
         except BaseException:
             self.close()
             raise
+        finally:
+            if freeze:
+                gc.unfreeze()
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix)
         self._dispatch()
 

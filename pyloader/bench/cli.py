@@ -126,7 +126,8 @@ def _load_transform(spec: str) -> Any:
 def _print_transform(t: dict[str, Any]) -> None:
     name = t["function"] or "image decoding"
     w, wo, tc = t["with_transform"], t["without_transform"], t["torch_dataloader"]
-    print(f"\n  transform stage: {name} on {t['workers']} {t['executor']} workers")
+    kind = {"threads": "thread", "processes": "process"}[t["executor"]]
+    print(f"\n  transform stage: {name} on {t['workers']} {kind} workers")
     print(f"    pyloader with it      {w['samples_per_s']:>12,.0f} samples/s")
     print(f"    pyloader without it   {wo['samples_per_s']:>12,.0f} samples/s")
     print(f"    torch DataLoader      {tc['samples_per_s']:>12,.0f} samples/s (num_workers={tc['num_workers']}, "

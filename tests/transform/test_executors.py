@@ -349,8 +349,11 @@ def test_full_shared_memory_is_a_clear_error(shards) -> None:
 def test_ctrl_c_leaves_no_process_or_segment(shards, tmp_path) -> None:
     script = tmp_path / "loop.py"
     script.write_text(textwrap.dedent(f"""
-        import os, sys, time
+        import os, signal, sys, time
         import pyloader
+
+        # Ctrl-C's default handler even where this process was started with SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def tr(s):
             time.sleep(0.01)
@@ -367,18 +370,19 @@ def test_ctrl_c_leaves_no_process_or_segment(shards, tmp_path) -> None:
             import faulthandler
             faulthandler.dump_traceback_later(20, exit=True)  # a hang at exit shows where
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        for _ in range(3):
-            assert proc.stdout.readline().startswith("batch")
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
-            kids = [int(p) for p in fh.read().split()]
-        assert kids
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            for _ in range(3):
+                assert proc.stdout.readline().startswith("batch")
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+                kids = [int(p) for p in fh.read().split()]
+            assert kids
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
     assert "interrupted" in out
     assert proc.returncode == 0, err
     deadline = time.monotonic() + 10

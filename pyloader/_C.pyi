@@ -37,6 +37,28 @@ def lz4_decode_into(src: _BufferLike, dst: _BufferLike, *, repeat: int = 1) -> N
 
 # register_image.cpp
 
+def jpeg_available() -> bool:
+    """Whether this build decodes JPEG natively (it found libjpeg-turbo when it was built)."""
+
+def jpeg_header(data: _BufferLike) -> tuple[int, int, int, bool]:
+    """(width, height, components, progressive) of a JPEG. Releases the GIL."""
+
+def jpeg_decode_region(
+    data: _BufferLike,
+    dst: _BufferLike,
+    *,
+    denom: int,
+    x: int,
+    y: int,
+    width: int,
+    height: int,
+    channels: int,
+) -> None:
+    """Decodes the region (x, y, width, height) of a JPEG scaled by 1/denom into dst (HWC uint8).
+
+    Any corrupt-data warning is an error (ValueError). Releases the GIL.
+    """
+
 def normalize_u8(
     src: _BufferLike,
     dst: _BufferLike,

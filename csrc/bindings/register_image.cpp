@@ -8,12 +8,64 @@
 #include "bindings/bindings.h"
 #include "bindings/gil_release.h"
 #include "core/image_normalize.h"
+#include "core/jpeg_decode.h"
 
 namespace py = pybind11;
 
 namespace pyloader {
 
+namespace {
+
+struct ReadBuffer {
+  explicit ReadBuffer(const py::buffer& b) {
+    if (PyObject_GetBuffer(b.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+  }
+  ~ReadBuffer() { PyBuffer_Release(&view); }
+  Py_buffer view{};
+};
+
+}  // namespace
+
 void register_image(py::module_& m) {
+  m.def("jpeg_available", &jpeg_available,
+        "Whether this build decodes JPEG natively (it found libjpeg-turbo when it was built).");
+
+  m.def(
+      "jpeg_header",
+      [](const py::buffer& data) {
+        ReadBuffer in(data);
+        JpegHeader h;
+        const char* err = without_gil(
+            [&] { return jpeg_read_header_info(static_cast<const uint8_t*>(in.view.buf), size_t(in.view.len), &h); });
+        if (err) throw py::value_error(err);
+        return py::make_tuple(h.width, h.height, h.components, h.progressive);
+      },
+      py::arg("data"), "(width, height, components, progressive) of a JPEG. Releases the GIL.");
+
+  m.def(
+      "jpeg_decode_region",
+      [](const py::buffer& data, const py::buffer& dst, int denom, int x, int y, int width, int height, int channels) {
+        ReadBuffer in(data);
+        Py_buffer out{};
+        if (PyObject_GetBuffer(dst.ptr(), &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0)
+          throw py::error_already_set();
+        if (width <= 0 || height <= 0 || channels <= 0 ||
+            size_t(out.len) != size_t(width) * size_t(height) * size_t(channels)) {
+          PyBuffer_Release(&out);
+          throw py::value_error("jpeg_decode_region: dst must hold width * height * channels bytes");
+        }
+        const char* err = without_gil([&] {
+          return jpeg_decode_region(static_cast<const uint8_t*>(in.view.buf), size_t(in.view.len), denom, x, y, width,
+                                    height, channels, static_cast<uint8_t*>(out.buf));
+        });
+        PyBuffer_Release(&out);
+        if (err) throw py::value_error(err);
+      },
+      py::arg("data"), py::arg("dst"), py::kw_only(), py::arg("denom"), py::arg("x"), py::arg("y"), py::arg("width"),
+      py::arg("height"), py::arg("channels"),
+      "Decodes the region (x, y, width, height) of a JPEG scaled by 1/denom into dst (HWC uint8). Any "
+      "corrupt-data warning is an error (ValueError). Releases the GIL.");
+
   m.def(
       "normalize_u8",
       [](const py::buffer& src, const py::buffer& dst, int64_t height, int64_t width, const std::vector<float>& mean,

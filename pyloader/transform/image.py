@@ -1,16 +1,22 @@
 """Decoding encoded image fields (JPEG, PNG and what Pillow reads) on the transform workers.
 
 NOTE [image decode]: an image field (``Field.is_image``: written as ``"jpeg"``, ``"png"``
-or ``"image"``) is decoded by Pillow, whose decoders and resampling run with the GIL
-released, so the thread executor decodes on all its workers at once. The decode reads the
-record's bytes in place (a view of the mapped shard) and, for JPEG, asks the decoder for
-the smallest DCT scale that still covers the output (``Image.draft``), so a 1 MP photo
-cropped to 224x224 is decoded at a fraction of its size. Crop and resize are one
-antialiased bilinear pass of torch's vectorised uint8 kernel (GIL released; Pillow's own
-resampling gives the same pixels within rounding at about four times the cost); the random choices come from the sample's
-seed (NOTE [sample seeds]), so augmented images are reproducible. A record that is not a
-readable image raises ``ImageDecodeError`` naming the shard, record and field, or, with
-``on_error="skip"``, drops the sample and counts it.
+or ``"image"``) is decoded on the transform workers. A JPEG goes to the native decoder
+when the extension was built with libjpeg-turbo (``_C.jpeg_available()``; setup.py links
+it where its headers are installed): it reads the header, draws the crop, and decodes only
+the crop's rows (the rows above are skipped, those below never decoded) and, nearly, only
+its columns (libjpeg-turbo's ``jpeg_crop_scanline``), at the smallest DCT scale that still
+covers the output, all without the GIL; any libjpeg warning (corrupt or truncated data) is
+an error there. What it refuses (CMYK, damaged data) and every other format goes to Pillow,
+whose decoders also run without the GIL (JPEG at the same DCT scale, ``Image.draft``) and
+which decides: a readable image or ``ImageDecodeError``. Both give the same pixels for a
+whole JPEG (the same libjpeg-turbo arithmetic). Crop and resize are then one antialiased
+bilinear pass of torch's vectorised uint8 kernel (GIL released; Pillow's own resampling
+gives the same pixels within rounding at about four times the cost); the random choices
+come from the sample's seed (NOTE [sample seeds]), so augmented images are reproducible
+on a given build. A record that is not a readable image raises ``ImageDecodeError``
+naming the shard, record and field, or, with ``on_error="skip"``, drops the sample and
+counts it. ``PYLOADER_NATIVE_JPEG=0`` sends every image to Pillow.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import os
 import random
 from typing import Any
 
@@ -27,6 +34,9 @@ import torch
 from .. import _C
 from ..errors import ImageDecodeError
 
+# PYLOADER_NATIVE_JPEG=0 decodes every image with Pillow (the native decoder is used where
+# the extension was built with libjpeg-turbo).
+_NATIVE_JPEG = _C.jpeg_available() and os.environ.get("PYLOADER_NATIVE_JPEG", "1") != "0"
 CROPS = ("resize", "center", "random")
 LAYOUTS = ("HWC", "CHW")
 ON_ERROR = ("raise", "skip")
@@ -175,13 +185,61 @@ class ImageDecode:
         ``seed`` drives the random crop and flip. Raises ``ImageDecodeError`` (without the
         shard and record, which the caller adds) when ``data`` is not a readable image.
         """
+        t: torch.Tensor | None = None
+        if _NATIVE_JPEG and self.mode != "RGBA" and bytes(data[:2]) == b"\xff\xd8":
+            rnd = random.Random(seed) if self.needs_random() else None
+            try:
+                t = self._native_jpeg(data, rnd)
+            except ValueError:
+                t = None  # what libjpeg refuses (CMYK, corrupt data) goes to Pillow, which decides
+        if t is None:
+            rnd = random.Random(seed) if self.needs_random() else None
+            t = self._pillow(data, rnd)
+        if rnd is not None and self.flip and rnd.random() < 0.5:
+            t = t.flip(-1)
+        hwc = t.permute(1, 2, 0)
+        if self.mean is not None:
+            src = hwc.contiguous()
+            h, w, c = src.shape
+            out = np.empty((c, h, w) if self.layout == "CHW" else (h, w, c), dtype=np.float32)
+            _C.normalize_u8(src.numpy(), out, height=h, width=w, mean=self.mean, std=self.std,  # type: ignore[arg-type]
+                            chw=self.layout == "CHW")
+            return out
+        return (hwc if self.layout == "HWC" else t).contiguous().numpy()
+
+    def _native_jpeg(self, data: Any, rnd: random.Random | None) -> torch.Tensor:
+        """A JPEG through the native decoder (NOTE [image decode]): only the crop's rows and columns, at a DCT scale.
+
+        Returns the CHW uint8 image at ``size``. Raises ValueError for what it cannot decode.
+        """
+        w, h, _, _ = _C.jpeg_header(data)
+        channels = self.channels
+        if self.size is None:
+            arr = np.empty((h, w, channels), dtype=np.uint8)
+            _C.jpeg_decode_region(data, arr, denom=1, x=0, y=0, width=w, height=h, channels=channels)
+            return torch.from_numpy(arr).permute(2, 0, 1)
+        th, tw = self.size  # type: ignore[misc]
+        box = self._box(w, h, rnd)
+        bw, bh = box[2] - box[0], box[3] - box[1]
+        # The smallest DCT scale that keeps the crop at least the target size.
+        denom = next((d for d in (8, 4, 2) if bw / d >= tw and bh / d >= th), 1)
+        sw, sh = -(-w // denom), -(-h // denom)
+        left = min(max(0, int(box[0] / denom + 0.5)), sw - 1)
+        top = min(max(0, int(box[1] / denom + 0.5)), sh - 1)
+        right = max(left + 1, min(sw, int(box[2] / denom + 0.5)))
+        bottom = max(top + 1, min(sh, int(box[3] / denom + 0.5)))
+        arr = np.empty((bottom - top, right - left, channels), dtype=np.uint8)
+        _C.jpeg_decode_region(data, arr, denom=denom, x=left, y=top, width=right - left, height=bottom - top,
+                              channels=channels)
+        return _crop_resize(torch.from_numpy(arr).permute(2, 0, 1), (0, 0, right - left, bottom - top), (th, tw))
+
+    def _pillow(self, data: Any, rnd: random.Random | None) -> torch.Tensor:
+        """Any image Pillow reads: the CHW uint8 image (at ``size`` when set)."""
         try:
             from PIL import Image  # Pillow: imported on first decode
         except ImportError:
             raise ImportError("decoding image fields needs Pillow: pip install 'pyloader[image]' "
                               "(or read the encoded bytes with decode=False)") from None
-
-        rnd = random.Random(seed) if self.needs_random() else None
         try:
             img: Any = Image.open(io.BytesIO(data))
             box = None
@@ -207,17 +265,7 @@ class ImageDecode:
         t = torch.from_numpy(arr).permute(2, 0, 1)  # CHW view
         if box is not None:
             t = _crop_resize(t, box, self.size)  # type: ignore[arg-type]
-        if rnd is not None and self.flip and rnd.random() < 0.5:
-            t = t.flip(-1)
-        hwc = t.permute(1, 2, 0)
-        if self.mean is not None:
-            src = hwc.contiguous()
-            h, w, c = src.shape
-            out = np.empty((c, h, w) if self.layout == "CHW" else (h, w, c), dtype=np.float32)
-            _C.normalize_u8(src.numpy(), out, height=h, width=w, mean=self.mean, std=self.std,  # type: ignore[arg-type]
-                            chw=self.layout == "CHW")
-            return out
-        return (hwc if self.layout == "HWC" else t).contiguous().numpy()
+        return t
 
 
 def _crop_resize(t: torch.Tensor, box: tuple[float, float, float, float], size: tuple[int, int]) -> torch.Tensor:

@@ -210,3 +210,58 @@ def test_normalisation_arguments_are_checked() -> None:
         pyloader._C.normalize_u8(src, np.zeros(5, np.float32), height=2, width=2, mean=[0, 0, 0], std=[1, 1, 1])
     with pytest.raises(ValueError, match="1 to 4 entries"):
         pyloader._C.normalize_u8(src, np.zeros(12, np.float32), height=2, width=2, mean=[], std=[])
+
+
+native = pytest.mark.skipif(not pyloader._C.jpeg_available(), reason="built without libjpeg-turbo")
+
+
+@native
+def test_native_jpeg_regions_are_libjpegs_pixels() -> None:
+    data = jpeg(3, (96, 72))
+    full = np.empty((72, 96, 3), np.uint8)
+    pyloader._C.jpeg_decode_region(data, full, denom=1, x=0, y=0, width=96, height=72, channels=3)
+    assert np.array_equal(full, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+    part = np.empty((30, 40, 3), np.uint8)
+    pyloader._C.jpeg_decode_region(data, part, denom=1, x=21, y=17, width=40, height=30, channels=3)
+    assert np.array_equal(part, full[17:47, 21:61])
+    half = np.empty((36, 48, 3), np.uint8)
+    pyloader._C.jpeg_decode_region(data, half, denom=2, x=0, y=0, width=48, height=36, channels=3)
+    im = Image.open(io.BytesIO(data))
+    im.draft("RGB", (48, 36))
+    assert np.array_equal(half, np.asarray(im))
+    grey = np.empty((72, 96, 1), np.uint8)
+    pyloader._C.jpeg_decode_region(data, grey, denom=1, x=0, y=0, width=96, height=72, channels=1)
+    assert pyloader._C.jpeg_header(data) == (96, 72, 3, False)
+
+
+@native
+def test_native_jpeg_refuses_bad_data_and_regions() -> None:
+    data = jpeg(1, (64, 48))
+    out = np.empty((48, 64, 3), np.uint8)
+    for bad, why in ((data[: len(data) // 2], "Premature end"), (b"\xff\xd8 not really", "not a readable JPEG"),
+                     (b"GIF89a", "not a readable JPEG")):
+        with pytest.raises(ValueError, match=why):
+            pyloader._C.jpeg_decode_region(bad, out, denom=1, x=0, y=0, width=64, height=48, channels=3)
+    with pytest.raises(ValueError, match="outside"):
+        pyloader._C.jpeg_decode_region(data, out, denom=2, x=0, y=0, width=64, height=48, channels=3)
+    with pytest.raises(ValueError, match="denom"):
+        pyloader._C.jpeg_decode_region(data, out, denom=3, x=0, y=0, width=64, height=48, channels=3)
+    with pytest.raises(ValueError, match="dst must hold"):
+        pyloader._C.jpeg_decode_region(data, out, denom=1, x=0, y=0, width=10, height=10, channels=3)
+
+
+@native
+def test_native_and_pillow_paths_agree(monkeypatch, images) -> None:
+    """The same crops from both decoders: equal shapes and pixels within resampling's rounding."""
+    from pyloader.transform import image as image_mod
+
+    for dec in (ImageDecode(), ImageDecode(size=(40, 30), crop="center"), ImageDecode(size=24, mode="L")):
+        ds = pyloader.ShardDataset(images, decode=False)
+        raw = [s["image"] for s in ds]
+        got = {}
+        for flag in (True, False):
+            monkeypatch.setattr(image_mod, "_NATIVE_JPEG", flag)
+            got[flag] = [dec.decode(b, 7) for b in raw]
+        for a, b in zip(got[True], got[False]):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= (0 if dec.size is None else 24)

@@ -21,7 +21,9 @@ The data is generated here, in a temporary directory.
   (2) A pure-Python transform that holds the GIL (string ops over each record's text):
       pyloader executor="processes", 2 workers, vs torch DataLoader num_workers=2 over the
       same records; samples/s and the peak summed PSS (main process and all its children,
-      from /proc/<pid>/smaps_rollup, sampled by a background thread during each run).
+      from /proc/<pid>/smaps_rollup, sampled by a background thread during each run); and
+      each alone in a fresh process that holds only its own data (torch: the records as a
+      list of bytes, as a map-style dataset does; pyloader: the ShardDataset), two epochs.
   (3) Tokenising on the fly (a ``tokenizers`` BPE model trained here on the generated
       corpus; a regex word tokenizer when ``tokenizers`` is missing) padded/cut to 512 ids
       vs the same records pre-tokenised into an int32 (512,) field read without a
@@ -47,6 +49,7 @@ import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -483,6 +486,7 @@ def bench_python(args: argparse.Namespace, path: str, texts: list[bytes], labels
             return dt
         return go
 
+    alone = memory_alone(path, 1 if args.quick else 3)
     idle_pss = tree_pss_bytes()[0]
     for k in loaders:
         measured(k)()
@@ -497,9 +501,53 @@ def bench_python(args: argparse.Namespace, path: str, texts: list[bytes], labels
             "range": ratio_range(raw["torch_w2"], raw["pyloader_processes_w2"]),
             "idle_pss_bytes": idle_pss, "peak_pss_bytes": peaks,
             "peak_pss_median_bytes": {k: statistics.median(v) for k, v in peaks.items()},
-            "max_processes_seen": procs,
+            "max_processes_seen": procs, "memory_alone": alone,
             "pyloader_stats_last_epoch": {s: st.get(s) for s in ("transform_per_sample_us", "transform_busy_fraction",
                                                                  "wait_fraction", "transform_hint")}}
+
+
+def memory_child(variant: str, path: str) -> None:
+    """One loader alone in this process (``--memory-run``): prints its tree's idle and peak PSS as JSON.
+
+    torch's side holds its records as a map-style dataset does (a list of bytes, read from
+    the same shards first); pyloader's side holds only the ShardDataset (the shards mapped).
+    """
+    bs, w = 64, 2
+    if variant == "torch":
+        src = pyloader.ShardDataset(path, decode=False)
+        texts, labels = [], []
+        for s in src:
+            texts.append(s["text"])
+            labels.append(int(s["label"]))
+        del src, s
+        loader: Any = torch.utils.data.DataLoader(TextFeatureDataset(texts, labels), batch_size=bs, shuffle=True,
+                                                  num_workers=w)
+    else:
+        loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=0), batch_size=bs, num_workers=w,
+                                     transform=py_transform, executor="processes")
+    import gc as _gc
+
+    _gc.collect()
+    idle = tree_pss_bytes()[0]
+    with PeakPss() as mem:
+        n = sum(int(b["label"].shape[0]) for _ in range(2) for b in loader)
+    print(json.dumps({"idle_pss_bytes": idle, "peak_pss_bytes": mem.peak, "samples": n}))
+
+
+def memory_alone(path: str, rounds: int) -> dict[str, Any]:
+    """Each side of (2) in its own fresh process, alternating: peak PSS of its tree over two epochs."""
+    out: dict[str, list[dict[str, int]]] = {"pyloader": [], "torch": []}
+    for _ in range(rounds):
+        for variant in out:
+            res = subprocess.run([sys.executable, __file__, "--memory-run", variant, path], capture_output=True,
+                                 text=True, timeout=600)
+            if res.returncode != 0:
+                raise RuntimeError(f"--memory-run {variant} failed:\n{res.stderr}")
+            out[variant].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    med = {k: statistics.median(r["peak_pss_bytes"] for r in v) for k, v in out.items()}
+    idle = {k: statistics.median(r["idle_pss_bytes"] for r in v) for k, v in out.items()}
+    return {"runs": out, "peak_pss_median_bytes": med, "idle_pss_median_bytes": idle,
+            "pyloader_over_torch": med["pyloader"] / med["torch"]}
 
 
 # -- (3) tokenise on the fly vs pre-tokenised --------------------------------------------
@@ -650,6 +698,11 @@ def print_table(res: dict[str, Any]) -> None:
     lo, hi = py["range"]
     print(f"  pyloader / torch samples/s: {py['pyloader_over_torch']:.2f}x (rounds {lo:.2f}..{hi:.2f}; target >= 1.0); "
           f"peak PSS pyloader / torch: {py['peak_pss_median_bytes']['pyloader_processes_w2'] / py['peak_pss_median_bytes']['torch_w2']:.2f}")
+    al = py["memory_alone"]
+    print(f"  each alone in a fresh process holding only its own data (2 epochs, peak summed PSS): pyloader "
+          f"{al['peak_pss_median_bytes']['pyloader'] / mb:.0f} MiB, torch {al['peak_pss_median_bytes']['torch'] / mb:.0f} "
+          f"MiB (idle {al['idle_pss_median_bytes']['pyloader'] / mb:.0f} / {al['idle_pss_median_bytes']['torch'] / mb:.0f}); "
+          f"pyloader / torch {al['pyloader_over_torch']:.2f}")
     tk = res["tokenise"]
     print(f"\n(3) tokenise on the fly vs pre-tokenised ({tk['tokenizer']}; {tk['records']} records, "
           f"~{tk['mean_tokens_per_record_first_200']:.0f} tokens each, padded/cut to {SEQ}; threads, "
@@ -675,7 +728,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, help="interleaved rounds of every comparison")
     ap.add_argument("--step-ms", type=float, default=100.0, help="(4): simulated accelerator step per batch of 64")
     ap.add_argument("--out", default="bench_results/transforms.json")
+    ap.add_argument("--memory-run", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_run:
+        memory_child(*args.memory_run)
+        return 0
     # The sweep runs torch with more workers than cores on purpose.
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     q = args.quick

@@ -636,8 +636,15 @@ class _AsyncStream:
         return _run_on(self.loop, _read_up_to(self.f, n), self.cancel)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
-            _run_on(self.loop, _close_stream(self.f), None, timeout=_CLOSE_WAIT_S)
+        try:
+            with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
+                _run_on(self.loop, _close_stream(self.f), None, timeout=_CLOSE_WAIT_S)
+        finally:
+            # A close that could not finish (its task cancelled at the timeout, the loop busy)
+            # must not be tried again by the file's finaliser: that would make a close()
+            # coroutine nobody awaits (a RuntimeWarning at some later garbage collection).
+            with contextlib.suppress(Exception):
+                self.f.closed = True
 
 
 class _SyncStream:

@@ -94,21 +94,19 @@ def test_seeds_change_with_epoch_and_seed_not_with_rank_or_world(shards) -> None
     list(loader)  # epoch 0
     b = list(loader)  # epoch 1
     c = read(shards, transform=augment, seed=8)
-    assert not torch.equal(a[0]["x"], b[0]["x"]) or a[0]["label"].tolist() != b[0]["label"].tolist()
 
     def by_index(batches: list[Any]) -> dict[int, torch.Tensor]:
         return {int(i): x for bt in batches for i, x in zip(bt["index"], bt["x"])}
 
-    ia, ic = by_index(a), by_index(c)
-    assert set(ia) == set(ic) == set(range(N))
+    ia, ib, ic = by_index(a), by_index(b), by_index(c)
+    assert set(ia) == set(ib) == set(ic) == set(range(N))
+    assert all(not torch.equal(ia[i], ib[i]) for i in range(N))  # another epoch: other noise
     assert all(not torch.equal(ia[i], ic[i]) for i in range(N))  # another seed: other noise
     # Two ranks of a world of 2 transform each sample as the single reader did.
-    halves = [read(shards, transform=augment, batch_size=16) for _ in range(1)]
     for rank in range(2):
         ds = pyloader.ShardDataset(shards, shuffle=True, seed=7, rank=rank, world_size=2)
         part = by_index(list(pyloader.DataLoader(ds, batch_size=8, transform=augment, num_workers=2)))
-        assert all(torch.equal(part[i], ia[i]) for i in part)
-    assert halves
+        assert len(part) >= N // 2 and all(torch.equal(part[i], ia[i]) for i in part)
 
 
 def test_global_generators_are_seeded_per_sample_on_the_process_executor(shards) -> None:

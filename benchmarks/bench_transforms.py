@@ -67,7 +67,7 @@ from PIL import Image
 
 import pyloader
 from pyloader.bench import measure as B
-from pyloader.transform.image import ImageDecode
+from pyloader.transform.image import ImageDecode, random_resized_crop
 
 MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])
@@ -225,31 +225,6 @@ def normalise_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"image": x, "label": batch["label"]}
 
 
-def rrc_box(w: int, h: int, rnd: Any, scale: tuple[float, float] = (0.08, 1.0),
-            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop.get_params rule, as a (left, top, right, bottom) box."""
-    area = w * h
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target = area * rnd.uniform(*scale)
-        aspect = math.exp(rnd.uniform(*log_ratio))
-        cw = int(round(math.sqrt(target * aspect)))
-        ch = int(round(math.sqrt(target / aspect)))
-        if 0 < cw <= w and 0 < ch <= h:
-            top = rnd.randint(0, h - ch)
-            left = rnd.randint(0, w - cw)
-            return left, top, left + cw, top + ch
-    in_ratio = w / h
-    if in_ratio < ratio[0]:
-        cw, ch = w, int(round(w / ratio[0]))
-    elif in_ratio > ratio[1]:
-        ch, cw = h, int(round(h * ratio[1]))
-    else:
-        cw, ch = w, h
-    left, top = (w - cw) // 2, (h - ch) // 2
-    return left, top, left + cw, top + ch
-
-
 class TypicalImageDataset(torch.utils.data.Dataset):
     """JPEG bytes in a list; ``__getitem__`` as a torchvision pipeline would do it, with PIL only."""
 
@@ -261,7 +236,7 @@ class TypicalImageDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         img = Image.open(io.BytesIO(self.jpegs[i])).convert("RGB")
-        box = rrc_box(img.size[0], img.size[1], random)
+        box = random_resized_crop(img.size[0], img.size[1], random)
         img = img.resize((224, 224), Image.Resampling.BILINEAR, box=box)
         if random.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

@@ -40,6 +40,15 @@ void on_emit_message(j_common_ptr cinfo, int level) {
   }
 }
 
+// Routes cinfo's errors and warnings to err (NOTE [jpeg errors]); setjmp stays with the caller.
+void use_errors(jpeg_decompress_struct* cinfo, ErrorManager* err) {
+  cinfo->err = jpeg_std_error(&err->pub);
+  err->pub.error_exit = on_error_exit;
+  err->pub.emit_message = on_emit_message;
+  err->warnings = 0;
+  err->message[0] = '\0';
+}
+
 const char* fail(const char* what, const char* detail) {
   std::snprintf(g_message, sizeof(g_message), "%s%s%s", what, detail && *detail ? ": " : "", detail ? detail : "");
   return g_message;
@@ -52,11 +61,7 @@ bool jpeg_available() noexcept { return true; }
 const char* jpeg_read_header_info(const uint8_t* data, size_t len, JpegHeader* out) noexcept {
   jpeg_decompress_struct cinfo;
   ErrorManager err;
-  cinfo.err = jpeg_std_error(&err.pub);
-  err.pub.error_exit = on_error_exit;
-  err.pub.emit_message = on_emit_message;
-  err.warnings = 0;
-  err.message[0] = '\0';
+  use_errors(&cinfo, &err);
   if (setjmp(err.jump)) {
     jpeg_destroy_decompress(&cinfo);
     return fail("not a readable JPEG", err.message);
@@ -79,11 +84,7 @@ const char* jpeg_decode_region(const uint8_t* data, size_t len, int denom, int x
   if (w <= 0 || h <= 0 || x0 < 0 || y0 < 0) return fail("empty or negative region", nullptr);
   jpeg_decompress_struct cinfo;
   ErrorManager err;
-  cinfo.err = jpeg_std_error(&err.pub);
-  err.pub.error_exit = on_error_exit;
-  err.pub.emit_message = on_emit_message;
-  err.warnings = 0;
-  err.message[0] = '\0';
+  use_errors(&cinfo, &err);
   // The row buffer is a plain allocation freed on every path (no destructor across longjmp).
   unsigned char* volatile row = nullptr;
   if (setjmp(err.jump)) {

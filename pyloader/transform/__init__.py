@@ -2,8 +2,8 @@
 
 | file | what it holds |
 |---|---|
-| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``, ``collate_samples``) |
-| ``threads.py`` | the thread executor (NOTE [thread executor]) and the stage's counters |
+| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``, ``collate_samples``); the stream both executors share and the stage's counters |
+| ``threads.py`` | the thread executor (NOTE [thread executor]) |
 | ``processes.py`` | the process executor: worker processes, shared-memory slots (NOTE [process executor]) |
 | ``context.py`` | per-sample seeds and ``SampleContext`` (NOTE [sample seeds]) |
 | ``image.py`` | ``ImageDecode``: image fields decoded by Pillow (NOTE [image decode]) |

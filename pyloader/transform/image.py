@@ -156,27 +156,7 @@ class ImageDecode:
             return left, top, left + cw, top + ch
         if self.crop == "random":
             assert rnd is not None
-            area = w * h
-            log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-            for _ in range(10):
-                target = area * rnd.uniform(*self.scale)
-                aspect = math.exp(rnd.uniform(log_lo, log_hi))
-                cw = int(round(math.sqrt(target * aspect)))
-                ch = int(round(math.sqrt(target / aspect)))
-                if 0 < cw <= w and 0 < ch <= h:
-                    top = rnd.randint(0, h - ch)
-                    left = rnd.randint(0, w - cw)
-                    return left, top, left + cw, top + ch
-            # No draw fitted: the largest centred crop whose aspect lies within ratio.
-            aspect = w / h
-            if aspect < self.ratio[0]:
-                cw, ch = w, int(round(w / self.ratio[0]))
-            elif aspect > self.ratio[1]:
-                ch, cw = h, int(round(h * self.ratio[1]))
-            else:
-                cw, ch = w, h
-            left, top = (w - cw) // 2, (h - ch) // 2
-            return left, top, left + cw, top + ch
+            return random_resized_crop(w, h, rnd, self.scale, self.ratio)
         return 0.0, 0.0, float(w), float(h)
 
     def decode(self, data: Any, seed: int) -> np.ndarray:
@@ -266,6 +246,35 @@ class ImageDecode:
         if box is not None:
             t = _crop_resize(t, box, self.size)  # type: ignore[arg-type]
         return t
+
+
+def random_resized_crop(w: int, h: int, rnd: random.Random, scale: tuple[float, float] = (0.08, 1.0),
+                        ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
+    """A random crop box (left, top, right, bottom) of a ``w`` x ``h`` image, by torchvision's RandomResizedCrop rule.
+
+    Up to 10 draws of an area fraction in ``scale`` and a log-uniform aspect ratio in
+    ``ratio``; when none fits, the largest centred crop whose aspect lies within ``ratio``.
+    """
+    area = w * h
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rnd.uniform(*scale)
+        aspect = math.exp(rnd.uniform(log_lo, log_hi))
+        cw = int(round(math.sqrt(target * aspect)))
+        ch = int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = rnd.randint(0, h - ch)
+            left = rnd.randint(0, w - cw)
+            return left, top, left + cw, top + ch
+    aspect = w / h
+    if aspect < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif aspect > ratio[1]:
+        ch, cw = h, int(round(h * ratio[1]))
+    else:
+        cw, ch = w, h
+    left, top = (w - cw) // 2, (h - ch) // 2
+    return left, top, left + cw, top + ch
 
 
 def _crop_resize(t: torch.Tensor, box: tuple[float, float, float, float], size: tuple[int, int]) -> torch.Tensor:

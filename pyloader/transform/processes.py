@@ -44,8 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError, SharedMemoryError, TransformWorkerError
-from .stage import TransformSpec, run_batch
-from .threads import TransformStats
+from .stage import BatchWork, TransformSpec, TransformStream, run_batch
 
 MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worker at once
 _ALIGN = 64
@@ -292,7 +291,7 @@ def _release(busy: Any, index: int, left: list[int]) -> None:
             busy[index] = 0
 
 
-class ProcessTransformStream:
+class ProcessTransformStream(TransformStream):
     """Batches of transformed samples made by ``workers`` processes, in plan order (NOTE [process executor]).
 
     ``units``/``records``/``gidx``: every planned row; batches of ``batch_size`` rows (the
@@ -302,14 +301,10 @@ class ProcessTransformStream:
     def __init__(self, ds: Any, spec: TransformSpec, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
                  batch_size: int, drop_last: bool, *, workers: int, depth: int, context: Any = None) -> None:
         n = len(units)
-        self._len = n // batch_size if drop_last else -(-n // batch_size)
+        super().__init__("processes", workers, n // batch_size if drop_last else -(-n // batch_size))
         self._workers_n = workers
         self._depth = max(depth, workers)
         self._closed = False
-        self.timeout = 0.0
-        self.on_finish: Any = None
-        self.consumed: Any = None  # the loader's ConsumedCount, if any
-        self._stats = TransformStats("processes", workers)
         self._results: dict[int, Any] = {}
         self._sent = 0
         self._delivered = 0
@@ -362,34 +357,17 @@ class ProcessTransformStream:
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix)
         self._dispatch()
 
-    def __iter__(self) -> ProcessTransformStream:
-        return self
-
-    def __len__(self) -> int:
-        return self._len
-
     def _dispatch(self) -> None:
         while self._sent < self._len and self._sent < self._delivered + self._depth:
             self._conns[self._sent % self._workers_n].send(self._sent)
             self._sent += 1
-
-    def __next__(self) -> Any:
-        while True:
-            item = self._take()
-            if item is not None:
-                return item
-            if self.consumed is not None:  # a batch whose samples were all skipped still counts as read
-                self.consumed.batches += 1
 
     def _take(self) -> Any:
         if self._closed:
             raise LoaderStateError("iterator is closed")
         k = self._delivered
         if k >= self._len:
-            if self._stats.end is None:
-                self._stats.end = time.perf_counter()
-            self._finish()
-            raise StopIteration
+            self._end()
         t0 = time.perf_counter_ns()
         deadline = None if not self.timeout else time.monotonic() + self.timeout
         try:
@@ -442,12 +420,7 @@ class ProcessTransformStream:
     def _build(self, msg: tuple[Any, ...]) -> Any:
         _, t, w, s, gen, size, skeleton, metas, costs = msg
         samples, skipped, transform_ns, decode_ns, busy_ns = costs
-        self._stats.samples += samples
-        self._stats.skipped += skipped
-        self._stats.transform_ns += transform_ns
-        self._stats.decode_ns += decode_ns
-        self._stats.busy_ns += busy_ns
-        self._stats.batches += 1
+        self._stats.add(BatchWork(None, samples, skipped, transform_ns, decode_ns), busy_ns)
         if not metas:
             return skeleton
         mp = self._map(w, s, gen, size)
@@ -489,20 +462,9 @@ class ProcessTransformStream:
         self._maps.clear()
         self._finish()
 
-    def _finish(self) -> None:
-        cb, self.on_finish = self.on_finish, None
-        if cb is not None:
-            cb(self.stats())
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
-
     def stats(self) -> dict[str, Any]:
         """The transform stage's counters (``transform_*``, ``skipped_samples``, the consumer's wait)."""
-        s = self._stats.as_dict()
+        s = super().stats()
         s["batches"] = self._stats.batches
         s["records"] = self._stats.samples + self._stats.skipped
         return s

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -168,6 +169,119 @@ def _seed_globals(seed: int) -> None:
     # The CPU generator only: torch.manual_seed also queues a seed for every lazy device
     # module (CUDA, XPU, MTIA), recording a stack trace each time (about 1 ms per sample).
     torch.default_generator.manual_seed(seed)
+
+
+class TransformStats:
+    """Counters of the transform stage, shared by both executors (``stats()`` keys ``transform_*``)."""
+
+    def __init__(self, executor: str, workers: int) -> None:
+        self.executor, self.workers = executor, workers
+        self.samples = self.skipped = self.batches = 0
+        self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = 0
+        self.start = time.perf_counter()
+        self.end: float | None = None
+        self._lock = threading.Lock()
+
+    def add(self, work: BatchWork, busy_ns: int) -> None:
+        """Counts one batch a worker made in ``busy_ns``."""
+        with self._lock:
+            self.batches += 1
+            self.samples += work.samples
+            self.skipped += work.skipped
+            self.transform_ns += work.transform_ns
+            self.decode_ns += work.decode_ns
+            self.busy_ns += busy_ns
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters and what they imply (``transform_hint``: whether more workers would help)."""
+        wall = (self.end or time.perf_counter()) - self.start
+        n = max(1, self.samples + self.skipped)
+        busy = self.busy_ns / 1e9 / (wall * self.workers) if wall > 0 else 0.0
+        waited = self.wait_ns / 1e9
+        wait_fraction = waited / wall if wall > 0 else 0.0
+        per_sample_us = (self.transform_ns + self.decode_ns) / n / 1e3
+        if wait_fraction < 0.05:
+            hint = "enough: the consumer rarely waits for transformed batches"
+        elif busy > 0.85:
+            hint = (f"more workers would help: the consumer waits {wait_fraction:.0%} of the time and the "
+                    f"{self.workers} transform worker(s) are busy {busy:.0%} of it (if cores are free; "
+                    "a transform that holds the GIL scales on executor='processes')")
+        else:
+            hint = (f"the consumer waits {wait_fraction:.0%} of the time but the transform workers are busy only "
+                    f"{busy:.0%}: reading, not the transform, limits (see shard_wait_s)")
+        return {
+            "transform_executor": self.executor,
+            "transform_workers": self.workers,
+            "transform_batches": self.batches,
+            "transformed_samples": self.samples,
+            "skipped_samples": self.skipped,
+            "transform_s": self.transform_ns / 1e9,
+            "decode_s": self.decode_ns / 1e9,
+            "transform_per_sample_us": per_sample_us,
+            "transform_busy_fraction": busy,
+            "transform_hint": hint,
+            "consumer_wait_s": waited,
+            "wait_fraction": wait_fraction,
+        }
+
+
+class TransformStream:
+    """What both executors' streams share: the ``BatchStream`` protocol around ``_take()``.
+
+    ``_take()`` returns the next batch in plan order, None for a batch whose samples were
+    all skipped (``ImageDecode(on_error="skip")``: it still counts as read, in ``consumed``),
+    or raises (the batch's error, ``StopIteration`` at the end via ``_end()``).
+    """
+
+    def __init__(self, executor: str, workers: int, length: int) -> None:
+        self._len = length
+        self._stats = TransformStats(executor, workers)
+        self.timeout = 0.0  # seconds each next() may wait (0: forever)
+        self.on_finish: Any = None  # called once with stats() at the end or at close()
+        self.consumed: Any = None  # the loader's ConsumedCount, if any
+
+    def __iter__(self) -> TransformStream:
+        return self
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __next__(self) -> Any:
+        while True:
+            item = self._take()
+            if item is not None:
+                return item
+            if self.consumed is not None:
+                self.consumed.batches += 1
+
+    def _take(self) -> Any:
+        raise NotImplementedError
+
+    def _end(self) -> NoReturn:
+        """The epoch is over: freeze the wall time, report the stats once, stop."""
+        if self._stats.end is None:
+            self._stats.end = time.perf_counter()
+        self._finish()
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stops the workers. Idempotent."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        """The stage's counters (``TransformStats.as_dict``)."""
+        return self._stats.as_dict()
+
+    def _finish(self) -> None:
+        cb, self.on_finish = self.on_finish, None
+        if cb is not None:
+            cb(self.stats())
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
 
 # -- collation --------------------------------------------------------------------------

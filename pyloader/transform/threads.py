@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError
-from .stage import BatchWork, TransformSpec, _Stopped, run_batch
+from .stage import TransformSpec, TransformStream, _Stopped, run_batch
 
 
 class _Failed:
@@ -40,61 +40,7 @@ class _Failed:
         self.error = error
 
 
-class TransformStats:
-    """Counters of the transform stage, shared by both executors (``stats()`` keys ``transform_*``)."""
-
-    def __init__(self, executor: str, workers: int) -> None:
-        self.executor, self.workers = executor, workers
-        self.samples = self.skipped = self.batches = 0
-        self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = 0
-        self.start = time.perf_counter()
-        self.end: float | None = None
-        self._lock = threading.Lock()
-
-    def add(self, work: BatchWork, busy_ns: int) -> None:
-        """Counts one batch a worker made in ``busy_ns``."""
-        with self._lock:
-            self.batches += 1
-            self.samples += work.samples
-            self.skipped += work.skipped
-            self.transform_ns += work.transform_ns
-            self.decode_ns += work.decode_ns
-            self.busy_ns += busy_ns
-
-    def as_dict(self) -> dict[str, Any]:
-        """The counters and what they imply (``transform_hint``: whether more workers would help)."""
-        wall = (self.end or time.perf_counter()) - self.start
-        n = max(1, self.samples + self.skipped)
-        busy = self.busy_ns / 1e9 / (wall * self.workers) if wall > 0 else 0.0
-        waited = self.wait_ns / 1e9
-        wait_fraction = waited / wall if wall > 0 else 0.0
-        per_sample_us = (self.transform_ns + self.decode_ns) / n / 1e3
-        if wait_fraction < 0.05:
-            hint = "enough: the consumer rarely waits for transformed batches"
-        elif busy > 0.85:
-            hint = (f"more workers would help: the consumer waits {wait_fraction:.0%} of the time and the "
-                    f"{self.workers} transform worker(s) are busy {busy:.0%} of it (if cores are free; "
-                    "a transform that holds the GIL scales on executor='processes')")
-        else:
-            hint = (f"the consumer waits {wait_fraction:.0%} of the time but the transform workers are busy only "
-                    f"{busy:.0%}: reading, not the transform, limits (see shard_wait_s)")
-        return {
-            "transform_executor": self.executor,
-            "transform_workers": self.workers,
-            "transform_batches": self.batches,
-            "transformed_samples": self.samples,
-            "skipped_samples": self.skipped,
-            "transform_s": self.transform_ns / 1e9,
-            "decode_s": self.decode_ns / 1e9,
-            "transform_per_sample_us": per_sample_us,
-            "transform_busy_fraction": busy,
-            "transform_hint": hint,
-            "consumer_wait_s": waited,
-            "wait_fraction": wait_fraction,
-        }
-
-
-class ThreadTransformStream:
+class ThreadTransformStream(TransformStream):
     """Batches of transformed samples, made by ``workers`` threads in plan order (NOTE [thread executor]).
 
     ``source``: the native ``BatchStream`` of ``plan`` in batches of ``batch_size``;
@@ -105,12 +51,12 @@ class ThreadTransformStream:
 
     def __init__(self, source: Any, ds: Any, spec: TransformSpec, units: np.ndarray, records: np.ndarray,
                  gidx: np.ndarray, batch_size: int, *, workers: int, depth: int) -> None:
+        super().__init__("threads", workers, len(source))
         self._src = source
         self._ds = ds
         self._spec = spec
         self._units, self._records, self._gidx = units, records, gidx
         self._bs = batch_size
-        self._len = len(source)
         self._depth = max(depth, workers)
         self._cv = threading.Condition()
         self._pull = threading.Lock()
@@ -120,21 +66,11 @@ class ThreadTransformStream:
         self._src_done = False
         self._stop = False
         self._closed = False
-        self.timeout = 0.0
-        self.on_finish: Any = None
-        self.consumed: Any = None  # the loader's ConsumedCount, if any
-        self._stats = TransformStats("threads", workers)
         self._torch_threads = torch.get_num_threads()
         self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
                          for w in range(workers)]
         for t in self._threads:
             t.start()
-
-    def __iter__(self) -> ThreadTransformStream:
-        return self
-
-    def __len__(self) -> int:
-        return self._len
 
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
@@ -186,17 +122,6 @@ class ThreadTransformStream:
         return self._stop
 
     # -- consumer --------------------------------------------------------------------
-    def __next__(self) -> Any:
-        while True:
-            item = self._take()
-            if isinstance(item, _Failed):
-                raise item.error
-            if item is not None:
-                return item
-            if self.consumed is not None:  # a batch whose samples were all skipped still counts as read
-                self.consumed.batches += 1
-            # None: every sample of that batch was skipped (ImageDecode(on_error="skip")).
-
     def _take(self) -> Any:
         if self._closed:
             raise LoaderStateError("iterator is closed")
@@ -224,10 +149,9 @@ class ThreadTransformStream:
                 self._cv.notify_all()
         self._stats.wait_ns += time.perf_counter_ns() - t0
         if ended:
-            if self._stats.end is None:
-                self._stats.end = time.perf_counter()
-            self._finish()
-            raise StopIteration
+            self._end()
+        if isinstance(item, _Failed):
+            raise item.error
         return item
 
     def close(self) -> None:
@@ -246,17 +170,6 @@ class ThreadTransformStream:
                 t.join()
         torch.set_num_threads(self._torch_threads)  # the default of threads yet to use torch
         self._finish()
-
-    def _finish(self) -> None:
-        cb, self.on_finish = self.on_finish, None
-        if cb is not None:
-            cb(self.stats())
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
 
     def stats(self) -> dict[str, Any]:
         """The native stream's stats with the transform stage's (``transform_*``, ``skipped_samples``).

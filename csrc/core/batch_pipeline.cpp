@@ -64,6 +64,9 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   if (cfg_.batch_size == 0) throw std::invalid_argument("batch_size must be >= 1");
   if (cfg_.num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
+  if (!pool_ || pool_->num_fields() != shards_->fields().size())
+    throw std::invalid_argument("the slot pool has " + std::to_string(pool_ ? pool_->num_fields() : 0) +
+                                " fields but the dataset has " + std::to_string(shards_->fields().size()));
   if (shard_idx_.size() / cfg_.batch_size >= kNoBatch) throw std::invalid_argument("too many batches");
   // Plans come from Python; check them here once so workers can index without checks.
   for (size_t i = 0; i < shard_idx_.size(); ++i) {

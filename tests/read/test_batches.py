@@ -61,6 +61,15 @@ def test_batches_rejects_bad_arguments(ds23, bad):
         ds.batches(4, num_threads=bad)  # type: ignore[arg-type]
 
 
+def test_batches_rejects_a_pool_of_other_fields(ds23):
+    ds, _ = ds23
+    n = len(ds.fields)
+    for wrong in (n - 1, n + 1):
+        with pytest.raises(ValueError, match=f"slot pool has {wrong} fields but the dataset has {n}"):
+            ds.batches(4, pool=_C.SlotPool(num_fields=wrong))
+    assert len(list(ds.batches(4, pool=_C.SlotPool(num_fields=n)))) == 6
+
+
 @pytest.mark.timeout(60)
 def test_held_batches_survive_iteration_and_slot_reuse(tmp_path):
     """Keep every batch of an epoch: none may be overwritten while Python holds it, not

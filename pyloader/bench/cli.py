@@ -162,8 +162,10 @@ def _print_bench(r: dict[str, Any]) -> None:
                        ("torch_dataloader", f"torch DataLoader (workers={st['torch_dataloader']['num_workers']})")):
         s = st[key]
         rows.append((label, f"{s['samples_per_s']:,.0f} samples/s", s["cpu_s"]))
-        rows.append((f"  {s['epochs']} x {1e3 * s['epoch_s']:.0f} ms epochs, first {1e3 * s['startup_s']:.0f} ms",
-                     f"{s['gbps']:.2f} GB/s", None))
+        rows.append((f"  steady: {s['epochs']} x {1e3 * s['epoch_s']:.0f} ms epochs", f"{s['gbps']:.2f} GB/s", None))
+        if "first_batch_s" in s:
+            rows.append((f"  first epoch: {1e3 * s['startup_s']:.0f} ms, first batch {1e3 * s['first_batch_s']:.1f} ms",
+                         f"{s['first_epoch_vs_steady']:.2f}x steady", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
     print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")

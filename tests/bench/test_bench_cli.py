@@ -43,6 +43,13 @@ def test_bench_json_schema_on_the_generated_dataset() -> None:
     assert st["torch_dataloader"]["samples"] == 400
     assert st["pyloader"]["bytes"] == st["torch_dataloader"]["bytes"] > 400 * 12288
     assert 0.0 <= st["pyloader"]["wait_fraction"] <= 1.0
+    # The first epoch is timed apart: its first batch comes before its end, and its rate is
+    # the epoch's samples over its time.
+    for key in ("pyloader", "torch_dataloader"):
+        s = st[key]
+        assert 0.0 < s["first_batch_s"] < s["startup_s"], key
+        assert s["first_epoch_samples_per_s"] == pytest.approx(400 / s["startup_s"]), key
+        assert s["first_epoch_vs_steady"] == pytest.approx(s["first_epoch_samples_per_s"] / s["samples_per_s"]), key
     dg = r["diagnosis"]
     assert dg["bound"] in ("storage", "decode", "collate", "network", "workers", None)
     assert dg["loader_gbps"] == pytest.approx(st["pyloader"]["gbps"])

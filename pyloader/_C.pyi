@@ -167,8 +167,16 @@ class BatchPipeline:
         drop_last: bool = False,
         num_threads: int = 1,
         prefetch: int = 2,
+        ahead: int = 0,
     ) -> None: ...
     def __len__(self) -> int: ...
+    @property
+    def ahead(self) -> int:
+        """Batches the workers may collate ahead of the consumer, 1..prefetch (set: clamped to that range)."""
+    @ahead.setter
+    def ahead(self, value: int) -> None: ...
+    def set_ahead(self, n: int, *, later: bool = False) -> None:
+        """Sets ``ahead`` (clamped to 1..prefetch); later=True: from the consumer's next take on, waking no thread now."""
     def next(self, timeout: float = 0.0) -> tuple[int, int, list[_DLPackCapsule], list[_DLPackCapsule | None]] | None:
         """The next batch as (index, rows, [capsule per field], [lengths capsule per field or None]).
 

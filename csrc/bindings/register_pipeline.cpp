@@ -130,8 +130,9 @@ void register_pipeline(py::module_& m) {
       .def(py::init([](std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
                        const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& shard_idx,
                        const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& record_idx,
-                       size_t batch_size, bool drop_last, int num_threads, int prefetch) {
+                       size_t batch_size, bool drop_last, int num_threads, int prefetch, int ahead) {
              PipelineConfig cfg;
+             cfg.ahead = ahead;
              cfg.batch_size = batch_size;
              cfg.drop_last = drop_last;
              cfg.num_threads = num_threads;
@@ -144,8 +145,17 @@ void register_pipeline(py::module_& m) {
              });
            }),
            py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
-           py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1, py::arg("prefetch") = 2)
+           py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1, py::arg("prefetch") = 2,
+           py::arg("ahead") = 0)
       .def("__len__", &BatchPipeline::num_batches)
+      .def_property(
+          "ahead", &BatchPipeline::ahead, [](BatchPipeline& p, int n) { p.set_ahead(n); },
+          "Batches the workers may collate ahead of the consumer, 1..prefetch (set: clamped to that range).")
+      .def(
+          "set_ahead", [](BatchPipeline& p, int n, bool later) { p.set_ahead(n, later); }, py::arg("n"), py::kw_only(),
+          py::arg("later") = false,
+          "Sets `ahead` (clamped to 1..prefetch); later=True: from the consumer's next take on, waking no "
+          "thread now.")
       .def(
           "next",
           [](BatchPipeline& p, double timeout) -> py::object {

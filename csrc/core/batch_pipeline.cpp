@@ -64,6 +64,8 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   if (cfg_.batch_size == 0) throw std::invalid_argument("batch_size must be >= 1");
   if (cfg_.num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
+  if (cfg_.ahead < 0 || cfg_.ahead > cfg_.prefetch) throw std::invalid_argument("ahead must be in 0..prefetch");
+  ahead_ = size_t(cfg_.ahead == 0 ? cfg_.prefetch : cfg_.ahead);
   if (!pool_ || pool_->num_fields() != shards_->fields().size())
     throw std::invalid_argument("the slot pool has " + std::to_string(pool_ ? pool_->num_fields() : 0) +
                                 " fields but the dataset has " + std::to_string(shards_->fields().size()));
@@ -136,6 +138,25 @@ void BatchPipeline::close() {
   for (auto& p : ring_) p = Pending();  // drop slot references so they return to the pool
 }
 
+void BatchPipeline::set_ahead(int n, bool later) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const size_t v = size_t(std::clamp(n, 1, cfg_.prefetch));
+    if (later) {
+      ahead_later_ = v;
+      return;
+    }
+    ahead_ = v;
+    ahead_later_ = 0;
+  }
+  cv_work_->notify_all();
+}
+
+int BatchPipeline::ahead() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return int(ahead_);
+}
+
 std::vector<uint32_t> BatchPipeline::batch_shards(size_t b) const {
   const size_t begin = b * cfg_.batch_size;
   const size_t end = std::min(shard_idx_.size(), begin + cfg_.batch_size);
@@ -156,9 +177,7 @@ void BatchPipeline::worker_loop() {
     size_t b;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_work_->wait(lk, [&] {
-        return stop_ || next_claim_ >= num_batches_ || next_claim_ < consumed_ + size_t(cfg_.prefetch);
-      });
+      cv_work_->wait(lk, [&] { return stop_ || next_claim_ >= num_batches_ || next_claim_ < consumed_ + ahead_; });
       if (stop_ || next_claim_ >= num_batches_) return;
       b = next_claim_++;
     }
@@ -342,6 +361,10 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   Pending taken = std::move(p);
   p = Pending();
   ++consumed_;
+  if (ahead_later_ != 0) {
+    ahead_ = ahead_later_;
+    ahead_later_ = 0;
+  }
   lk.unlock();
   cv_work_->notify_all();
   counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);

@@ -23,7 +23,8 @@ struct PipelineConfig {
   size_t batch_size = 1;
   bool drop_last = false;
   int num_threads = 1;
-  int prefetch = 2;  // batches collated ahead of the consumer (ready or in progress)
+  int prefetch = 2;  // batches collated ahead of the consumer (ready or in progress), at most
+  int ahead = 0;     // the first limit on that (1..prefetch; 0: prefetch), see set_ahead()
 };
 
 struct FieldView {
@@ -67,6 +68,14 @@ class BatchPipeline {
   Next next(Batch* out, int64_t timeout_ms = -1);
   // Stops the workers and joins them. Idempotent. Called by the destructor.
   void close();
+  // How many batches the workers may collate ahead of the consumer from now on, clamped
+  // to 1..prefetch (the ring's size). Lowering it never drops a claimed batch; raising it
+  // wakes the workers. A pipeline made ahead of its epoch starts low (NOTE [epoch ahead]
+  // in pyloader/loader/dataloader.py) and is raised when its epoch begins.
+  // `later`: from the consumer's next take on (next() wakes the workers then anyway), so
+  // the call itself wakes no thread.
+  void set_ahead(int n, bool later = false);
+  int ahead() const;
   size_t num_batches() const noexcept { return num_batches_; }
   const PipelineCounters& counters() const noexcept { return counters_; }
   const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
@@ -100,7 +109,7 @@ class BatchPipeline {
   // wakes everyone and joins. A worker mid-batch finishes that batch (bounded work)
   // before it sees stop_. In a forked child the threads do not exist: close() leaks
   // them instead of joining (joining or locking there could hang forever).
-  std::mutex mu_;
+  mutable std::mutex mu_;
   // Heap-allocated so that a forked child can leak them instead of destroying them.
   // Workers wait on cv_work_ for room; the consumer waits on cv_ready_ for a batch.
   std::unique_ptr<std::condition_variable> cv_work_ = std::make_unique<std::condition_variable>();
@@ -110,6 +119,8 @@ class BatchPipeline {
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;
+  size_t ahead_ = 1;               // workers claim batch b only while b < consumed_ + ahead_
+  size_t ahead_later_ = 0;         // set_ahead(n, later=true): ahead_ becomes n at the next take
   std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]
   std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])
   std::vector<std::thread> threads_;

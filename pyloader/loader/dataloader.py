@@ -198,6 +198,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._len_called: int | None = None  # _IterableDataset_len_called of the native path
         # Host buffers are made at the first iter(), not here (NOTE [lazy pinned pools]).
         self._batch_pool: _C.SlotPool | None = None  # see _pool
+        self._ahead: tuple[tuple[Any, ...], Any] | None = None  # (key, stream): NOTE [epoch ahead]
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
         self._inner: _TorchDataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
@@ -433,16 +434,26 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._next_epoch += 1
         segments, self._resume = self._resume, []
         rank, world = ds.rank_and_world()
-        # The rest of a resumed epoch, or all of it (NOTE [dataset contract]).
-        plan = ds.epoch_plan(epoch, rank, world, segments, shuffle=self.shuffle, seed=self._seed)
         batched = self.batch_size is not None
         native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
         spec = self._transform_spec(epoch)
-        if spec is not None:
-            return self._iter_transformed(ds, epoch, world, segments, plan, spec, native_bs)
-        pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
-        src: BatchStream = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                                      prefetch=self._prefetch, pool=pool)
+        ahead, self._ahead = self._ahead, None
+        src: BatchStream
+        if spec is None and ahead is not None and not segments and ahead[0] == self._ahead_key(epoch, native_bs):
+            src = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
+            src.begin()
+        else:
+            if ahead is not None:
+                ahead[1].close()
+            # The rest of a resumed epoch, or all of it (NOTE [dataset contract]).
+            plan = ds.epoch_plan(epoch, rank, world, segments, shuffle=self.shuffle, seed=self._seed)
+            if spec is not None:
+                return self._iter_transformed(ds, epoch, world, segments, plan, spec, native_bs)
+            pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
+            src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
+                             prefetch=self._prefetch, pool=pool)
+        if spec is None and self._reads_ahead():
+            src.tail_hook(lambda: self._make_ahead(native_bs), at=len(src) - 2 * src.prefetch)
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -468,6 +479,45 @@ class DataLoader(_TorchDataLoader[_T_co]):
         else:
             gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=per_sample)
         return self._loader_iterator(gen, length, src, stage, consumed)
+
+    # NOTE [epoch ahead]: a for-loop over epochs leaves the data path idle at every epoch
+    # boundary: the last batch of epoch e is taken, then iter() plans epoch e+1, starts its
+    # pipeline and waits for its first batch. Instead, when the consumer has taken all but
+    # the last `prefetch` batches of an epoch (all of them are then claimed by its workers),
+    # the loader plans the epoch its next iter() will read and starts that epoch's pipeline,
+    # allowed to collate only `threads` batches ahead (so the epoch's tail keeps its CPU and
+    # few extra slots are used). The next iter() adopts it if nothing its order depends on
+    # changed -- the epoch number (set_epoch), rank and world size, shuffle and seed,
+    # batch size, drop_last, threads, prefetch, the slot pool -- and no resume state was
+    # loaded; it then raises the pipeline's read-ahead to `prefetch`. Otherwise the early
+    # pipeline is closed and the epoch starts as usual, so order, resume and set_epoch stay
+    # exact. Only for local ShardDatasets without transforms: a remote dataset's fetch
+    # schedule belongs to the epoch being read, and a transform stream has workers of its
+    # own. The early pipeline holds at most `threads` batches and stops when the loader is
+    # dropped; after the last epoch of a job that work is simply unused.
+    def _reads_ahead(self) -> bool:
+        from ..read.shards import ShardDataset
+        ds = self.dataset
+        return isinstance(ds, ShardDataset) and not ds.is_remote
+
+    def _ahead_key(self, epoch: int, native_bs: int) -> tuple[Any, ...]:
+        rank, world = self.dataset.rank_and_world()
+        return (epoch, rank, world, self._settings, native_bs, self.drop_last, self._threads, self._prefetch,
+                self._batch_pool)
+
+    def _make_ahead(self, native_bs: int) -> None:
+        """Starts the pipeline of the epoch the next iter() reads (NOTE [epoch ahead])."""
+        if self._resume or self._batch_pool is None:
+            return
+        ds: PlannedDataset = self.dataset
+        epoch = self._next_epoch
+        rank, world = ds.rank_and_world()
+        plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
+        src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,  # type: ignore[call-arg]
+                         prefetch=self._prefetch, pool=self._batch_pool, ahead=self._threads)
+        old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs), src)
+        if old is not None:
+            old[1].close()
 
     def _start_run(self, epoch: int, world: int, segments: list[list[int]], consumed: ConsumedCount,
                    length: int) -> None:

@@ -106,7 +106,8 @@ class BatchIterator:
     Dropping it (or calling ``close()``) mid-epoch stops and joins its threads.
     """
 
-    def __init__(self, dataset: ShardDataset, pipeline: _C.BatchPipeline, num_threads: int = 1) -> None:
+    def __init__(self, dataset: ShardDataset, pipeline: _C.BatchPipeline, num_threads: int = 1,
+                 prefetch: int = 1) -> None:
         self._fields = dataset.fields
         self._shards = dataset._shards
         self._fetcher = dataset._fetcher
@@ -117,6 +118,34 @@ class BatchIterator:
         self._end: float | None = None
         self.on_finish: Any = None  # called with stats() when the iterator ends or closes
         self.timeout = 0.0  # seconds next() waits for a batch before LoaderTimeoutError (0: forever)
+        self.prefetch = prefetch
+        self._delivered = 0
+        self._began_ahead: int | None = None  # batches collated before begin() (None: not made ahead)
+        self._tail: Any = None  # called once when _tail_at batches were delivered (tail_hook)
+        self._tail_at = 0
+
+    def tail_hook(self, fn: Any, at: int) -> None:
+        """Calls ``fn()`` once, on the consumer's thread, right after batch number ``at`` (1-based) is delivered.
+
+        An exception from ``fn`` is swallowed: the hook prepares work ahead and must never
+        break this iteration.
+        """
+        self._tail, self._tail_at = fn, max(1, at)
+
+    def begin(self) -> None:
+        """This stream was made ahead of its epoch, which starts now: full read-ahead, stats from now."""
+        self._pipeline.set_ahead(self.prefetch, later=True)
+        self._start = time.perf_counter()
+        self._began_ahead = self._pipeline.counters()["batches"]
+
+    def _delivered_one(self) -> None:
+        self._delivered += 1
+        if self._tail is not None and self._delivered >= self._tail_at:
+            fn, self._tail = self._tail, None
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - see tail_hook
+                pass
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -134,7 +163,9 @@ class BatchIterator:
         if item is None:
             self._ended()
         _, _, arrays, lengths = item
-        return batch_to_torch(self._fields, arrays, lengths)
+        out = batch_to_torch(self._fields, arrays, lengths)
+        self._delivered_one()
+        return out
 
     def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
         """``e`` with what the readers wait on: the shards, their URLs and the bytes arrived."""
@@ -160,7 +191,9 @@ class BatchIterator:
         if item is None:
             self._ended()
         host, arrays, lengths = item
-        return host, batch_to_torch(self._fields, arrays, lengths)
+        out = host, batch_to_torch(self._fields, arrays, lengths)
+        self._delivered_one()
+        return out
 
     def _ended(self) -> NoReturn:
         if self._end is None:
@@ -214,6 +247,10 @@ class BatchIterator:
             "wait_fraction": waited / wall if wall > 0 else 0.0,
             "decoded_gbps": c["decoded_bytes"] / wall / 1e9 if wall > 0 else 0.0,
             "finished": self._end is not None,
+            # NOTE [epoch ahead] in loader/dataloader.py: this epoch's pipeline was started
+            # during the previous epoch's tail, and had collated this many batches when it began.
+            "started_ahead": self._began_ahead is not None,
+            "batches_ready_at_start": self._began_ahead or 0,
             **self._cache_stats(),
         }
 
@@ -460,12 +497,14 @@ class ShardDataset(UnitDataset, IterableDataset):
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
-                num_workers: int = 1) -> BatchIterator:
+                num_workers: int = 1, ahead: int | None = None) -> BatchIterator:
         """The native batched iterator over ``plan`` (the contract, NOTE [dataset contract]).
 
         Without ``plan``: this rank's plan of ``epoch`` (default: the current one), split
         ``worker`` of ``num_workers``, with ``shuffle``/``seed`` overriding ``order``'s.
-        ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own).
+        ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own). ``ahead``:
+        collate at most that many batches until ``begin()`` is called (a stream made ahead
+        of its epoch, NOTE [epoch ahead]); default: ``prefetch`` from the start.
         """
         prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
@@ -481,8 +520,9 @@ class ShardDataset(UnitDataset, IterableDataset):
         pipeline = _C.BatchPipeline(
             shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
+            ahead=0 if ahead is None else max(1, min(ahead, prefetch)),
         )
-        return BatchIterator(self, pipeline, num_threads)
+        return BatchIterator(self, pipeline, num_threads, prefetch)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -330,3 +330,14 @@ def test_transform_processes_stream_through_a_small_cache(server, big, cache_dir
                                                    num_workers=2) for x in b["label"]]
     assert got == want and len(got) == N
     assert usage.samples > 3 and usage.peak <= limit, (usage.peak, limit)
+
+
+def test_remote_epochs_start_at_iter_not_ahead(server, cache_dir) -> None:
+    # NOTE [epoch ahead]: a remote dataset's fetch schedule belongs to the epoch being read.
+    ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, shuffle=True)
+    assert ds.is_remote
+    loader = pyloader.DataLoader(ds, batch_size=4, num_workers=2)
+    for _ in range(2):
+        assert sum(len(next(iter(b.values()))) for b in loader) == ds.num_records
+        assert not loader.stats()["started_ahead"]
+    assert loader._ahead is None

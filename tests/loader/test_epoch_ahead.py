@@ -1,0 +1,142 @@
+"""NOTE [epoch ahead]: the next epoch's pipeline starts during the current epoch's tail,
+and is adopted only when the epoch it planned is the one the next iter() reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from roundtrip_util import ID_FIELDS, id_samples, write
+
+import pyloader
+
+
+@pytest.fixture
+def ds_path(tmp_path) -> str:
+    return write(str(tmp_path / "ds"), ID_FIELDS, id_samples(300), shard_bytes=2048)
+
+
+def _ids(batches: Any) -> list[list[int]]:
+    return [b["id"].tolist() for b in batches]
+
+
+def _epoch_of_fresh_loader(path: str, epoch: int, **kw: Any) -> list[list[int]]:
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=7), **kw)
+    loader.set_epoch(epoch)
+    return _ids(loader)
+
+
+def test_consecutive_epochs_start_ahead_and_read_exactly_what_a_fresh_loader_reads(ds_path) -> None:
+    kw = {"batch_size": 8, "num_workers": 2}
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    seen = []
+    for epoch in range(4):
+        got = _ids(loader)
+        st = loader.stats()
+        assert st["started_ahead"] == (epoch > 0), epoch
+        if epoch > 0:
+            assert 1 <= st["batches_ready_at_start"] <= 2  # at most num_workers batches ahead
+        assert st["batches"] == len(got) == 38 and st["records"] == 300
+        assert got == _epoch_of_fresh_loader(ds_path, epoch, **kw), epoch
+        assert sorted(i for b in got for i in b) == list(range(300))
+        seen.append(got)
+    assert seen[1] != seen[2]  # a new order each epoch: the test compares orders that differ
+
+
+def test_set_epoch_to_another_epoch_drops_the_early_pipeline(ds_path) -> None:
+    kw = {"batch_size": 8, "num_workers": 2}
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    _ids(loader)
+    assert loader._ahead is not None  # epoch 1 was started ahead
+    loader.set_epoch(5)
+    got = _ids(loader)
+    assert not loader.stats()["started_ahead"]
+    assert got == _epoch_of_fresh_loader(ds_path, 5, **kw)
+    loader.set_epoch(6)  # the epoch the early pipeline planned: it is used
+    got = _ids(loader)
+    assert loader.stats()["started_ahead"]
+    assert got == _epoch_of_fresh_loader(ds_path, 6, **kw)
+
+
+def test_changed_settings_are_never_served_from_the_early_pipeline(ds_path) -> None:
+    ds = pyloader.ShardDataset(ds_path, shuffle=True, seed=7)
+    loader = pyloader.DataLoader(ds, batch_size=8, num_workers=2)
+    _ids(loader)
+    loader.num_workers = 1  # threads are part of what the early pipeline was made with
+    got = _ids(loader)
+    assert not loader.stats()["started_ahead"] and loader.stats()["threads"] == 1
+    assert got == _epoch_of_fresh_loader(ds_path, 1, batch_size=8, num_workers=1)
+    loader.shuffle = False
+    got = _ids(loader)
+    assert not loader.stats()["started_ahead"]
+    assert got == [list(range(i, min(i + 8, 300))) for i in range(0, 300, 8)]
+
+
+def test_a_loaded_state_resumes_exactly_although_an_early_pipeline_exists(ds_path) -> None:
+    kw = {"batch_size": 8, "num_workers": 2}
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    _ids(loader)
+    it = iter(loader)  # epoch 1, adopted
+    head = [next(it)["id"].tolist() for _ in range(10)]
+    state = loader.state_dict()
+    rest = _ids(it)
+    assert head + rest == _epoch_of_fresh_loader(ds_path, 1, **kw)
+    # An early pipeline for epoch 2 now exists; the loaded state (epoch 1, after 10 batches) wins.
+    assert loader._ahead is not None
+    loader.load_state_dict(state)
+    resumed = _ids(loader)
+    assert not loader.stats()["started_ahead"]
+    assert resumed == rest
+    assert _ids(loader) == _epoch_of_fresh_loader(ds_path, 2, **kw)
+
+
+def test_breaking_out_of_an_epoch_keeps_epoch_numbers_and_batches_exact(ds_path) -> None:
+    kw = {"batch_size": 8, "num_workers": 2}
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    for epoch in range(3):
+        got = []
+        for k, b in enumerate(loader):
+            got.append(b["id"].tolist())
+            if k == 35:  # past the point where the next epoch was started
+                break
+        assert got == _epoch_of_fresh_loader(ds_path, epoch, **kw)[:36]
+
+
+def test_the_early_pipeline_collates_no_more_than_its_share(ds_path) -> None:
+    pool_loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path), batch_size=8, num_workers=2, prefetch=4)
+    for _ in range(3):
+        for b in pool_loader:
+            del b
+    # The ring of prefetch=4, the batch the loop holds, and the early pipeline's 2.
+    assert pool_loader._batch_pool.created <= 4 + 2 + 2
+    ahead = pool_loader._ahead
+    assert ahead is not None
+    ready = ahead[1].counters()["batches"]
+    assert ready <= 2  # num_workers batches, however long it waited
+
+
+def test_transformed_streams_start_each_epoch_at_iter(ds_path) -> None:
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path), batch_size=8, num_workers=2,
+                                 transform=lambda s: s)
+    for _ in range(2):
+        assert sum(len(b["id"]) for b in loader) == 300
+    assert loader._ahead is None
+
+
+def test_dropping_the_loader_stops_the_early_pipeline(ds_path) -> None:
+    import gc
+    import weakref
+
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path), batch_size=8, num_workers=2)
+    for b in loader:
+        pass
+    del b
+    assert loader._ahead is not None
+    early = weakref.ref(loader._ahead[1])
+    del loader
+    gc.collect()
+    assert early() is None  # the stream and its native pipeline (threads joined) are gone
+    again = pyloader.DataLoader(pyloader.ShardDataset(ds_path), batch_size=300, num_workers=2)
+    (b,) = list(again)
+    assert torch.equal(b["id"], torch.arange(300))

@@ -24,7 +24,19 @@ _IndexArray: TypeAlias = npt.NDArray[np.integer[Any]] | Sequence[int]
 # register_codec.cpp
 
 def xxh64(data: _BufferLike, *, seed: int = 0) -> int:
-    """XXH64 of a contiguous buffer (the checksum of the shard format). Releases the GIL."""
+    """XXH64 of a contiguous buffer (the checksum of shard format version 1 and of the manifest). Releases the GIL."""
+
+def xxh3_64(data: _BufferLike, *, impl: str = "auto") -> int:
+    """XXH3-64 (seed 0) of a contiguous buffer (the checksum of shard format version 2).
+
+    `impl` picks the long-input loop ('auto', 'scalar', 'sse2', 'avx2'; for tests). Releases the GIL.
+    """
+
+def xxh3_64_copy(dst: _BufferLike, src: _BufferLike, *, impl: str = "auto") -> int:
+    """Copies src into dst (a writable buffer of the same size, not overlapping src) and returns xxh3_64(src).
+
+    Reads src once (the reader's first-read path). Releases the GIL.
+    """
 
 def lz4_decode_block(src: _BufferLike, decoded_size: int) -> bytes:
     """Decodes one raw LZ4 block that must expand to exactly decoded_size bytes. Releases the GIL."""

@@ -10,7 +10,6 @@
 
 #include "core/errors.h"
 #include "core/lz4_block.h"
-#include "core/xxh64.h"
 
 namespace pyloader {
 namespace {
@@ -275,9 +274,9 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   auto corrupt = [&](size_t i, uint64_t rec, size_t f, uint64_t got, uint64_t want) {
     const Shard& sh = *shard_of[i];
     char digests[160];
-    std::snprintf(digests, sizeof digests,
-                  "payload checksum mismatch (corrupt data): XXH64 %016llx, index says %016llx",
-                  static_cast<unsigned long long>(got), static_cast<unsigned long long>(want));
+    std::snprintf(digests, sizeof digests, "payload checksum mismatch (corrupt data): %s %016llx, index says %016llx",
+                  shard_checksum_name(sh.version()), static_cast<unsigned long long>(got),
+                  static_cast<unsigned long long>(want));
     LoaderError err(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name, digests);
     std::string earlier;
     if (shards_->pending_set() && shards_->report_corrupt(size_t(shard_idx_[begin + i]), &sh, err.what(), &earlier))
@@ -308,12 +307,13 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       if (e.codec == kCodecRaw) {
         if (!verify) {
           copy_row(dst, src, e.stored_size);
-        } else if (uint64_t got = xxh64_copy(dst, src, e.stored_size, 0); got != e.checksum) {
+        } else if (uint64_t got = shard_checksum_copy(sh.version(), dst, src, e.stored_size); got != e.checksum) {
           corrupt(i, rec, f, got, e.checksum);
         }
       } else {
         if (verify) {
-          if (uint64_t got = xxh64(src, e.stored_size, 0); got != e.checksum) corrupt(i, rec, f, got, e.checksum);
+          if (uint64_t got = shard_checksum(sh.version(), src, e.stored_size); got != e.checksum)
+            corrupt(i, rec, f, got, e.checksum);
         }
         if (const char* err = lz4_decode_block(src, e.stored_size, dst, e.decoded_size))
           throw LoaderError(ErrorKind::kFormat, sh.path(), int64_t(rec), fields[f].name,

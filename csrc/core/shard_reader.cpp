@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "core/errors.h"
+#include "core/xxh3.h"
 #include "core/xxh64.h"
 
 namespace pyloader {
@@ -28,6 +29,18 @@ T load_le(const uint8_t* p) noexcept {
 }
 
 }  // namespace
+
+uint64_t shard_checksum(uint32_t version, const void* data, size_t len) noexcept {
+  return version == kShardVersionXxh3 ? xxh3_64(data, len) : xxh64(data, len, 0);
+}
+
+uint64_t shard_checksum_copy(uint32_t version, void* dst, const void* src, size_t len) noexcept {
+  return version == kShardVersionXxh3 ? xxh3_64_copy(dst, src, len) : xxh64_copy(dst, src, len, 0);
+}
+
+const char* shard_checksum_name(uint32_t version) noexcept {
+  return version == kShardVersionXxh3 ? "XXH3-64" : "XXH64";
+}
 
 std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std::string& where) {
   std::vector<FieldSpec> out;
@@ -124,11 +137,14 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
   try {
     const uint8_t* h = base_;
     if (std::memcmp(h, kShardMagic, 8) != 0) format_error(path_, "not a pyloader shard (bad magic)");
-    if (xxh64(h, 120, 0) != load_le<uint64_t>(h + 120)) {
+    // The version picks the checksum function, so it is read before the header checksum
+    // can be checked; that check then covers the version too.
+    version_ = load_le<uint32_t>(h + 8);
+    if (!shard_version_supported(version_))
+      format_error(path_, "unsupported shard version " + std::to_string(version_));
+    if (shard_checksum(version_, h, 120) != load_le<uint64_t>(h + 120)) {
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "header checksum mismatch (corrupt header)");
     }
-    uint32_t version = load_le<uint32_t>(h + 8);
-    if (version != kShardVersion) format_error(path_, "unsupported shard version " + std::to_string(version));
     if (load_le<uint32_t>(h + 12) != kHeaderSize) format_error(path_, "unexpected header size");
     num_records_ = load_le<uint64_t>(h + 16);
     num_fields_ = load_le<uint32_t>(h + 24);
@@ -153,9 +169,9 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         index_size > fsize - index_offset_ || payload_offset_ != index_offset_ + index_size ||
         payload_size != fsize - payload_offset_)
       format_error(path_, "header region offsets are inconsistent");
-    if (xxh64(base_ + schema_off, schema_size, 0) != load_le<uint64_t>(h + 88))
+    if (shard_checksum(version_, base_ + schema_off, schema_size) != load_le<uint64_t>(h + 88))
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "schema checksum mismatch (corrupt schema)");
-    if (xxh64(base_ + index_offset_, index_size, 0) != load_le<uint64_t>(h + 96))
+    if (shard_checksum(version_, base_ + index_offset_, index_size) != load_le<uint64_t>(h + 96))
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "index checksum mismatch (corrupt index)");
     if (schema_size != schema_blob.size() || std::memcmp(base_ + schema_off, schema_blob.data(), schema_size) != 0) {
       auto got = parse_schema(base_ + schema_off, schema_size, path_);

@@ -1,5 +1,5 @@
-// Shard format v1 reader (docs/format.md): memory-maps a shard, validates its header,
-// schema and index once at open, then serves per-record field entries to workers.
+// Shard format reader, versions 1 and 2 (docs/format.md): memory-maps a shard, validates
+// its header, schema and index once at open, then serves per-record field entries to workers.
 #pragma once
 
 #include <sys/types.h>
@@ -18,7 +18,9 @@
 namespace pyloader {
 
 inline constexpr char kShardMagic[8] = {'P', 'Y', 'L', 'S', 'H', 'A', 'R', 'D'};
-inline constexpr uint32_t kShardVersion = 1;
+// The versions a reader accepts; they differ only in their checksum function.
+inline constexpr uint32_t kShardVersionXxh64 = 1;  // every checksum is XXH64, seed 0
+inline constexpr uint32_t kShardVersionXxh3 = 2;   // every checksum is XXH3-64, seed 0
 inline constexpr size_t kHeaderSize = 128;
 inline constexpr size_t kIndexEntrySize = 32;
 inline constexpr uint8_t kCodecRaw = 0;
@@ -33,6 +35,18 @@ struct FieldSpec {
   size_t row_bytes = 0;  // variable: bytes per leading row; fixed: bytes per record
 };
 
+inline bool shard_version_supported(uint32_t version) noexcept {
+  return version == kShardVersionXxh64 || version == kShardVersionXxh3;
+}
+
+// The checksum of a supported shard `version` over data[0, len): header, schema, index and
+// every stored value of such a shard use it.
+uint64_t shard_checksum(uint32_t version, const void* data, size_t len) noexcept;
+// Copies src to dst (not overlapping) and returns shard_checksum(version, src, len) in one pass.
+uint64_t shard_checksum_copy(uint32_t version, void* dst, const void* src, size_t len) noexcept;
+// The checksum's name for messages: "XXH64" or "XXH3-64".
+const char* shard_checksum_name(uint32_t version) noexcept;
+
 // Parses the binary schema block; throws LoaderError(kFormat) naming `where` if malformed.
 std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std::string& where);
 
@@ -43,7 +57,7 @@ struct IndexEntry {
   uint32_t decoded_size;
   uint32_t leading;  // rows in the leading dimension (variable fields), else 0
   uint8_t codec;
-  uint64_t checksum;  // xxh64 of the stored bytes, seed 0
+  uint64_t checksum;  // shard_checksum() of the stored bytes
 };
 
 class Shard {
@@ -57,11 +71,13 @@ class Shard {
   Shard& operator=(const Shard&) = delete;
 
   const std::string& path() const noexcept { return path_; }
+  // The shard's format version (kShardVersionXxh64 or kShardVersionXxh3), which picks its checksum.
+  uint32_t version() const noexcept { return version_; }
   uint64_t num_records() const noexcept { return num_records_; }
   IndexEntry entry(uint64_t record, size_t field) const noexcept;
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
 
-  // NOTE [verify once]: every stored value is checked against its XXH64 the first time
+  // NOTE [verify once]: every stored value is checked against its checksum the first time
   // this process reads its record; the record is then marked verified and later reads
   // (later epochs) use the same mapped, immutable bytes without hashing them again. A
   // shard is replaced only by renaming a new file into place, which never changes the
@@ -77,6 +93,7 @@ class Shard {
   std::string path_;
   const uint8_t* base_ = nullptr;
   size_t map_size_ = 0;
+  uint32_t version_ = 0;
   uint64_t num_records_ = 0;
   size_t num_fields_ = 0;
   uint64_t index_offset_ = 0;

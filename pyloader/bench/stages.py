@@ -22,7 +22,7 @@ import torch
 
 from .. import _C
 from ..errors import ShardCorruptError, ShardFormatError
-from ..format.spec import CODEC_LZ4, HEADER_SIZE, INDEX_DTYPE, unpack_header
+from ..format.spec import CHECKSUM_NAMES, CODEC_LZ4, HEADER_SIZE, INDEX_DTYPE, shard_checksum, unpack_header
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from . import measure as B
@@ -59,8 +59,8 @@ def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20,
                field_names: list[str] | None = None) -> list[tuple[bytes, int]]:
     """The dataset's own LZ4-compressed values (up to limit_bytes decoded), for the decode stage.
 
-    Each shard's header and index checksums, and each value's, are verified, and each value
-    is decoded once, here on the calling thread: a corrupt shard raises a
+    Each shard's header and index checksums, and each value's, are verified (with the
+    function of the shard's version), and each value is decoded once, here on the calling thread: a corrupt shard raises a
     ``ShardCorruptError`` naming it (and the record and field) before any timed run.
     """
     out: list[tuple[bytes, int]] = []
@@ -70,15 +70,16 @@ def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20,
             data = f.read()
         try:
             header = unpack_header(data)
+            checksum = shard_checksum(header.version)
         except ShardFormatError as e:
             raise _corrupt(path, str(e)) from None
         (stored_header_hash,) = struct.unpack_from("<Q", data, HEADER_SIZE - 8)
-        if _C.xxh64(data[: HEADER_SIZE - 8]) != stored_header_hash:
+        if checksum(data[: HEADER_SIZE - 8]) != stored_header_hash:
             raise _corrupt(path, "header checksum mismatch (corrupt data)")
         if header.file_size != len(data) or header.index_offset + header.index_size > len(data):
             raise _corrupt(path, f"the header says {header.file_size} bytes, the file has {len(data)}")
         index_bytes = data[header.index_offset : header.index_offset + header.index_size]
-        if _C.xxh64(index_bytes) != header.index_xxh64:
+        if checksum(index_bytes) != header.index_checksum:
             raise _corrupt(path, "index checksum mismatch (corrupt data)")
         index = np.frombuffer(index_bytes, INDEX_DTYPE)
         for i in np.flatnonzero(index["codec"] == CODEC_LZ4):
@@ -90,10 +91,10 @@ def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20,
             if start + size > len(data):
                 raise _corrupt(path, "value runs past the end of the shard", record, field)
             block = data[start : start + size]
-            got = _C.xxh64(block)
-            if got != int(entry["xxh64"]):
-                raise _corrupt(path, f"payload checksum mismatch (corrupt data): XXH64 {got:016x}, "
-                                     f"index says {int(entry['xxh64']):016x}", record, field)
+            got = checksum(block)
+            if got != int(entry["checksum"]):
+                raise _corrupt(path, f"payload checksum mismatch (corrupt data): {CHECKSUM_NAMES[header.version]} "
+                                     f"{got:016x}, index says {int(entry['checksum']):016x}", record, field)
             try:
                 _C.lz4_decode_block(block, decoded)
             except ValueError as err:

@@ -1,4 +1,4 @@
-"""Stage ``format``: the shard format v1 and the manifest, shared by every stage above it.
+"""Stage ``format``: the shard format (versions 1 and 2) and the manifest, shared by every stage above it.
 
 | file | what it is for |
 |---|---|

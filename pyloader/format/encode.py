@@ -1,4 +1,4 @@
-"""Shard encoding: validated byte values -> shard files (format v1) and the dataset manifest.
+"""Shard encoding: validated byte values -> shard files (format version 2) and the dataset manifest.
 
 The one place that lays out shard bytes on the Python side. ``ShardWriter`` (one sample at
 a time) and ``pyloader convert`` (chunks of columns) both feed a ``ShardEncoder``; the
@@ -33,16 +33,18 @@ from .spec import (
     INDEX_DTYPE,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    MANIFEST_VERSION,
     VERSION,
     Field,
     dump_manifest,
     encode_schema,
     pack_header,
     parse_manifest,
+    shard_checksum,
 )
 
 MIN_GAIN = 0.1  # default: a value is stored LZ4 only when that saves at least 10% of its bytes
-_INDEX_COLUMNS = ("offset", "stored", "decoded", "leading", "codec", "xxh64")
+_INDEX_COLUMNS = ("offset", "stored", "decoded", "leading", "codec", "checksum")
 
 
 def atomic_write(path: str, chunks: Iterable[Any]) -> None:
@@ -111,7 +113,8 @@ class ShardEncoder:
         self.shard_bytes = shard_bytes
         self.min_gain = min_gain
         self.schema = encode_schema(self.fields)
-        self.schema_xxh = _C.xxh64(self.schema)
+        self._checksum = shard_checksum(VERSION)  # of headers, schemas, indexes and values
+        self.schema_checksum = self._checksum(self.schema)
         self.shards: list[dict[str, Any]] = []
         self.records = 0  # records appended, published or not
         self.bytes_out = 0  # bytes of the published shard files
@@ -140,7 +143,7 @@ class ShardEncoder:
     def _append(self, n: int, columns: Sequence[ColumnBytes], copy: bool) -> None:
         if len(columns) != len(self.fields):
             raise ValueError(f"{len(columns)} columns for {len(self.fields)} fields")
-        lz4_compress, xxh = lz4.block.compress, _C.xxh64
+        lz4_compress, checksum = lz4.block.compress, self._checksum
         entries, blobs = self._entries, self._blobs
         keep = 1.0 - self.min_gain
         cols = [(c.data, c.offsets, c.lengths, c.row_bytes, comp)
@@ -160,7 +163,7 @@ class ShardEncoder:
                     z = lz4_compress(v, store_size=False)
                     if len(z) <= keep * size:
                         stored, codec = z, CODEC_LZ4
-                entries.append((self._payload, len(stored), size, leading, codec, xxh(stored)))
+                entries.append((self._payload, len(stored), size, leading, codec, checksum(stored)))
                 blobs.append(bytes(stored) if copy and codec == CODEC_RAW else stored)
                 self._payload += len(stored)
             self._records_in_shard += 1
@@ -179,12 +182,13 @@ class ShardEncoder:
         index_bytes = index.tobytes()
         header = pack_header(
             num_records=self._records_in_shard, num_fields=len(self.fields), schema_size=len(self.schema),
-            index_size=len(index_bytes), payload_size=self._payload, schema_xxh64=self.schema_xxh,
-            index_xxh64=_C.xxh64(index_bytes), xxh64=_C.xxh64,
+            index_size=len(index_bytes), payload_size=self._payload, schema_checksum=self.schema_checksum,
+            index_checksum=self._checksum(index_bytes),
         )
         data = b"".join([header, self.schema, index_bytes, *self._blobs])
         name = f"{self.prefix}{len(self.shards):06d}.pyl"
         atomic_write(os.path.join(self.root, name), [data])
+        # The manifest's whole-file checksum is XXH64 whatever the shard version.
         self.shards.append({"path": name, "records": self._records_in_shard, "bytes": len(data),
                             "xxh64": f"{_C.xxh64(data):016x}"})
         self.bytes_out += len(data)
@@ -238,7 +242,7 @@ def publish_manifest(root: str, fields: Sequence[Field], shards: list[dict[str, 
     """
     body = {
         "format": MANIFEST_FORMAT,
-        "version": VERSION,
+        "version": MANIFEST_VERSION,
         "fields": [f.to_json() for f in fields],
         "records": sum(int(s["records"]) for s in shards),
         "shards": shards,

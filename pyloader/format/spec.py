@@ -1,4 +1,4 @@
-"""Shard format v1 and the dataset manifest (specified in docs/format.md).
+"""Shard format versions 1 and 2 and the dataset manifest (specified in docs/format.md).
 
 Python side of the format: field specs, the binary schema block, the shard header and
 the manifest. The native reader (csrc/core/shard_reader.cpp) parses the same bytes.
@@ -16,10 +16,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _C
 from ..errors import ManifestError, SchemaError, ShardFormatError
 
 MAGIC = b"PYLSHARD"
-VERSION = 1
+VERSION = 2  # the shard format version writers write
+# Shard versions readers accept, each with its checksum (header, schema, index and every
+# stored value): version 2 is version 1 with XXH3-64 in place of XXH64.
+SHARD_VERSIONS = (1, 2)
+CHECKSUM_NAMES = {1: "XXH64", 2: "XXH3-64"}
+MANIFEST_VERSION = 1  # the manifest's own "version", independent of the shards'
 HEADER_SIZE = 128
 INDEX_ENTRY_SIZE = 32
 CODEC_RAW = 0
@@ -48,17 +54,30 @@ DTYPES: dict[str, tuple[int, int, str]] = {
 # format an image decoder sniffs from the bytes (a mix of formats, WebP, BMP, GIF, TIFF).
 IMAGE_ENCODINGS = ("image", "jpeg", "png")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-# Index entry: offset, stored size, decoded size, leading length, codec, 3 pad, xxh64.
+# Index entry: offset, stored size, decoded size, leading length, codec, 3 pad, checksum
+# of the stored bytes (the shard version's function).
 INDEX_DTYPE = np.dtype(
     [("offset", "<u8"), ("stored", "<u4"), ("decoded", "<u4"), ("leading", "<u4"),
-     ("codec", "u1"), ("pad", "V3"), ("xxh64", "<u8")]
+     ("codec", "u1"), ("pad", "V3"), ("checksum", "<u8")]
 )
 assert INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 _HEADER = struct.Struct("<8sIIQIIQQQQQQQQQ16s")  # everything before the header checksum
 assert _HEADER.size == HEADER_SIZE - 8
 MAX_FIELD_BYTES = 2**32 - 1
-# XXH64 (seed 0) of a bytes-like object: pyloader._C.xxh64, passed in by the caller.
+# A checksum (seed 0) of a bytes-like object, e.g. pyloader._C.xxh64, passed in by the caller.
 Hasher = Callable[[Any], int]
+
+
+def shard_checksum(version: int) -> Hasher:
+    """The checksum function of shard format ``version``: XXH64 (1) or XXH3-64 (2), seed 0.
+
+    Raises ShardFormatError for a version readers do not accept.
+    """
+    if version == 1:
+        return _C.xxh64
+    if version == 2:
+        return _C.xxh3_64
+    raise ShardFormatError(f"unsupported shard version {version}")
 
 
 def normalize_dtype(dtype: Any) -> str:
@@ -221,20 +240,21 @@ def encode_schema(fields: Iterable[Field]) -> bytes:
 
 
 def pack_header(*, num_records: int, num_fields: int, schema_size: int, index_size: int,
-                payload_size: int, schema_xxh64: int, index_xxh64: int, xxh64: Hasher) -> bytes:
+                payload_size: int, schema_checksum: int, index_checksum: int, version: int = VERSION) -> bytes:
     """The shard header bytes (docs/format.md, "Header"), checksum included.
 
     The sections follow the header in the order schema, index, payload; their offsets and
-    the file size are computed from the sizes given.
+    the file size are computed from the sizes given. The checksums given, and the header's
+    own, are those of ``version`` (``shard_checksum(version)``).
     """
     schema_off = HEADER_SIZE
     index_off = schema_off + schema_size
     payload_off = index_off + index_size
     file_size = payload_off + payload_size
-    body = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, num_records, num_fields, INDEX_ENTRY_SIZE,
+    body = _HEADER.pack(MAGIC, version, HEADER_SIZE, num_records, num_fields, INDEX_ENTRY_SIZE,
                         schema_off, schema_size, index_off, index_size, payload_off, payload_size,
-                        file_size, schema_xxh64, index_xxh64, b"\0" * 16)
-    return body + struct.pack("<Q", xxh64(body))
+                        file_size, schema_checksum, index_checksum, b"\0" * 16)
+    return body + struct.pack("<Q", shard_checksum(version)(body))
 
 
 class ShardHeader(NamedTuple):
@@ -252,8 +272,8 @@ class ShardHeader(NamedTuple):
     payload_offset: int
     payload_size: int
     file_size: int
-    schema_xxh64: int
-    index_xxh64: int
+    schema_checksum: int
+    index_checksum: int
 
 
 def unpack_header(data: bytes | memoryview) -> ShardHeader:
@@ -328,7 +348,7 @@ def _validate_manifest(body: Any, where: str) -> None:
 
     if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
         raise bad("not a pyloader-shards manifest")
-    if body.get("version") != VERSION:
+    if body.get("version") != MANIFEST_VERSION:
         raise bad(f"unsupported version {body.get('version')!r}")
     if not isinstance(body.get("fields"), list) or not isinstance(body.get("shards"), list):
         raise bad("missing fields or shards")

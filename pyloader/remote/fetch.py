@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _C
 from ..errors import ManifestNotFoundError
-from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, VERSION, dump_manifest
+from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
 from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url
 from .fs import FetchError, RetryPolicy
 from .manifest import node_manifest
@@ -51,7 +51,7 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
     policy = RetryPolicy.from_env()
     cache = ShardCache(cache_dir, limit=cache_limit)
     if listing is not None:
-        body = {"format": MANIFEST_FORMAT, "version": VERSION, "fields": [], "records": 0, "content_hash": False,
+        body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "fields": [], "records": 0, "content_hash": False,
                 "shards": [{"path": rel, "records": 0, "bytes": int(size), "xxh64": ident}
                            for rel, size, ident in listing]}
         return cache.dataset(url, dump_manifest(body, _C.xxh64), storage_options=storage_options, policy=policy,

@@ -1,4 +1,4 @@
-"""ShardWriter: validates samples and writes them into shard files (format v1) and the dataset manifest.
+"""ShardWriter: validates samples and writes them into shard files (format version 2) and the dataset manifest.
 
 The bytes are laid out by ``pyloader.format.encode.ShardEncoder``, as for ``pyloader convert``.
 """

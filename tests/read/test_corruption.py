@@ -85,9 +85,20 @@ def write_dataset(path: str, n: int = NUM_RECORDS, fields: dict[str, Any] | None
 HEADER = struct.Struct("<8sIIQIIQQQQQQQQQ16sQ")
 HEADER_NAMES = ("magic", "version", "header_size", "num_records", "num_fields", "entry_size",
                 "schema_off", "schema_size", "index_off", "index_size", "payload_off",
-                "payload_size", "file_size", "schema_xxh64", "index_xxh64", "reserved", "header_xxh64")
-ENTRY = struct.Struct("<QIIIB3sQ")  # offset, stored, decoded, leading, codec, pad, xxh64
+                "payload_size", "file_size", "schema_checksum", "index_checksum", "reserved", "header_checksum")
+ENTRY = struct.Struct("<QIIIB3sQ")  # offset, stored, decoded, leading, codec, pad, checksum
 assert HEADER.size == 128 and ENTRY.size == 32
+# Each shard version's checksum function (docs/format.md, "Versions").
+CHECKSUMS = {1: _C.xxh64, 2: _C.xxh3_64}
+
+
+def checksum_of(data: bytes | bytearray) -> Any:
+    """The checksum function of the shard ``data`` by its header's version.
+
+    A version readers reject gets version 2's: the reader refuses it before any checksum.
+    """
+    (version,) = struct.unpack_from("<I", data, 8)
+    return CHECKSUMS.get(version, _C.xxh3_64)
 
 
 @dataclass
@@ -126,12 +137,13 @@ def parse_layout(data: bytes) -> ShardLayout:
 def refresh_checksums(data: bytearray) -> bytearray:
     """Recomputes schema, index and header checksums: forges a self-consistent shard."""
     h = dict(zip(HEADER_NAMES, HEADER.unpack_from(data, 0)))
+    checksum = checksum_of(data)
     so, ss, io_, is_ = h["schema_off"], h["schema_size"], h["index_off"], h["index_size"]
     if so + ss <= len(data):
-        struct.pack_into("<Q", data, 88, _C.xxh64(bytes(data[so:so + ss])))
+        struct.pack_into("<Q", data, 88, checksum(bytes(data[so:so + ss])))
     if io_ + is_ <= len(data):
-        struct.pack_into("<Q", data, 96, _C.xxh64(bytes(data[io_:io_ + is_])))
-    struct.pack_into("<Q", data, 120, _C.xxh64(bytes(data[:120])))
+        struct.pack_into("<Q", data, 96, checksum(bytes(data[io_:io_ + is_])))
+    struct.pack_into("<Q", data, 120, checksum(bytes(data[:120])))
     return data
 
 
@@ -139,7 +151,7 @@ def refresh_entry_checksum(data: bytearray, layout: ShardLayout, r: int, f: int)
     e = layout.entries[r][f]
     start = layout.header["payload_off"] + e[0]
     pos = layout.header["index_off"] + (r * layout.header["num_fields"] + f) * 32
-    struct.pack_into("<Q", data, pos + 24, _C.xxh64(bytes(data[start:start + e[1]])))
+    struct.pack_into("<Q", data, pos + 24, checksum_of(data)(bytes(data[start:start + e[1]])))
 
 
 def flip(data: bytes | bytearray, offset: int, bit: int) -> bytearray:

@@ -1,6 +1,8 @@
 """The native codecs against independent references: the LZ4 block decoder against the lz4
 package (valid, boundary-sized, malformed, mutated and arbitrary blocks, inside guard bytes
-and guard pages), and XXH64 against a pure-Python implementation of the xxHash spec.
+and guard pages), XXH64 against a pure-Python implementation of the xxHash spec, and
+XXH3-64 (every long-input loop this CPU runs, and the fused copy) against the reference
+implementation's own binding, the xxhash package.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import lz4.block
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -310,6 +313,87 @@ def test_xxh64_known_vectors():
 @given(data=st.binary(max_size=300), seed=st.integers(0, _M64))
 def test_xxh64_matches_reference(data, seed):
     assert _C.xxh64(data, seed=seed) == ref_xxh64(data, seed)
+
+
+# --- XXH3-64 against the reference implementation (the xxhash package) ---------------------
+
+
+def _xxh3_impls() -> list[str]:
+    """The long-input loops this build and CPU run ("auto" is one of them)."""
+    out = []
+    for impl in ("scalar", "sse2", "avx2"):
+        try:
+            _C.xxh3_64(b"", impl=impl)
+        except ValueError:
+            continue
+        out.append(impl)
+    return out
+
+
+XXH3_IMPLS = _xxh3_impls()
+# Every length class (0, 1-3, 4-8, 9-16, 17-128, 129-240, long), one and two 1024-byte
+# blocks exactly and around them, and partial last stripes of every size.
+XXH3_DATA = np.random.default_rng(3).bytes((1 << 20) + 64)
+
+
+def test_xxh3_impls_cover_the_machine():
+    assert "scalar" in XXH3_IMPLS
+    if sys.platform.startswith("linux") and os.uname().machine == "x86_64":
+        assert "sse2" in XXH3_IMPLS
+        with open("/proc/cpuinfo") as fh:
+            has_avx2 = " avx2" in fh.read()
+        assert ("avx2" in XXH3_IMPLS) == has_avx2
+    with pytest.raises(ValueError, match="impl must be"):
+        _C.xxh3_64(b"x", impl="avx512")
+
+
+def test_xxh3_known_vectors():
+    assert _C.xxh3_64(b"") == 0x2D06800538D394C2  # XXH3_64bits of the empty input
+    assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2
+
+
+@pytest.mark.parametrize("impl", XXH3_IMPLS + ["auto"])
+def test_xxh3_every_length_matches_reference(impl):
+    for n in range(2101):
+        data = XXH3_DATA[n:2 * n]  # a different slice of random bytes per length
+        assert _C.xxh3_64(data, impl=impl) == xxhash.xxh3_64_intdigest(data), (impl, n)
+
+
+@pytest.mark.parametrize("impl", XXH3_IMPLS + ["auto"])
+def test_xxh3_large_and_unaligned_inputs(impl):
+    buf = np.frombuffer(XXH3_DATA, np.uint8)
+    for n in (241, 1024, 1025, 4096 + 63, 12 << 10, 64 << 10, (64 << 10) + 1, 150 << 10, 1 << 20, (1 << 20) + 3):
+        for start in (0, 1, 3, 7, 8, 31, 33):
+            if start + n > len(buf):
+                continue
+            view = buf[start:start + n]  # a numpy view: the address is start bytes past the allocation
+            want = xxhash.xxh3_64_intdigest(view.tobytes())
+            assert _C.xxh3_64(view, impl=impl) == want, (impl, n, start)
+
+
+@pytest.mark.parametrize("impl", XXH3_IMPLS + ["auto"])
+def test_xxh3_copy_copies_and_hashes(impl):
+    guard = 64
+    for n in [*range(0, 300), 511, 512, 1023, 1024, 1025, 2047, 2048, 2049, 5000, 64 << 10, (1 << 20) + 3]:
+        for src_start, dst_start in ((0, 0), (1, 3), (7, 0), (0, 5)):
+            src = XXH3_DATA[src_start:src_start + n]
+            buf = bytearray(b"\xa5" * (n + dst_start + guard))
+            view = memoryview(buf)[dst_start:dst_start + n]
+            got = _C.xxh3_64_copy(view, src, impl=impl)
+            view.release()
+            assert got == xxhash.xxh3_64_intdigest(src), (impl, n, src_start, dst_start)
+            assert buf[dst_start:dst_start + n] == src, (impl, n, src_start, dst_start)
+            assert buf[:dst_start] == b"\xa5" * dst_start and buf[dst_start + n:] == b"\xa5" * guard, "write outside dst"
+    with pytest.raises(ValueError, match="same size"):
+        _C.xxh3_64_copy(bytearray(3), b"abcd")
+    with pytest.raises((BufferError, TypeError)):
+        _C.xxh3_64_copy(b"read", b"only")  # dst must be writable
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=3000))
+def test_xxh3_matches_reference(data):
+    assert _C.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
 
 
 def test_xxh64_buffer_types():

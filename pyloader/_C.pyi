@@ -187,6 +187,12 @@ class BatchPipeline:
         """Batches the workers may collate ahead of the consumer, 1..prefetch (set: clamped to that range)."""
     @ahead.setter
     def ahead(self, value: int) -> None: ...
+    def hand_over(self, next: BatchPipeline, ahead: int) -> None:
+        """Once every batch of this pipeline is claimed, its first idle worker sets ``next.ahead = ahead``.
+
+        At once if that moment has passed: the next epoch's pipeline then runs at full read-ahead
+        without the consumer waking its threads.
+        """
     def set_ahead(self, n: int, *, later: bool = False) -> None:
         """Sets ``ahead`` (clamped to 1..prefetch); later=True: from the consumer's next take on, waking no thread now."""
     def next(self, timeout: float = 0.0) -> tuple[int, int, list[_DLPackCapsule], list[_DLPackCapsule | None]] | None:

@@ -152,6 +152,15 @@ void register_pipeline(py::module_& m) {
           "ahead", &BatchPipeline::ahead, [](BatchPipeline& p, int n) { p.set_ahead(n); },
           "Batches the workers may collate ahead of the consumer, 1..prefetch (set: clamped to that range).")
       .def(
+          "hand_over",
+          [](BatchPipeline& p, const std::shared_ptr<BatchPipeline>& next, int ahead) {
+            without_gil([&] { p.hand_over(next, ahead); });
+          },
+          py::arg("next"), py::arg("ahead"),
+          "Once every batch of this pipeline is claimed, the first of its workers to find nothing left sets "
+          "next.ahead = ahead (at once if that moment has passed): the next epoch's pipeline then runs at full "
+          "read-ahead without the consumer waking its threads.")
+      .def(
           "set_ahead", [](BatchPipeline& p, int n, bool later) { p.set_ahead(n, later); }, py::arg("n"), py::kw_only(),
           py::arg("later") = false,
           "Sets `ahead` (clamped to 1..prefetch); later=True: from the consumer's next take on, waking no "

@@ -151,6 +151,19 @@ void BatchPipeline::set_ahead(int n, bool later) {
   cv_work_->notify_all();
 }
 
+void BatchPipeline::hand_over(const std::shared_ptr<BatchPipeline>& next, int ahead) {
+  if (!next || next.get() == this) throw std::invalid_argument("hand_over needs another pipeline");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!claims_done_ && !closed_) {
+      successor_ = next;
+      successor_ahead_ = ahead;
+      return;
+    }
+  }
+  next->set_ahead(ahead);
+}
+
 int BatchPipeline::ahead() const {
   std::lock_guard<std::mutex> lk(mu_);
   return int(ahead_);
@@ -177,7 +190,16 @@ void BatchPipeline::worker_loop() {
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_work_->wait(lk, [&] { return stop_ || next_claim_ >= num_batches_ || next_claim_ < consumed_ + ahead_; });
-      if (stop_ || next_claim_ >= num_batches_) return;
+      if (stop_) return;
+      if (next_claim_ >= num_batches_) {
+        claims_done_ = true;
+        std::shared_ptr<BatchPipeline> next = successor_.lock();
+        successor_.reset();
+        const int n = successor_ahead_;
+        lk.unlock();
+        if (next) next->set_ahead(n);  // hand_over(): this thread wakes the next pipeline's workers
+        return;
+      }
       b = next_claim_++;
     }
     Pending done;
@@ -365,8 +387,17 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
     ahead_ = ahead_later_;
     ahead_later_ = 0;
   }
+  // NOTE [batched wake-ups]: a worker that is awake claims the next batch by itself when it
+  // finishes one; only sleeping workers need waking, and they sleep only when the ring is
+  // full, i.e. the loader is ahead of the consumer. Waking one per taken batch would cost the
+  // consumer a context switch per batch (on a machine with few idle cores the woken worker
+  // preempts the consumer's thread), so they are woken once half the read-ahead is free,
+  // and then each claims a batch. The consumer still never waits for an unclaimed batch:
+  // when every claimed batch is taken, all of the read-ahead is free.
+  const size_t room = consumed_ + ahead_ > next_claim_ ? consumed_ + ahead_ - next_claim_ : 0;
+  const bool wake = next_claim_ < num_batches_ && room >= std::max<size_t>(1, ahead_ / 2);
   lk.unlock();
-  cv_work_->notify_all();
+  if (wake) cv_work_->notify_all();
   counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   if (taken.error) {
     // The failed batch ends the iteration: later batches are not delivered.

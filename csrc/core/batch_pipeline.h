@@ -76,6 +76,11 @@ class BatchPipeline {
   // the call itself wakes no thread.
   void set_ahead(int n, bool later = false);
   int ahead() const;
+  // Once every batch of this pipeline is claimed (its workers then run out of work), the
+  // first worker to find nothing left raises `next`'s read-ahead to `ahead` -- from a
+  // worker thread, so the consumer is not the thread that wakes `next`'s workers. Applied
+  // at once if that moment has passed. Held weakly: a `next` already dropped is skipped.
+  void hand_over(const std::shared_ptr<BatchPipeline>& next, int ahead);
   size_t num_batches() const noexcept { return num_batches_; }
   const PipelineCounters& counters() const noexcept { return counters_; }
   const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
@@ -119,8 +124,11 @@ class BatchPipeline {
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;
-  size_t ahead_ = 1;               // workers claim batch b only while b < consumed_ + ahead_
-  size_t ahead_later_ = 0;         // set_ahead(n, later=true): ahead_ becomes n at the next take
+  size_t ahead_ = 1;                        // workers claim batch b only while b < consumed_ + ahead_
+  size_t ahead_later_ = 0;                  // set_ahead(n, later=true): ahead_ becomes n at the next take
+  bool claims_done_ = false;                // every batch has been claimed
+  std::weak_ptr<BatchPipeline> successor_;  // hand_over()
+  int successor_ahead_ = 0;
   std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]
   std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])
   std::vector<std::thread> threads_;

@@ -15,6 +15,12 @@ constexpr size_t kHugeAlign = size_t(2) << 20;
 
 void* PageableAllocator::allocate(size_t bytes, size_t align) {
   size_t n = (bytes + align - 1) / align * align;
+  static const char* mode = std::getenv("PYLOADER_SLOT_MEMORY");
+  if (align >= kHugeAlign && mode && mode[0] == 'p') {
+    void* q = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (q == MAP_FAILED) throw std::bad_alloc();
+    return q;
+  }
   void* p = std::aligned_alloc(align, n);
   if (!p) throw std::bad_alloc();
   // A new slot then takes one page fault per 2 MiB instead of per 4 KiB, and copies into
@@ -25,7 +31,14 @@ void* PageableAllocator::allocate(size_t bytes, size_t align) {
   return p;
 }
 
-void PageableAllocator::release(void* p, size_t) noexcept { std::free(p); }
+void PageableAllocator::release(void* p, size_t n) noexcept {
+  static const char* mode = std::getenv("PYLOADER_SLOT_MEMORY");
+  if (n >= kHugeAlign && mode && mode[0] == 'p') {
+    ::munmap(p, n);
+    return;
+  }
+  std::free(p);
+}
 
 PinnedAllocator::PinnedAllocator(const cuda::Driver& d, int device) : d_(d), ctx_(d, device), pid_(::getpid()) {}
 

@@ -439,7 +439,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         spec = self._transform_spec(epoch)
         ahead, self._ahead = self._ahead, None
         src: BatchStream
-        if spec is None and ahead is not None and not segments and ahead[0] == self._ahead_key(epoch, native_bs):
+        if (spec is None and ahead is not None and not segments
+                and ahead[0] == self._ahead_key(epoch, native_bs, rank, world)):
             src = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
             src.begin()
         else:
@@ -453,7 +454,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                              prefetch=self._prefetch, pool=pool)
         if spec is None and self._reads_ahead():
-            src.tail_hook(lambda: self._make_ahead(native_bs), at=len(src) - 2 * src.prefetch)
+            src.tail_hook(lambda: self._make_ahead(native_bs, src), at=len(src) - 3 * src.prefetch)
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -483,29 +484,30 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # NOTE [epoch ahead]: a for-loop over epochs leaves the data path idle at every epoch
     # boundary: the last batch of epoch e is taken, then iter() plans epoch e+1, starts its
     # pipeline and waits for its first batch. Instead, when the consumer has taken all but
-    # the last `prefetch` batches of an epoch (all of them are then claimed by its workers),
-    # the loader plans the epoch its next iter() will read and starts that epoch's pipeline,
-    # allowed to collate only `threads` batches ahead (so the epoch's tail keeps its CPU and
-    # few extra slots are used). The next iter() adopts it if nothing its order depends on
-    # changed -- the epoch number (set_epoch), rank and world size, shuffle and seed,
-    # batch size, drop_last, threads, prefetch, the slot pool -- and no resume state was
-    # loaded; it then raises the pipeline's read-ahead to `prefetch`. Otherwise the early
-    # pipeline is closed and the epoch starts as usual, so order, resume and set_epoch stay
-    # exact. Only for local ShardDatasets without transforms: a remote dataset's fetch
+    # the last `2 * prefetch` batches of an epoch, the loader plans the epoch its next iter()
+    # will read and starts that epoch's pipeline, allowed to collate only `threads` batches
+    # ahead (so the epoch's tail keeps its CPU and few extra slots are used). Once every
+    # batch of the current epoch is claimed, the first of its workers to run out of work
+    # raises that to `prefetch` (BatchPipeline.hand_over: a worker, not the training loop,
+    # wakes the new threads, so the loop is not the thread they preempt on a busy machine).
+    # The next iter() adopts the early pipeline if nothing its order depends on changed --
+    # the epoch number (set_epoch), rank and world size, shuffle and seed, batch size,
+    # drop_last, threads, prefetch, the slot pool -- and no resume state was loaded.
+    # Otherwise it is closed and the epoch starts as usual, so order, resume and set_epoch
+    # stay exact. Only for local ShardDatasets without transforms: a remote dataset's fetch
     # schedule belongs to the epoch being read, and a transform stream has workers of its
-    # own. The early pipeline holds at most `threads` batches and stops when the loader is
-    # dropped; after the last epoch of a job that work is simply unused.
+    # own. The early pipeline stops when the loader is dropped; after the last epoch of a
+    # job its few batches are simply unused.
     def _reads_ahead(self) -> bool:
         from ..read.shards import ShardDataset
         ds = self.dataset
         return isinstance(ds, ShardDataset) and not ds.is_remote
 
-    def _ahead_key(self, epoch: int, native_bs: int) -> tuple[Any, ...]:
-        rank, world = self.dataset.rank_and_world()
+    def _ahead_key(self, epoch: int, native_bs: int, rank: int, world: int) -> tuple[Any, ...]:
         return (epoch, rank, world, self._settings, native_bs, self.drop_last, self._threads, self._prefetch,
                 self._batch_pool)
 
-    def _make_ahead(self, native_bs: int) -> None:
+    def _make_ahead(self, native_bs: int, current: Any) -> None:
         """Starts the pipeline of the epoch the next iter() reads (NOTE [epoch ahead])."""
         if self._resume or self._batch_pool is None:
             return
@@ -515,9 +517,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
         src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,  # type: ignore[call-arg]
                          prefetch=self._prefetch, pool=self._batch_pool, ahead=self._threads)
-        old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs), src)
+        old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs, rank, world), src)
         if old is not None:
             old[1].close()
+        current.hand_over(src)
 
     def _start_run(self, epoch: int, world: int, segments: list[list[int]], consumed: ConsumedCount,
                    length: int) -> None:

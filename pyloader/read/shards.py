@@ -132,6 +132,10 @@ class BatchIterator:
         """
         self._tail, self._tail_at = fn, max(1, at)
 
+    def hand_over(self, nxt: BatchIterator) -> None:
+        """Once this stream's batches are all claimed, ``nxt`` (made ahead) runs at full read-ahead."""
+        self._pipeline.hand_over(nxt._pipeline, nxt.prefetch)
+
     def begin(self) -> None:
         """This stream was made ahead of its epoch, which starts now: full read-ahead, stats from now."""
         self._pipeline.set_ahead(self.prefetch, later=True)

@@ -193,7 +193,9 @@ void BatchPipeline::worker_loop() {
       if (stop_) return;
       if (next_claim_ >= num_batches_) {
         claims_done_ = true;
-        std::shared_ptr<BatchPipeline> next = successor_.lock();
+        // An epoch that failed does not push the next one ahead (its read-ahead stays low
+        // until the next iter() adopts it): the same storage fault would hit it too.
+        std::shared_ptr<BatchPipeline> next = failed_ ? nullptr : successor_.lock();
         successor_.reset();
         const int n = successor_ahead_;
         lk.unlock();
@@ -219,6 +221,7 @@ void BatchPipeline::worker_loop() {
     release_batch(b);
     {
       std::lock_guard<std::mutex> lk(mu_);
+      if (done.error) failed_ = true;
       ring_[b % ring_.size()] = std::move(done);
     }
     cv_ready_->notify_all();

@@ -79,7 +79,8 @@ class BatchPipeline {
   // Once every batch of this pipeline is claimed (its workers then run out of work), the
   // first worker to find nothing left raises `next`'s read-ahead to `ahead` -- from a
   // worker thread, so the consumer is not the thread that wakes `next`'s workers. Applied
-  // at once if that moment has passed. Held weakly: a `next` already dropped is skipped.
+  // at once if that moment has passed. Held weakly: a `next` already dropped is skipped;
+  // nothing is raised if a batch of this pipeline failed.
   void hand_over(const std::shared_ptr<BatchPipeline>& next, int ahead);
   size_t num_batches() const noexcept { return num_batches_; }
   const PipelineCounters& counters() const noexcept { return counters_; }
@@ -127,6 +128,7 @@ class BatchPipeline {
   size_t ahead_ = 1;                        // workers claim batch b only while b < consumed_ + ahead_
   size_t ahead_later_ = 0;                  // set_ahead(n, later=true): ahead_ becomes n at the next take
   bool claims_done_ = false;                // every batch has been claimed
+  bool failed_ = false;                     // a batch failed (hand_over() then raises nothing)
   std::weak_ptr<BatchPipeline> successor_;  // hand_over()
   int successor_ahead_ = 0;
   std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]

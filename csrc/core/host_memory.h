@@ -24,7 +24,8 @@ class HostAllocator {
   virtual bool pinned() const noexcept = 0;
 };
 
-// aligned_alloc; buffers of 2 MiB and more are offered to transparent huge pages.
+// Buffers of 2 MiB and more: anonymous mappings faulted in when made (NOTE [prefaulted
+// slots] in host_memory.cpp); smaller ones: aligned_alloc.
 class PageableAllocator final : public HostAllocator {
  public:
   void* allocate(size_t bytes, size_t align) override;

@@ -9,7 +9,7 @@ namespace pyloader {
 
 namespace {
 constexpr size_t kAlign = 4096;
-constexpr size_t kHugeAlign = size_t(2) << 20;
+constexpr size_t kLarge = size_t(2) << 20;
 }  // namespace
 
 HostBuffer::~HostBuffer() {
@@ -20,10 +20,10 @@ void HostBuffer::reserve(size_t n) {
   if (n <= cap_) return;
   // Grow by at least 1/8 so that slowly rising variable lengths do not reallocate every batch.
   size_t want = n + n / 8;
-  // Large buffers are 2 MiB-aligned (huge pages, see PageableAllocator).
-  const size_t align = want >= kHugeAlign ? kHugeAlign : kAlign;
-  want = (want + align - 1) / align * align;
-  void* p = alloc_->allocate(want, align);
+  // Large buffers are sized in whole 2 MiB (prefaulted mappings, NOTE [prefaulted slots]).
+  const size_t round = want >= kLarge ? kLarge : kAlign;
+  want = (want + round - 1) / round * round;
+  void* p = alloc_->allocate(want, kAlign);
   if (data_) alloc_->release(data_, cap_);
   data_ = static_cast<uint8_t*>(p);
   cap_ = want;

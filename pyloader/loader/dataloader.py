@@ -22,6 +22,7 @@ from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 from .. import _C
 from ..read import order as _order
 from ..read.contract import BatchStream, OrderSpec, PlannedDataset
+from ..read.shards import BatchIterator, ShardDataset
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
 from . import state as _state
@@ -198,7 +199,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._len_called: int | None = None  # _IterableDataset_len_called of the native path
         # Host buffers are made at the first iter(), not here (NOTE [lazy pinned pools]).
         self._batch_pool: _C.SlotPool | None = None  # see _pool
-        self._ahead: tuple[tuple[Any, ...], Any] | None = None  # (key, stream): NOTE [epoch ahead]
+        self._ahead: tuple[tuple[Any, ...], BatchIterator] | None = None  # (key, stream): NOTE [epoch ahead]
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
         self._inner: _TorchDataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
@@ -441,8 +442,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         src: BatchStream
         if (spec is None and ahead is not None and not segments
                 and ahead[0] == self._ahead_key(epoch, native_bs, rank, world)):
-            src = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
-            src.begin()
+            early: BatchIterator = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
+            early.begin()
+            src = early
         else:
             if ahead is not None:
                 ahead[1].close()
@@ -453,8 +455,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
             src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                              prefetch=self._prefetch, pool=pool)
-        if spec is None and self._reads_ahead():
-            src.tail_hook(lambda: self._make_ahead(native_bs, src), at=len(src) - 3 * src.prefetch)
+        if spec is None and self._reads_ahead() and isinstance(src, BatchIterator):
+            cur = src
+            cur.tail_hook(lambda: self._make_ahead(native_bs, cur), at=len(cur) - 3 * cur.prefetch)
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -499,7 +502,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # own. The early pipeline stops when the loader is dropped; after the last epoch of a
     # job its few batches are simply unused.
     def _reads_ahead(self) -> bool:
-        from ..read.shards import ShardDataset
         ds = self.dataset
         return isinstance(ds, ShardDataset) and not ds.is_remote
 
@@ -507,7 +509,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return (epoch, rank, world, self._settings, native_bs, self.drop_last, self._threads, self._prefetch,
                 self._batch_pool)
 
-    def _make_ahead(self, native_bs: int, current: Any) -> None:
+    def _make_ahead(self, native_bs: int, current: BatchIterator) -> None:
         """Starts the pipeline of the epoch the next iter() reads (NOTE [epoch ahead])."""
         if self._resume or self._batch_pool is None:
             return
@@ -515,7 +517,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         epoch = self._next_epoch
         rank, world = ds.rank_and_world()
         plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
-        src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,  # type: ignore[call-arg]
+        assert isinstance(ds, ShardDataset)  # _reads_ahead()
+        src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                          prefetch=self._prefetch, pool=self._batch_pool, ahead=self._threads)
         old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs, rank, world), src)
         if old is not None:

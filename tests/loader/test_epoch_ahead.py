@@ -135,7 +135,7 @@ def test_dropping_the_loader_stops_the_early_pipeline(ds_path) -> None:
     import weakref
 
     loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path), batch_size=8, num_workers=2)
-    for b in loader:
+    for b in loader:  # noqa: B007 - the last batch is dropped below
         pass
     del b
     assert loader._ahead is not None

@@ -193,6 +193,8 @@ class BatchPipeline:
         At once if that moment has passed: the next epoch's pipeline then runs at full read-ahead
         without the consumer waking its threads.
         """
+    def adopt(self, ahead: int) -> None:
+        """A pipeline made ahead begins its epoch: read-ahead ``ahead`` from the next take, and its pool may grow."""
     def set_ahead(self, n: int, *, later: bool = False) -> None:
         """Sets ``ahead`` (clamped to 1..prefetch); later=True: from the consumer's next take on, waking no thread now."""
     def next(self, timeout: float = 0.0) -> tuple[int, int, list[_DLPackCapsule], list[_DLPackCapsule | None]] | None:

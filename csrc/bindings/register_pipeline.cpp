@@ -160,6 +160,9 @@ void register_pipeline(py::module_& m) {
           "Once every batch of this pipeline is claimed, the first of its workers to find nothing left sets "
           "next.ahead = ahead (at once if that moment has passed): the next epoch's pipeline then runs at full "
           "read-ahead without the consumer waking its threads.")
+      .def("adopt", &BatchPipeline::adopt, py::arg("ahead"),
+           "A pipeline made ahead (ahead= at construction: it takes only slots others return) begins its "
+           "epoch: read-ahead `ahead` from the next take, and its slot pool may grow again.")
       .def(
           "set_ahead", [](BatchPipeline& p, int n, bool later) { p.set_ahead(n, later); }, py::arg("n"), py::kw_only(),
           py::arg("later") = false,

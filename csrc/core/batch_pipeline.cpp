@@ -65,6 +65,7 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
   if (cfg_.ahead < 0 || cfg_.ahead > cfg_.prefetch) throw std::invalid_argument("ahead must be in 0..prefetch");
   ahead_ = size_t(cfg_.ahead == 0 ? cfg_.prefetch : cfg_.ahead);
+  no_grow_.store(cfg_.ahead != 0, std::memory_order_release);
   if (!pool_ || pool_->num_fields() != shards_->fields().size())
     throw std::invalid_argument("the slot pool has " + std::to_string(pool_ ? pool_->num_fields() : 0) +
                                 " fields but the dataset has " + std::to_string(shards_->fields().size()));
@@ -162,6 +163,11 @@ void BatchPipeline::hand_over(const std::shared_ptr<BatchPipeline>& next, int ah
     }
   }
   next->set_ahead(ahead);
+}
+
+void BatchPipeline::adopt(int ahead) {
+  set_ahead(ahead, /*later=*/true);
+  no_grow_.store(false, std::memory_order_release);
 }
 
 int BatchPipeline::ahead() const {
@@ -268,7 +274,8 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   counters_.shard_wait_ns.fetch_add(t_fill - t_open, std::memory_order_relaxed);
   out->index = b;
   out->rows = rows;
-  out->slot = pool_->acquire();
+  out->slot = pool_->acquire(&no_grow_, &cancel_);
+  if (!out->slot) throw LoaderError(ErrorKind::kState, "", -1, "", "cancelled while waiting for a free batch slot");
   Slot& slot = *out->slot;
   out->fields.resize(nf);
   std::vector<size_t> stride(nf);

@@ -82,6 +82,9 @@ class BatchPipeline {
   // at once if that moment has passed. Held weakly: a `next` already dropped is skipped;
   // nothing is raised if a batch of this pipeline failed.
   void hand_over(const std::shared_ptr<BatchPipeline>& next, int ahead);
+  // The epoch of a pipeline made ahead (cfg.ahead > 0) begins: read-ahead `ahead` from the
+  // consumer's next take on, and the slot pool may grow again.
+  void adopt(int ahead);
   size_t num_batches() const noexcept { return num_batches_; }
   const PipelineCounters& counters() const noexcept { return counters_; }
   const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
@@ -121,7 +124,8 @@ class BatchPipeline {
   std::unique_ptr<std::condition_variable> cv_work_ = std::make_unique<std::condition_variable>();
   std::unique_ptr<std::condition_variable> cv_ready_ = std::make_unique<std::condition_variable>();
   bool stop_ = false;
-  std::atomic<bool> cancel_{false};  // stop_, readable without mu_ (shard waits)
+  std::atomic<bool> cancel_{false};   // stop_, readable without mu_ (shard waits)
+  std::atomic<bool> no_grow_{false};  // made ahead and not adopted: take only free slots
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;

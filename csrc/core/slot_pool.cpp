@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <new>
 
@@ -31,15 +32,23 @@ void HostBuffer::reserve(size_t n) {
 
 SlotPool::~SlotPool() {
   for (Slot* s : free_) delete s;
+  if (::getpid() != pid_) (void)returned_.release();
 }
 
-std::shared_ptr<Slot> SlotPool::acquire() {
+std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const std::atomic<bool>* cancel) {
   Slot* s = nullptr;
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!free_.empty()) {
-      s = free_.back();
-      free_.pop_back();
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      if (!free_.empty()) {
+        s = free_.back();
+        free_.pop_back();
+        break;
+      }
+      if (!no_grow || !no_grow->load(std::memory_order_acquire)) break;
+      if (cancel && cancel->load(std::memory_order_acquire)) return nullptr;
+      // Slices: the flags are set without this mutex.
+      returned_->wait_for(lk, std::chrono::milliseconds(20));
     }
   }
   if (!s) {
@@ -66,8 +75,11 @@ void SlotPool::give_back(Slot* s) noexcept {
     return;
   }
   try {
-    std::lock_guard<std::mutex> lk(mu_);
-    free_.push_back(s);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      free_.push_back(s);
+    }
+    returned_->notify_one();
   } catch (...) {
     delete s;
   }

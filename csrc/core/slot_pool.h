@@ -8,6 +8,8 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -55,8 +57,11 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   ~SlotPool();
 
   // A free slot, or a new one when all are in use. The returned pointer returns the
-  // slot to this pool when its last copy is dropped.
-  std::shared_ptr<Slot> acquire();
+  // slot to this pool when its last copy is dropped. While *no_grow is true, waits for a
+  // slot to come back instead of making one (NOTE [epoch ahead] in
+  // pyloader/loader/dataloader.py: a pipeline made ahead of its epoch uses only the slots
+  // the current epoch frees); returns null if *cancel becomes true meanwhile.
+  std::shared_ptr<Slot> acquire(const std::atomic<bool>* no_grow = nullptr, const std::atomic<bool>* cancel = nullptr);
 
   size_t created() const;
   size_t free_count() const;
@@ -70,6 +75,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   std::shared_ptr<HostAllocator> alloc_;
   pid_t pid_;
   mutable std::mutex mu_;
+  // Heap-allocated so that a forked child can leak it (a parent thread may have waited on it).
+  std::unique_ptr<std::condition_variable> returned_ = std::make_unique<std::condition_variable>();
   std::vector<Slot*> free_;
   size_t created_ = 0;
 };

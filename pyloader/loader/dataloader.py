@@ -457,7 +457,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                              prefetch=self._prefetch, pool=pool)
         if spec is None and self._reads_ahead() and isinstance(src, BatchIterator):
             cur = src
-            cur.tail_hook(lambda: self._make_ahead(native_bs, cur), at=len(cur) - 3 * cur.prefetch)
+            cur.tail_hook(lambda: self._make_ahead(native_bs, cur), at=max(len(cur) - 3 * cur.prefetch, len(cur) // 2))
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
         consumed = ConsumedCount()
@@ -487,20 +487,22 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # NOTE [epoch ahead]: a for-loop over epochs leaves the data path idle at every epoch
     # boundary: the last batch of epoch e is taken, then iter() plans epoch e+1, starts its
     # pipeline and waits for its first batch. Instead, when the consumer has taken all but
-    # the last `2 * prefetch` batches of an epoch, the loader plans the epoch its next iter()
-    # will read and starts that epoch's pipeline, allowed to collate only `threads` batches
-    # ahead (so the epoch's tail keeps its CPU and few extra slots are used). Once every
-    # batch of the current epoch is claimed, the first of its workers to run out of work
-    # raises that to `prefetch` (BatchPipeline.hand_over: a worker, not the training loop,
-    # wakes the new threads, so the loop is not the thread they preempt on a busy machine).
+    # the last `3 * prefetch` batches of an epoch (or half of a shorter one), the loader
+    # plans the epoch its next iter() will read and starts that epoch's pipeline, allowed
+    # to collate only `threads` batches ahead, and only into slots the current epoch
+    # returns to the pool (it never makes one, so a first epoch pays no extra buffer
+    # memory and the tail keeps its CPU). Once every batch of the current epoch is claimed,
+    # the first of its workers to run out of work raises that to `prefetch`
+    # (BatchPipeline.hand_over: a worker, not the training loop, wakes the new threads, so
+    # the loop is not the thread they preempt on a busy machine; not after a failed batch).
     # The next iter() adopts the early pipeline if nothing its order depends on changed --
     # the epoch number (set_epoch), rank and world size, shuffle and seed, batch size,
-    # drop_last, threads, prefetch, the slot pool -- and no resume state was loaded.
-    # Otherwise it is closed and the epoch starts as usual, so order, resume and set_epoch
-    # stay exact. Only for local ShardDatasets without transforms: a remote dataset's fetch
-    # schedule belongs to the epoch being read, and a transform stream has workers of its
-    # own. The early pipeline stops when the loader is dropped; after the last epoch of a
-    # job its few batches are simply unused.
+    # drop_last, threads, prefetch, the slot pool -- and no resume state was loaded; the
+    # pipeline may then grow the pool again. Otherwise it is closed and the epoch starts as
+    # usual, so order, resume and set_epoch stay exact. Only for local ShardDatasets
+    # without transforms: a remote dataset's fetch schedule belongs to the epoch being
+    # read, and a transform stream has workers of its own. The early pipeline stops when
+    # the loader is dropped; after the last epoch of a job its few batches are unused.
     def _reads_ahead(self) -> bool:
         ds = self.dataset
         return isinstance(ds, ShardDataset) and not ds.is_remote

@@ -138,7 +138,7 @@ class BatchIterator:
 
     def begin(self) -> None:
         """This stream was made ahead of its epoch, which starts now: full read-ahead, stats from now."""
-        self._pipeline.set_ahead(self.prefetch, later=True)
+        self._pipeline.adopt(self.prefetch)
         self._start = time.perf_counter()
         self._began_ahead = self._pipeline.counters()["batches"]
 
@@ -507,8 +507,9 @@ class ShardDataset(UnitDataset, IterableDataset):
         Without ``plan``: this rank's plan of ``epoch`` (default: the current one), split
         ``worker`` of ``num_workers``, with ``shuffle``/``seed`` overriding ``order``'s.
         ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own). ``ahead``:
-        collate at most that many batches until ``begin()`` is called (a stream made ahead
-        of its epoch, NOTE [epoch ahead]); default: ``prefetch`` from the start.
+        a stream made ahead of its epoch (NOTE [epoch ahead]): it collates at most that many
+        batches, into slots others return to the pool (it makes none), until ``begin()``;
+        default: ``prefetch`` batches from the start.
         """
         prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)

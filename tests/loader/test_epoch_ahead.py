@@ -146,3 +146,44 @@ def test_dropping_the_loader_stops_the_early_pipeline(ds_path) -> None:
     again = pyloader.DataLoader(pyloader.ShardDataset(ds_path), batch_size=300, num_workers=2)
     (b,) = list(again)
     assert torch.equal(b["id"], torch.arange(300))
+
+
+def test_a_pipeline_made_ahead_takes_only_returned_slots_until_its_epoch_begins(ds_path) -> None:
+    import time
+
+    from pyloader import _C
+
+    ds = pyloader.ShardDataset(ds_path)
+    pool = _C.SlotPool(num_fields=len(ds.fields))
+    held = list(ds.batches(100, pool=pool, num_threads=1, prefetch=1))  # 3 batches kept: 3 slots in use
+    assert pool.created == 3 and pool.free == 0
+    early = ds.batches(100, pool=pool, num_threads=2, ahead=2, epoch=1)
+    time.sleep(0.3)
+    assert early.counters()["batches"] == 0 and pool.created == 3  # it waits; it makes no slot
+    del held[0]  # one slot comes back: the early stream takes it
+    deadline = time.monotonic() + 10
+    while early.counters()["batches"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert early.counters()["batches"] == 1 and pool.created == 3
+    early.begin()  # its epoch begins: the pool may grow again
+    got = [b["id"].tolist() for b in early]
+    assert got == [list(range(0, 100)), list(range(100, 200)), list(range(200, 300))]
+    assert pool.created > 3
+    del held
+
+
+def test_closing_a_waiting_early_pipeline_returns_promptly(ds_path) -> None:
+    import time
+
+    from pyloader import _C
+
+    ds = pyloader.ShardDataset(ds_path)
+    pool = _C.SlotPool(num_fields=len(ds.fields))
+    held = list(ds.batches(150, pool=pool, num_threads=1, prefetch=1))
+    early = ds.batches(100, pool=pool, num_threads=2, ahead=2)
+    time.sleep(0.1)
+    t = time.monotonic()
+    early.close()  # its workers wait for a slot that never comes back
+    assert time.monotonic() - t < 2.0
+    assert len(held) == 2

@@ -179,7 +179,7 @@ class BatchPipeline:
         drop_last: bool = False,
         num_threads: int = 1,
         prefetch: int = 2,
-        ahead: int = 0,
+        ahead: int = -1,
     ) -> None: ...
     def __len__(self) -> int: ...
     @property

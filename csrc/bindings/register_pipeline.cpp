@@ -146,7 +146,7 @@ void register_pipeline(py::module_& m) {
            }),
            py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
            py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1, py::arg("prefetch") = 2,
-           py::arg("ahead") = 0)
+           py::arg("ahead") = -1)
       .def("__len__", &BatchPipeline::num_batches)
       .def_property(
           "ahead", &BatchPipeline::ahead, [](BatchPipeline& p, int n) { p.set_ahead(n); },

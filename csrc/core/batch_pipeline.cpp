@@ -63,9 +63,9 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   if (cfg_.batch_size == 0) throw std::invalid_argument("batch_size must be >= 1");
   if (cfg_.num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
-  if (cfg_.ahead < 0 || cfg_.ahead > cfg_.prefetch) throw std::invalid_argument("ahead must be in 0..prefetch");
-  ahead_ = size_t(cfg_.ahead == 0 ? cfg_.prefetch : cfg_.ahead);
-  no_grow_.store(cfg_.ahead != 0, std::memory_order_release);
+  if (cfg_.ahead < -1 || cfg_.ahead > cfg_.prefetch) throw std::invalid_argument("ahead must be -1 or in 0..prefetch");
+  ahead_ = size_t(cfg_.ahead < 0 ? cfg_.prefetch : cfg_.ahead);
+  no_grow_.store(cfg_.ahead >= 0, std::memory_order_release);
   if (!pool_ || pool_->num_fields() != shards_->fields().size())
     throw std::invalid_argument("the slot pool has " + std::to_string(pool_ ? pool_->num_fields() : 0) +
                                 " fields but the dataset has " + std::to_string(shards_->fields().size()));
@@ -166,8 +166,15 @@ void BatchPipeline::hand_over(const std::shared_ptr<BatchPipeline>& next, int ah
 }
 
 void BatchPipeline::adopt(int ahead) {
-  set_ahead(ahead, /*later=*/true);
   no_grow_.store(false, std::memory_order_release);
+  bool idle;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    idle = ahead_ == 0;
+  }
+  // Raised at the next take when batches are under way (that take wakes the workers
+  // anyway); at once when none may be claimed yet, or the next take would wait forever.
+  set_ahead(ahead, /*later=*/!idle);
 }
 
 int BatchPipeline::ahead() const {

@@ -24,7 +24,10 @@ struct PipelineConfig {
   bool drop_last = false;
   int num_threads = 1;
   int prefetch = 2;  // batches collated ahead of the consumer (ready or in progress), at most
-  int ahead = 0;     // the first limit on that (1..prefetch; 0: prefetch), see set_ahead()
+  // -1: `prefetch` batches from the start. 0..prefetch: a pipeline made ahead of its epoch
+  // (NOTE [epoch ahead] in pyloader/loader/dataloader.py): at most that many (0: none) until
+  // set_ahead()/hand_over()/adopt() raises it, and only into slots others return.
+  int ahead = -1;
 };
 
 struct FieldView {
@@ -82,7 +85,7 @@ class BatchPipeline {
   // at once if that moment has passed. Held weakly: a `next` already dropped is skipped;
   // nothing is raised if a batch of this pipeline failed.
   void hand_over(const std::shared_ptr<BatchPipeline>& next, int ahead);
-  // The epoch of a pipeline made ahead (cfg.ahead > 0) begins: read-ahead `ahead` from the
+  // The epoch of a pipeline made ahead (cfg.ahead >= 0) begins: read-ahead `ahead` from the
   // consumer's next take on, and the slot pool may grow again.
   void adopt(int ahead);
   size_t num_batches() const noexcept { return num_batches_; }

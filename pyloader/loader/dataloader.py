@@ -488,21 +488,21 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # boundary: the last batch of epoch e is taken, then iter() plans epoch e+1, starts its
     # pipeline and waits for its first batch. Instead, when the consumer has taken all but
     # the last `3 * prefetch` batches of an epoch (or half of a shorter one), the loader
-    # plans the epoch its next iter() will read and starts that epoch's pipeline, allowed
-    # to collate only `threads` batches ahead, and only into slots the current epoch
-    # returns to the pool (it never makes one, so a first epoch pays no extra buffer
-    # memory and the tail keeps its CPU). Once every batch of the current epoch is claimed,
-    # the first of its workers to run out of work raises that to `prefetch`
-    # (BatchPipeline.hand_over: a worker, not the training loop, wakes the new threads, so
-    # the loop is not the thread they preempt on a busy machine; not after a failed batch).
-    # The next iter() adopts the early pipeline if nothing its order depends on changed --
-    # the epoch number (set_epoch), rank and world size, shuffle and seed, batch size,
-    # drop_last, threads, prefetch, the slot pool -- and no resume state was loaded; the
-    # pipeline may then grow the pool again. Otherwise it is closed and the epoch starts as
-    # usual, so order, resume and set_epoch stay exact. Only for local ShardDatasets
-    # without transforms: a remote dataset's fetch schedule belongs to the epoch being
-    # read, and a transform stream has workers of its own. The early pipeline stops when
-    # the loader is dropped; after the last epoch of a job its few batches are unused.
+    # plans the epoch its next iter() will read and starts that epoch's pipeline, idle.
+    # Once every batch of the current epoch is claimed, the first of its workers to run out
+    # of work lets the new pipeline collate `prefetch` batches (BatchPipeline.hand_over: a
+    # worker, not the training loop, wakes the new threads, so the loop is not the thread
+    # they preempt on a busy machine; not after a failed batch), into slots the current
+    # epoch returns to the pool: it never makes one, so the current epoch keeps its CPU and
+    # a first epoch pays no extra buffer memory. The next iter() adopts the early pipeline
+    # if nothing its order depends on changed -- the epoch number (set_epoch), rank and
+    # world size, shuffle and seed, batch size, drop_last, threads, prefetch, the slot pool
+    # -- and no resume state was loaded; the pipeline may then grow the pool again.
+    # Otherwise it is closed and the epoch starts as usual, so order, resume and set_epoch
+    # stay exact. Only for local ShardDatasets without transforms: a remote dataset's fetch
+    # schedule belongs to the epoch being read, and a transform stream has workers of its
+    # own. The early pipeline stops when the loader is dropped; after the last epoch of a
+    # job its few batches are unused.
     def _reads_ahead(self) -> bool:
         ds = self.dataset
         return isinstance(ds, ShardDataset) and not ds.is_remote
@@ -521,7 +521,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
         assert isinstance(ds, ShardDataset)  # _reads_ahead()
         src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                         prefetch=self._prefetch, pool=self._batch_pool, ahead=self._threads)
+                         prefetch=self._prefetch, pool=self._batch_pool, ahead=0)
         old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs, rank, world), src)
         if old is not None:
             old[1].close()

@@ -508,8 +508,8 @@ class ShardDataset(UnitDataset, IterableDataset):
         ``worker`` of ``num_workers``, with ``shuffle``/``seed`` overriding ``order``'s.
         ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own). ``ahead``:
         a stream made ahead of its epoch (NOTE [epoch ahead]): it collates at most that many
-        batches, into slots others return to the pool (it makes none), until ``begin()``;
-        default: ``prefetch`` batches from the start.
+        batches (0: none until ``hand_over`` raises it), into slots others return to the pool
+        (it makes none), until ``begin()``; default: ``prefetch`` batches from the start.
         """
         prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
@@ -525,7 +525,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         pipeline = _C.BatchPipeline(
             shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
-            ahead=0 if ahead is None else max(1, min(ahead, prefetch)),
+            ahead=-1 if ahead is None else max(0, min(ahead, prefetch)),
         )
         return BatchIterator(self, pipeline, num_threads, prefetch)
 

@@ -111,10 +111,10 @@ def test_the_early_pipeline_collates_no_more_than_its_share(ds_path) -> None:
     for _ in range(len(it) - 3 * 3 + 1):  # up to the batch that starts the next epoch's pipeline
         next(it)
     early = loader._ahead[1]
-    # Until this epoch's batches are all claimed it may collate num_workers batches; after
-    # that (BatchPipeline.hand_over) prefetch; never more, however long it waits.
+    # Until this epoch's batches are all claimed it collates nothing; after that
+    # (BatchPipeline.hand_over) prefetch batches; never more, however long it waits.
     time.sleep(0.2)
-    assert early.counters()["batches"] <= 2  # this epoch still has unclaimed batches
+    assert early.counters()["batches"] == 0  # this epoch still has unclaimed batches
     for b in it:
         del b
     time.sleep(0.2)
@@ -187,3 +187,15 @@ def test_closing_a_waiting_early_pipeline_returns_promptly(ds_path) -> None:
     early.close()  # its workers wait for a slot that never comes back
     assert time.monotonic() - t < 2.0
     assert len(held) == 2
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_early_pipeline_reads_its_epoch_once_begun(ds_path) -> None:
+    import time
+
+    ds = pyloader.ShardDataset(ds_path)
+    early = ds.batches(100, ahead=0)  # made ahead, never handed over (its epoch's loop was closed early)
+    time.sleep(0.2)
+    assert early.counters()["batches"] == 0
+    early.begin()
+    assert [b["id"].tolist() for b in early] == [list(range(0, 100)), list(range(100, 200)), list(range(200, 300))]

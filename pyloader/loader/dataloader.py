@@ -508,7 +508,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return isinstance(ds, ShardDataset) and not ds.is_remote
 
     def _ahead_key(self, epoch: int, native_bs: int, rank: int, world: int) -> tuple[Any, ...]:
-        return (epoch, rank, world, self._settings, native_bs, self.drop_last, self._threads, self._prefetch,
+        return (epoch, rank, world, self._order, native_bs, self.drop_last, self._threads, self._prefetch,
                 self._batch_pool)
 
     def _make_ahead(self, native_bs: int, current: BatchIterator) -> None:

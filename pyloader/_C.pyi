@@ -180,7 +180,14 @@ class BatchPipeline:
         num_threads: int = 1,
         prefetch: int = 2,
         ahead: int = -1,
+        early: bool = False,
+        active_threads: int = 0,
     ) -> None: ...
+    @property
+    def threads(self) -> int:
+        """How many of the started workers collate, 1..num_threads (set: clamped; the others wait)."""
+    @threads.setter
+    def threads(self, value: int) -> None: ...
     def __len__(self) -> int: ...
     @property
     def ahead(self) -> int:

@@ -130,9 +130,12 @@ void register_pipeline(py::module_& m) {
       .def(py::init([](std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
                        const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& shard_idx,
                        const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& record_idx,
-                       size_t batch_size, bool drop_last, int num_threads, int prefetch, int ahead) {
+                       size_t batch_size, bool drop_last, int num_threads, int prefetch, int ahead, bool early,
+                       int active_threads) {
              PipelineConfig cfg;
              cfg.ahead = ahead;
+             cfg.early = early;
+             cfg.active_threads = active_threads;
              cfg.batch_size = batch_size;
              cfg.drop_last = drop_last;
              cfg.num_threads = num_threads;
@@ -146,7 +149,7 @@ void register_pipeline(py::module_& m) {
            }),
            py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
            py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1, py::arg("prefetch") = 2,
-           py::arg("ahead") = -1)
+           py::arg("ahead") = -1, py::arg("early") = false, py::arg("active_threads") = 0)
       .def("__len__", &BatchPipeline::num_batches)
       .def_property(
           "ahead", &BatchPipeline::ahead, [](BatchPipeline& p, int n) { p.set_ahead(n); },
@@ -160,6 +163,9 @@ void register_pipeline(py::module_& m) {
           "Once every batch of this pipeline is claimed, the first of its workers to find nothing left sets "
           "next.ahead = ahead (at once if that moment has passed): the next epoch's pipeline then runs at full "
           "read-ahead without the consumer waking its threads.")
+      .def_property(
+          "threads", &BatchPipeline::threads, [](BatchPipeline& p, int n) { p.set_threads(n); },
+          "How many of the started workers collate, 1..num_threads (set: clamped; the others wait).")
       .def("adopt", &BatchPipeline::adopt, py::arg("ahead"),
            "A pipeline made ahead (ahead= at construction: it takes only slots others return) begins its "
            "epoch: read-ahead `ahead` from the next take, and its slot pool may grow again.")

@@ -64,8 +64,11 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   if (cfg_.num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   if (cfg_.prefetch < 1) throw std::invalid_argument("prefetch must be >= 1");
   if (cfg_.ahead < -1 || cfg_.ahead > cfg_.prefetch) throw std::invalid_argument("ahead must be -1 or in 0..prefetch");
+  if (cfg_.active_threads < 0 || cfg_.active_threads > cfg_.num_threads)
+    throw std::invalid_argument("active_threads must be in 0..num_threads");
   ahead_ = size_t(cfg_.ahead < 0 ? cfg_.prefetch : cfg_.ahead);
-  no_grow_.store(cfg_.ahead >= 0, std::memory_order_release);
+  active_threads_ = size_t(cfg_.active_threads == 0 ? cfg_.num_threads : cfg_.active_threads);
+  no_grow_.store(cfg_.early, std::memory_order_release);
   if (!pool_ || pool_->num_fields() != shards_->fields().size())
     throw std::invalid_argument("the slot pool has " + std::to_string(pool_ ? pool_->num_fields() : 0) +
                                 " fields but the dataset has " + std::to_string(shards_->fields().size()));
@@ -99,7 +102,7 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   released_.assign(num_batches_, 0);
   int nthreads = std::min<int>(cfg_.num_threads, int(std::max<size_t>(num_batches_, 1)));
   threads_.reserve(size_t(nthreads));
-  for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this] { worker_loop(); });
+  for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this, t] { worker_loop(size_t(t)); });
 }
 
 BatchPipeline::~BatchPipeline() {
@@ -177,6 +180,19 @@ void BatchPipeline::adopt(int ahead) {
   set_ahead(ahead, /*later=*/!idle);
 }
 
+void BatchPipeline::set_threads(int n) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    active_threads_ = size_t(std::clamp(n, 1, cfg_.num_threads));
+  }
+  cv_work_->notify_all();
+}
+
+int BatchPipeline::threads() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return int(active_threads_);
+}
+
 int BatchPipeline::ahead() const {
   std::lock_guard<std::mutex> lk(mu_);
   return int(ahead_);
@@ -197,12 +213,14 @@ void BatchPipeline::release_batch(size_t b) {
   shards_->release(batch_shards(b));
 }
 
-void BatchPipeline::worker_loop() {
+void BatchPipeline::worker_loop(size_t index) {
   for (;;) {
     size_t b;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_work_->wait(lk, [&] { return stop_ || next_claim_ >= num_batches_ || next_claim_ < consumed_ + ahead_; });
+      cv_work_->wait(lk, [&] {
+        return stop_ || next_claim_ >= num_batches_ || (index < active_threads_ && next_claim_ < consumed_ + ahead_);
+      });
       if (stop_) return;
       if (next_claim_ >= num_batches_) {
         claims_done_ = true;

@@ -22,12 +22,14 @@ namespace pyloader {
 struct PipelineConfig {
   size_t batch_size = 1;
   bool drop_last = false;
-  int num_threads = 1;
-  int prefetch = 2;  // batches collated ahead of the consumer (ready or in progress), at most
-  // -1: `prefetch` batches from the start. 0..prefetch: a pipeline made ahead of its epoch
-  // (NOTE [epoch ahead] in pyloader/loader/dataloader.py): at most that many (0: none) until
-  // set_ahead()/hand_over()/adopt() raises it, and only into slots others return.
+  int num_threads = 1;     // worker threads started (the most that may collate)
+  int active_threads = 0;  // of those, how many collate (1..num_threads; 0: all), see set_threads()
+  int prefetch = 2;        // batches collated ahead of the consumer (ready or in progress), at most
+  // The read-ahead limit at the start, 0..prefetch (-1: prefetch), see set_ahead().
   int ahead = -1;
+  // A pipeline made ahead of its epoch (NOTE [epoch ahead] in pyloader/loader/dataloader.py):
+  // it collates only into slots others return to the pool, until adopt().
+  bool early = false;
 };
 
 struct FieldView {
@@ -79,6 +81,10 @@ class BatchPipeline {
   // the call itself wakes no thread.
   void set_ahead(int n, bool later = false);
   int ahead() const;
+  // How many of the started workers collate from now on, clamped to 1..num_threads; the
+  // others wait (a worker mid-batch finishes it first). For online tuning.
+  void set_threads(int n);
+  int threads() const;
   // Once every batch of this pipeline is claimed (its workers then run out of work), the
   // first worker to find nothing left raises `next`'s read-ahead to `ahead` -- from a
   // worker thread, so the consumer is not the thread that wakes `next`'s workers. Applied
@@ -99,7 +105,7 @@ class BatchPipeline {
     std::exception_ptr error;
   };
 
-  void worker_loop();
+  void worker_loop(size_t index);
   // Collates batch b into *out. The shards it reads are held only for the call (NOTE
   // [working set] in shard_reader.h): one lookup per distinct shard, none per record.
   // Throws RetryBatch when a corrupt cached shard is being fetched again (NOTE [self-healing]).
@@ -132,6 +138,7 @@ class BatchPipeline {
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;
+  size_t active_threads_ = 1;               // workers with index < active_threads_ claim batches
   size_t ahead_ = 1;                        // workers claim batch b only while b < consumed_ + ahead_
   size_t ahead_later_ = 0;                  // set_ahead(n, later=true): ahead_ becomes n at the next take
   bool claims_done_ = false;                // every batch has been claimed

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ManifestError, PyloaderError
+from ..loader.autotune import cpu_budget
 from ..read.shards import ShardDataset
 from ..transform.image import ImageDecode
 from . import measure as B
@@ -80,7 +81,8 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
 
             result["transform"] = R.run_transform_stage(
                 make_ds, fn, executor=args.executor, decode=decode, batch_size=args.batch_size,
-                threads=args.threads, epochs=args.epochs, torch_workers=args.torch_workers,
+                threads=cpu_budget() if args.threads == "auto" else args.threads, epochs=args.epochs,
+                torch_workers=args.torch_workers,
                 min_seconds=args.min_seconds, progress=progress)
             result["transform"]["function"] = args.transform
 
@@ -163,6 +165,10 @@ def _print_bench(r: dict[str, Any]) -> None:
         s = st[key]
         rows.append((label, f"{s['samples_per_s']:,.0f} samples/s", s["cpu_s"]))
         rows.append((f"  steady: {s['epochs']} x {1e3 * s['epoch_s']:.0f} ms epochs", f"{s['gbps']:.2f} GB/s", None))
+        if s.get("autotune"):
+            a = s["autotune"]
+            rows.append((f"  auto-tuned: {a['threads']} threads, read-ahead {a['prefetch']}",
+                         f"{a['memory_bytes'] / 2**20:.0f} of {a['memory_budget'] / 2**20:.0f} MiB", None))
         if "first_batch_s" in s:
             rows.append((f"  first epoch: {1e3 * s['startup_s']:.0f} ms, first batch {1e3 * s['first_batch_s']:.1f} ms",
                          f"{s['first_epoch_vs_steady']:.2f}x steady", None))
@@ -276,6 +282,10 @@ def _positive(kind: type) -> Any:
     return _number(kind, 0)
 
 
+def _threads_arg(s: str) -> int | str:
+    return "auto" if s == "auto" else _positive(int)(s)
+
+
 def add_bench_parser(sub: Any) -> None:
     """Adds the ``bench`` command and its options to ``sub`` (the subparsers of ``pyloader``)."""
     b = sub.add_parser("bench", help="measure the data path, stage by stage (default: a generated dataset)",
@@ -283,8 +293,9 @@ def add_bench_parser(sub: Any) -> None:
                                    "torch's DataLoader on the same data. Without URL, generates a dataset.")
     b.add_argument("url", nargs="?", help="dataset directory or manifest (default: generate one)")
     b.add_argument("--batch-size", type=_positive(int), default=256)
-    b.add_argument("--threads", type=_positive(int), default=max(1, min(os.cpu_count() or 1, 8)),
-                   help="pyloader native threads")
+    b.add_argument("--threads", type=_threads_arg, default=max(1, min(os.cpu_count() or 1, 8)),
+                   help="pyloader native threads, or 'auto': the loader tunes its threads and read-ahead "
+                        "(num_workers='auto'; the report shows what it chose and why)")
     b.add_argument("--epochs", type=_positive(int), default=2,
                    help="timed rounds per loader, each at least --min-seconds of whole epochs (best is kept)")
     b.add_argument("--min-seconds", type=_positive(float), default=0.5,

@@ -23,6 +23,7 @@ import torch
 from .. import _C
 from ..errors import ShardCorruptError, ShardFormatError
 from ..format.spec import CHECKSUM_NAMES, CODEC_LZ4, HEADER_SIZE, INDEX_DTYPE, shard_checksum, unpack_header
+from ..loader import autotune
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from . import measure as B
@@ -184,11 +185,13 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
         if best is None or r["samples_per_s"] > best["samples_per_s"]:
             best = r
     assert best is not None
+    if isinstance(loader, DataLoader) and "autotune" in loader.stats():
+        best["autotune"] = loader.stats()["autotune"]  # where the tuner ended (NOTE [autotune])
     best["first_epoch_vs_steady"] = best["first_epoch_samples_per_s"] / max(best["samples_per_s"], 1e-12)
     return best
 
 
-def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, torch_workers: int,
+def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs: int, torch_workers: int,
                progress: Callable[[str], None], min_seconds: float = 0.5) -> dict[str, Any]:
     """Measures each stage of the data path on ``ds``, then the whole; returns the figures by stage.
 
@@ -199,6 +202,8 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
     ``None``. ``progress`` receives one line per stage; ``epochs`` timed rounds of at least
     ``min_seconds`` each are run per loader (the best is kept).
     """
+    auto = threads == "auto"  # NOTE [autotune]: the loader tunes its threads; stages use every CPU
+    n: int = autotune.cpu_budget() if auto else int(threads)
     stages: dict[str, Any] = {}
     stages["remote_fetch"] = None
     if ds.is_remote:
@@ -210,35 +215,38 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int, epochs: int, 
                                   "shards_cached": len(ds.shard_paths) - got["downloaded"],
                                   "wall_s": t.wall, "cpu_s": t.cpu}
     local = ds.local_files()
-    progress(f"stage 1/5: storage read ({threads} threads)")
+    progress(f"stage 1/5: storage read ({n} threads)")
     with B.CpuTimer() as t:
-        gbps = B.read_gbps(local, threads, min_seconds=0.2)
-    stages["storage_read"] = {"gbps": gbps, "threads": threads, "cpu_s": t.cpu, "wall_s": t.wall}
+        gbps = B.read_gbps(local, n, min_seconds=0.2)
+    stages["storage_read"] = {"gbps": gbps, "threads": n, "cpu_s": t.cpu, "wall_s": t.wall}
 
     progress("stage 2/5: LZ4 decode")
     blocks = lz4_blocks(local, field_names=[f.name for f in ds.fields])
     if blocks:
         with B.CpuTimer() as t:
             one = B.native_decode_gbps(blocks, 1, seconds=0.5)
-            many = B.native_decode_gbps(blocks, threads, seconds=0.5)
-        stages["decode"] = {"gbps_1_thread": one, "gbps": many, "threads": threads, "cpu_s": t.cpu}
+            many = B.native_decode_gbps(blocks, n, seconds=0.5)
+        stages["decode"] = {"gbps_1_thread": one, "gbps": many, "threads": n, "cpu_s": t.cpu}
     else:
         stages["decode"] = None  # nothing in this dataset is compressed
 
     progress("stage 3/5: collation copy capacity")
     batch_bytes = max(1, sum(ds.shard_bytes)) // max(1, ds.num_records) * batch_size
     with B.CpuTimer() as t:
-        stages["collate_limit"] = {"memcpy_gbps": B.collate_copy_gbps(threads, batch_bytes), "threads": threads,
+        stages["collate_limit"] = {"memcpy_gbps": B.collate_copy_gbps(n, batch_bytes), "threads": n,
                                    "copy_bytes": batch_bytes}
     stages["collate_limit"]["cpu_s"] = t.cpu
 
-    progress(f"stage 4/5: pyloader end to end ({threads} threads)")
-    e2e = _measure_loader(lambda: DataLoader(ds, batch_size=batch_size, num_workers=threads), rounds=epochs,
-                          batch_size=batch_size, min_seconds=min_seconds)
+    progress(f"stage 4/5: pyloader end to end ({'auto-tuned' if auto else threads} threads)")
+    e2e = _measure_loader(lambda: DataLoader(ds, batch_size=batch_size, num_workers="auto" if auto else n),
+                          rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     st = e2e.pop("stats")
-    stages["pyloader"] = {**e2e, "threads": threads,
+    tuned = e2e.pop("autotune", None)
+    used = tuned["threads"] if auto and tuned else n
+    stages["pyloader"] = {**e2e, "threads": used,
+                          **({"autotune": tuned} if auto else {}),
                           "wait_fraction": st["consumer_wait_s"] / max(st["wall_s"], 1e-12),
-                          "workers_busy": st["collate_s"] / max(threads * st["wall_s"], 1e-12),
+                          "workers_busy": st["collate_s"] / max(used * st["wall_s"], 1e-12),
                           **{k: st[k] // e2e["epochs"] for k in ("stored_bytes", "decoded_bytes",
                                                                   "lz4_stored_bytes")},
                           "collate_s": st["collate_s"], "shard_wait_s": st["shard_wait_s"]}

@@ -25,6 +25,7 @@ from ..read.contract import BatchStream, OrderSpec, PlannedDataset
 from ..read.shards import BatchIterator, ShardDataset
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
+from . import autotune as _autotune
 from . import state as _state
 from . import transfer as _transfer
 
@@ -68,6 +69,8 @@ def _is_native(dataset: Any) -> bool:
 def _check_common(num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: bool,
                   device_prefetch: Any, pin_memory_device: Any) -> None:
     """The checks torch's DataLoader makes, with its messages, plus pyloader's own."""
+    if num_workers == "auto":
+        num_workers = 1  # NOTE [autotune]; its own checks are made with the dataset
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
         raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
     if not isinstance(timeout, (int, float)) or timeout < 0:
@@ -146,20 +149,21 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def __init__(self, dataset: torch.utils.data.Dataset[_T_co], batch_size: int | None = 1,
                  shuffle: bool | None = None,
-                 sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int | str = 0,
                  collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False, drop_last: bool = False,
                  timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, generator: torch.Generator | None = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory_device: str = "",
                  in_order: bool = True, device: str | torch.device | int | None = None, device_prefetch: int = 2,
                  prefetch: int | None = None, transform: Callable[..., Any] | None = None,
-                 executor: str = "threads", batch_transform: Callable[[Any], Any] | None = None) -> None:
+                 executor: str = "threads", batch_transform: Callable[[Any], Any] | None = None,
+                 memory_budget: int | None = None) -> None:
         # torch's __init__ is not run: the attributes torch's own code reads are set here
         # (NOTE [torch's DataLoader attributes]).
         _check_common(num_workers, timeout, prefetch_factor, persistent_workers, device_prefetch, pin_memory_device)
         self.dataset = dataset
         self.batch_size = batch_size
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # type: ignore[assignment]  # "auto" too (NOTE [autotune])
         self.collate_fn = collate_fn
         self.pin_memory = bool(pin_memory)
         self.pin_memory_device = pin_memory_device
@@ -173,6 +177,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device = _transfer.resolve_device(device)
         self.device_prefetch = device_prefetch
         self.prefetch = prefetch
+        if memory_budget is not None and (not isinstance(memory_budget, int) or isinstance(memory_budget, bool)
+                                          or memory_budget <= 0):
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+        if memory_budget is not None and num_workers != "auto":
+            raise ValueError("memory_budget= bounds what num_workers='auto' may use; give num_workers='auto'")
+        self.memory_budget = memory_budget
+        self._tuner: _autotune.AutoTune | None = None  # NOTE [autotune], made with the dataset's checks
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {transform!r}")
         if batch_transform is not None and not callable(batch_transform):
@@ -205,7 +216,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._native = _is_native(dataset)
         if self._native:
             self._init_native(shuffle, sampler, batch_sampler, multiprocessing_context)
+            if num_workers == "auto":
+                self._auto()  # raises now for what it cannot tune
         else:
+            if num_workers == "auto":
+                raise ValueError("num_workers='auto' tunes the native threads of a ShardDataset; torch's "
+                                 f"DataLoader over a {type(dataset).__name__} needs a number of worker processes")
             if prefetch is not None:
                 raise ValueError("prefetch= sets native collation depth and needs a pyloader dataset; "
                                  "use prefetch_factor with worker processes")
@@ -258,12 +274,35 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     @property
     def _threads(self) -> int:
-        """Native collation threads (read at each iter(): ``num_workers`` may be set after construction)."""
+        """Native collation threads (read at each iter(): ``num_workers`` may be set after construction).
+
+        With ``num_workers="auto"``: the threads started, of which the tuner lets some collate.
+        """
+        if self._auto_workers:
+            return self._auto().max_threads
         return max(1, self.num_workers)
+
+    @property
+    def _auto_workers(self) -> bool:
+        """``num_workers="auto"`` (read at each iter(), as num_workers may be set after construction)."""
+        return self.__dict__.get("num_workers") == "auto"
+
+    def _auto(self) -> _autotune.AutoTune:
+        """The tuner of ``num_workers="auto"`` (NOTE [autotune]), made at first use."""
+        if self._tuner is None:
+            ds = self.dataset
+            if not self._native or type(ds).__name__ != "ShardDataset" or self._transform_spec(0) is not None:
+                raise ValueError("num_workers='auto' tunes the native threads of a ShardDataset without transforms; "
+                                 "give num_workers a number here")
+            staging = self.device_prefetch if self.device is not None else 0
+            self._tuner = _autotune.AutoTune(self.memory_budget, prefetch=self.prefetch, staging_slots=staging)
+        return self._tuner
 
     @property
     def _prefetch(self) -> int | None:
         """Batches collated ahead: ``prefetch``, else ``prefetch_factor`` per thread, else the dataset's default."""
+        if self._auto_workers:
+            return _autotune.MAX_PREFETCH  # the ring; the tuner sets how much of it is used
         if self.prefetch is not None:
             return self.prefetch
         return None if self.prefetch_factor is None else max(1, self.prefetch_factor * self._threads)
@@ -443,6 +482,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if (spec is None and ahead is not None and not segments
                 and ahead[0] == self._ahead_key(epoch, native_bs, rank, world)):
             early: BatchIterator = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
+            if self._tuner is not None:
+                early.tune(self._tuner.threads, self._tuner.prefetch)
             early.begin()
             src = early
         else:
@@ -454,7 +495,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 return self._iter_transformed(ds, epoch, world, segments, plan, spec, native_bs)
             pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
             src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                             prefetch=self._prefetch, pool=pool)
+                             prefetch=self._prefetch, pool=pool, **self._tuned())
+        if self._tuner is not None and isinstance(src, BatchIterator):
+            src.tuner = self._tuner
+            src.ahead_target = self._tuner.prefetch
+            self._tuner.attach(src)
         if spec is None and self._reads_ahead() and isinstance(src, BatchIterator):
             cur = src
             cur.tail_hook(lambda: self._make_ahead(native_bs, cur), at=max(len(cur) - 3 * cur.prefetch, len(cur) // 2))
@@ -507,6 +552,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         ds = self.dataset
         return isinstance(ds, ShardDataset) and not ds.is_remote
 
+    def _tuned(self) -> dict[str, Any]:
+        """batches() arguments that start a pipeline at the tuner's values (NOTE [autotune])."""
+        if not self._auto_workers:
+            return {}
+        t = self._auto()
+        rows = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
+        t.expect(rows * sum(f.row_bytes for f in self.dataset.fields if not f.variable))
+        return {"ahead": t.prefetch, "active_threads": t.threads}
+
     def _ahead_key(self, epoch: int, native_bs: int, rank: int, world: int) -> tuple[Any, ...]:
         return (epoch, rank, world, self._order, native_bs, self.drop_last, self._threads, self._prefetch,
                 self._batch_pool)
@@ -521,7 +575,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
         assert isinstance(ds, ShardDataset)  # _reads_ahead()
         src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                         prefetch=self._prefetch, pool=self._batch_pool, ahead=0)
+                         prefetch=self._prefetch, pool=self._batch_pool, ahead=0, early=True,
+                         active_threads=self._tuner.threads if self._tuner is not None else None)
+        if self._tuner is not None:
+            src.ahead_target = self._tuner.prefetch
         old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs, rank, world), src)
         if old is not None:
             old[1].close()

@@ -118,7 +118,9 @@ class BatchIterator:
         self._end: float | None = None
         self.on_finish: Any = None  # called with stats() when the iterator ends or closes
         self.timeout = 0.0  # seconds next() waits for a batch before LoaderTimeoutError (0: forever)
-        self.prefetch = prefetch
+        self.prefetch = prefetch  # the pipeline's ring: the most batches it may collate ahead
+        self.ahead_target = prefetch  # the read-ahead once its epoch runs (an auto-tuned loader's, NOTE [autotune])
+        self.tuner: Any = None  # an AutoTune observing this stream's batches
         self._delivered = 0
         self._began_ahead: int | None = None  # batches collated before begin() (None: not made ahead)
         self._tail: Any = None  # called once when _tail_at batches were delivered (tail_hook)
@@ -134,15 +136,23 @@ class BatchIterator:
 
     def hand_over(self, nxt: BatchIterator) -> None:
         """Once this stream's batches are all claimed, ``nxt`` (made ahead) runs at full read-ahead."""
-        self._pipeline.hand_over(nxt._pipeline, nxt.prefetch)
+        self._pipeline.hand_over(nxt._pipeline, nxt.ahead_target)
 
     def begin(self) -> None:
         """This stream was made ahead of its epoch, which starts now: full read-ahead, stats from now."""
-        self._pipeline.adopt(self.prefetch)
+        self._pipeline.adopt(self.ahead_target)
         self._start = time.perf_counter()
         self._began_ahead = self._pipeline.counters()["batches"]
 
-    def _delivered_one(self) -> None:
+    def tune(self, threads: int, ahead: int) -> None:
+        """Sets how many of this stream's threads collate and how far ahead (NOTE [autotune])."""
+        self._pipeline.threads = threads
+        self._pipeline.ahead = ahead
+        self.ahead_target = ahead
+
+    def _delivered_one(self, batch: Any) -> None:
+        if self.tuner is not None:
+            self.tuner.observe(self, batch)
         self._delivered += 1
         if self._tail is not None and self._delivered >= self._tail_at:
             fn, self._tail = self._tail, None
@@ -168,7 +178,7 @@ class BatchIterator:
             self._ended()
         _, _, arrays, lengths = item
         out = batch_to_torch(self._fields, arrays, lengths)
-        self._delivered_one()
+        self._delivered_one(out)
         return out
 
     def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
@@ -196,7 +206,7 @@ class BatchIterator:
             self._ended()
         host, arrays, lengths = item
         out = host, batch_to_torch(self._fields, arrays, lengths)
-        self._delivered_one()
+        self._delivered_one(out[1])
         return out
 
     def _ended(self) -> NoReturn:
@@ -255,6 +265,7 @@ class BatchIterator:
             # during the previous epoch's tail, and had collated this many batches when it began.
             "started_ahead": self._began_ahead is not None,
             "batches_ready_at_start": self._began_ahead or 0,
+            **({"autotune": self.tuner.report()} if self.tuner is not None else {}),
             **self._cache_stats(),
         }
 
@@ -501,15 +512,18 @@ class ShardDataset(UnitDataset, IterableDataset):
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
-                num_workers: int = 1, ahead: int | None = None) -> BatchIterator:
+                num_workers: int = 1, ahead: int | None = None, early: bool = False,
+                active_threads: int | None = None) -> BatchIterator:
         """The native batched iterator over ``plan`` (the contract, NOTE [dataset contract]).
 
         Without ``plan``: this rank's plan of ``epoch`` (default: the current one), split
         ``worker`` of ``num_workers``, with ``shuffle``/``seed`` overriding ``order``'s.
         ``pool``: the ``_C.SlotPool`` to collate into (default: one of its own). ``ahead``:
-        a stream made ahead of its epoch (NOTE [epoch ahead]): it collates at most that many
-        batches (0: none until ``hand_over`` raises it), into slots others return to the pool
-        (it makes none), until ``begin()``; default: ``prefetch`` batches from the start.
+        collate at most that many batches ahead at first (0: none until raised; default:
+        ``prefetch``, which is the most). ``early``: a stream made ahead of its epoch (NOTE
+        [epoch ahead]): it collates into slots others return to the pool (it makes none)
+        until ``begin()``. ``active_threads``: how many of the ``num_threads`` threads collate
+        at first (default: all; the ``threads`` of the native pipeline, for tuning).
         """
         prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
@@ -525,7 +539,8 @@ class ShardDataset(UnitDataset, IterableDataset):
         pipeline = _C.BatchPipeline(
             shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
-            ahead=-1 if ahead is None else max(0, min(ahead, prefetch)),
+            ahead=-1 if ahead is None else max(0, min(ahead, prefetch)), early=early,
+            active_threads=0 if active_threads is None else max(1, min(active_threads, num_threads)),
         )
         return BatchIterator(self, pipeline, num_threads, prefetch)
 

@@ -187,3 +187,18 @@ def test_bench_rejects_a_transform_it_cannot_import(tmp_path) -> None:
     assert res.returncode == 2 and "MODULE:FUNCTION" in res.stderr
     res = run_cli("--transform", "json:no_such_fn", "--quiet")
     assert res.returncode == 2 and "no function 'no_such_fn'" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_with_auto_threads_reports_what_the_tuner_chose() -> None:
+    res = run_cli(*TINY, "--threads", "auto", "--json", "--quiet")
+    assert res.returncode == 0, res.stderr
+    py = json.loads(res.stdout)["stages"]["pyloader"]
+    a = py["autotune"]
+    assert set(a) >= {"threads", "prefetch", "max_threads", "memory_budget", "slot_bytes", "memory_bytes",
+                      "decisions"}
+    assert 1 <= a["threads"] <= a["max_threads"] and py["threads"] == a["threads"]
+    assert 0 < a["memory_bytes"] <= a["memory_budget"]
+    assert a["slot_bytes"] >= 64 * 12288  # the largest batch seen (64 records of 12 KB)
+    bad = run_cli(*TINY, "--threads", "two")
+    assert bad.returncode == 2 and "--threads: not an integer: 'two'" in bad.stderr

@@ -145,7 +145,8 @@ def test_signature_is_torchs_plus_keyword_extras():
         assert ours[name].kind == p.kind, name
         assert ours[name].default == p.default, name
     extras = list(ours)[len(theirs):]
-    assert extras == ["device", "device_prefetch", "prefetch", "transform", "executor", "batch_transform"]
+    assert extras == ["device", "device_prefetch", "prefetch", "transform", "executor", "batch_transform",
+                      "memory_budget"]
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extras)
 
 

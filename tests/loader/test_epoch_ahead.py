@@ -157,7 +157,7 @@ def test_a_pipeline_made_ahead_takes_only_returned_slots_until_its_epoch_begins(
     pool = _C.SlotPool(num_fields=len(ds.fields))
     held = list(ds.batches(100, pool=pool, num_threads=1, prefetch=1))  # 3 batches kept: 3 slots in use
     assert pool.created == 3 and pool.free == 0
-    early = ds.batches(100, pool=pool, num_threads=2, ahead=2, epoch=1)
+    early = ds.batches(100, pool=pool, num_threads=2, ahead=2, early=True, epoch=1)
     time.sleep(0.3)
     assert early.counters()["batches"] == 0 and pool.created == 3  # it waits; it makes no slot
     del held[0]  # one slot comes back: the early stream takes it
@@ -181,7 +181,7 @@ def test_closing_a_waiting_early_pipeline_returns_promptly(ds_path) -> None:
     ds = pyloader.ShardDataset(ds_path)
     pool = _C.SlotPool(num_fields=len(ds.fields))
     held = list(ds.batches(150, pool=pool, num_threads=1, prefetch=1))
-    early = ds.batches(100, pool=pool, num_threads=2, ahead=2)
+    early = ds.batches(100, pool=pool, num_threads=2, ahead=2, early=True)
     time.sleep(0.1)
     t = time.monotonic()
     early.close()  # its workers wait for a slot that never comes back
@@ -194,7 +194,7 @@ def test_an_idle_early_pipeline_reads_its_epoch_once_begun(ds_path) -> None:
     import time
 
     ds = pyloader.ShardDataset(ds_path)
-    early = ds.batches(100, ahead=0)  # made ahead, never handed over (its epoch's loop was closed early)
+    early = ds.batches(100, ahead=0, early=True)  # made ahead, never handed over (its epoch's loop was closed early)
     time.sleep(0.2)
     assert early.counters()["batches"] == 0
     early.begin()

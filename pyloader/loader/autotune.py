@@ -1,0 +1,206 @@
+"""Online tuning of the native path's threads and read-ahead under a memory budget.
+
+NOTE [autotune]: ``DataLoader(num_workers="auto", memory_budget=B)`` starts every epoch's
+pipeline with as many threads as this process may run on (the most it will use) and a
+ring of ``MAX_PREFETCH`` batch positions, and lets only ``threads`` of those threads
+collate, at most ``prefetch`` batches ahead of the training loop. Every ``INTERVAL``
+seconds of iteration (checked as batches are handed out, on the loop's thread: no thread
+of its own), it reads the pipeline's counters over the interval -- the share of time the
+loop waited for a batch (``wait``) and the share of time the active threads were busy
+reading, verifying and copying (``busy``) -- and takes at most one step:
+
+* the loop waited (``wait > WAIT_HIGH``) and the threads were busy (``busy > BUSY_HIGH``):
+  one more thread, if the CPU has one and the budget allows;
+* the loop waited but the threads were not busy (bursts, shard opens): twice the
+  read-ahead, if the budget allows;
+* the loop did not wait and the threads were mostly idle for ``IDLE_STEPS`` intervals in
+  a row: one thread fewer (a CPU given back to the training step);
+* otherwise nothing: a steady machine keeps steady values.
+
+Memory: every batch in flight holds one slot of the batch's size, so the loader holds at
+most ``(prefetch + threads + 2) * slot_bytes`` (the read-ahead, one per thread being
+collated, the loop's current and previous batch), plus ``device_prefetch`` staging slots
+when batches are copied to a device from pageable memory. ``slot_bytes`` is the largest
+batch seen; a step that would exceed the budget is not taken, and values that exceed it
+(a larger batch arrived) are lowered, read-ahead first. The values reached carry over to
+the next epoch. ``stats()["autotune"]`` has the current values, the budget, the memory
+they imply and the last decisions with their reasons.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+INTERVAL = 0.2  # seconds between decisions
+MIN_BATCHES = 4  # and at least this many batches
+WAIT_HIGH = 0.02  # the loop waited more than this share of the interval: starved
+BUSY_HIGH = 0.7  # active threads busy more than this: CPU-bound
+IDLE_BUSY = 0.3  # threads busy less than this while the loop did not wait: idle
+IDLE_STEPS = 3
+MAX_PREFETCH = 32  # ring positions (a position costs memory only when used)
+_KEEP_DECISIONS = 32
+
+
+def cpu_budget() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_memory_budget() -> int:
+    """An eighth of the machine's memory, at most 4 GiB."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return int(min(4 << 30, total // 8))
+
+
+class AutoTune:
+    """The tuned values of one loader and the controller that moves them (NOTE [autotune])."""
+
+    def __init__(self, memory_budget: int | None = None, *, max_threads: int | None = None,
+                 threads: int | None = None, prefetch: int | None = None, staging_slots: int = 0) -> None:
+        self.max_threads = max_threads or cpu_budget()
+        self.memory_budget = default_memory_budget() if memory_budget is None else int(memory_budget)
+        self.threads = max(1, min(self.max_threads, threads or self.max_threads))
+        self.prefetch = max(1, min(MAX_PREFETCH, prefetch or 2 * self.threads))
+        self.staging_slots = staging_slots
+        self.slot_bytes = 0
+        self.decisions: list[dict[str, Any]] = []
+        self._t0 = time.perf_counter()
+        self._idle = 0
+        self._stream: Any = None
+        self._mark: tuple[float, int, int, int] | None = None  # (time, wait_ns, busy_ns, batches)
+        # (wait_ns, busy_ns, batches) of the streams already done: counters are per stream,
+        # and an interval may span epochs.
+        self._done = (0, 0, 0)
+
+    # -- memory -------------------------------------------------------------------------
+    def memory_bytes(self, threads: int | None = None, prefetch: int | None = None) -> int:
+        """What ``threads`` and ``prefetch`` hold at most, in batch slots of ``slot_bytes``."""
+        t = self.threads if threads is None else threads
+        p = self.prefetch if prefetch is None else prefetch
+        return (p + t + 2 + self.staging_slots) * self.slot_bytes
+
+    def _fits(self, threads: int, prefetch: int) -> bool:
+        return self.memory_bytes(threads, prefetch) <= self.memory_budget
+
+    def expect(self, slot_bytes: int) -> None:
+        """Sets a lower bound of the batch size, known before the first batch.
+
+        The fixed-shape fields give it, so that even the first pipeline starts within the budget.
+        """
+        if slot_bytes > self.slot_bytes:
+            self.slot_bytes = slot_bytes
+            self._enforce_budget(None)
+
+    # -- the stream of one epoch --------------------------------------------------------
+    def attach(self, stream: Any) -> None:
+        """Watches ``stream`` (a BatchIterator running with this tuner's values) from now on.
+
+        Intervals run on across epochs: a short epoch still adds up to decisions.
+        """
+        if self._stream is not None:
+            self._done = tuple(a + b for a, b in zip(self._done, self._totals(self._stream)))  # type: ignore[assignment]
+        self._stream = stream
+
+    def _totals(self, stream: Any) -> tuple[int, int, int]:
+        c = stream.counters()
+        return c["wait_ns"], c["collate_ns"] + c["shard_wait_ns"], c["batches"]
+
+    def observe(self, stream: Any, batch: Any) -> None:
+        """Called for every batch handed out; decides once per interval."""
+        if stream is not self._stream:
+            return
+        nbytes = 0
+        for t in batch.values():
+            nbytes += t.nelement() * t.element_size()
+        if nbytes > self.slot_bytes:
+            self.slot_bytes = nbytes
+            self._enforce_budget(stream)
+        now = time.perf_counter()
+        w, b, n = (d + s for d, s in zip(self._done, self._totals(stream)))
+        if self._mark is None:
+            self._mark = (now, w, b, n)
+            return
+        t0, w0, b0, n0 = self._mark
+        dt = now - t0
+        if dt < INTERVAL or n - n0 < MIN_BATCHES:
+            return
+        self._mark = (now, w, b, n)
+        self._step(stream, (w - w0) / 1e9 / dt, (b - b0) / 1e9 / (dt * self.threads))
+
+    def _step(self, stream: Any, wait: float, busy: float) -> None:
+        seen = f"the loop waited {100 * wait:.0f}% of the time, {self.threads} thread(s) busy {100 * min(busy, 1):.0f}%"
+        if wait > WAIT_HIGH:
+            self._idle = 0
+            if self.prefetch < self.threads:
+                self._grow(stream, self.threads, 2 * self.threads, f"{seen}: a read-ahead below the threads "
+                           "leaves some idle: deeper read-ahead")
+            elif busy > BUSY_HIGH:
+                if self.threads < self.max_threads:
+                    self._grow(stream, self.threads + 1, max(self.prefetch, 2 * (self.threads + 1)),
+                               f"{seen}: one more thread")
+                else:
+                    self._note(f"{seen}: CPU-bound on all {self.max_threads} CPUs of this process; "
+                               "nothing to add")
+            elif self.prefetch < MAX_PREFETCH:
+                self._grow(stream, self.threads, 2 * self.prefetch, f"{seen}: deeper read-ahead")
+            return
+        if busy < IDLE_BUSY and self.threads > 1:
+            self._idle += 1
+            if self._idle >= IDLE_STEPS:
+                self._idle = 0
+                self._set(stream, self.threads - 1, self.prefetch, f"{seen}: one thread fewer (idle)")
+        else:
+            self._idle = 0
+
+    def _grow(self, stream: Any, threads: int, prefetch: int, why: str) -> None:
+        """Moves towards (threads, prefetch), as far as the memory budget allows."""
+        prefetch = min(MAX_PREFETCH, prefetch)
+        while prefetch > self.prefetch and not self._fits(threads, prefetch):
+            prefetch -= 1
+        if threads > self.threads and not self._fits(threads, max(prefetch, self.prefetch)):
+            threads = self.threads
+        prefetch = max(prefetch, self.prefetch)
+        if (threads, prefetch) == (self.threads, self.prefetch):
+            self._note(f"{why.rsplit(':', 1)[0]}: more would exceed the memory budget")
+        else:
+            self._set(stream, threads, prefetch, why)
+
+    def _enforce_budget(self, stream: Any) -> None:
+        threads, prefetch = self.threads, self.prefetch
+        while prefetch > 1 and not self._fits(threads, prefetch):
+            prefetch -= 1
+        while threads > 1 and not self._fits(threads, prefetch):
+            threads -= 1
+        if (threads, prefetch) != (self.threads, self.prefetch):
+            self._set(stream, threads, prefetch,
+                      f"batches of {self.slot_bytes} bytes: lowered to fit the memory budget")
+        if not self._fits(threads, prefetch):
+            self._note(f"batches of {self.slot_bytes} bytes: even 1 thread and a read-ahead of 1 need "
+                       f"{self.memory_bytes()} bytes, over the memory budget of {self.memory_budget}")
+
+    def _set(self, stream: Any, threads: int, prefetch: int, why: str) -> None:
+        self.threads, self.prefetch = threads, prefetch
+        if stream is not None:
+            stream.tune(threads, prefetch)
+        self._note(why)
+
+    def _note(self, why: str) -> None:
+        if self.decisions and self.decisions[-1]["why"] == why:
+            return
+        self.decisions.append({"t": round(time.perf_counter() - self._t0, 3), "threads": self.threads,
+                               "prefetch": self.prefetch, "why": why})
+        del self.decisions[:-_KEEP_DECISIONS]
+
+    def report(self) -> dict[str, Any]:
+        """What ``stats()["autotune"]`` shows."""
+        return {"threads": self.threads, "prefetch": self.prefetch, "max_threads": self.max_threads,
+                "memory_budget": self.memory_budget, "slot_bytes": self.slot_bytes,
+                "memory_bytes": self.memory_bytes(), "decisions": list(self.decisions)}

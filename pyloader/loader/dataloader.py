@@ -21,8 +21,7 @@ from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
 from .. import _C
 from ..read import order as _order
-from ..read.contract import BatchStream, OrderSpec, PlannedDataset
-from ..read.shards import BatchIterator, ShardDataset
+from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDataset
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
 from . import autotune as _autotune
@@ -210,7 +209,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._len_called: int | None = None  # _IterableDataset_len_called of the native path
         # Host buffers are made at the first iter(), not here (NOTE [lazy pinned pools]).
         self._batch_pool: _C.SlotPool | None = None  # see _pool
-        self._ahead: tuple[tuple[Any, ...], BatchIterator] | None = None  # (key, stream): NOTE [epoch ahead]
+        self._ahead: tuple[tuple[Any, ...], PipelineStream] | None = None  # (key, stream): NOTE [epoch ahead]
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
         self._inner: _TorchDataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
@@ -291,7 +290,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """The tuner of ``num_workers="auto"`` (NOTE [autotune]), made at first use."""
         if self._tuner is None:
             ds = self.dataset
-            if not self._native or type(ds).__name__ != "ShardDataset" or self._transform_spec(0) is not None:
+            if not self._native or not ds.pipeline_streams or self._transform_spec(0) is not None:
                 raise ValueError("num_workers='auto' tunes the native threads of a ShardDataset without transforms; "
                                  "give num_workers a number here")
             staging = self.device_prefetch if self.device is not None else 0
@@ -481,7 +480,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         src: BatchStream
         if (spec is None and ahead is not None and not segments
                 and ahead[0] == self._ahead_key(epoch, native_bs, rank, world)):
-            early: BatchIterator = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
+            early: PipelineStream = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
             if self._tuner is not None:
                 early.tune(self._tuner.threads, self._tuner.prefetch)
             early.begin()
@@ -496,12 +495,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
             src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                              prefetch=self._prefetch, pool=pool, **self._tuned())
-        if self._tuner is not None and isinstance(src, BatchIterator):
-            src.tuner = self._tuner
-            src.ahead_target = self._tuner.prefetch
-            self._tuner.attach(src)
-        if spec is None and self._reads_ahead() and isinstance(src, BatchIterator):
-            cur = src
+        if self._tuner is not None:  # NOTE [autotune]: only over datasets with pipeline_streams
+            tuned: PipelineStream = src  # type: ignore[assignment]
+            tuned.tuner = self._tuner
+            tuned.ahead_target = self._tuner.prefetch
+            self._tuner.attach(tuned)
+        if spec is None and self._reads_ahead():
+            cur: PipelineStream = src  # type: ignore[assignment]  # the dataset says so (pipeline_streams)
             cur.tail_hook(lambda: self._make_ahead(native_bs, cur), at=max(len(cur) - 3 * cur.prefetch, len(cur) // 2))
         src.timeout = float(self.timeout)
         src.on_finish = self._keep_stats
@@ -549,8 +549,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # own. The early pipeline stops when the loader is dropped; after the last epoch of a
     # job its few batches are unused.
     def _reads_ahead(self) -> bool:
-        ds = self.dataset
-        return isinstance(ds, ShardDataset) and not ds.is_remote
+        return bool(self.dataset.pipeline_streams)
 
     def _tuned(self) -> dict[str, Any]:
         """batches() arguments that start a pipeline at the tuner's values (NOTE [autotune])."""
@@ -565,7 +564,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return (epoch, rank, world, self._order, native_bs, self.drop_last, self._threads, self._prefetch,
                 self._batch_pool)
 
-    def _make_ahead(self, native_bs: int, current: BatchIterator) -> None:
+    def _make_ahead(self, native_bs: int, current: PipelineStream) -> None:
         """Starts the pipeline of the epoch the next iter() reads (NOTE [epoch ahead])."""
         if self._resume or self._batch_pool is None:
             return
@@ -573,10 +572,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         epoch = self._next_epoch
         rank, world = ds.rank_and_world()
         plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
-        assert isinstance(ds, ShardDataset)  # _reads_ahead()
-        src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
-                         prefetch=self._prefetch, pool=self._batch_pool, ahead=0, early=True,
-                         active_threads=self._tuner.threads if self._tuner is not None else None)
+        # pipeline_streams: batches() returns a PipelineStream and takes its arguments.
+        src: PipelineStream = ds.batches(  # type: ignore[assignment,call-arg]
+            native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads, prefetch=self._prefetch,
+            pool=self._batch_pool, ahead=0, early=True,
+            active_threads=self._tuner.threads if self._tuner is not None else None)
         if self._tuner is not None:
             src.ahead_target = self._tuner.prefetch
         old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs, rank, world), src)

@@ -166,8 +166,41 @@ class BatchStream(Protocol):
         """Per-stage counters and rates of this stream (``BatchIterator.stats`` lists them)."""
 
 
+class PipelineStream(BatchStream, Protocol):
+    """A ``BatchStream`` fed by one native pipeline that can be made ahead of its epoch and tuned.
+
+    What a dataset whose ``pipeline_streams`` is true returns from ``batches``, which then
+    also takes ``ahead=``, ``early=`` and ``active_threads=`` (``ShardDataset.batches``
+    documents them). Used by the loader's epoch-ahead (NOTE [epoch ahead] in
+    ``pyloader.loader.dataloader``) and auto-tuning (NOTE [autotune]).
+    """
+
+    prefetch: int
+    ahead_target: int
+    tuner: Any
+
+    def counters(self) -> dict[str, int]:
+        """The native pipeline's raw counters."""
+
+    def tail_hook(self, fn: Callable[[], None], at: int) -> None:
+        """Calls ``fn()`` once, right after batch number ``at`` is handed out."""
+
+    def hand_over(self, nxt: PipelineStream) -> None:
+        """Once this stream's batches are all claimed, ``nxt`` (made ahead) runs at ``nxt.ahead_target``."""
+
+    def begin(self) -> None:
+        """This stream, made ahead of its epoch, starts its epoch now."""
+
+    def tune(self, threads: int, ahead: int) -> None:
+        """How many of its threads collate, and how far ahead."""
+
+
 class PlannedDataset(abc.ABC):
     """The dataset contract (NOTE [dataset contract])."""
+
+    # ``batches`` returns a PipelineStream and takes its extra arguments: the loader may
+    # start the next epoch ahead and tune threads (datasets that can say so set it).
+    pipeline_streams: bool = False
 
     order: OrderSpec
     num_records: int

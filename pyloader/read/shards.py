@@ -355,6 +355,14 @@ class ShardDataset(UnitDataset, IterableDataset):
             False (the encoded bytes).
     """
 
+    @property
+    def pipeline_streams(self) -> bool:  # type: ignore[override]
+        """Whether its streams can start ahead of their epoch and be tuned (``PipelineStream``).
+
+        Not for a remote dataset, whose fetch schedule belongs to the epoch being read.
+        """
+        return not self.is_remote
+
     def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
                  shuffle_mode: str = "global", window: int = 65536, rank: int | None = None,
                  world_size: int | None = None, partition: str = "pad", cache_dir: str | os.PathLike[str] | None = None,

@@ -549,7 +549,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # own. The early pipeline stops when the loader is dropped; after the last epoch of a
     # job its few batches are unused.
     def _reads_ahead(self) -> bool:
-        return bool(self.dataset.pipeline_streams)
+        return bool(self.dataset.early_streams)
 
     def _tuned(self) -> dict[str, Any]:
         """batches() arguments that start a pipeline at the tuner's values (NOTE [autotune])."""

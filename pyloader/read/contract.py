@@ -199,8 +199,10 @@ class PlannedDataset(abc.ABC):
     """The dataset contract (NOTE [dataset contract])."""
 
     # ``batches`` returns a PipelineStream and takes its extra arguments: the loader may
-    # start the next epoch ahead and tune threads (datasets that can say so set it).
+    # tune its threads (datasets that can say so set it); ``early_streams``: and may start
+    # the next epoch's stream ahead of its iter().
     pipeline_streams: bool = False
+    early_streams: bool = False
 
     order: OrderSpec
     num_records: int

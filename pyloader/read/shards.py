@@ -355,9 +355,11 @@ class ShardDataset(UnitDataset, IterableDataset):
             False (the encoded bytes).
     """
 
+    pipeline_streams = True  # batches() returns a PipelineStream (tunable)
+
     @property
-    def pipeline_streams(self) -> bool:  # type: ignore[override]
-        """Whether its streams can start ahead of their epoch and be tuned (``PipelineStream``).
+    def early_streams(self) -> bool:  # type: ignore[override]
+        """Whether a stream may start ahead of its epoch.
 
         Not for a remote dataset, whose fetch schedule belongs to the epoch being read.
         """

@@ -342,3 +342,12 @@ def test_remote_epochs_start_at_iter_not_ahead(server, cache_dir) -> None:
         assert sum(len(next(iter(b.values()))) for b in loader) == ds.num_records
         assert not loader.stats()["started_ahead"]
     assert loader._ahead is None
+
+
+def test_remote_dataset_with_auto_threads(server, cache_dir) -> None:
+    ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, shuffle=True)
+    loader = pyloader.DataLoader(ds, batch_size=4, num_workers="auto", memory_budget=64 << 20)
+    for _ in range(2):
+        assert sum(len(next(iter(b.values()))) for b in loader) == ds.num_records
+        st = loader.stats()
+        assert not st["started_ahead"] and 0 < st["autotune"]["memory_bytes"] <= 64 << 20

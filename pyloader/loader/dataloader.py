@@ -533,9 +533,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # boundary: the last batch of epoch e is taken, then iter() plans epoch e+1, starts its
     # pipeline and waits for its first batch. Instead, when the consumer has taken all but
     # the last `3 * prefetch` batches of an epoch (or half of a shorter one), the loader
-    # plans the epoch its next iter() will read and starts that epoch's pipeline, idle.
-    # Once every batch of the current epoch is claimed, the first of its workers to run out
-    # of work lets the new pipeline collate `prefetch` batches (BatchPipeline.hand_over: a
+    # plans the epoch its next iter() will read and starts that epoch's pipeline, which
+    # collates its first batch only. Once every batch of the current epoch is claimed, the
+    # first of its workers to run out of work lets the new pipeline collate `prefetch` batches (BatchPipeline.hand_over: a
     # worker, not the training loop, wakes the new threads, so the loop is not the thread
     # they preempt on a busy machine; not after a failed batch), into slots the current
     # epoch returns to the pool: it never makes one, so the current epoch keeps its CPU and
@@ -575,7 +575,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # pipeline_streams: batches() returns a PipelineStream and takes its arguments.
         src: PipelineStream = ds.batches(  # type: ignore[assignment,call-arg]
             native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads, prefetch=self._prefetch,
-            pool=self._batch_pool, ahead=0, early=True,
+            pool=self._batch_pool, ahead=1, early=True,
             active_threads=self._tuner.threads if self._tuner is not None else None)
         if self._tuner is not None:
             src.ahead_target = self._tuner.prefetch

@@ -11,8 +11,9 @@ reading, verifying and copying (``busy``) -- and takes at most one step:
 
 * the loop waited (``wait > WAIT_HIGH``) and the threads were busy (``busy > BUSY_HIGH``):
   one more thread, if the CPU has one and the budget allows;
-* the loop waited but the threads were not busy (bursts, shard opens): twice the
-  read-ahead, if the budget allows;
+* the loop waited but the threads were not busy (bursts, shard opens, a busy machine):
+  twice the read-ahead up to two batches per thread, then one more thread, then (all
+  threads running) twice the read-ahead, if the budget allows;
 * the loop did not wait and the threads were mostly idle for ``IDLE_STEPS`` intervals in
   a row: one thread fewer (a CPU given back to the training step);
 * otherwise nothing: a steady machine keeps steady values.
@@ -149,8 +150,14 @@ class AutoTune:
                 else:
                     self._note(f"{seen}: CPU-bound on all {self.max_threads} CPUs of this process; "
                                "nothing to add")
-            elif self.prefetch < MAX_PREFETCH:
+            elif self.prefetch < 2 * self.threads or (self.threads >= self.max_threads
+                                                       and self.prefetch < MAX_PREFETCH):
                 self._grow(stream, self.threads, 2 * self.prefetch, f"{seen}: deeper read-ahead")
+            elif self.threads < self.max_threads:
+                # Threads waiting for a CPU (a busy machine) or for storage do not count as
+                # busy; with a read-ahead of two per thread already, try one more.
+                self._grow(stream, self.threads + 1, max(self.prefetch, 2 * (self.threads + 1)),
+                           f"{seen}: a deep read-ahead did not help: one more thread")
             return
         if busy < IDLE_BUSY and self.threads > 1:
             self._idle += 1

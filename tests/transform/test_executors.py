@@ -418,7 +418,7 @@ def test_spawn_context_runs_a_module_level_transform(shards) -> None:
 
 def test_stats_report_the_transform_stage(shards) -> None:
     def slow(s: dict[str, Any]) -> dict[str, Any]:
-        time.sleep(0.004)
+        time.sleep(0.008)  # long enough that start-up and end weigh little on busy
         return s
 
     for executor in ("threads", "processes"):
@@ -428,7 +428,7 @@ def test_stats_report_the_transform_stage(shards) -> None:
         s = loader.stats()
         assert s["transform_executor"] == executor and s["transform_workers"] == 2
         assert s["transformed_samples"] == N and s["transform_batches"] == len(loader)
-        assert s["transform_per_sample_us"] >= 4000
+        assert s["transform_per_sample_us"] >= 8000
         assert 0 < s["transform_busy_fraction"] <= 1.0 + 1e-6
         assert isinstance(s["transform_hint"], str) and s["transform_hint"]
         assert s["wait_fraction"] > 0.5  # nothing else to do: the loop waited for the transform

@@ -9,6 +9,8 @@
 
 #include <cstring>
 
+#include "core/hash_load.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define PYLOADER_XXH3_X86 1
@@ -54,36 +56,9 @@ constexpr size_t kScrambleSecret = kSecretSize - kStripeLen;
 constexpr size_t kMergeSecret = 11;
 constexpr size_t kMidSizeMax = 240;
 
-#if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-constexpr bool kBigEndian = true;
-#else
-constexpr bool kBigEndian = false;
-#endif
-
-inline uint64_t load_le64(const uint8_t* p) noexcept {
-  if constexpr (kBigEndian) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-    return v;
-  } else {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-  }
-}
-
-inline uint32_t load_le32(const uint8_t* p) noexcept {
-  if constexpr (kBigEndian) {
-    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
-           (static_cast<uint32_t>(p[3]) << 24);
-  } else {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
-}
-
-inline uint64_t rotl64(uint64_t x, int r) noexcept { return (x << r) | (x >> (64 - r)); }
+using hash_load::le32;
+using hash_load::le64;
+using hash_load::rotl64;
 
 inline uint64_t swap64(uint64_t x) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
@@ -138,28 +113,28 @@ inline uint64_t rrmxmx(uint64_t h, uint64_t len) noexcept {
 }
 
 inline uint64_t mix16(const uint8_t* in, const uint8_t* secret) noexcept {
-  return mul128_fold64(load_le64(in) ^ load_le64(secret), load_le64(in + 8) ^ load_le64(secret + 8));
+  return mul128_fold64(le64(in) ^ le64(secret), le64(in + 8) ^ le64(secret + 8));
 }
 
 // ---- inputs of at most 240 bytes ------------------------------------------------------
 
 uint64_t hash_0to16(const uint8_t* in, size_t len) noexcept {
   if (len > 8) {
-    const uint64_t lo = load_le64(in) ^ (load_le64(kSecret + 24) ^ load_le64(kSecret + 32));
-    const uint64_t hi = load_le64(in + len - 8) ^ (load_le64(kSecret + 40) ^ load_le64(kSecret + 48));
+    const uint64_t lo = le64(in) ^ (le64(kSecret + 24) ^ le64(kSecret + 32));
+    const uint64_t hi = le64(in + len - 8) ^ (le64(kSecret + 40) ^ le64(kSecret + 48));
     return avalanche(uint64_t(len) + swap64(lo) + hi + mul128_fold64(lo, hi));
   }
   if (len >= 4) {
-    const uint64_t first = load_le32(in), last = load_le32(in + len - 4);
-    const uint64_t keyed = (last + (first << 32)) ^ (load_le64(kSecret + 8) ^ load_le64(kSecret + 16));
+    const uint64_t first = le32(in), last = le32(in + len - 4);
+    const uint64_t keyed = (last + (first << 32)) ^ (le64(kSecret + 8) ^ le64(kSecret + 16));
     return rrmxmx(keyed, len);
   }
   if (len > 0) {
     const uint32_t combined = (uint32_t(in[0]) << 16) | (uint32_t(in[len >> 1]) << 24) | uint32_t(in[len - 1]) |
                               (uint32_t(len) << 8);
-    return xxh64_avalanche(uint64_t(combined) ^ uint64_t(load_le32(kSecret) ^ load_le32(kSecret + 4)));
+    return xxh64_avalanche(uint64_t(combined) ^ uint64_t(le32(kSecret) ^ le32(kSecret + 4)));
   }
-  return xxh64_avalanche(load_le64(kSecret + 56) ^ load_le64(kSecret + 64));
+  return xxh64_avalanche(le64(kSecret + 56) ^ le64(kSecret + 64));
 }
 
 uint64_t hash_17to128(const uint8_t* in, size_t len) noexcept {
@@ -207,8 +182,8 @@ uint64_t hash_short(const uint8_t* in, size_t len) noexcept {
 
 inline void stripe_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* secret) noexcept {
   for (size_t i = 0; i < 8; ++i) {
-    const uint64_t v = load_le64(in + 8 * i);
-    const uint64_t key = v ^ load_le64(secret + 8 * i);
+    const uint64_t v = le64(in + 8 * i);
+    const uint64_t key = v ^ le64(secret + 8 * i);
     acc[i ^ 1] += v;
     acc[i] += (key & 0xffffffffu) * (key >> 32);
   }
@@ -218,7 +193,7 @@ inline void scramble_scalar(uint64_t* acc, const uint8_t* secret) noexcept {
   for (size_t i = 0; i < 8; ++i) {
     uint64_t a = acc[i];
     a ^= a >> 47;
-    a ^= load_le64(secret + 8 * i);
+    a ^= le64(secret + 8 * i);
     acc[i] = a * kPrime32_1;
   }
 }
@@ -373,7 +348,7 @@ uint64_t hash_long(const uint8_t* in, size_t len, uint8_t* out) noexcept {
   uint64_t result = uint64_t(len) * kPrime64_1;
   for (size_t i = 0; i < 4; ++i) {
     const uint8_t* s = kSecret + kMergeSecret + 16 * i;
-    result += mul128_fold64(acc[2 * i] ^ load_le64(s), acc[2 * i + 1] ^ load_le64(s + 8));
+    result += mul128_fold64(acc[2 * i] ^ le64(s), acc[2 * i + 1] ^ le64(s + 8));
   }
   return avalanche(result);
 }

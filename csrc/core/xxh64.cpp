@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "core/hash_load.h"
+
 namespace pyloader {
 namespace {
 
@@ -13,41 +15,14 @@ constexpr uint64_t kPrime3 = 0x165667B19E3779F9ULL;
 constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
 constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ULL;
 
-#if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-constexpr bool kBigEndian = true;
-#else
-constexpr bool kBigEndian = false;
-#endif
-
-// The specification reads lanes as little-endian integers.
-inline uint64_t load_le64(const uint8_t* p) noexcept {
-  if constexpr (kBigEndian) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-    return v;
-  } else {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-  }
-}
-
-inline uint32_t load_le32(const uint8_t* p) noexcept {
-  if constexpr (kBigEndian) {
-    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
-           (static_cast<uint32_t>(p[3]) << 24);
-  } else {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
-}
-
-inline uint64_t rotl(uint64_t x, int r) noexcept { return (x << r) | (x >> (64 - r)); }
+using hash_load::kBigEndian;
+using hash_load::le32;
+using hash_load::le64;
+using hash_load::rotl64;
 
 inline uint64_t lane_round(uint64_t acc, uint64_t lane) noexcept {
   acc += lane * kPrime2;
-  acc = rotl(acc, 31);
+  acc = rotl64(acc, 31);
   return acc * kPrime1;
 }
 
@@ -70,10 +45,10 @@ inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* 
     const uint8_t* const last_stripe = end - 32;
     do {
       // Load the stripe once; the four lanes are independent dependency chains.
-      const uint64_t l1 = load_le64(p);
-      const uint64_t l2 = load_le64(p + 8);
-      const uint64_t l3 = load_le64(p + 16);
-      const uint64_t l4 = load_le64(p + 24);
+      const uint64_t l1 = le64(p);
+      const uint64_t l2 = le64(p + 8);
+      const uint64_t l3 = le64(p + 16);
+      const uint64_t l4 = le64(p + 24);
       if constexpr (kCopy) {
         if constexpr (kBigEndian) {
           std::memcpy(out, p, 32);  // the lanes are byte-swapped; copy the raw bytes
@@ -92,7 +67,7 @@ inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* 
       v4 = lane_round(v4, l4);
       p += 32;
     } while (p <= last_stripe);
-    acc = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+    acc = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
     acc = merge_lane(acc, v1);
     acc = merge_lane(acc, v2);
     acc = merge_lane(acc, v3);
@@ -107,17 +82,17 @@ inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* 
     if (end != p) std::memcpy(out, p, static_cast<size_t>(end - p));
   }
   for (; end - p >= 8; p += 8) {
-    acc ^= lane_round(0, load_le64(p));
-    acc = rotl(acc, 27) * kPrime1 + kPrime4;
+    acc ^= lane_round(0, le64(p));
+    acc = rotl64(acc, 27) * kPrime1 + kPrime4;
   }
   if (end - p >= 4) {
-    acc ^= static_cast<uint64_t>(load_le32(p)) * kPrime1;
-    acc = rotl(acc, 23) * kPrime2 + kPrime3;
+    acc ^= static_cast<uint64_t>(le32(p)) * kPrime1;
+    acc = rotl64(acc, 23) * kPrime2 + kPrime3;
     p += 4;
   }
   for (; p != end; ++p) {
     acc ^= static_cast<uint64_t>(*p) * kPrime5;
-    acc = rotl(acc, 11) * kPrime1;
+    acc = rotl64(acc, 11) * kPrime1;
   }
 
   acc ^= acc >> 33;

@@ -125,13 +125,15 @@ class AutoTune:
             self.slot_bytes = nbytes
             self._enforce_budget(stream)
         now = time.perf_counter()
+        if self._mark is not None and now - self._mark[0] < INTERVAL:
+            return  # the pipeline's counters are read once per interval, not per batch
         w, b, n = (d + s for d, s in zip(self._done, self._totals(stream)))
         if self._mark is None:
             self._mark = (now, w, b, n)
             return
         t0, w0, b0, n0 = self._mark
         dt = now - t0
-        if dt < INTERVAL or n - n0 < MIN_BATCHES:
+        if n - n0 < MIN_BATCHES:
             return
         self._mark = (now, w, b, n)
         self._step(stream, (w - w0) / 1e9 / dt, (b - b0) / 1e9 / (dt * self.threads))

@@ -5,8 +5,7 @@ The convention, checked by ``test_every_block_is_run_or_says_why``:
 - Every fenced block names its language. ``python`` and ``bash`` blocks run; ``text`` and
   ``json`` blocks are diagrams, synopses of formats and sample output, never run.
 - A ``python`` or ``bash`` block whose preceding non-blank line is
-  ``<!-- not run: REASON -->`` is not run; the reason must be a real one (it needs a GPU or
-  remote credentials, it is a signature or a usage synopsis, it installs the package or runs
+  ``<!-- not run: REASON -->`` is not run; the reason must be a real one (it needs a GPU, it is a signature or a usage synopsis, it installs the package or runs
   a long benchmark). Such blocks are few; ``MAX_NOT_RUN`` caps them per page.
 - A block inside an HTML comment opened by a line ``<!-- setup`` is a hidden setup block: it
   runs like the others but does not show on the rendered page (the stand-ins an example
@@ -18,6 +17,12 @@ small data the pages name: ``data/train/image.npy`` (uint8 ``[1000, 3, 32, 32]``
 ``image``, ``label``), ``images/<class>/<n>.bin`` and ``wds/shard-0.tar``. ``python`` blocks
 share one namespace; ``bash`` blocks run with ``bash -euo pipefail`` and the ``pyloader``
 command of this interpreter.
+
+``s3://bucket/dataset`` is real: an S3-compatible server (moto's) on 127.0.0.1 holds that
+dataset (the ``data/train`` arrays converted, in several shards), and the standard AWS
+variables (``AWS_ENDPOINT_URL``, a key and a region) point every client of the page at it,
+so the remote examples run as written. The one rewrite: the NVMe cache folder the pages
+name, ``/local/nvme/pyloader``, becomes a folder under the temporary one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +49,7 @@ DATA = ("text", "json")
 MAX_NOT_RUN = 4
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")
 SETUP = "<!-- setup"
+NVME = "/local/nvme/pyloader"  # the pages' node-local cache folder, rewritten per run
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -88,8 +95,39 @@ def page_id(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory) -> Iterator[str]:
+    """An S3-compatible server on 127.0.0.1 whose ``s3://bucket/dataset`` is a small dataset."""
+    import boto3
+    import s3fs
+
+    sys.path.insert(0, str(ROOT / "tests" / "remote"))
+    try:
+        from remote_servers import S3Server
+    finally:
+        sys.path.pop(0)
+    import pyloader
+
+    src = tmp_path_factory.mktemp("s3src")
+    rng = np.random.default_rng(1)
+    pyloader.convert({"image": rng.integers(0, 256, (600, 3, 32, 32), dtype=np.uint8),
+                      "label": np.arange(600, dtype=np.int64) % 10}, src / "dataset", shard_size="400K")
+    assert len(list((src / "dataset").glob("*.pyl"))) >= 4  # enough for four nodes to share
+    srv = S3Server().start()
+    try:
+        boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket="bucket")
+        fs = s3fs.S3FileSystem(**srv.storage_options())
+        for f in sorted((src / "dataset").iterdir()):
+            fs.put_file(str(f), f"bucket/dataset/{f.name}")
+        assert fs.exists("bucket/dataset/manifest.json")
+        yield srv.endpoint
+    finally:
+        srv.stop()
+
+
 @pytest.fixture
-def workdir(tmp_path, monkeypatch) -> Path:
+def workdir(tmp_path, monkeypatch, s3_endpoint) -> Path:
     """The folder the pages describe; torch's DataLoader name and process group restored afterwards."""
     rng = np.random.default_rng(0)
     train = tmp_path / "data" / "train"
@@ -118,6 +156,10 @@ def workdir(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.utils.data, "DataLoader", torch.utils.data.DataLoader)  # a page may patch it
     monkeypatch.setenv("PYLOADER_CACHE_DIR", str(tmp_path / "cache"))
+    for k, v in {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
     yield tmp_path
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # a page may start a one-process group
@@ -128,13 +170,14 @@ def run_page(path: Path, runnable: list[Block], workdir: Path) -> None:
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     for b in runnable:
         where = f"{page_id(path)}:{b.line} ({b.section})"
+        code = b.code.replace(NVME, str(workdir / "nvme"))
         if b.lang == "python":
             try:
-                exec(compile(b.code, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
+                exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
             except Exception as e:
                 raise AssertionError(f"{where}: the example raised {type(e).__name__}: {e}") from e
         else:
-            r = subprocess.run(["bash", "-euo", "pipefail", "-c", b.code], cwd=workdir, env=env,
+            r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=workdir, env=env,
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, f"{where}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
 

@@ -167,7 +167,8 @@ def _print_bench(r: dict[str, Any]) -> None:
         rows.append((f"  steady: {s['epochs']} x {1e3 * s['epoch_s']:.0f} ms epochs", f"{s['gbps']:.2f} GB/s", None))
         if s.get("autotune"):
             a = s["autotune"]
-            rows.append((f"  auto-tuned: {a['threads']} threads, read-ahead {a['prefetch']}",
+            dl = f", {a['fetch_jobs']} downloads" if a.get("fetch_jobs") else ""
+            rows.append((f"  auto-tuned: {a['threads']} threads, read-ahead {a['prefetch']}{dl}",
                          f"{a['memory_bytes'] / 2**20:.0f} of {a['memory_budget'] / 2**20:.0f} MiB", None))
         if "first_batch_s" in s:
             rows.append((f"  first epoch: {1e3 * s['startup_s']:.0f} ms, first batch {1e3 * s['first_batch_s']:.1f} ms",

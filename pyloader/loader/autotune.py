@@ -18,10 +18,20 @@ reading, verifying and copying (``busy``) -- and takes at most one step:
   a row: one thread fewer (a CPU given back to the training step);
 * otherwise nothing: a steady machine keeps steady values.
 
+Remote data adds the downloads (``fetch_jobs``, the fetcher's concurrent downloads,
+starting at the dataset's ``fetch_jobs``). When the loop waited and the threads spent more
+of the interval waiting for shards to arrive than collating, the downloads bind, and the
+only step taken is on them, by trial: twice the downloads, kept if the bytes received per
+second over the next whole interval grew by ``FETCH_GAIN``, else back to the count before
+(a link that is full, or a store that throttles, gains nothing from more requests). A
+count that did not help is not tried again for ``FETCH_RETRY_S`` seconds. Downloads are
+never lowered for being idle: an idle download thread costs nothing.
+
 Memory: every batch in flight holds one slot of the batch's size, so the loader holds at
 most ``(prefetch + threads + 2) * slot_bytes`` (the read-ahead, one per thread being
 collated, the loop's current and previous batch), plus ``device_prefetch`` staging slots
-when batches are copied to a device from pageable memory. ``slot_bytes`` is the largest
+when batches are copied to a device from pageable memory, plus one read buffer per
+download (``fetch_jobs * job_bytes``). ``slot_bytes`` is the largest
 batch seen; a step that would exceed the budget is not taken, and values that exceed it
 (a larger batch arrived) are lowered, read-ahead first. The values reached carry over to
 the next epoch. ``stats()["autotune"]`` has the current values, the budget, the memory
@@ -36,11 +46,15 @@ from typing import Any
 
 INTERVAL = 0.2  # seconds between decisions
 MIN_BATCHES = 4  # and at least this many batches
+LONG_INTERVAL = 0.5  # or this long, whatever the batches (a loop waiting on downloads)
 WAIT_HIGH = 0.02  # the loop waited more than this share of the interval: starved
 BUSY_HIGH = 0.7  # active threads busy more than this: CPU-bound
 IDLE_BUSY = 0.3  # threads busy less than this while the loop did not wait: idle
 IDLE_STEPS = 3
 MAX_PREFETCH = 32  # ring positions (a position costs memory only when used)
+MAX_FETCH_JOBS = 64
+FETCH_GAIN = 1.1  # more downloads are kept if they received this much more per second
+FETCH_RETRY_S = 5.0  # a download count that did not help is tried again after this long
 _KEEP_DECISIONS = 32
 
 
@@ -72,24 +86,31 @@ class AutoTune:
         self.prefetch = max(1, min(MAX_PREFETCH, prefetch or 2 * self.threads))
         self.staging_slots = staging_slots
         self.slot_bytes = 0
+        self.fetch_jobs: int | None = None  # remote data only: concurrent downloads
+        self.job_bytes = 0  # the read buffer of one download
+        self._trial: tuple[int, float, float] | None = None  # (jobs before, their rate, when doubled)
+        self._fetch_ceiling: tuple[int, float] | None = None  # (jobs that did not help, when)
         self.decisions: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._idle = 0
         self._stream: Any = None
-        self._mark: tuple[float, int, int, int] | None = None  # (time, wait_ns, busy_ns, batches)
-        # (wait_ns, busy_ns, batches) of the streams already done: counters are per stream,
-        # and an interval may span epochs.
-        self._done = (0, 0, 0)
+        # (time, wait_ns, collate_ns, shard_wait_ns, batches, bytes downloaded)
+        self._mark: tuple[float, int, int, int, int, int] | None = None
+        # The counters of the streams already done: counters are per stream, and an interval
+        # may span epochs (the bytes downloaded are the fetcher's, which outlives streams).
+        self._done = (0, 0, 0, 0)
 
     # -- memory -------------------------------------------------------------------------
-    def memory_bytes(self, threads: int | None = None, prefetch: int | None = None) -> int:
-        """What ``threads`` and ``prefetch`` hold at most, in batch slots of ``slot_bytes``."""
+    def memory_bytes(self, threads: int | None = None, prefetch: int | None = None,
+                     fetch_jobs: int | None = None) -> int:
+        """What ``threads``, ``prefetch`` and ``fetch_jobs`` hold at most: batch slots of ``slot_bytes``, download buffers."""
         t = self.threads if threads is None else threads
         p = self.prefetch if prefetch is None else prefetch
-        return (p + t + 2 + self.staging_slots) * self.slot_bytes
+        j = (self.fetch_jobs or 0) if fetch_jobs is None else fetch_jobs
+        return (p + t + 2 + self.staging_slots) * self.slot_bytes + j * self.job_bytes
 
-    def _fits(self, threads: int, prefetch: int) -> bool:
-        return self.memory_bytes(threads, prefetch) <= self.memory_budget
+    def _fits(self, threads: int, prefetch: int, fetch_jobs: int | None = None) -> bool:
+        return self.memory_bytes(threads, prefetch, fetch_jobs) <= self.memory_budget
 
     def expect(self, slot_bytes: int) -> None:
         """Sets a lower bound of the batch size, known before the first batch.
@@ -107,39 +128,70 @@ class AutoTune:
         Intervals run on across epochs: a short epoch still adds up to decisions.
         """
         if self._stream is not None:
-            self._done = tuple(a + b for a, b in zip(self._done, self._totals(self._stream)))  # type: ignore[assignment]
+            self._done = tuple(a + b for a, b in zip(self._done, self._totals(self._stream)[:4]))  # type: ignore[assignment]
         self._stream = stream
+        d = stream.downloads() if hasattr(stream, "downloads") else None
+        if d is not None:
+            self.job_bytes = d["job_bytes"]
+            if self.fetch_jobs is None:
+                self.fetch_jobs = d["jobs"]
+                self._enforce_budget(stream)
+            elif d["jobs"] != self.fetch_jobs:
+                stream.tune_downloads(self.fetch_jobs)
 
-    def _totals(self, stream: Any) -> tuple[int, int, int]:
+    def _totals(self, stream: Any) -> tuple[int, int, int, int, int]:
         c = stream.counters()
-        return c["wait_ns"], c["collate_ns"] + c["shard_wait_ns"], c["batches"]
+        d = stream.downloads() if self.fetch_jobs is not None else None
+        return c["wait_ns"], c["collate_ns"], c["shard_wait_ns"], c["batches"], d["bytes"] if d else 0
 
     def observe(self, stream: Any, batch: Any) -> None:
-        """Called for every batch handed out; decides once per interval."""
+        """Called for every batch handed out, and with ``batch=None`` while the loop waits for one; decides once per interval."""
         if stream is not self._stream:
             return
-        nbytes = 0
-        for t in batch.values():
-            nbytes += t.nelement() * t.element_size()
-        if nbytes > self.slot_bytes:
-            self.slot_bytes = nbytes
-            self._enforce_budget(stream)
+        if batch is not None:
+            nbytes = 0
+            for t in batch.values():
+                nbytes += t.nelement() * t.element_size()
+            if nbytes > self.slot_bytes:
+                self.slot_bytes = nbytes
+                self._enforce_budget(stream)
         now = time.perf_counter()
         if self._mark is not None and now - self._mark[0] < INTERVAL:
             return  # the pipeline's counters are read once per interval, not per batch
-        w, b, n = (d + s for d, s in zip(self._done, self._totals(stream)))
+        tot = self._totals(stream)
+        w, c, sw, n = (d + s for d, s in zip(self._done, tot[:4]))
         if self._mark is None:
-            self._mark = (now, w, b, n)
+            self._mark = (now, w, c, sw, n, tot[4])
             return
-        t0, w0, b0, n0 = self._mark
+        t0, w0, c0, sw0, n0, dl0 = self._mark
         dt = now - t0
-        if n - n0 < MIN_BATCHES:
-            return
-        self._mark = (now, w, b, n)
-        self._step(stream, (w - w0) / 1e9 / dt, (b - b0) / 1e9 / (dt * self.threads))
+        if n - n0 < MIN_BATCHES and dt < LONG_INTERVAL:
+            return  # too few batches to judge, unless the loop has been waiting that long
+        self._mark = (now, w, c, sw, n, tot[4])
+        span = dt * self.threads
+        self._step(stream, (w - w0) / 1e9 / dt, (c - c0) / 1e9 / span, (sw - sw0) / 1e9 / span,
+                   (tot[4] - dl0) / dt, t0, now)
 
-    def _step(self, stream: Any, wait: float, busy: float) -> None:
+    def _step(self, stream: Any, wait: float, collate: float, shard_wait: float, rate: float = 0.0,
+              since: float = 0.0, now: float | None = None) -> None:
+        """One decision from an interval's shares (NOTE [autotune]).
+
+        ``wait``: the loop's; ``collate`` and ``shard_wait``: the active threads' (collating,
+        waiting for shards to arrive); ``rate``: bytes downloaded per second; ``since``: when
+        the interval began; ``now``: when it ended.
+        """
+        busy = collate + shard_wait
         seen = f"the loop waited {100 * wait:.0f}% of the time, {self.threads} thread(s) busy {100 * min(busy, 1):.0f}%"
+        if wait <= WAIT_HIGH:
+            self._trial = None  # the downloads keep up: a trial under way is kept
+        elif self.fetch_jobs is not None and (shard_wait > collate or (busy < IDLE_BUSY and rate > 0)):
+            # Threads waiting for shards (their wait is counted when a batch gets its shards),
+            # or idle while bytes arrive: the downloads bind.
+            self._idle = 0
+            share = f" ({100 * min(shard_wait, 1):.0f}% of their time)" if shard_wait > 0 else ""
+            self._fetch_step(stream, rate, since, time.perf_counter() if now is None else now,
+                             f"{seen}, waiting for downloads{share}")
+            return
         if wait > WAIT_HIGH:
             self._idle = 0
             if self.prefetch < self.threads:
@@ -169,6 +221,44 @@ class AutoTune:
         else:
             self._idle = 0
 
+    def _fetch_step(self, stream: Any, rate: float, since: float, now: float, seen: str) -> None:
+        """The downloads bind: a trial of twice as many, or its verdict (NOTE [autotune])."""
+        assert self.fetch_jobs is not None
+        mbs = f"{rate / 1e6:.0f} MB/s"
+        if self._trial is not None:
+            before, before_rate, started = self._trial
+            if since < started:
+                return  # the interval began before the change: wait for a whole one after it
+            self._trial = None
+            if rate < FETCH_GAIN * before_rate:
+                self._fetch_ceiling = (self.fetch_jobs, now)
+                self._set_fetch(stream, before, f"{seen}: {self.fetch_jobs} downloads received {mbs} against "
+                                f"{before_rate / 1e6:.0f} MB/s with {before}: back to {before}")
+                return
+        want = min(MAX_FETCH_JOBS, 2 * self.fetch_jobs)
+        if self._fetch_ceiling is not None:
+            jobs, when = self._fetch_ceiling
+            if want >= jobs and now - when < FETCH_RETRY_S:
+                self._note(f"{seen}: bound by the downloads; {jobs} at once did not receive more than "
+                           f"{self.fetch_jobs}")
+                return
+        if want == self.fetch_jobs:
+            self._note(f"{seen}: bound by the downloads at the most, {MAX_FETCH_JOBS} at once")
+            return
+        while want > self.fetch_jobs and not self._fits(self.threads, self.prefetch, want):
+            want -= 1
+        if want == self.fetch_jobs:
+            self._note(f"{seen}: more downloads would exceed the memory budget")
+            return
+        self._trial = (self.fetch_jobs, rate, now)
+        self._set_fetch(stream, want, f"{seen}, {self.fetch_jobs} downloads received {mbs}: try {want}")
+
+    def _set_fetch(self, stream: Any, jobs: int, why: str) -> None:
+        self.fetch_jobs = jobs
+        if stream is not None:
+            stream.tune_downloads(jobs)
+        self._note(why)
+
     def _grow(self, stream: Any, threads: int, prefetch: int, why: str) -> None:
         """Moves towards (threads, prefetch), as far as the memory budget allows."""
         prefetch = min(MAX_PREFETCH, prefetch)
@@ -186,6 +276,13 @@ class AutoTune:
         threads, prefetch = self.threads, self.prefetch
         while prefetch > 1 and not self._fits(threads, prefetch):
             prefetch -= 1
+        if self.fetch_jobs is not None and not self._fits(threads, prefetch):
+            jobs = self.fetch_jobs
+            while jobs > 1 and not self._fits(threads, prefetch, jobs):
+                jobs -= 1
+            if jobs != self.fetch_jobs:
+                self._set_fetch(stream, jobs, f"batches of {self.slot_bytes} bytes: downloads lowered to fit "
+                                "the memory budget")
         while threads > 1 and not self._fits(threads, prefetch):
             threads -= 1
         if (threads, prefetch) != (self.threads, self.prefetch):
@@ -205,11 +302,12 @@ class AutoTune:
         if self.decisions and self.decisions[-1]["why"] == why:
             return
         self.decisions.append({"t": round(time.perf_counter() - self._t0, 3), "threads": self.threads,
-                               "prefetch": self.prefetch, "why": why})
+                               "prefetch": self.prefetch, "fetch_jobs": self.fetch_jobs, "why": why})
         del self.decisions[:-_KEEP_DECISIONS]
 
     def report(self) -> dict[str, Any]:
         """What ``stats()["autotune"]`` shows."""
-        return {"threads": self.threads, "prefetch": self.prefetch, "max_threads": self.max_threads,
+        return {"threads": self.threads, "prefetch": self.prefetch, "fetch_jobs": self.fetch_jobs,
+                "max_threads": self.max_threads,
                 "memory_budget": self.memory_budget, "slot_bytes": self.slot_bytes,
                 "memory_bytes": self.memory_bytes(), "decisions": list(self.decisions)}

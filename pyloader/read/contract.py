@@ -194,6 +194,12 @@ class PipelineStream(BatchStream, Protocol):
     def tune(self, threads: int, ahead: int) -> None:
         """How many of its threads collate, and how far ahead."""
 
+    def downloads(self) -> dict[str, int] | None:
+        """Remote data: ``{"jobs", "bytes", "job_bytes"}`` of its downloads; local data: None."""
+
+    def tune_downloads(self, jobs: int) -> None:
+        """Remote data: how many downloads run at once."""
+
 
 class PlannedDataset(abc.ABC):
     """The dataset contract (NOTE [dataset contract])."""

@@ -7,7 +7,7 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import numpy as np
@@ -44,6 +44,7 @@ def _local_path(url: str | os.PathLike[str]) -> str:
 
 _PARQUET_EXT = (".parquet", ".pq", ".parq")
 _TAR_EXT = (".tar", ".tar.gz", ".tgz")
+_TUNE_SLICE_S = 0.2  # an auto-tuned loop's wait for a batch is looked at this often (NOTE [autotune])
 _CONVERT_HINT = "or convert it to shards with `pyloader convert {src} DST`"
 
 
@@ -150,6 +151,21 @@ class BatchIterator:
         self._pipeline.ahead = ahead
         self.ahead_target = ahead
 
+    def downloads(self) -> dict[str, int] | None:
+        """A remote dataset's downloads: concurrent ``jobs``, ``bytes`` received so far, ``job_bytes`` of memory each.
+
+        ``None`` for local data (NOTE [autotune]).
+        """
+        f = self._fetcher
+        if f is None:
+            return None
+        return {"jobs": f.jobs, "bytes": f.bytes, "job_bytes": f.job_bytes}
+
+    def tune_downloads(self, jobs: int) -> None:
+        """Runs at most ``jobs`` downloads at once (NOTE [autotune]); nothing for local data."""
+        if self._fetcher is not None:
+            self._fetcher.set_jobs(jobs)
+
     def _delivered_one(self, batch: Any) -> None:
         if self.tuner is not None:
             self.tuner.observe(self, batch)
@@ -171,7 +187,7 @@ class BatchIterator:
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         try:
-            item = self._pipeline.next(self.timeout)
+            item = self._take(self._pipeline.next)
         except LoaderTimeoutError as e:
             raise self._timeout_error(e) from None
         if item is None:
@@ -180,6 +196,25 @@ class BatchIterator:
         out = batch_to_torch(self._fields, arrays, lengths)
         self._delivered_one(out)
         return out
+
+    def _take(self, fn: Callable[[float], Any]) -> Any:
+        """``fn(timeout)``: the pipeline's next item.
+
+        Under a tuner the wait is cut in slices and the tuner looks at the counters after each, so that a long wait (the first
+        batch of a download-bound epoch) is tuned too, not only the batches (NOTE [autotune]).
+        """
+        tuner = self.tuner
+        if tuner is None:
+            return fn(self.timeout)
+        start = time.perf_counter()
+        while True:
+            left = self.timeout - (time.perf_counter() - start) if self.timeout else None
+            if left is not None and left <= 0:
+                raise LoaderTimeoutError(f"no batch arrived within the timeout of {self.timeout} s")
+            try:
+                return fn(_TUNE_SLICE_S if left is None else max(1e-3, min(_TUNE_SLICE_S, left)))
+            except LoaderTimeoutError:
+                tuner.observe(self, None)
 
     def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
         """``e`` with what the readers wait on: the shards, their URLs and the bytes arrived."""
@@ -199,7 +234,7 @@ class BatchIterator:
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         try:
-            item = self._pipeline.next_host(self.timeout)
+            item = self._take(self._pipeline.next_host)
         except LoaderTimeoutError as e:
             raise self._timeout_error(e) from None
         if item is None:

@@ -29,7 +29,7 @@ from .. import _C
 from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
 from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url
-from .fs import FetchError, RetryPolicy
+from .fs import FetchError, RetryPolicy, download_buffer_bytes
 from .manifest import node_manifest
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
@@ -270,6 +270,24 @@ class ShardFetcher:
             if self.streaming and self._pilot is None:
                 self._pilot = threading.Thread(target=self._pilot_loop, name="pyloader-fetch-pilot", daemon=True)
                 self._pilot.start()
+
+    def set_jobs(self, jobs: int) -> None:
+        """Runs at most ``jobs`` downloads at once from now on (NOTE [autotune] in ``pyloader.loader.autotune``).
+
+        More start at once when shards are queued; fewer take effect as running downloads
+        finish (none is cut short).
+        """
+        if not isinstance(jobs, int) or jobs < 1:
+            raise ValueError("jobs must be a positive int")
+        with self._cv:
+            self.jobs = jobs
+            self._spawn_locked()
+            self._cv.notify_all()
+
+    @property
+    def job_bytes(self) -> int:
+        """Memory one running download holds: its read buffer (what an auto-tuned loader counts per job)."""
+        return download_buffer_bytes(self.dcache.url)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running. True if done."""
@@ -562,11 +580,16 @@ class ShardFetcher:
         return True
 
     def _worker(self) -> None:
+        retired = False
         try:
             while True:
                 with self._cv:
                     while True:
                         if self._stop.is_set() or not self._nqueued:
+                            return
+                        if self._threads > self.jobs:  # set_jobs lowered the count: this one leaves
+                            self._threads -= 1
+                            retired = True
                             return
                         i = self._next_job_locked()
                         if i is not None:
@@ -577,5 +600,6 @@ class ShardFetcher:
                     self._cv.notify_all()
         finally:
             with self._cv:
-                self._threads -= 1
+                if not retired:
+                    self._threads -= 1
                 self._cv.notify_all()

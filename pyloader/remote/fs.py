@@ -630,7 +630,28 @@ class _AsyncStream:
         # HTTP: the size skips a HEAD request; the filesystem's request options (headers,
         # auth...) are passed as its own open() passes them.
         kw = {**getattr(fs, "kwargs", {}), "size": size} if http else {}
-        self.f = _run_on(self.loop, fs.open_async(path, "rb", **kw), cancel)
+        # The open may finish on the loop just after this thread saw the cancel and gave up:
+        # that file is never handed over, and its finaliser would make a close() coroutine
+        # nobody awaits (a RuntimeWarning at a later garbage collection). Whichever side
+        # comes second marks it closed (nothing to release: no request was made yet).
+        made: list[Any] = []
+        abandoned = [False]
+
+        async def open_file() -> Any:
+            f = await fs.open_async(path, "rb", **kw)
+            made.append(f)
+            if abandoned[0]:
+                f.closed = True
+            return f
+
+        try:
+            self.f = _run_on(self.loop, open_file(), cancel)
+        except BaseException:
+            abandoned[0] = True
+            for f in made:
+                with contextlib.suppress(Exception):
+                    f.closed = True
+            raise
 
     def read(self, n: int) -> bytes:
         return _run_on(self.loop, _read_up_to(self.f, n), self.cancel)
@@ -660,6 +681,11 @@ class _SyncStream:
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
             self.f.close()
+
+
+def download_buffer_bytes(url: str) -> int:
+    """The read buffer one download of ``url`` holds (its chunk size)."""
+    return _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else _OTHER_CHUNK
 
 
 def _open_stream(fs: Any, path: str, size: int, cancel: threading.Event | None) -> tuple[_AsyncStream | _SyncStream,

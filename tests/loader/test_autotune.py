@@ -57,7 +57,8 @@ def test_a_wrong_start_is_corrected_and_reported(ds_path) -> None:
     else:
         assert any("read-ahead" in w for w in whys), whys
     for d in report["decisions"]:
-        assert set(d) == {"t", "threads", "prefetch", "why"} and "the loop waited" in d["why"]
+        assert set(d) == {"t", "threads", "prefetch", "fetch_jobs", "why"} and "the loop waited" in d["why"]
+        assert d["fetch_jobs"] is None  # local data: no downloads to tune
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -50,7 +51,13 @@ def cache_dir(tmp_path):
     # mounted with online discard (ext4 `discard`: unlinking a file whose blocks were
     # reserved with posix_fallocate issues a synchronous TRIM; seen blocking 1.5-10 s on
     # this machine's virtual disk). The bound still catches a temp that is never removed.
+    # A download thread that saw the cancel may still be between making its temp and
+    # removing it: wait for the download threads to end too, not only for no temp now.
     deadline = time.monotonic() + 30
-    while temp_files(d) and time.monotonic() < deadline:
+    while (temp_files(d) or _downloading()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert temp_files(d) == [], "a test left partial downloads behind"
+
+
+def _downloading() -> bool:
+    return any(t.name == "pyloader-fetch" and t.is_alive() for t in threading.enumerate())

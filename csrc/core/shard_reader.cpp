@@ -178,13 +178,14 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
       throw LoaderError(ErrorKind::kSchema, path_, -1, "", "shard has a different number of fields than the dataset");
     }
     // The regions must tile the file exactly: header, schema, (column table,) index, payload.
-    // Every record costs at least one byte (an index entry or a column value of >= 1 byte),
-    // which bounds num_records before anything is multiplied by it.
-    if (schema_off != kHeaderSize || schema_size > fsize - kHeaderSize || num_records_ > fsize ||
-        columns_size > fsize - kHeaderSize - schema_size || (v3 && columns_size < kColumnTableHead) ||
-        index_offset_ != schema_off + schema_size + columns_size || index_size % kIndexEntrySize != 0 ||
-        (!v3 && index_size != num_records_ * num_fields_ * kIndexEntrySize) || index_size > fsize - index_offset_ ||
-        payload_offset_ != index_offset_ + index_size || payload_size != fsize - payload_offset_)
+    // num_records is bounded before anything is multiplied by it: every record has an index
+    // entry (below version 3), or at least an index entry or a column value of >= 1 byte.
+    if (schema_off != kHeaderSize || schema_size > fsize - kHeaderSize ||
+        num_records_ > (v3 ? fsize : fsize / kIndexEntrySize) || columns_size > fsize - kHeaderSize - schema_size ||
+        (v3 && columns_size < kColumnTableHead) || index_offset_ != schema_off + schema_size + columns_size ||
+        index_size % kIndexEntrySize != 0 || (!v3 && index_size != num_records_ * num_fields_ * kIndexEntrySize) ||
+        index_size > fsize - index_offset_ || payload_offset_ != index_offset_ + index_size ||
+        payload_size != fsize - payload_offset_)
       format_error(path_, "header region offsets are inconsistent");
     if (shard_checksum(version_, base_ + schema_off, schema_size) != load_le<uint64_t>(h + 88))
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "schema checksum mismatch (corrupt schema)");
@@ -227,8 +228,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         if (rows == 0 || (rows & (rows - 1)) != 0 || rows > (1u << 31))
           bad_table(which + " (field '" + spec.name + "'): block rows must be a power of two");
         if (load_le<uint32_t>(d + 12) != 0) bad_table(which + ": reserved bytes are not zero");
-        // num_records <= fsize and row < 2^32, so the product fits in 64 bits.
-        if (off > payload_size || num_records_ * row > payload_size - off)
+        if (off > payload_size || num_records_ > (payload_size - off) / row)
           bad_table(which + " (field '" + spec.name + "') points outside the payload");
         ColumnSpec col;
         col.data = base_ + payload_offset_ + off;
@@ -251,7 +251,8 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
       if (first_indexed_ < 0) first_indexed_ = int32_t(f);
       slot_[f] = uint32_t(num_indexed_++);
     }
-    if (v3 && index_size != num_records_ * num_indexed_ * kIndexEntrySize)
+    if (v3 && ((num_indexed_ != 0 && num_records_ > fsize / kIndexEntrySize) ||
+               index_size != num_records_ * num_indexed_ * kIndexEntrySize))
       format_error(path_, "header region offsets are inconsistent (index size)");
     // Validate every entry once so workers can trust offsets and sizes.
     for (uint64_t r = 0; r < num_records_; ++r) {

@@ -154,7 +154,7 @@ def main() -> int:
         for name in args.profiles.split(","):
             p = B.PROFILES[name]
             v2 = os.path.join(tmp, f"{name}-v2")
-            B.write_profile_dataset(v2, p, int(args.mb * 1e6 / p.record_bytes), compression="none")
+            B.write_profile_dataset(v2, p, int(args.mb * 1e6 / p.record_bytes), compression="none", version=2)
             v1 = os.path.join(tmp, f"{name}-v1")
             _to_v1(v2, v1)
             variants += [(name, "v2", v2, True), (name, "v1", v1, True), (name, "v2-no-ahead", v2, False)]

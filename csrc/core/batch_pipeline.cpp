@@ -328,12 +328,12 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   // Pass 2: verify, decode and place every record's fields into its row, in visit order.
   // A value whose bytes fail their checksum: a cached copy is healed (NOTE [self-healing]),
   // anything else raised.
-  auto corrupt = [&](size_t i, uint64_t rec, size_t f, uint64_t got, uint64_t want) {
+  auto corrupt = [&](size_t i, uint64_t rec, size_t f, const char* what, uint64_t got, uint64_t want) {
     const Shard& sh = *shard_of[i];
-    char digests[160];
-    std::snprintf(digests, sizeof digests, "payload checksum mismatch (corrupt data): %s %016llx, index says %016llx",
+    char digests[200];
+    std::snprintf(digests, sizeof digests, "%s checksum mismatch (corrupt data): %s %016llx, %s says %016llx", what,
                   shard_checksum_name(sh.version()), static_cast<unsigned long long>(got),
-                  static_cast<unsigned long long>(want));
+                  sh.column_of(f) >= 0 ? "column table" : "index", static_cast<unsigned long long>(want));
     LoaderError err(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name, digests);
     std::string earlier;
     if (shards_->pending_set() && shards_->report_corrupt(size_t(shard_idx_[begin + i]), &sh, err.what(), &earlier))
@@ -350,27 +350,50 @@ void BatchPipeline::fill(size_t b, Batch* out) {
     const size_t i = visit[k];
     if (k + 1 < rows) {  // start fetching the next record's index entry and first bytes
       const Shard& nx = *shard_of[visit[k + 1]];
-      const IndexEntry ne = nx.entry(uint64_t(record_idx_[begin + visit[k + 1]]), 0);
-      __builtin_prefetch(nx.payload() + ne.offset);
+      const uint64_t nrec = uint64_t(record_idx_[begin + visit[k + 1]]);
+      if (const int32_t nf0 = nx.first_indexed(); nf0 >= 0) {
+        const IndexEntry ne = nx.entry(nrec, size_t(nf0));
+        __builtin_prefetch(nx.payload() + ne.offset);
+      } else {
+        const ColumnSpec& nc = nx.column(0);
+        __builtin_prefetch(nc.data + nrec * nc.row_bytes);
+      }
     }
     const Shard& sh = *shard_of[i];
     const uint64_t rec = uint64_t(record_idx_[begin + i]);
     const uint8_t* payload = sh.payload();
     const bool verify = !sh.verified(rec);  // NOTE [verify once] in shard_reader.h
     for (size_t f = 0; f < nf; ++f) {
-      const IndexEntry e = sh.entry(rec, f);
       uint8_t* dst = out->fields[f].data + i * stride[f];
+      if (const int32_t c = sh.column_of(f); c >= 0) {
+        // NOTE [column layout]: the value's block is checked once, then the value is copied.
+        const ColumnSpec& col = sh.column(size_t(c));
+        const uint64_t block = rec >> col.block_shift;
+        if (!sh.block_verified(col.first_block + block)) {
+          uint64_t got, want;
+          if (!sh.check_block(size_t(c), block, &got, &want)) corrupt(i, rec, f, "column block", got, want);
+          sh.mark_block_verified(col.first_block + block);
+          verified += std::min<uint64_t>(uint64_t(1) << col.block_shift,
+                                         sh.num_records() - (block << col.block_shift)) *
+                      col.row_bytes;
+        }
+        std::memcpy(dst, col.data + rec * col.row_bytes, col.row_bytes);
+        stored += col.row_bytes;
+        decoded += col.row_bytes;
+        continue;
+      }
+      const IndexEntry e = sh.entry(rec, f);
       const uint8_t* src = payload + e.offset;
       if (e.codec == kCodecRaw) {
         if (!verify) {
           copy_row(dst, src, e.stored_size);
         } else if (uint64_t got = shard_checksum_copy(sh.version(), dst, src, e.stored_size); got != e.checksum) {
-          corrupt(i, rec, f, got, e.checksum);
+          corrupt(i, rec, f, "payload", got, e.checksum);
         }
       } else {
         if (verify) {
           if (uint64_t got = shard_checksum(sh.version(), src, e.stored_size); got != e.checksum)
-            corrupt(i, rec, f, got, e.checksum);
+            corrupt(i, rec, f, "payload", got, e.checksum);
         }
         if (const char* err = lz4_decode_block(src, e.stored_size, dst, e.decoded_size))
           throw LoaderError(ErrorKind::kFormat, sh.path(), int64_t(rec), fields[f].name,

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -38,16 +39,17 @@ size_t willneed_limit() {
 
 }  // namespace
 
+// Version 1 is XXH64; versions 2 and 3 are XXH3-64.
 uint64_t shard_checksum(uint32_t version, const void* data, size_t len) noexcept {
-  return version == kShardVersionXxh3 ? xxh3_64(data, len) : xxh64(data, len, 0);
+  return version != kShardVersionXxh64 ? xxh3_64(data, len) : xxh64(data, len, 0);
 }
 
 uint64_t shard_checksum_copy(uint32_t version, void* dst, const void* src, size_t len) noexcept {
-  return version == kShardVersionXxh3 ? xxh3_64_copy(dst, src, len) : xxh64_copy(dst, src, len, 0);
+  return version != kShardVersionXxh64 ? xxh3_64_copy(dst, src, len) : xxh64_copy(dst, src, len, 0);
 }
 
 const char* shard_checksum_name(uint32_t version) noexcept {
-  return version == kShardVersionXxh3 ? "XXH3-64" : "XXH64";
+  return version != kShardVersionXxh64 ? "XXH3-64" : "XXH64";
 }
 
 std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std::string& where) {
@@ -163,6 +165,10 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     payload_offset_ = load_le<uint64_t>(h + 64);
     uint64_t payload_size = load_le<uint64_t>(h + 72);
     uint64_t file_size = load_le<uint64_t>(h + 80);
+    // Version 3: the column table (NOTE [column layout]) lies between schema and index; its
+    // size and checksum take the header's reserved bytes, which are zero below version 3.
+    const bool v3 = version_ == kShardVersionColumns;
+    const uint64_t columns_size = v3 ? load_le<uint64_t>(h + 104) : 0;
     if (entry_size != kIndexEntrySize) format_error(path_, "unexpected index entry size");
     if (file_size != fsize) format_error(path_, "header file size disagrees with the file (truncated?)");
     if (num_records_ != expected_records)
@@ -171,14 +177,21 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     if (num_fields_ != fields.size()) {
       throw LoaderError(ErrorKind::kSchema, path_, -1, "", "shard has a different number of fields than the dataset");
     }
-    // The regions must tile the file exactly: header, schema, index, payload.
-    if (schema_off != kHeaderSize || schema_size > fsize - kHeaderSize || index_offset_ != schema_off + schema_size ||
-        num_records_ > (fsize / kIndexEntrySize) || index_size != num_records_ * num_fields_ * kIndexEntrySize ||
+    // The regions must tile the file exactly: header, schema, (column table,) index, payload.
+    // num_records is bounded before anything is multiplied by it: every record has an index
+    // entry (below version 3), or at least an index entry or a column value of >= 1 byte.
+    if (schema_off != kHeaderSize || schema_size > fsize - kHeaderSize ||
+        num_records_ > (v3 ? fsize : fsize / kIndexEntrySize) || columns_size > fsize - kHeaderSize - schema_size ||
+        (v3 && columns_size < kColumnTableHead) || index_offset_ != schema_off + schema_size + columns_size ||
+        index_size % kIndexEntrySize != 0 || (!v3 && index_size != num_records_ * num_fields_ * kIndexEntrySize) ||
         index_size > fsize - index_offset_ || payload_offset_ != index_offset_ + index_size ||
         payload_size != fsize - payload_offset_)
       format_error(path_, "header region offsets are inconsistent");
     if (shard_checksum(version_, base_ + schema_off, schema_size) != load_le<uint64_t>(h + 88))
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "schema checksum mismatch (corrupt schema)");
+    const uint8_t* ct = base_ + schema_off + schema_size;
+    if (v3 && shard_checksum(version_, ct, columns_size) != load_le<uint64_t>(h + 112))
+      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "column table checksum mismatch (corrupt column table)");
     if (shard_checksum(version_, base_ + index_offset_, index_size) != load_le<uint64_t>(h + 96))
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "index checksum mismatch (corrupt index)");
     if (schema_size != schema_blob.size() || std::memcmp(base_ + schema_off, schema_blob.data(), schema_size) != 0) {
@@ -188,9 +201,63 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
       throw LoaderError(ErrorKind::kSchema, path_, -1, "",
                         "shard schema differs from the dataset schema (shard fields: " + names + ")");
     }
+    column_of_.assign(num_fields_, -1);
+    slot_.assign(num_fields_, 0);
+    uint64_t total_blocks = 0;
+    if (v3) {
+      // NOTE [column layout]: the table is u32 num_columns, u32 reserved, num_columns
+      // descriptors, then each column's block checksums in descriptor order.
+      const uint32_t ncols = load_le<uint32_t>(ct);
+      auto bad_table = [&](const std::string& what) { format_error(path_, "column table: " + what); };
+      if (load_le<uint32_t>(ct + 4) != 0) bad_table("reserved bytes are not zero");
+      if (ncols > num_fields_) bad_table("more columns than fields");
+      if (columns_size - kColumnTableHead < uint64_t(ncols) * kColumnDescSize) bad_table("truncated");
+      uint64_t pos = kColumnTableHead + uint64_t(ncols) * kColumnDescSize;  // first checksum
+      int64_t prev = -1;
+      for (uint32_t c = 0; c < ncols; ++c) {
+        const uint8_t* d = ct + kColumnTableHead + size_t(c) * kColumnDescSize;
+        const uint32_t f = load_le<uint32_t>(d), row = load_le<uint32_t>(d + 4), rows = load_le<uint32_t>(d + 8);
+        const uint64_t off = load_le<uint64_t>(d + 16);
+        const std::string which = "column " + std::to_string(c);
+        if (int64_t(f) <= prev || f >= num_fields_) bad_table(which + " names no field or is out of field order");
+        prev = f;
+        const FieldSpec& spec = fields[f];
+        if (spec.variable || spec.row_bytes == 0 || row != spec.row_bytes)
+          bad_table(which + " (field '" + spec.name + "'): only a fixed field of >= 1 byte may be a column, with " +
+                    "its record size (" + std::to_string(spec.row_bytes) + ")");
+        if (rows == 0 || (rows & (rows - 1)) != 0 || rows > (1u << 31))
+          bad_table(which + " (field '" + spec.name + "'): block rows must be a power of two");
+        if (load_le<uint32_t>(d + 12) != 0) bad_table(which + ": reserved bytes are not zero");
+        if (off > payload_size || num_records_ > (payload_size - off) / row)
+          bad_table(which + " (field '" + spec.name + "') points outside the payload");
+        ColumnSpec col;
+        col.data = base_ + payload_offset_ + off;
+        col.row_bytes = row;
+        col.block_shift = uint32_t(__builtin_ctz(rows));
+        col.num_blocks = (num_records_ + rows - 1) >> col.block_shift;
+        col.first_block = total_blocks;
+        if ((columns_size - pos) / 8 < col.num_blocks) bad_table("truncated block checksums");
+        col.checksums = ct + pos;
+        pos += col.num_blocks * 8;
+        total_blocks += col.num_blocks;
+        column_of_[f] = int32_t(columns_.size());
+        columns_.push_back(col);
+      }
+      if (pos != columns_size) bad_table("has trailing bytes");
+    }
+    num_indexed_ = 0;
+    for (size_t f = 0; f < num_fields_; ++f) {
+      if (column_of_[f] >= 0) continue;
+      if (first_indexed_ < 0) first_indexed_ = int32_t(f);
+      slot_[f] = uint32_t(num_indexed_++);
+    }
+    if (v3 && ((num_indexed_ != 0 && num_records_ > fsize / kIndexEntrySize) ||
+               index_size != num_records_ * num_indexed_ * kIndexEntrySize))
+      format_error(path_, "header region offsets are inconsistent (index size)");
     // Validate every entry once so workers can trust offsets and sizes.
     for (uint64_t r = 0; r < num_records_; ++r) {
       for (size_t f = 0; f < num_fields_; ++f) {
+        if (column_of_[f] >= 0) continue;
         IndexEntry en = entry(r, f);
         const FieldSpec& spec = fields[f];
         auto bad = [&](const char* what) { throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what); };
@@ -204,6 +271,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
       }
     }
+    block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
     verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
     // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
     // collated, and its records are then read in plan order -- for a shuffled epoch, at
@@ -224,8 +292,17 @@ Shard::~Shard() {
   if (base_) ::munmap(const_cast<uint8_t*>(base_), map_size_);
 }
 
+bool Shard::check_block(size_t c, uint64_t block, uint64_t* got, uint64_t* want) const noexcept {
+  const ColumnSpec& col = columns_[c];
+  const uint64_t first = block << col.block_shift;
+  const uint64_t rows = std::min<uint64_t>(uint64_t(1) << col.block_shift, num_records_ - first);
+  *got = shard_checksum(version_, col.data + first * col.row_bytes, rows * col.row_bytes);
+  *want = load_le<uint64_t>(col.checksums + block * 8);
+  return *got == *want;
+}
+
 IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
-  const uint8_t* p = base_ + index_offset_ + (record * num_fields_ + field) * kIndexEntrySize;
+  const uint8_t* p = base_ + index_offset_ + (record * num_indexed_ + slot_[field]) * kIndexEntrySize;
   IndexEntry e;
   e.offset = load_le<uint64_t>(p);
   e.stored_size = load_le<uint32_t>(p + 8);

@@ -1,5 +1,6 @@
-// Shard format reader, versions 1 and 2 (docs/format.md): memory-maps a shard, validates
-// its header, schema and index once at open, then serves per-record field entries to workers.
+// Shard format reader, versions 1 to 3 (docs/format.md): memory-maps a shard, validates
+// its header, schema, column table and index once at open, then serves per-record field
+// entries and column values to workers.
 #pragma once
 
 #include <sys/types.h>
@@ -18,11 +19,15 @@
 namespace pyloader {
 
 inline constexpr char kShardMagic[8] = {'P', 'Y', 'L', 'S', 'H', 'A', 'R', 'D'};
-// The versions a reader accepts; they differ only in their checksum function.
-inline constexpr uint32_t kShardVersionXxh64 = 1;  // every checksum is XXH64, seed 0
-inline constexpr uint32_t kShardVersionXxh3 = 2;   // every checksum is XXH3-64, seed 0
+// The versions a reader accepts. 1 and 2 differ only in their checksum function; 3 is 2
+// plus a column table (NOTE [column layout]).
+inline constexpr uint32_t kShardVersionXxh64 = 1;    // every checksum is XXH64, seed 0
+inline constexpr uint32_t kShardVersionXxh3 = 2;     // every checksum is XXH3-64, seed 0
+inline constexpr uint32_t kShardVersionColumns = 3;  // XXH3-64, small fixed fields stored as columns
 inline constexpr size_t kHeaderSize = 128;
 inline constexpr size_t kIndexEntrySize = 32;
+inline constexpr size_t kColumnTableHead = 8;  // u32 num_columns, u32 reserved
+inline constexpr size_t kColumnDescSize = 24;  // u32 field, u32 row_bytes, u32 block_rows, u32 reserved, u64 offset
 inline constexpr uint8_t kCodecRaw = 0;
 inline constexpr uint8_t kCodecLZ4 = 1;
 
@@ -36,7 +41,7 @@ struct FieldSpec {
 };
 
 inline bool shard_version_supported(uint32_t version) noexcept {
-  return version == kShardVersionXxh64 || version == kShardVersionXxh3;
+  return version == kShardVersionXxh64 || version == kShardVersionXxh3 || version == kShardVersionColumns;
 }
 
 // The checksum of a supported shard `version` over data[0, len): header, schema, index and
@@ -60,6 +65,23 @@ struct IndexEntry {
   uint64_t checksum;  // shard_checksum() of the stored bytes
 };
 
+// NOTE [column layout]: a version 3 shard may store a fixed field as a *column*: its values
+// for every record back to back in record order (record r at data + r * row_bytes), raw,
+// cut into blocks of 2^block_shift rows, each block with one checksum in the column table.
+// Such a field has no index entries; the index holds only the other (*indexed*) fields, in
+// schema order. A column value is verified by checking its whole block the first time any
+// of its rows is read (NOTE [verify once], per block instead of per record) and then read
+// with one memcpy. Which fields are columns is a property of each shard, not of the
+// dataset: shards of one dataset may differ (and versions 1 and 2 have no columns).
+struct ColumnSpec {
+  const uint8_t* data = nullptr;       // the value of record 0 (mapped bytes)
+  const uint8_t* checksums = nullptr;  // num_blocks little-endian u64, the shard's checksum of each block
+  uint32_t row_bytes = 0;              // bytes per record, >= 1
+  uint32_t block_shift = 0;            // a block is 1 << block_shift rows; the last one may be shorter
+  uint64_t num_blocks = 0;
+  uint64_t first_block = 0;  // this column's first bit in the shard's block bitmap
+};
+
 class Shard {
  public:
   // Opens and validates. expected_bytes/records come from the manifest; schema must equal
@@ -74,8 +96,14 @@ class Shard {
   // The shard's format version (kShardVersionXxh64 or kShardVersionXxh3), which picks its checksum.
   uint32_t version() const noexcept { return version_; }
   uint64_t num_records() const noexcept { return num_records_; }
+  // The index entry of an indexed field (column_of(field) < 0).
   IndexEntry entry(uint64_t record, size_t field) const noexcept;
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
+  // NOTE [column layout]: the column that stores `field`, or -1 if the field is indexed.
+  int32_t column_of(size_t field) const noexcept { return column_of_[field]; }
+  const ColumnSpec& column(size_t c) const noexcept { return columns_[c]; }
+  // The first indexed field, or -1 when every field is a column.
+  int32_t first_indexed() const noexcept { return first_indexed_; }
 
   // NOTE [verify once]: every stored value is checked against its checksum the first time
   // this process reads its record; the record is then marked verified and later reads
@@ -88,6 +116,16 @@ class Shard {
   void mark_verified(uint64_t record) const noexcept {
     verified_[record >> 6].fetch_or(uint64_t(1) << (record & 63), std::memory_order_release);
   }
+  // The same for the blocks of columns (NOTE [column layout]); `bit` is first_block + block.
+  bool block_verified(uint64_t bit) const noexcept {
+    return (block_verified_[bit >> 6].load(std::memory_order_acquire) >> (bit & 63)) & 1u;
+  }
+  void mark_block_verified(uint64_t bit) const noexcept {
+    block_verified_[bit >> 6].fetch_or(uint64_t(1) << (bit & 63), std::memory_order_release);
+  }
+  // Checks block `block` of column `c` against its checksum; on a mismatch returns false
+  // and sets *got / *want. Does not mark it verified.
+  bool check_block(size_t c, uint64_t block, uint64_t* got, uint64_t* want) const noexcept;
 
  private:
   std::string path_;
@@ -96,9 +134,15 @@ class Shard {
   uint32_t version_ = 0;
   uint64_t num_records_ = 0;
   size_t num_fields_ = 0;
+  size_t num_indexed_ = 0;  // fields with index entries (all of them below version 3)
   uint64_t index_offset_ = 0;
   uint64_t payload_offset_ = 0;
+  std::vector<int32_t> column_of_;   // per field: its column, or -1
+  std::vector<uint32_t> slot_;       // per indexed field: its position in a record's index entries
+  std::vector<ColumnSpec> columns_;  // in field order
+  int32_t first_indexed_ = -1;
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
+  std::unique_ptr<std::atomic<uint64_t>[]> block_verified_;
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.

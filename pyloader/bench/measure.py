@@ -71,12 +71,16 @@ def make_records(p: Profile, n: int, seed: int) -> np.ndarray:
 
 
 def write_profile_dataset(path: str, p: Profile, n: int, *, compression: str = "none", seed: int = 0,
-                          shard_bytes: int = 64 << 20) -> np.ndarray:
-    """Writes n records of profile p; returns the records (for baselines on the same data)."""
+                          shard_bytes: int = 64 << 20, version: int = 3) -> np.ndarray:
+    """Writes n records of profile p; returns the records (for baselines on the same data).
+
+    ``version``: the newest shard format version written (``ShardWriter``'s): 3 stores the
+    int64 label as a column, 2 gives every value an index entry.
+    """
     name, spec = _payload_field(p)
     recs = make_records(p, n, seed)
     with ShardWriter(path, {name: spec, "label": ("int64", ())}, compression=compression,
-                     shard_bytes=shard_bytes, overwrite=True) as w:
+                     shard_bytes=shard_bytes, overwrite=True, version=version) as w:
         for i in range(n):
             w.write({name: recs[i], "label": i})
     return recs

@@ -22,7 +22,15 @@ import torch
 
 from .. import _C
 from ..errors import ShardCorruptError, ShardFormatError
-from ..format.spec import CHECKSUM_NAMES, CODEC_LZ4, HEADER_SIZE, INDEX_DTYPE, shard_checksum, unpack_header
+from ..format.spec import (
+    CHECKSUM_NAMES,
+    CODEC_LZ4,
+    HEADER_SIZE,
+    INDEX_DTYPE,
+    shard_checksum,
+    shard_columns,
+    unpack_header,
+)
 from ..loader import autotune
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
@@ -83,9 +91,15 @@ def lz4_blocks(paths: list[str], limit_bytes: int = 32 << 20,
         if checksum(index_bytes) != header.index_checksum:
             raise _corrupt(path, "index checksum mismatch (corrupt data)")
         index = np.frombuffer(index_bytes, INDEX_DTYPE)
+        try:  # version 3: column fields have no index entries (NOTE [column layout] in format/spec.py)
+            in_columns = {c.field for c in shard_columns(data, header)}
+        except ShardFormatError as e:
+            raise _corrupt(path, str(e)) from None
+        indexed = [f for f in range(header.num_fields) if f not in in_columns]
         for i in np.flatnonzero(index["codec"] == CODEC_LZ4):
             entry = index[i]
-            record, f_i = divmod(int(i), max(header.num_fields, 1))
+            record, slot = divmod(int(i), max(len(indexed), 1))
+            f_i = indexed[slot]
             field = field_names[f_i] if field_names and f_i < len(field_names) else f"#{f_i}"
             start = header.payload_offset + int(entry["offset"])
             size, decoded = int(entry["stored"]), int(entry["decoded"])

@@ -1,4 +1,4 @@
-"""Shard encoding: validated byte values -> shard files (format version 2) and the dataset manifest.
+"""Shard encoding: validated byte values -> shard files (format version 3 or 2) and the dataset manifest.
 
 The one place that lays out shard bytes on the Python side. ``ShardWriter`` (one sample at
 a time) and ``pyloader convert`` (chunks of columns) both feed a ``ShardEncoder``; the
@@ -35,9 +35,13 @@ from .spec import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     VERSION,
+    ColumnDesc,
     Field,
+    column_block_rows,
     dump_manifest,
+    encode_column_table,
     encode_schema,
+    is_column_field,
     pack_header,
     parse_manifest,
     shard_checksum,
@@ -97,30 +101,41 @@ class ColumnBytes:
 class ShardEncoder:
     """Encodes records into shards ``<root>/<prefix><n:06d>.pyl``.
 
-    A value is stored LZ4 when its field's ``compress`` flag is set and LZ4 saves at least
-    ``min_gain`` of its size, raw otherwise. A shard is published (NOTE [atomic publish])
-    once its payload reaches ``shard_bytes``, and by ``close()``. ``shards`` lists the
-    manifest entries of the shards published so far, in order.
+    With ``version`` 3 (the default) the fields ``is_column_field`` picks are stored as
+    columns (NOTE [column layout] in spec.py), raw whatever their ``compress`` flag; if no
+    field qualifies the shards are version 2, byte for byte what version 2 writers wrote.
+    ``version=2`` writes version 2 shards always. Any other value is a ValueError.
+    A value of an indexed field is stored LZ4 when its field's ``compress`` flag is set and
+    LZ4 saves at least ``min_gain`` of its size, raw otherwise. A shard is published (NOTE
+    [atomic publish]) once its payload reaches ``shard_bytes``, and by ``close()``.
+    ``shards`` lists the manifest entries of the shards published so far, in order.
     """
 
     def __init__(self, root: str, fields: Sequence[Field], compress: Sequence[bool], *, shard_bytes: int,
-                 prefix: str, min_gain: float = MIN_GAIN) -> None:
+                 prefix: str, min_gain: float = MIN_GAIN, version: int = VERSION) -> None:
         if len(compress) != len(fields):
             raise ValueError(f"compress has {len(compress)} flags for {len(fields)} fields")
+        if version not in (2, 3):
+            raise ValueError(f"version must be 2 or 3 (the shard format versions written), got {version!r}")
         self.root, self.prefix = root, prefix
         self.fields = list(fields)
         self.compress = [bool(c) for c in compress]
         self.shard_bytes = shard_bytes
         self.min_gain = min_gain
+        # Field numbers stored as columns; the version follows (3 only if there is one).
+        self.column_fields = [i for i, f in enumerate(self.fields) if is_column_field(f)] if version == 3 else []
+        self.version = 3 if self.column_fields else 2
+        self._column_row = sum(self.fields[i].row_bytes for i in self.column_fields)  # bytes per record
         self.schema = encode_schema(self.fields)
-        self._checksum = shard_checksum(VERSION)  # of headers, schemas, indexes and values
+        self._checksum = shard_checksum(self.version)  # of headers, schemas, tables, indexes and values
         self.schema_checksum = self._checksum(self.schema)
         self.shards: list[dict[str, Any]] = []
         self.records = 0  # records appended, published or not
         self.bytes_out = 0  # bytes of the published shard files
         self._blobs: list[Any] = []
         self._entries: list[tuple[int, int, int, int, int, int]] = []
-        self._payload = 0
+        self._columns: list[list[Any]] = [[] for _ in self.column_fields]  # each column's parts, in record order
+        self._payload = 0  # bytes of the indexed values (their offsets)
         self._records_in_shard = 0
 
     def append_record(self, values: Sequence[tuple[memoryview, int]]) -> None:
@@ -146,54 +161,102 @@ class ShardEncoder:
         lz4_compress, checksum = lz4.block.compress, self._checksum
         entries, blobs = self._entries, self._blobs
         keep = 1.0 - self.min_gain
+        is_col = set(self.column_fields)
         cols = [(c.data, c.offsets, c.lengths, c.row_bytes, comp)
-                for c, comp in zip(columns, self.compress, strict=True)]
-        for r in range(n):
-            for data, offs, lens, rb, comp in cols:
-                if offs is None:
-                    v = data[r * rb : (r + 1) * rb]
-                    leading = 0
-                else:
-                    v = data[offs[r] : offs[r + 1]]
-                    leading = lens[r]  # type: ignore[index]  # a ColumnBytes with offsets has lengths
-                size = len(v)
-                stored: Any = v
-                codec = CODEC_RAW
-                if comp and size:
-                    z = lz4_compress(v, store_size=False)
-                    if len(z) <= keep * size:
-                        stored, codec = z, CODEC_LZ4
-                entries.append((self._payload, len(stored), size, leading, codec, checksum(stored)))
-                blobs.append(bytes(stored) if copy and codec == CODEC_RAW else stored)
-                self._payload += len(stored)
-            self._records_in_shard += 1
-            self.records += 1
-            if self._payload >= self.shard_bytes:
+                for i, (c, comp) in enumerate(zip(columns, self.compress, strict=True)) if i not in is_col]
+        col_row = self._column_row
+        seg = 0  # the first record of `columns` not yet added to the column parts
+
+        def cut(end: int) -> None:  # the column values of records [seg, end) join their columns
+            for parts, i in zip(self._columns, self.column_fields, strict=True):
+                c = columns[i]
+                if c.offsets is None:
+                    rb = self.fields[i].row_bytes
+                    v = c.data[seg * rb : end * rb]
+                else:  # one record given as a value (append_record)
+                    v = c.data[c.offsets[seg] : c.offsets[end]]
+                parts.append(bytes(v) if copy else v)
+
+        r = 0
+        while r < n:
+            if cols:
+                for data, offs, lens, rb, comp in cols:
+                    if offs is None:
+                        v = data[r * rb : (r + 1) * rb]
+                        leading = 0
+                    else:
+                        v = data[offs[r] : offs[r + 1]]
+                        leading = lens[r]  # type: ignore[index]  # a ColumnBytes with offsets has lengths
+                    size = len(v)
+                    stored: Any = v
+                    codec = CODEC_RAW
+                    if comp and size:
+                        z = lz4_compress(v, store_size=False)
+                        if len(z) <= keep * size:
+                            stored, codec = z, CODEC_LZ4
+                    entries.append((self._payload, len(stored), size, leading, codec, checksum(stored)))
+                    blobs.append(bytes(stored) if copy and codec == CODEC_RAW else stored)
+                    self._payload += len(stored)
+                k = 1
+            else:  # columns only: as many records as the shard has room for, at once
+                room = self.shard_bytes - self._payload - self._records_in_shard * col_row
+                k = min(n - r, max(1, -(-room // col_row)))
+            r += k
+            self._records_in_shard += k
+            self.records += k
+            if self._payload + self._records_in_shard * col_row >= self.shard_bytes:
+                cut(r)
+                seg = r
                 self.flush()
+        if seg < n:
+            cut(n)
 
     def flush(self) -> None:
         """Publishes the shard in progress, if it holds any record."""
         if self._records_in_shard == 0:
             return
+        n = self._records_in_shard
         index = np.zeros(len(self._entries), dtype=INDEX_DTYPE)
         cols = np.array(self._entries, dtype=np.uint64).reshape(-1, len(_INDEX_COLUMNS))
         for k, name in enumerate(_INDEX_COLUMNS):
             index[name] = cols[:, k]
         index_bytes = index.tobytes()
+        table, column_data, payload = b"", [], self._payload
+        if self.version == 3:
+            # NOTE [column layout]: the columns follow the indexed values in the payload, in
+            # field order, without padding (a column value is copied with memcpy, which
+            # needs no alignment).
+            descs = []
+            for parts, i in zip(self._columns, self.column_fields, strict=True):
+                data = b"".join(parts)
+                rb = self.fields[i].row_bytes
+                rows = column_block_rows(rb)
+                view = memoryview(data)
+                sums = tuple(self._checksum(view[b * rows * rb : (b + 1) * rows * rb]) for b in range(-(-n // rows)))
+                descs.append(ColumnDesc(i, rb, rows, payload, sums))
+                column_data.append(data)
+                payload += len(data)
+            table = encode_column_table(descs)
         header = pack_header(
-            num_records=self._records_in_shard, num_fields=len(self.fields), schema_size=len(self.schema),
-            index_size=len(index_bytes), payload_size=self._payload, schema_checksum=self.schema_checksum,
-            index_checksum=self._checksum(index_bytes),
+            num_records=n, num_fields=len(self.fields), schema_size=len(self.schema),
+            index_size=len(index_bytes), payload_size=payload, schema_checksum=self.schema_checksum,
+            index_checksum=self._checksum(index_bytes), version=self.version, columns_size=len(table),
+            columns_checksum=self._checksum(table) if self.version == 3 else 0,
         )
-        data = b"".join([header, self.schema, index_bytes, *self._blobs])
+        data = b"".join([header, self.schema, table, index_bytes, *self._blobs, *column_data])
         name = f"{self.prefix}{len(self.shards):06d}.pyl"
         atomic_write(os.path.join(self.root, name), [data])
         # The manifest's whole-file checksum is XXH64 whatever the shard version.
-        self.shards.append({"path": name, "records": self._records_in_shard, "bytes": len(data),
+        self.shards.append({"path": name, "records": n, "bytes": len(data),
                             "xxh64": f"{_C.xxh64(data):016x}"})
         self.bytes_out += len(data)
+        self._clear()
+
+    def _clear(self) -> None:
         self._blobs.clear()  # in place: _append holds aliases of both lists
         self._entries.clear()
+        for parts in self._columns:
+            parts.clear()
         self._payload = 0
         self._records_in_shard = 0
 
@@ -206,10 +269,7 @@ class ShardEncoder:
         """Deletes every shard published so far and drops the one in progress."""
         remove_shards(self.root, [s["path"] for s in self.shards])
         self.shards = []
-        self._blobs.clear()
-        self._entries.clear()
-        self._payload = 0
-        self._records_in_shard = 0
+        self._clear()
 
 
 def replace_token(root: str, *, overwrite: bool, hint: str) -> tuple[str, list[str]]:

@@ -1,7 +1,7 @@
-"""Shard format versions 1 and 2 and the dataset manifest (specified in docs/format.md).
+"""Shard format versions 1 to 3 and the dataset manifest (specified in docs/format.md).
 
-Python side of the format: field specs, the binary schema block, the shard header and
-the manifest. The native reader (csrc/core/shard_reader.cpp) parses the same bytes.
+Python side of the format: field specs, the binary schema block, the shard header, the
+column table (version 3) and the manifest. The native reader (csrc/core/shard_reader.cpp) parses the same bytes.
 """
 
 from __future__ import annotations
@@ -20,14 +20,28 @@ from .. import _C
 from ..errors import ManifestError, SchemaError, ShardFormatError
 
 MAGIC = b"PYLSHARD"
-VERSION = 2  # the shard format version writers write
-# Shard versions readers accept, each with its checksum (header, schema, index and every
-# stored value): version 2 is version 1 with XXH3-64 in place of XXH64.
-SHARD_VERSIONS = (1, 2)
-CHECKSUM_NAMES = {1: "XXH64", 2: "XXH3-64"}
+VERSION = 3  # the newest shard format version writers write (NOTE [column layout])
+# Shard versions readers accept, each with its checksum (header, schema, column table,
+# index and every stored value or column block): version 2 is version 1 with XXH3-64 in
+# place of XXH64; version 3 is version 2 plus a column table.
+SHARD_VERSIONS = (1, 2, 3)
+CHECKSUM_NAMES = {1: "XXH64", 2: "XXH3-64", 3: "XXH3-64"}
 MANIFEST_VERSION = 1  # the manifest's own "version", independent of the shards'
 HEADER_SIZE = 128
 INDEX_ENTRY_SIZE = 32
+# NOTE [column layout]: in a version 3 shard, a fixed field of 1 to COLUMN_MAX_ROW_BYTES
+# bytes per record is stored as a column: its values back to back in record order, raw,
+# in blocks of a power-of-two number of rows (at most COLUMN_BLOCK_BYTES, or one row), one
+# checksum per block; it has no index entries. Up to 256 bytes a 32-byte index entry costs
+# at least 12.5% of the value (400% for an int64), while LZ4 per value seldom saves that
+# much on so few bytes; larger values keep their entries (and per-value LZ4). A block is
+# what a reader verifies on first touch: 64 KiB hashes in ~5 us, small against a batch, and
+# keeps the checksums at 1/8192 of the column. The native reader (csrc/core/shard_reader.h)
+# reads the same layout.
+COLUMN_MAX_ROW_BYTES = 256
+COLUMN_BLOCK_BYTES = 64 << 10
+COLUMN_TABLE_HEAD = struct.Struct("<II")  # num_columns, reserved
+COLUMN_DESC = struct.Struct("<IIIIQ")  # field, row_bytes, block_rows, reserved, data offset in the payload
 CODEC_RAW = 0
 CODEC_LZ4 = 1
 MANIFEST_NAME = "manifest.json"
@@ -61,7 +75,9 @@ INDEX_DTYPE = np.dtype(
      ("codec", "u1"), ("pad", "V3"), ("checksum", "<u8")]
 )
 assert INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
-_HEADER = struct.Struct("<8sIIQIIQQQQQQQQQ16s")  # everything before the header checksum
+# Everything before the header checksum. The last two u64 are the column table's size and
+# checksum in version 3, reserved (zero) before.
+_HEADER = struct.Struct("<8sIIQIIQQQQQQQQQQQ")
 assert _HEADER.size == HEADER_SIZE - 8
 MAX_FIELD_BYTES = 2**32 - 1
 # A checksum (seed 0) of a bytes-like object, e.g. pyloader._C.xxh64, passed in by the caller.
@@ -69,13 +85,13 @@ Hasher = Callable[[Any], int]
 
 
 def shard_checksum(version: int) -> Hasher:
-    """The checksum function of shard format ``version``: XXH64 (1) or XXH3-64 (2), seed 0.
+    """The checksum function of shard format ``version``: XXH64 (1) or XXH3-64 (2, 3), seed 0.
 
     Raises ShardFormatError for a version readers do not accept.
     """
     if version == 1:
         return _C.xxh64
-    if version == 2:
+    if version in (2, 3):
         return _C.xxh3_64
     raise ShardFormatError(f"unsupported shard version {version}")
 
@@ -240,21 +256,87 @@ def encode_schema(fields: Iterable[Field]) -> bytes:
 
 
 def pack_header(*, num_records: int, num_fields: int, schema_size: int, index_size: int,
-                payload_size: int, schema_checksum: int, index_checksum: int, version: int = VERSION) -> bytes:
+                payload_size: int, schema_checksum: int, index_checksum: int, version: int = VERSION,
+                columns_size: int = 0, columns_checksum: int = 0) -> bytes:
     """The shard header bytes (docs/format.md, "Header"), checksum included.
 
-    The sections follow the header in the order schema, index, payload; their offsets and
-    the file size are computed from the sizes given. The checksums given, and the header's
-    own, are those of ``version`` (``shard_checksum(version)``).
+    The sections follow the header in the order schema, column table (version 3 only:
+    ``columns_size`` bytes, else 0), index, payload; their offsets and the file size are
+    computed from the sizes given. The checksums given, and the header's own, are those of
+    ``version`` (``shard_checksum(version)``).
     """
+    if version != 3 and (columns_size or columns_checksum):
+        raise ValueError(f"a version {version} shard has no column table")
     schema_off = HEADER_SIZE
-    index_off = schema_off + schema_size
+    index_off = schema_off + schema_size + columns_size
     payload_off = index_off + index_size
     file_size = payload_off + payload_size
     body = _HEADER.pack(MAGIC, version, HEADER_SIZE, num_records, num_fields, INDEX_ENTRY_SIZE,
                         schema_off, schema_size, index_off, index_size, payload_off, payload_size,
-                        file_size, schema_checksum, index_checksum, b"\0" * 16)
+                        file_size, schema_checksum, index_checksum, columns_size, columns_checksum)
     return body + struct.pack("<Q", shard_checksum(version)(body))
+
+
+def is_column_field(f: Field) -> bool:
+    """Whether a version 3 writer stores field ``f`` as a column (NOTE [column layout])."""
+    return not f.variable and 1 <= f.row_bytes <= COLUMN_MAX_ROW_BYTES
+
+
+def column_block_rows(row_bytes: int) -> int:
+    """Rows per checksummed block of a column of ``row_bytes`` per record.
+
+    The largest power of two whose block fits COLUMN_BLOCK_BYTES, at least 1 (NOTE [column layout]).
+    """
+    rows = 1
+    while rows * 2 * row_bytes <= COLUMN_BLOCK_BYTES:
+        rows *= 2
+    return rows
+
+
+class ColumnDesc(NamedTuple):
+    """One column of a version 3 shard (docs/format.md, "Column table")."""
+
+    field: int  # the field's position in the schema
+    row_bytes: int
+    block_rows: int
+    offset: int  # of the value of record 0, from the payload's start
+    checksums: tuple[int, ...]  # one per block, the shard's checksum of the block's bytes
+
+
+def encode_column_table(columns: Iterable[ColumnDesc]) -> bytes:
+    """The column table bytes of a version 3 shard (docs/format.md, "Column table")."""
+    columns = list(columns)
+    parts = [COLUMN_TABLE_HEAD.pack(len(columns), 0)]
+    parts += [COLUMN_DESC.pack(c.field, c.row_bytes, c.block_rows, 0, c.offset) for c in columns]
+    parts += [struct.pack(f"<{len(c.checksums)}Q", *c.checksums) for c in columns]
+    return b"".join(parts)
+
+
+def decode_column_table(data: bytes | memoryview, num_records: int) -> list[ColumnDesc]:
+    """The columns a version 3 column table lists.
+
+    Checks the table's framing only (the native reader validates a shard); raises
+    ShardFormatError if it is malformed.
+    """
+    if len(data) < COLUMN_TABLE_HEAD.size:
+        raise ShardFormatError("column table truncated")
+    n, _ = COLUMN_TABLE_HEAD.unpack_from(data, 0)
+    pos = COLUMN_TABLE_HEAD.size + n * COLUMN_DESC.size
+    if len(data) < pos:
+        raise ShardFormatError("column table truncated")
+    out = []
+    for c in range(n):
+        field, row_bytes, block_rows, _, offset = COLUMN_DESC.unpack_from(data, COLUMN_TABLE_HEAD.size + c * COLUMN_DESC.size)
+        if block_rows < 1 or block_rows & (block_rows - 1):
+            raise ShardFormatError(f"column table: column {c} has {block_rows} block rows, not a power of two")
+        blocks = -(-num_records // block_rows)
+        if len(data) < pos + 8 * blocks:
+            raise ShardFormatError("column table truncated")
+        out.append(ColumnDesc(field, row_bytes, block_rows, offset, struct.unpack_from(f"<{blocks}Q", data, pos)))
+        pos += 8 * blocks
+    if pos != len(data):
+        raise ShardFormatError("column table has trailing bytes")
+    return out
 
 
 class ShardHeader(NamedTuple):
@@ -274,6 +356,8 @@ class ShardHeader(NamedTuple):
     file_size: int
     schema_checksum: int
     index_checksum: int
+    columns_size: int  # version 3: bytes of the column table (between schema and index); else 0
+    columns_checksum: int
 
 
 def unpack_header(data: bytes | memoryview) -> ShardHeader:
@@ -284,10 +368,25 @@ def unpack_header(data: bytes | memoryview) -> ShardHeader:
     """
     if len(data) < HEADER_SIZE:
         raise ShardFormatError(f"a shard header is {HEADER_SIZE} bytes, got {len(data)}")
-    magic, *values, _reserved = _HEADER.unpack_from(data, 0)
+    magic, *values = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise ShardFormatError(f"not a pyloader shard (magic {bytes(magic)!r})")
-    return ShardHeader(*values)
+    h = ShardHeader(*values)
+    return h if h.version == 3 else h._replace(columns_size=0, columns_checksum=0)  # reserved below 3
+
+
+def shard_columns(data: bytes | memoryview, header: ShardHeader) -> list[ColumnDesc]:
+    """The columns of a shard whose bytes (at least up to its index) are ``data``: none below version 3.
+
+    Checks the column table's checksum; raises ShardFormatError if it is corrupt or malformed.
+    """
+    if header.version != 3:
+        return []
+    start = header.schema_offset + header.schema_size
+    table = data[start : start + header.columns_size]
+    if len(table) != header.columns_size or shard_checksum(3)(table) != header.columns_checksum:
+        raise ShardFormatError("column table checksum mismatch (corrupt column table)")
+    return decode_column_table(table, header.num_records)
 
 
 # ---------------------------------------------------------------------------------------

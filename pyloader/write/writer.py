@@ -1,4 +1,4 @@
-"""ShardWriter: validates samples and writes them into shard files (format version 2) and the dataset manifest.
+"""ShardWriter: validates samples and writes them into shard files (format version 3 or 2) and the dataset manifest.
 
 The bytes are laid out by ``pyloader.format.encode.ShardEncoder``, as for ``pyloader convert``.
 """
@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import SchemaError
 from ..format.encode import MIN_GAIN, ShardEncoder, publish_manifest, replace_token
-from ..format.spec import Field, make_fields
+from ..format.spec import VERSION, Field, make_fields
 
 _COMPRESSIONS = ("lz4", "none")
 
@@ -73,6 +73,13 @@ class ShardWriter:
     reaches ``shard_bytes``. ``path`` is a local folder (or ``file://`` URL): to publish to
     object storage, write locally and upload the folder.
 
+    ``version`` is the newest shard format version written. With 3 (the default), fixed
+    fields of at most 256 bytes per record (ids, labels, a few floats) are stored as
+    columns without per-value index entries, raw whatever ``compression`` says (NOTE
+    [column layout] in pyloader/format/spec.py); a dataset with no such field is written
+    as version 2, as before. ``version=2`` writes the version 2 layout always (e.g. for
+    readers older than version 3).
+
     The manifest is written on a clean ``close()``; until then the dataset does not exist.
     If the ``with`` block raises, the shards written so far are removed and no manifest is
     written. A writer garbage-collected (or alive at interpreter exit) without ``close()``
@@ -82,7 +89,7 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike[str], fields: Mapping[str, Any], *,
                  compression: str | Mapping[str, str | None] | None = "lz4", shard_bytes: int = 64 << 20,
-                 min_gain: float = MIN_GAIN, overwrite: bool = False) -> None:
+                 min_gain: float = MIN_GAIN, overwrite: bool = False, version: int = VERSION) -> None:
         self._closed = True  # until constructed: nothing to close
         self._dir = _writable_dir(path)
         self.fields: list[Field] = make_fields(fields)
@@ -105,13 +112,15 @@ class ShardWriter:
             raise ValueError("shard_bytes must be a positive int")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError("min_gain must be in [0, 1)")
+        if version not in (2, 3) or isinstance(version, bool):
+            raise ValueError(f"version must be 2 or 3 (the shard format versions written), got {version!r}")
         os.makedirs(self._dir, exist_ok=True)
         # NOTE [overwrite] (pyloader/format/encode.py): new shards get a fresh token; the old
         # ones are deleted only once the new manifest is in place.
         token, self._replaced = replace_token(self._dir, overwrite=overwrite,
                                               hint="pass overwrite=True to replace it")
         self._encoder = ShardEncoder(self._dir, self.fields, self._codec, shard_bytes=shard_bytes,
-                                     prefix=f"shard-{token}", min_gain=min_gain)
+                                     prefix=f"shard-{token}", min_gain=min_gain, version=version)
         self._closed = False
         self._finalizer = weakref.finalize(self, _unclosed, self._dir, self._encoder, os.getpid())
 

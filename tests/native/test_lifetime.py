@@ -714,7 +714,8 @@ def corrupt_raw_payload(ds: pyloader.ShardDataset, global_id: int, field: str) -
 
 @pytest.mark.timeout(60)
 def test_corrupt_record_in_third_batch(write_dataset) -> None:
-    path = write_dataset(80, FIELDS, sample, compression="none", shard_bytes=16 << 10)
+    # version=2: corrupt_raw_payload finds the value through its index entry (every field has one).
+    path = write_dataset(80, FIELDS, sample, compression="none", shard_bytes=16 << 10, version=2)
     ds = open_ds(path)
     bad_id = 2 * 8 + 3  # in batch index 2 (the third)
     shard, rec = corrupt_raw_payload(ds, bad_id, "img")

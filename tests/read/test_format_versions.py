@@ -1,9 +1,12 @@
 """Shard format versions 1 and 2 (docs/format.md, "Versions").
 
-The writer writes version 2, whose checksums (header, schema, index and every stored
-value) are XXH3-64; readers also read version 1, whose checksums are XXH64, and datasets
-that mix the two. Version 1 shards are made here from written ones by rewriting every
-checksum with XXH64 (``to_v1``), following the format description rather than the writer.
+The writer writes version 2 (asked for with ``version=2``: by default a dataset with small
+fixed fields, like this one's ``label``, is written as version 3, whose column layout
+tests/read/test_compact_layout.py covers), whose checksums (header, schema, index and
+every stored value) are XXH3-64; readers also read version 1, whose checksums are XXH64,
+and datasets that mix the two. Version 1 shards are made here from written ones by
+rewriting every checksum with XXH64 (``to_v1``), following the format description rather
+than the writer.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def sample(i: int) -> dict[str, Any]:
 
 
 def write_dataset(path: str, n: int = N) -> str:
-    with pyloader.ShardWriter(path, FIELDS, compression=COMPRESSION, shard_bytes=6000) as w:
+    with pyloader.ShardWriter(path, FIELDS, compression=COMPRESSION, shard_bytes=6000, version=2) as w:
         for i in range(n):
             w.write(sample(i))
     return path
@@ -238,7 +241,7 @@ def test_version_1_header_with_an_xxh3_checksum_is_rejected(ds):
         read_records(ds)
 
 
-@pytest.mark.parametrize("version", [0, 3, 0xFFFFFFFF])
+@pytest.mark.parametrize("version", [0, 4, 0xFFFFFFFF])
 @pytest.mark.parametrize("checksum", [_C.xxh3_64, _C.xxh64], ids=["xxh3", "xxh64"])
 def test_other_versions_are_unsupported(ds, version, checksum):
     shard = pyloader.ShardDataset(ds).shard_paths[0]
@@ -254,6 +257,7 @@ def test_shard_checksum_by_version():
     data = b"pyloader" * 40
     assert _format.shard_checksum(1)(data) == xxhash.xxh64_intdigest(data)
     assert _format.shard_checksum(2)(data) == xxhash.xxh3_64_intdigest(data)
-    assert _format.VERSION == 2 and _format.SHARD_VERSIONS == (1, 2)
-    with pytest.raises(pyloader.ShardFormatError, match="unsupported shard version 3"):
-        _format.shard_checksum(3)
+    assert _format.shard_checksum(3)(data) == xxhash.xxh3_64_intdigest(data)
+    assert _format.VERSION == 3 and _format.SHARD_VERSIONS == (1, 2, 3)
+    with pytest.raises(pyloader.ShardFormatError, match="unsupported shard version 4"):
+        _format.shard_checksum(4)

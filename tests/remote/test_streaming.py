@@ -199,7 +199,9 @@ def test_several_processes_stream_through_one_small_cache(server, big, cache_dir
 
 def _flip_payload_byte(path: str) -> None:
     with open(path, "r+b") as f:
-        f.seek(-10, os.SEEK_END)  # the last record's payload: header, schema and index stay intact
+        # The payload's end: header, schema, column table and index stay intact. In a version 3
+        # shard that is the last column's last block (NOTE [column layout]), else a stored value.
+        f.seek(-10, os.SEEK_END)
         b = f.read(1)
         f.seek(-10, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x55]))
@@ -229,7 +231,7 @@ def test_a_corrupt_cached_shard_is_discarded_fetched_again_and_read_correctly(se
     assert ds._remote.verify_entry(next(e for e in ds._remote.entries() if e.name == ds._remote.names[victim])) is None
     with open(os.path.join(ds._remote.dir, "discarded.log")) as f:
         # The shards are format version 2: their values' checksum is XXH3-64.
-        assert "payload checksum mismatch (corrupt data): XXH3-64 " in f.read()
+        assert "column block checksum mismatch (corrupt data): XXH3-64 " in f.read()
 
 
 @pytest.mark.timeout(60)
@@ -246,7 +248,7 @@ def test_a_shard_bad_in_the_cache_and_at_the_source_raises_naming_both(server, c
         for _ in ds.batches(16):
             pass
     msg = str(ei.value)
-    assert "index says" in msg and "manifest says" in msg, msg  # the cached copy's digests, then the download's
+    assert "column table says" in msg and "manifest says" in msg, msg  # the cached copy's digests, then the download's
     assert name in msg
 
 

@@ -28,14 +28,16 @@ BITS_DTYPE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def shard_codecs(ds: pyloader.ShardDataset) -> set[int]:
-    """Codecs used by the index entries of every shard (0 raw, 1 LZ4), parsed from the files."""
+    """Codecs used by the index entries of every shard (0 raw, 1 LZ4), parsed from the files.
+
+    (Fields stored as columns, in version 3 shards, have no entries: their values are raw.)
+    """
     out: set[int] = set()
     for p in ds.shard_paths:
         with open(p, "rb") as fh:
             data = fh.read()
-        num_records, num_fields = struct.unpack_from("<QI", data, 16)
-        (index_off,) = struct.unpack_from("<Q", data, 48)
-        for k in range(num_records * num_fields):
+        index_off, index_size = struct.unpack_from("<QQ", data, 48)
+        for k in range(index_size // 32):
             out.add(data[index_off + 32 * k + 20])
     return out
 

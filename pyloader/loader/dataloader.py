@@ -760,13 +760,37 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def stats(self) -> dict[str, Any]:
         """Per-stage counters of the current (or last) epoch.
 
-        See ``BatchIterator.stats``; with a copy engine, its counters under ``"copy"``.
-        Empty before the first ``iter()``.
+        See ``BatchIterator.stats``; with a copy engine, its counters under ``"copy"``; with
+        pinned buffers, their memory under ``"pinned"`` (``host_memory()``). Empty before the
+        first ``iter()``.
         """
         it = self._active() if self._active is not None else None
-        if isinstance(it, _LoaderIterator):
-            return it.stats()
-        return dict(self._last_stats)
+        s = it.stats() if isinstance(it, _LoaderIterator) else dict(self._last_stats)
+        if s:
+            pinned = self.host_memory(pinned_only=True)
+            if pinned["bytes"] or pinned["driver_allocs"]:
+                s["pinned"] = pinned
+        return s
+
+    def host_memory(self, *, pinned_only: bool = False) -> dict[str, Any]:
+        """The host memory of this loader's batch and staging buffers (NOTE [pinned cache]).
+
+        ``bytes``: held from the allocator (``live_bytes`` in slots + ``cached_bytes`` kept for
+        reuse, at most ``cache_limit`` per pool); ``allocs``: buffers handed out, ``reused`` of
+        them from the cache; ``driver_allocs`` / ``driver_frees``: the calls that reached the
+        system or, when pinned, the CUDA driver (each of which synchronises the device).
+        """
+        keys = ("bytes", "live_bytes", "cached_bytes", "cache_limit", "allocs", "reused", "driver_allocs",
+                "driver_frees")
+        out: dict[str, Any] = dict.fromkeys(keys, 0)
+        pools = [p for p in (self._batch_pool, self._staging_pool) if p is not None]
+        for pool in pools:
+            if pinned_only and not pool.pinned:
+                continue
+            m = pool.memory()
+            for k in keys:
+                out[k] += m[k]
+        return out
 
 
 def _has_len(loader: Any) -> bool:

@@ -211,6 +211,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._batch_pool: _C.SlotPool | None = None  # see _pool
         self._ahead: tuple[tuple[Any, ...], PipelineStream] | None = None  # (key, stream): NOTE [epoch ahead]
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
+        self._kept_stage: _transfer.DeviceStage | None = None  # NOTE [stage across epochs]
+        self._kept_fence: _transfer.PinnedFence | None = None  # NOTE [pinned batch fence]
         self._inner: _TorchDataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
         if self._native:
@@ -450,8 +452,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         if self.device is None and (not self.pin_memory or in_slots or not self._staging().pinned):
             return None
-        return _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
-                                     staging_pool=self._staging())
+        # NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
+        # and nothing it was made for changed.
+        kept, self._kept_stage = self._kept_stage, None
+        if (kept is not None and not kept.closed and kept.device == self.device and kept.depth == self.device_prefetch
+                and kept.staging_pool is self._staging() and kept.outstanding() == 0):
+            stage = kept
+        else:
+            if kept is not None:
+                kept.close()
+            stage = _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
+                                          staging_pool=self._staging())
+        stage.begin_epoch()
+        self._kept_stage = stage
+        return stage
 
     def _iter_torch(self) -> Any:
         assert self._inner is not None
@@ -659,7 +673,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return None
         pool = self._pool
         pinned = stage.pinned if stage is not None else pool is not None and pool.pinned
-        return _transfer.PinnedFence() if pinned else None
+        if not pinned:
+            return None
+        # Kept across epochs: the batches it holds carry over, so an epoch's end waits for nothing.
+        if self._kept_fence is None:
+            self._kept_fence = _transfer.PinnedFence()
+        return self._kept_fence
 
     def _staging(self) -> _C.SlotPool:
         """The engine's staging buffers, made on first use (NOTE [lazy pinned pools]) and kept across epochs."""
@@ -957,9 +976,9 @@ class _LoaderIterator:
         # persist with persistent_workers=True).
         self._source = None
         if self._stage is not None:
-            self._stage.close()
-        if self.fence is not None:
-            self.fence.release()
+            self._stage.end_epoch()  # NOTE [stage across epochs]
+        # The fence is the loader's: the batches it holds are let go by the next epoch's
+        # hold() once the GPU read them, or with the loader (NOTE [pinned batch fence]).
 
     def stats(self) -> dict[str, Any]:
         """The source's stage counters (frozen at ``close()``), with the copy engine's under ``"copy"``."""

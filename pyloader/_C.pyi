@@ -143,8 +143,12 @@ class ShardSet:
 class SlotPool:
     """Reusable batch buffers."""
 
-    def __init__(self, *, num_fields: int, pinned: bool = False, device: int = 0) -> None:
-        """pinned=True: page-locked buffers from the CUDA driver (raises without one)."""
+    def __init__(self, *, num_fields: int, pinned: bool = False, device: int = 0,
+                 cache_bytes: int = 268435456) -> None:
+        """pinned=True: page-locked buffers from the CUDA driver (raises without one).
+
+        Cached by size class up to cache_bytes released bytes (NOTE [pinned cache]).
+        """
 
     @property
     def pinned(self) -> bool: ...
@@ -152,6 +156,11 @@ class SlotPool:
     def created(self) -> int: ...
     @property
     def free(self) -> int: ...
+    def memory(self) -> dict[str, Any]:
+        """The pool's host memory: bytes held (live in slots + cached) and the allocations.
+
+        Also how many allocations and frees reached the system or the CUDA driver (NOTE [pinned cache]).
+        """
 
 class HostBatch:
     """One collated batch in its host slot.

@@ -105,19 +105,42 @@ void register_pipeline(py::module_& m) {
       .def("__len__", &ShardSet::size);
 
   py::class_<SlotPool, std::shared_ptr<SlotPool>>(m, "SlotPool", "Reusable batch buffers.")
-      .def(py::init([](size_t num_fields, bool pinned, int device) {
-             if (!pinned) return std::make_shared<SlotPool>(num_fields);
+      .def(py::init([](size_t num_fields, bool pinned, int device, int64_t cache_bytes) {
+             // Each pool its own allocator, so that memory() counts this pool's buffers only.
+             if (!pinned) return std::make_shared<SlotPool>(num_fields, std::make_shared<PageableAllocator>());
+             if (cache_bytes < 0) throw std::invalid_argument("cache_bytes must be >= 0");
              std::string why;
              const cuda::Driver* d = cuda::driver(&why);
              if (!d) throw LoaderError(ErrorKind::kDevice, "", -1, "", "pinned memory needs the CUDA driver: " + why);
-             auto alloc = without_gil([&] { return std::make_shared<PinnedAllocator>(*d, device); });
+             auto alloc = without_gil(
+                 [&] { return std::make_shared<PinnedAllocator>(*d, device, size_t(cache_bytes)); });
              return std::make_shared<SlotPool>(num_fields, std::move(alloc));
            }),
            py::kw_only(), py::arg("num_fields"), py::arg("pinned") = false, py::arg("device") = 0,
-           "pinned=True: page-locked buffers from the CUDA driver (raises without one).")
+           py::arg("cache_bytes") = int64_t(PinnedAllocator::kDefaultCacheLimit),
+           "pinned=True: page-locked buffers from the CUDA driver (raises without one), cached by size "
+           "class up to cache_bytes released bytes (NOTE [pinned cache]).")
       .def_property_readonly("pinned", &SlotPool::pinned)
       .def_property_readonly("created", &SlotPool::created)
-      .def_property_readonly("free", &SlotPool::free_count);
+      .def_property_readonly("free", &SlotPool::free_count)
+      .def(
+          "memory",
+          [](const SlotPool& p) {
+            HostMemoryStats m = p.memory();
+            py::dict d;
+            d["pinned"] = p.pinned();
+            d["bytes"] = m.live_bytes + m.cached_bytes;
+            d["live_bytes"] = m.live_bytes;
+            d["cached_bytes"] = m.cached_bytes;
+            d["cache_limit"] = m.cache_limit;
+            d["allocs"] = m.allocs;
+            d["reused"] = m.reused;
+            d["driver_allocs"] = m.driver_allocs;
+            d["driver_frees"] = m.driver_frees;
+            return d;
+          },
+          "The pool's host memory: bytes held (live in slots + cached), the allocations and how many "
+          "reached the system or the CUDA driver (NOTE [pinned cache]).");
 
   py::class_<Batch>(m, "HostBatch",
                     "One collated batch in its host slot; the slot is reused only when this object and "

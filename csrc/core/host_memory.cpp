@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 
@@ -11,7 +12,8 @@
 namespace pyloader {
 namespace {
 constexpr size_t kPopulateMin = size_t(2) << 20;
-}
+constexpr size_t kPage = 4096;
+}  // namespace
 
 // NOTE [prefaulted slots]: a batch buffer is written in full by every batch, so all of its
 // pages are touched at once in the first epoch. Buffers of 2 MiB and more are mapped with
@@ -21,19 +23,32 @@ constexpr size_t kPopulateMin = size_t(2) << 20;
 // touched page by page (with or without transparent huge pages), which halved the time to
 // the first batch of 150 KB records (38 MB slots) and doubled their first epoch's rate;
 // the steady state (slots reused) was unchanged. Smaller buffers come from aligned_alloc.
+size_t PageableAllocator::good_size(size_t n, size_t, size_t) const noexcept {
+  // Grow by at least 1/8 so that slowly rising variable lengths do not reallocate every batch.
+  size_t want = n + n / 8;
+  // Large buffers are sized in whole 2 MiB (prefaulted mappings).
+  const size_t round = want >= kPopulateMin ? kPopulateMin : kPage;
+  return (want + round - 1) / round * round;
+}
+
 void* PageableAllocator::allocate(size_t bytes, size_t align) {
   size_t n = (bytes + align - 1) / align * align;
+  void* p = nullptr;
   if (n >= kPopulateMin) {
-    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    return p;
+  } else {
+    p = std::aligned_alloc(align, n);
+    if (!p) throw std::bad_alloc();
   }
-  void* p = std::aligned_alloc(align, n);
-  if (!p) throw std::bad_alloc();
+  live_.fetch_add(bytes, std::memory_order_relaxed);
+  allocs_.fetch_add(1, std::memory_order_relaxed);
   return p;
 }
 
 void PageableAllocator::release(void* p, size_t bytes) noexcept {
+  live_.fetch_sub(bytes, std::memory_order_relaxed);
+  frees_.fetch_add(1, std::memory_order_relaxed);
   if (bytes >= kPopulateMin) {
     ::munmap(p, bytes);
     return;
@@ -41,7 +56,60 @@ void PageableAllocator::release(void* p, size_t bytes) noexcept {
   std::free(p);
 }
 
-PinnedAllocator::PinnedAllocator(const cuda::Driver& d, int device) : d_(d), ctx_(d, device), pid_(::getpid()) {}
+HostMemoryStats PageableAllocator::stats() const noexcept {
+  HostMemoryStats s;
+  s.live_bytes = live_.load(std::memory_order_relaxed);
+  s.allocs = s.driver_allocs = allocs_.load(std::memory_order_relaxed);
+  s.driver_frees = frees_.load(std::memory_order_relaxed);
+  return s;
+}
+
+// NOTE [pinned cache]: cuMemFreeHost synchronises the whole device (it waits for every
+// stream of the context, the training loop's included), and cuMemHostAlloc maps and locks
+// pages in the driver: either, on a collation or copy engine thread mid-training, stalls
+// that thread for as long as the GPU is busy. So pinned blocks are cached, as torch's
+// caching host allocator does:
+//  - sizes are rounded to size classes (powers of two up to 1 MiB, then four classes per
+//    doubling: at most 25% unused), and a buffer that must grow at least doubles, and at
+//    least to the size the same buffer has in the pool's largest slot, so a rising
+//    variable-length field regrows O(log(max / first)) times in the slot that meets the new
+//    lengths first and once in each of the others, not every few batches;
+//  - a released block (the smaller buffer a growing one left, or a slot's buffers when its
+//    pool drops it) is kept in its class's free list and handed to the next allocation of
+//    that class without a driver call;
+//  - the cache keeps at most `cache_limit` bytes: a block released beyond it is freed at
+//    once (counted in driver_frees), so the pinned memory of a pool is bounded by the
+//    buffers its slots hold plus the limit. Once the slots have their steady-state sizes
+//    nothing is allocated or freed at all (NOTE [slot reuse]); the cache is emptied
+//    when the pool is destroyed (trim()).
+// The free lists live in this object, never in the blocks: a forked child, which must not
+// touch the parent's pinned memory (the driver does not map it into children), leaks its
+// blocks without a lock or a write.
+size_t PinnedAllocator::size_class(size_t n) noexcept {
+  if (n <= kPage) return kPage;
+  size_t p = kPage;
+  while (p < n && p < (size_t(1) << 20)) p <<= 1;
+  if (p >= n) return p;
+  // n > 1 MiB: the largest power of two below n, in quarter steps.
+  p = size_t(1) << 20;
+  while (p <= n / 2) p <<= 1;
+  const size_t step = p / 4;
+  return (n + step - 1) / step * step;
+}
+
+PinnedAllocator::PinnedAllocator(const cuda::Driver& d, int device, size_t cache_limit)
+    : d_(d), ctx_(d, device), pid_(::getpid()), cache_limit_(cache_limit) {}
+
+PinnedAllocator::~PinnedAllocator() {
+  if (::getpid() == pid_) trim();
+  // In a forked child the cached blocks are leaked with the rest (see release()).
+}
+
+size_t PinnedAllocator::good_size(size_t n, size_t cap, size_t peer) const noexcept {
+  // At least the largest size of the same buffer in the pool's other slots: a slot made or
+  // grown late is sized for the longest batches seen so far at once.
+  return size_class(std::max({n, 2 * cap, peer}));
+}
 
 void* PinnedAllocator::allocate(size_t bytes, size_t align) {
   // cuMemHostAlloc returns page-aligned memory; larger alignments are not needed for DMA.
@@ -55,23 +123,82 @@ void* PinnedAllocator::allocate(size_t bytes, size_t align) {
                           " bytes of pinned memory in a forked child: the pinned pool was created before this "
                           "process forked, and the parent's CUDA context cannot be used after fork (create the "
                           "loader or its pool in the child, or use the spawn start method)");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = free_.find(bytes);
+    if (it != free_.end() && !it->second.empty()) {  // NOTE [pinned cache]: no driver call
+      void* p = it->second.back();
+      it->second.pop_back();
+      cached_.fetch_sub(bytes, std::memory_order_relaxed);
+      live_.fetch_add(bytes, std::memory_order_relaxed);
+      allocs_.fetch_add(1, std::memory_order_relaxed);
+      reused_.fetch_add(1, std::memory_order_relaxed);
+      return p;
+    }
+  }
   cuda::ScopedContext scope(d_, ctx_.get());
   void* p = nullptr;
   cuda::CUresult r = d_.MemHostAlloc(&p, bytes, cuda::kHostAllocPortable);
   if (r != cuda::kSuccess || !p)
     throw LoaderError(ErrorKind::kDevice, "", -1, "",
                       "cuMemHostAlloc of " + std::to_string(bytes) + " bytes failed: " + cuda::error_text(d_, r));
+  live_.fetch_add(bytes, std::memory_order_relaxed);
+  allocs_.fetch_add(1, std::memory_order_relaxed);
+  driver_allocs_.fetch_add(1, std::memory_order_relaxed);
   return p;
 }
 
-void PinnedAllocator::release(void* p, size_t) noexcept {
+void PinnedAllocator::release(void* p, size_t bytes) noexcept {
   if (!p || ::getpid() != pid_) return;
+  live_.fetch_sub(bytes, std::memory_order_relaxed);
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (cached_.load(std::memory_order_relaxed) + bytes <= cache_limit_) {
+      free_[bytes].push_back(p);
+      cached_.fetch_add(bytes, std::memory_order_relaxed);
+      return;
+    }
+  } catch (...) {
+    // No memory for the free list: free the block instead.
+  }
+  driver_free(p);
+}
+
+void PinnedAllocator::driver_free(void* p) noexcept {
+  driver_frees_.fetch_add(1, std::memory_order_relaxed);
   try {
     cuda::ScopedContext scope(d_, ctx_.get());
     (void)d_.MemFreeHost(p);
   } catch (...) {
     // Teardown: the driver may already be shutting down; the process is exiting.
   }
+}
+
+void PinnedAllocator::trim() noexcept {
+  if (::getpid() != pid_) return;
+  std::vector<void*> blocks;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& kv : free_)
+      for (void* p : kv.second) {
+        blocks.push_back(p);
+        cached_.fetch_sub(kv.first, std::memory_order_relaxed);
+      }
+    free_.clear();
+  }
+  for (void* p : blocks) driver_free(p);
+}
+
+HostMemoryStats PinnedAllocator::stats() const noexcept {
+  HostMemoryStats s;
+  s.live_bytes = live_.load(std::memory_order_relaxed);
+  s.cached_bytes = cached_.load(std::memory_order_relaxed);
+  s.cache_limit = cache_limit_;
+  s.allocs = allocs_.load(std::memory_order_relaxed);
+  s.reused = reused_.load(std::memory_order_relaxed);
+  s.driver_allocs = driver_allocs_.load(std::memory_order_relaxed);
+  s.driver_frees = driver_frees_.load(std::memory_order_relaxed);
+  return s;
 }
 
 std::shared_ptr<HostAllocator> pageable_allocator() {

@@ -10,7 +10,6 @@ namespace pyloader {
 
 namespace {
 constexpr size_t kAlign = 4096;
-constexpr size_t kLarge = size_t(2) << 20;
 }  // namespace
 
 HostBuffer::~HostBuffer() {
@@ -19,15 +18,18 @@ HostBuffer::~HostBuffer() {
 
 void HostBuffer::reserve(size_t n) {
   if (n <= cap_) return;
-  // Grow by at least 1/8 so that slowly rising variable lengths do not reallocate every batch.
-  size_t want = n + n / 8;
-  // Large buffers are sized in whole 2 MiB (prefaulted mappings, NOTE [prefaulted slots]).
-  const size_t round = want >= kLarge ? kLarge : kAlign;
-  want = (want + round - 1) / round * round;
+  // The allocator's sizes: headroom for rising variable lengths, whole 2 MiB for pageable
+  // prefaulted mappings (NOTE [prefaulted slots]), size classes when pinned (NOTE [pinned cache]).
+  const size_t want = alloc_->good_size(n, cap_, peer_ ? peer_->load(std::memory_order_relaxed) : 0);
   void* p = alloc_->allocate(want, kAlign);
   if (data_) alloc_->release(data_, cap_);
   data_ = static_cast<uint8_t*>(p);
   cap_ = want;
+  if (peer_) {
+    size_t seen = peer_->load(std::memory_order_relaxed);
+    while (seen < want && !peer_->compare_exchange_weak(seen, want, std::memory_order_relaxed)) {
+    }
+  }
 }
 
 SlotPool::~SlotPool() {
@@ -56,8 +58,8 @@ std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const 
     s->data.reserve(num_fields_);
     s->lengths.reserve(num_fields_);
     for (size_t f = 0; f < num_fields_; ++f) {
-      s->data.emplace_back(alloc_.get());
-      s->lengths.emplace_back(alloc_.get());
+      s->data.emplace_back(alloc_.get(), &peak_data_[f]);
+      s->lengths.emplace_back(alloc_.get(), &peak_lengths_[f]);
     }
     std::lock_guard<std::mutex> lk(mu_);
     ++created_;

@@ -23,11 +23,13 @@ namespace pyloader {
 // Page-aligned host memory from the pool's allocator (pageable or pinned).
 class HostBuffer {
  public:
-  explicit HostBuffer(HostAllocator* alloc = nullptr) : alloc_(alloc) {}
+  // `peer`: the pool's largest size of this buffer over its slots (updated by reserve()).
+  explicit HostBuffer(HostAllocator* alloc = nullptr, std::atomic<size_t>* peer = nullptr)
+      : alloc_(alloc), peer_(peer) {}
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
-  HostBuffer(HostBuffer&& o) noexcept : alloc_(o.alloc_), data_(o.data_), cap_(o.cap_) {
+  HostBuffer(HostBuffer&& o) noexcept : alloc_(o.alloc_), peer_(o.peer_), data_(o.data_), cap_(o.cap_) {
     o.data_ = nullptr;
     o.cap_ = 0;
   }
@@ -39,7 +41,8 @@ class HostBuffer {
   size_t capacity() const noexcept { return cap_; }
 
  private:
-  HostAllocator* alloc_;  // owned by the pool, which outlives its slots
+  HostAllocator* alloc_;       // owned by the pool, which outlives its slots
+  std::atomic<size_t>* peer_;  // owned by the pool too
   uint8_t* data_ = nullptr;
   size_t cap_ = 0;
 };
@@ -53,7 +56,11 @@ struct Slot {
 class SlotPool : public std::enable_shared_from_this<SlotPool> {
  public:
   explicit SlotPool(size_t num_fields, std::shared_ptr<HostAllocator> alloc = pageable_allocator())
-      : num_fields_(num_fields), alloc_(std::move(alloc)), pid_(::getpid()) {}
+      : num_fields_(num_fields),
+        alloc_(std::move(alloc)),
+        pid_(::getpid()),
+        peak_data_(new std::atomic<size_t>[num_fields]()),
+        peak_lengths_(new std::atomic<size_t>[num_fields]()) {}
   ~SlotPool();
 
   // A free slot, or a new one when all are in use. The returned pointer returns the
@@ -66,6 +73,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   size_t created() const;
   size_t free_count() const;
   bool pinned() const noexcept { return alloc_->pinned(); }
+  // The pool's host memory: held by slots, cached, and the allocator's calls (NOTE [pinned cache]).
+  HostMemoryStats memory() const noexcept { return alloc_->stats(); }
   size_t num_fields() const noexcept { return num_fields_; }
 
  private:
@@ -79,6 +88,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   std::unique_ptr<std::condition_variable> returned_ = std::make_unique<std::condition_variable>();
   std::vector<Slot*> free_;
   size_t created_ = 0;
+  // Per field: the largest data and lengths buffer of any slot (HostBuffer's peer).
+  std::unique_ptr<std::atomic<size_t>[]> peak_data_, peak_lengths_;
 };
 
 }  // namespace pyloader

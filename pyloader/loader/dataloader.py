@@ -211,6 +211,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._batch_pool: _C.SlotPool | None = None  # see _pool
         self._ahead: tuple[tuple[Any, ...], PipelineStream] | None = None  # (key, stream): NOTE [epoch ahead]
         self._staging_pool: _C.SlotPool | None = None  # see _staging()
+        self._kept_stage: _transfer.DeviceStage | None = None  # NOTE [stage across epochs]
+        self._kept_fence: _transfer.PinnedFence | None = None  # NOTE [pinned batch fence]
         self._inner: _TorchDataLoader[Any] | None = None  # the generic path's torch loader
         self._native = _is_native(dataset)
         if self._native:
@@ -450,8 +452,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         if self.device is None and (not self.pin_memory or in_slots or not self._staging().pinned):
             return None
-        return _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
-                                     staging_pool=self._staging())
+        # NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
+        # and nothing it was made for changed.
+        kept, self._kept_stage = self._kept_stage, None
+        if (kept is not None and not kept.closed and kept.device == self.device and kept.depth == self.device_prefetch
+                and kept.staging_pool is self._staging() and kept.outstanding() == 0):
+            stage = kept
+        else:
+            if kept is not None:
+                kept.close()
+            stage = _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
+                                          staging_pool=self._staging())
+        stage.begin_epoch()
+        self._kept_stage = stage
+        return stage
 
     def _iter_torch(self) -> Any:
         assert self._inner is not None
@@ -659,7 +673,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return None
         pool = self._pool
         pinned = stage.pinned if stage is not None else pool is not None and pool.pinned
-        return _transfer.PinnedFence() if pinned else None
+        if not pinned:
+            return None
+        # Kept across epochs: the batches it holds carry over, so an epoch's end waits for nothing.
+        if self._kept_fence is None:
+            self._kept_fence = _transfer.PinnedFence()
+        return self._kept_fence
 
     def _staging(self) -> _C.SlotPool:
         """The engine's staging buffers, made on first use (NOTE [lazy pinned pools]) and kept across epochs."""
@@ -760,13 +779,37 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def stats(self) -> dict[str, Any]:
         """Per-stage counters of the current (or last) epoch.
 
-        See ``BatchIterator.stats``; with a copy engine, its counters under ``"copy"``.
-        Empty before the first ``iter()``.
+        See ``BatchIterator.stats``; with a copy engine, its counters under ``"copy"``; with
+        pinned buffers, their memory under ``"pinned"`` (``host_memory()``). Empty before the
+        first ``iter()``.
         """
         it = self._active() if self._active is not None else None
-        if isinstance(it, _LoaderIterator):
-            return it.stats()
-        return dict(self._last_stats)
+        s = it.stats() if isinstance(it, _LoaderIterator) else dict(self._last_stats)
+        if s:
+            pinned = self.host_memory(pinned_only=True)
+            if pinned["bytes"] or pinned["driver_allocs"]:
+                s["pinned"] = pinned
+        return s
+
+    def host_memory(self, *, pinned_only: bool = False) -> dict[str, Any]:
+        """The host memory of this loader's batch and staging buffers (NOTE [pinned cache]).
+
+        ``bytes``: held from the allocator (``live_bytes`` in slots + ``cached_bytes`` kept for
+        reuse, at most ``cache_limit`` per pool); ``allocs``: buffers handed out, ``reused`` of
+        them from the cache; ``driver_allocs`` / ``driver_frees``: the calls that reached the
+        system or, when pinned, the CUDA driver (each of which synchronises the device).
+        """
+        keys = ("bytes", "live_bytes", "cached_bytes", "cache_limit", "allocs", "reused", "driver_allocs",
+                "driver_frees")
+        out: dict[str, Any] = dict.fromkeys(keys, 0)
+        pools = [p for p in (self._batch_pool, self._staging_pool) if p is not None]
+        for pool in pools:
+            if pinned_only and not pool.pinned:
+                continue
+            m = pool.memory()
+            for k in keys:
+                out[k] += m[k]
+        return out
 
 
 def _has_len(loader: Any) -> bool:
@@ -933,9 +976,9 @@ class _LoaderIterator:
         # persist with persistent_workers=True).
         self._source = None
         if self._stage is not None:
-            self._stage.close()
-        if self.fence is not None:
-            self.fence.release()
+            self._stage.end_epoch()  # NOTE [stage across epochs]
+        # The fence is the loader's: the batches it holds are let go by the next epoch's
+        # hold() once the GPU read them, or with the loader (NOTE [pinned batch fence]).
 
     def stats(self) -> dict[str, Any]:
         """The source's stage counters (frozen at ``close()``), with the copy engine's under ``"copy"``."""

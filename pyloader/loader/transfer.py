@@ -167,6 +167,16 @@ class DeviceStage:
     result stays on the CPU). Destination tensors come from torch's allocator on the
     consumer's current stream; the engine orders the copies after it and the consumer's
     stream after the copies (NOTE [copy ordering]).
+
+    NOTE [stage across epochs]: a DataLoader keeps its stage from one epoch to the next.
+    Making one per epoch retained the device's primary context, created a stream and
+    2 * depth events, and closing it at the epoch's end waited on the host for every copy
+    in flight (NOTE [copy engine shutdown]) -- a host stall at every epoch boundary. An
+    epoch whose jobs were all taken leaves the ring empty, so the next epoch can submit
+    to the same engine at once: ``end_epoch()`` closes the stage only when jobs are still
+    in flight (an epoch abandoned part-way; the loader then makes a new one), and the
+    loader reuses it when its device, depth and staging pool are unchanged. Its counters
+    are reported per epoch (``begin_epoch()``). The engine stops when the loader is dropped.
     """
 
     def __init__(self, device: torch.device | None, *, pin: bool, depth: int,
@@ -178,8 +188,31 @@ class DeviceStage:
         pool = staging_pool if staging_pool is not None else slot_pool(1, pinned=pin or self._cuda,
                                                                        device_index=index or 0)
         self.pinned = bool(pool.pinned)
+        self.staging_pool = pool
         self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
                                      staging=pool)
+        self.closed = False
+        self._submitted = 0
+        self._base: dict[str, Any] = {}  # the engine's counters when the current epoch began
+
+    def begin_epoch(self) -> None:
+        """Counts from here: a stage kept across epochs (NOTE [stage across epochs]) reports per epoch."""
+        self._base = dict(self._engine.counters())
+
+    def outstanding(self) -> int:
+        """Jobs submitted and not yet taken."""
+        return self._submitted - int(self._engine.taken)
+
+    def end_epoch(self) -> bool:
+        """Ends an epoch: True if the stage stays usable for the next one.
+
+        NOTE [stage across epochs]: an epoch whose jobs were all taken leaves the engine (its
+        thread, stream, events and context) running, without waiting for the GPU; one
+        abandoned with jobs in flight closes it.
+        """
+        if not self.closed and self.outstanding():
+            self.close()
+        return not self.closed
 
     def _stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream) if self._cuda else 0
@@ -191,6 +224,7 @@ class DeviceStage:
         segs = [(v.data_ptr(), outs[k].data_ptr(), v.nbytes) for k, v in tensors.items()]
         stream = self._stream()
         ticket = self._engine.submit(segs, stream=stream, source=host_batch)
+        self._submitted += 1
         return _Pending(ticket, stream, list(outs.values()), None, lambda _res: outs)
 
     def submit_tree(self, batch: Any) -> _Pending:
@@ -211,6 +245,7 @@ class DeviceStage:
             outs = [(t.dtype, t.shape) for t in srcs]
             segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
         ticket = self._engine.submit(segs, stream=stream, stage=True)
+        self._submitted += 1
         return _Pending(ticket, stream, outs, srcs, build)
 
     def _other_layout(self, t: torch.Tensor) -> torch.Tensor:
@@ -245,7 +280,8 @@ class DeviceStage:
 
     def counters(self) -> dict[str, Any]:
         """The engine's counters: jobs, bytes and where the time went (seconds)."""
-        c = self._engine.counters()
+        now = self._engine.counters()
+        c = {k: v - self._base.get(k, 0) for k, v in now.items()}
         return {"backend": self._engine.backend, "pinned": self.pinned, "depth": self.depth, "jobs": c["jobs"],
                 "bytes": c["bytes"], "staged_bytes": c["staged_bytes"], "issue_s": c["issue_ns"] / 1e9,
                 "complete_s": c["complete_ns"] / 1e9, "take_wait_s": c["take_wait_ns"] / 1e9,
@@ -253,6 +289,7 @@ class DeviceStage:
 
     def close(self) -> None:
         """Stops the engine thread once every copy already issued completed (NOTE [copy engine shutdown])."""
+        self.closed = True
         self._engine.close()
 
 
@@ -329,7 +366,7 @@ class Staged:
         if self._closed:
             return
         self._closed = True
-        self._stage.close()
+        self._stage.end_epoch()  # NOTE [stage across epochs]: closes it only with jobs in flight
         self._pending.clear()
         self._unsubmitted = None
         self._source = iter(())

@@ -49,6 +49,9 @@ class _InterruptOnce:
     def close(self) -> None:
         self._stage.close()
 
+    def end_epoch(self) -> bool:
+        return self._stage.end_epoch()
+
 
 def test_an_interrupted_take_loses_no_batch() -> None:
     source = iter(torch.utils.data.DataLoader(_Map(40), batch_size=4))
@@ -161,3 +164,30 @@ def test_no_fence_without_a_gpu(write_dataset) -> None:
     next(it)
     assert it.fence is None  # type: ignore[attr-defined]
     assert _C.cuda_driver_error() is not None or torch.cuda.is_available()
+
+
+def test_the_copy_engine_is_kept_across_epochs(write_dataset) -> None:
+    # NOTE [stage across epochs]: one engine (thread, stream, events, context) for every epoch
+    # that ends with all its jobs taken, not closed (a host wait for the GPU) at each epoch's end.
+    path = write_dataset(40, {"y": ("int64", ())}, lambda i: {"y": i})
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=4, device="cpu", device_prefetch=3)
+    stages = []
+    for _ in range(3):
+        assert [int(x) for b in loader for x in b["y"]] == list(range(40))
+        stage = loader._kept_stage
+        assert stage is not None and not stage.closed, "the epoch's end closed the copy engine"
+        stages.append(stage)
+        assert loader.stats()["copy"]["jobs"] == 10, "the copy counters are not the epoch's own"
+    assert stages[0] is stages[1] is stages[2], "each epoch made a new copy engine"
+    # An epoch abandoned with copies in flight closes it; the next epoch makes a new one.
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert stages[0].closed
+    assert [int(x) for b in loader for x in b["y"]] == list(range(40))
+    assert loader._kept_stage is not stages[0] and not loader._kept_stage.closed
+    # Another device_prefetch: a new engine.
+    kept = loader._kept_stage
+    loader.device_prefetch = 2
+    assert len(list(loader)) == 10
+    assert loader._kept_stage is not kept and kept.closed

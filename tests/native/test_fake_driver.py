@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from native_util import FIELDS, sample
 
@@ -47,11 +48,13 @@ def fake_cuda(tmp_path_factory) -> str:
 
 
 def run_fake(fake_dir: str, scenario: str, *args: str, timeout: float = 90.0, log: str | None = None,
-             delay_us: int = 300) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+             delay_us: int = 300, devices: int = 1) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """Runs ``children.py <scenario> <args>`` in a fresh interpreter that loads the stand-in
     driver; returns the process and the last ``report(...)`` it printed. ``log`` names the
-    file where the stand-in logs each driver call with the caller's pid."""
+    file where the stand-in logs each driver call with the caller's pid; ``devices``: how
+    many devices the stand-in has."""
     env = dict(os.environ)
+    env["FAKE_CUDA_DEVICES"] = str(devices)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(NATIVE_DIR), env.get("PYTHONPATH", "")])
     env["LD_LIBRARY_PATH"] = os.pathsep.join([fake_dir, env.get("LD_LIBRARY_PATH", "")])
     env["FAKE_CUDA_COPY_DELAY_US"] = str(delay_us)
@@ -175,3 +178,52 @@ def test_fake_driver_cuda_engine_requires_a_stream(fake_cuda) -> None:
     _, rep = run_fake(fake_cuda, "cuda_engine_needs_a_stream")
     assert len(rep["messages"]) == 2, f"submit() or take() accepted a missing stream= with backend='cuda': {rep}"
     assert all("stream= is required" in m for m in rep["messages"]), rep["messages"]
+
+
+GROW_FIELDS: dict[str, Any] = {"tokens": ("int32", (None,)), "label": ("int64", ())}
+
+
+def grow_sample(i: int) -> dict[str, Any]:
+    # Lengths rise through the (unshuffled) epoch: every batch's buffers must be larger.
+    return {"tokens": np.arange(16 * (i + 1), dtype=np.int32) + i, "label": i}
+
+
+def test_fake_driver_pinned_cache_no_driver_calls_after_the_first_epoch(fake_cuda, write_dataset) -> None:
+    # NOTE [pinned cache]: growth by size classes, released blocks cached, none freed mid-training.
+    path = write_dataset(96, GROW_FIELDS, grow_sample, shard_bytes=1 << 16)
+    _, rep = run_fake(fake_cuda, "pinned_cache_across_epochs", path)
+    epochs = rep["per_epoch"]
+    first, *later = epochs
+    assert all(e["frees"] == 0 for e in epochs), \
+        f"a growing pinned buffer was freed through the driver mid-training (a device sync): {epochs}"
+    # Lengths grow 12x over the epoch: doubling classes regrow the slot that meets them first
+    # O(log 12) times, each other slot once (to the pool's largest), not every batch: with the
+    # old 1/8 headroom this was one cuMemFreeHost + cuMemHostAlloc pair per slot every batch or two.
+    assert 0 < first["allocs"] <= rep["slots"] * 3 + 2 * 5, f"{first['allocs']} pinned allocations for " \
+                                                            f"{rep['slots']} slots: {epochs}"
+    # Later epochs: only a slot that did not meet the longest batches yet grows, once, to the
+    # pool's largest size (a new slot is made at that size).
+    assert sum(e["allocs"] for e in later) <= rep["slots"], \
+        f"pinned allocations after the first epoch (each synchronises the device): {epochs}"
+    mem = rep["pinned"]
+    assert mem["driver_frees"] == 0 and 0 < mem["cached_bytes"] <= mem["cache_limit"], mem
+
+
+def test_fake_driver_pinned_memory_is_not_mapped_in_a_forked_child(fake_cuda, tmp_path) -> None:
+    _, rep = run_fake(fake_cuda, "pinned_memory_is_not_inherited", str(tmp_path / "child.log"))
+    assert rep["rc"] == -11, f"a forked child read the parent's pinned memory (exit {rep['rc']}): {rep['child_log']}"
+
+
+def test_fake_driver_copy_stream_does_not_wait_for_a_busy_legacy_stream(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "legacy_stream_busy")
+    assert rep["landed"], "the copy had not landed after take() and a sync of the consumer's stream"
+    assert rep["blocking_s"] >= 0.25, f"the stand-in did not order a blocking stream after the legacy one: {rep}"
+    assert rep["engine_s"] < 0.4 and rep["legacy_left"] > 0, \
+        f"a job on a non-blocking stream waited for the busy legacy default stream: {rep}"
+
+
+def test_fake_driver_stream_of_another_context_is_rejected(fake_cuda) -> None:
+    _, rep = run_fake(fake_cuda, "foreign_context_stream", devices=2)
+    assert "cuEventRecord" in rep["message"] and "CUDA_ERROR_INVALID_HANDLE" in rep["message"], rep["message"]
+    assert rep["foreign"] >= 1 and rep["ok"], rep
+    assert rep["allocs_live"] == 0 and rep["retained"] == 0 and rep["no_ctx_calls"] == 0, rep

@@ -10,6 +10,7 @@ in the test sets both). A scenario checks what it can with ``assert`` and ends w
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import json
 import os
@@ -422,9 +423,10 @@ def copy_error() -> None:
 
 
 def fork_after_pinned(path: str, child_log: str) -> None:
-    """Fork with pinned batches alive and a copy in flight: the child reads the inherited
-    memory and drops everything, then exits normally (finalizers run), without one driver
-    call; the parent's engine and batches still work."""
+    """Fork with pinned batches alive and a copy in flight: the child drops everything, then
+    exits normally (finalizers run), without one driver call and without touching the
+    inherited pinned memory -- the driver does not map it into a child (the stand-in marks
+    it MADV_DONTFORK too, so a read there faults); the parent's engine and batches still work."""
     loader = pyloader.DataLoader(open_ds(path), batch_size=8, num_workers=2, pin_memory=True)
     staging = _C.SlotPool(num_fields=1, pinned=True)
     # The only references to the loader, its batches, the engine and its pool: the child drops them all.
@@ -439,8 +441,8 @@ def fork_after_pinned(path: str, child_log: str) -> None:
     live = stats()["allocs_live"]
 
     def child(step: Callable[[str], None]) -> int:
-        step("the inherited pinned memory is readable")
-        assert [int(x) for b in inherited["batches"] for x in b["label"]] == list(range(96))
+        step("the inherited pinned batches are still objects (their memory is not mapped here)")
+        assert len(inherited["batches"]) == 12
         step("dropping the inherited loader, batches, engine and pools")
         inherited.clear()
         gc.collect()
@@ -598,10 +600,179 @@ def cuda_engine_needs_a_stream() -> None:
     report(messages=messages)
 
 
+def pinned_cache_across_epochs(path: str) -> None:
+    """NOTE [pinned cache]: a pin_memory loader over a variable-length field whose lengths rise
+    through the epoch. Growing buffers leave their smaller blocks in the cache, never freed
+    through the driver; after the first epoch no cuMemHostAlloc or cuMemFreeHost is made at
+    all (each would synchronise the device); the pinned bytes the loader reports are the
+    driver's live allocations."""
+    ds = open_ds(path)
+    loader = pyloader.DataLoader(ds, batch_size=8, num_workers=2, pin_memory=True)
+    per_epoch = []
+    want = None
+    for epoch in range(5):
+        before = stats()
+        got = []
+        for b in loader:
+            assert pinned(b["tokens"]) and pinned(b["label"])
+            got += b["label"].tolist()
+            for r, i in enumerate(b["label"].tolist()):
+                n = int(b["tokens_lengths"][r])
+                assert n == 16 * (i + 1) and torch.equal(b["tokens"][r, :n], torch.arange(n, dtype=torch.int32) + i)
+        del b
+        want = want or got
+        assert got == want == list(range(96)), f"epoch {epoch}"
+        after = stats()
+        per_epoch.append({k: after[k] - before[k] for k in ("allocs", "frees", "host_syncs", "host_syncs_busy")})
+    mem = loader.stats()["pinned"]
+    s = stats()
+    assert mem["bytes"] == s["alloc_bytes_live"], f"stats()['pinned'] {mem} against the driver's {s['alloc_bytes_live']}"
+    slots = loader._pool.created
+    depth0("epochs")
+    del loader
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(per_epoch=per_epoch, pinned=mem, slots=slots)
+
+
+def pinned_memory_is_not_inherited(child_log: str) -> None:
+    """The stand-in's pinned memory, as the driver's, is not mapped in a forked child: a read
+    there faults (so a test that reads it in a child fails here as on a GPU machine)."""
+    pool = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=1, staging=pool)
+    src = torch.arange(4096, dtype=torch.int32)
+    res = e.take(e.submit([(src.data_ptr(), 0, src.nbytes)], stream=0, stage=True), stream=0)
+    staged = torch.from_dlpack(res[0])
+    assert pinned(staged) and torch.equal(staged.view(torch.int32), src)
+    held = [staged]
+    del staged
+
+    def child(step: Callable[[str], None]) -> int:
+        faulthandler.disable()  # the fault is expected: no report on the shared stderr
+        step("reading the inherited pinned memory")
+        return int(held[0].sum().item() < 0)
+
+    forked = run_in_forked_child(child, child_log, timeout=30)
+    e.close()
+    held.clear()
+    del res, e, pool
+    gc.collect()
+    check_clean(stats(), allocs_live=0)
+    report(rc="hung" if forked.code is None else forked.code, child_log=forked.log)
+
+
+def _stream(flags: int) -> int:
+    h = ctypes.c_void_p()
+    with Ctx():
+        assert FAKE.cuStreamCreate(ctypes.byref(h), flags) == 0
+    return int(h.value or 0)
+
+
+_KEEP: list[torch.Tensor] = []
+
+
+def _busy_legacy_stream(copy_ms: int) -> None:
+    """Queues 5 copies on the legacy default stream, each (as every copy from now on) taking copy_ms."""
+    a, b = torch.zeros(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
+    _KEEP.extend((a, b))
+    FAKE.fake_cuda_set_copy_delay_us(copy_ms * 1000)
+    with Ctx():
+        for _ in range(5):
+            assert FAKE.cuMemcpyHtoDAsync_v2(a.data_ptr(), b.data_ptr(), 64, None) == 0
+
+
+def _sync(stream: int) -> None:
+    with Ctx():
+        assert FAKE.cuStreamSynchronize(ctypes.c_void_p(stream)) == 0
+
+
+def legacy_stream_busy() -> None:
+    """The engine's copy stream is non-blocking: with the legacy default stream busy (someone
+    else's work on stream 0) a job submitted and taken on the consumer's non-blocking stream
+    lands without waiting for it. Checked against a blocking stream, which must wait."""
+    FAKE.cuStreamCreate.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    staging = _C.SlotPool(num_fields=1, pinned=True)
+    e = _C.CopyEngine(backend="cuda", device=0, depth=2, staging=staging)
+    consumer, blocking = _stream(1), _stream(0)
+    src = torch.arange(10_000, dtype=torch.int32)
+    out = torch.zeros_like(src)
+    e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=consumer, stage=True), stream=consumer)
+    _sync(consumer)
+    out.zero_()  # the staging slot is made: no allocation (a device sync) below
+    _busy_legacy_stream(160)  # 800 ms on the legacy stream, 160 ms for the engine's one copy
+    t0 = time.monotonic()
+    e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=consumer, stage=True), stream=consumer)
+    _sync(consumer)
+    engine_s = time.monotonic() - t0
+    landed = bool(torch.equal(out, src))
+    legacy_left = FAKE.fake_cuda_pending(1) - FAKE.fake_cuda_pending(0)
+    # The model itself: a blocking stream's work waits for the legacy stream's.
+    _sync(0)
+    out2 = torch.zeros_like(src)
+    _busy_legacy_stream(60)
+    t0 = time.monotonic()
+    with Ctx():
+        assert FAKE.cuMemcpyHtoDAsync_v2(out2.data_ptr(), src.data_ptr(), src.nbytes, ctypes.c_void_p(blocking)) == 0
+    _sync(blocking)
+    blocking_s = time.monotonic() - t0
+    with Ctx():
+        for h in (consumer, blocking):
+            assert FAKE.cuStreamDestroy_v2(ctypes.c_void_p(h)) == 0
+    e.close()
+    del e, staging
+    gc.collect()
+    s = stats()
+    check_clean(s, allocs_live=0)
+    report(engine_s=engine_s, landed=landed, legacy_left=legacy_left, blocking_s=blocking_s,
+           legacy_waits=s["legacy_waits"])
+
+
+def foreign_context_stream() -> None:
+    """Two devices: an engine of device 1 given a stream of device 0's context fails at submit
+    with a DeviceError naming the call (the driver rejects the handle), instead of copying
+    unordered; with its own device's stream it works, and the pinned pool of device 1 too."""
+    FAKE.cuStreamCreate.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    staging = _C.SlotPool(num_fields=1, pinned=True, device=1)
+    e = _C.CopyEngine(backend="cuda", device=1, depth=2, staging=staging)
+    s0 = _stream(1)  # device 0's context (Ctx retains device 0)
+    h = ctypes.c_void_p()
+    ctx1 = ctypes.c_void_p()
+    assert FAKE.cuDevicePrimaryCtxRetain(ctypes.byref(ctx1), 1) == 0
+    assert FAKE.cuCtxPushCurrent_v2(ctx1) == 0
+    assert FAKE.cuStreamCreate(ctypes.byref(h), 1) == 0
+    assert FAKE.cuCtxPopCurrent_v2(None) == 0
+    s1 = int(h.value or 0)
+    src = torch.arange(1000, dtype=torch.int64)
+    out = torch.zeros_like(src)
+    message = ""
+    try:
+        e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=s0, stage=True)
+    except DeviceError as ex:
+        message = str(ex)
+    depth0("foreign stream")
+    foreign = stats()["foreign_handles"]
+    e.take(e.submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=s1, stage=True), stream=s1)
+    assert FAKE.cuCtxPushCurrent_v2(ctx1) == 0
+    assert FAKE.cuStreamSynchronize(ctypes.c_void_p(s1)) == 0
+    assert FAKE.cuStreamDestroy_v2(ctypes.c_void_p(s1)) == 0
+    assert FAKE.cuCtxPopCurrent_v2(None) == 0
+    assert FAKE.cuDevicePrimaryCtxRelease_v2(1) == 0
+    with Ctx():
+        assert FAKE.cuStreamDestroy_v2(ctypes.c_void_p(s0)) == 0
+    ok = bool(torch.equal(out, src))
+    e.close()
+    del e, staging
+    gc.collect()
+    s = stats()
+    report(message=message, foreign=foreign, ok=ok, allocs_live=s["allocs_live"], retained=s["retained"],
+           no_ctx_calls=s["no_ctx_calls"])
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {f.__name__: f for f in (
     pinned_slot_pool, pinned_dataloader, cuda_engine_exact, cuda_engine_ordering, close_in_flight, copy_error,
     fork_after_pinned, pinned_pool_grows_in_forked_child, pinned_loader_is_lazy, engine_thread_start_fails,
-    cuda_engine_needs_a_stream, pinned_transformed)}
+    cuda_engine_needs_a_stream, pinned_transformed, pinned_cache_across_epochs, pinned_memory_is_not_inherited,
+    legacy_stream_busy, foreign_context_stream)}
 # Scenarios that must begin with no driver call at all: main() does not probe the driver first.
 UNPROBED = {"pinned_loader_is_lazy"}
 

@@ -9,23 +9,38 @@
  * whose scenarios are the functions of tests/native/fake_cuda/children.py.
  *
  * Model:
- *  - Contexts: one device (ordinal 0) with one primary context. Each thread has its own
- *    context stack (cuCtxPushCurrent_v2 / cuCtxPopCurrent_v2). Every call except cuInit,
- *    cuDeviceGetCount, cuDeviceGet, cuDevicePrimaryCtxRetain/Release and cuGetError* fails
- *    with CUDA_ERROR_INVALID_CONTEXT (201) when the calling thread has no current context;
- *    such calls are counted ("no_ctx_calls").
- *  - Streams are FIFO queues, each drained by its own worker thread. Stream 0 (and the
- *    legacy/per-thread handles 1 and 2) is the default stream: also a queue with a worker,
- *    so work ordered on it is asynchronous to the host, as on a GPU.
+ *  - Contexts: $FAKE_CUDA_DEVICES devices (default 1, at most 4), each with one primary
+ *    context. Each thread has its own context stack (cuCtxPushCurrent_v2 /
+ *    cuCtxPopCurrent_v2). Every call except cuInit, cuDeviceGetCount, cuDeviceGet,
+ *    cuDevicePrimaryCtxRetain/Release and cuGetError* fails with CUDA_ERROR_INVALID_CONTEXT
+ *    (201) when the calling thread has no current context; such calls are counted
+ *    ("no_ctx_calls").
+ *  - Handles belong to the context current when they were made. A stream used while another
+ *    context is current, or an event recorded on another context's stream, is rejected with
+ *    CUDA_ERROR_INVALID_HANDLE and counted ("foreign_handles", also in "bad_handles");
+ *    cuStreamWaitEvent accepts an event of any context, as the driver does.
+ *  - Streams are FIFO queues, each drained by its own worker thread. Stream 0 and the legacy
+ *    handle 1 (and, approximated, the per-thread handle 2) are the context's legacy default
+ *    stream: also a queue with a worker, so work ordered on it is asynchronous to the host,
+ *    as on a GPU. Stream flags are honoured: work queued on the legacy stream waits for
+ *    all work queued before it on the context's blocking streams (created without
+ *    CU_STREAM_NON_BLOCKING), and work queued on a blocking stream waits for the legacy
+ *    stream's earlier work; non-blocking streams never wait for it ("legacy_waits" counts
+ *    the implicit waits queued).
  *    cuMemcpyHtoDAsync_v2 queues a copy that the worker performs after a short sleep
  *    (FAKE_CUDA_COPY_DELAY_US, default 300 us), so a protocol that reads a destination or
  *    frees a source too early sees stale or poisoned bytes. cuEventRecord queues a marker;
  *    cuStreamWaitEvent makes the stream wait for the event's latest record at call time;
  *    cuEventSynchronize / cuStreamSynchronize block the caller.
- *  - cuMemHostAlloc / cuMemFreeHost track every allocation. Freed memory is poisoned (0xDB)
- *    and never returned to the C library, so a late copy from it is detected ("copies_from_freed")
- *    instead of crashing; freeing memory that a queued copy still reads is counted
- *    ("free_while_pending"); double or unknown frees are counted ("bad_frees").
+ *  - cuMemHostAlloc / cuMemFreeHost track every allocation. Both synchronise the device, as
+ *    the driver's do: they return only once every stream of every context has drained
+ *    ("host_syncs" counts them, "host_syncs_busy" those that found work queued, and
+ *    "host_sync_us" the time they waited). Allocations are whole-page mappings marked
+ *    MADV_DONTFORK, as the driver's pinned memory: a forked child that reads one faults.
+ *    Freed memory is poisoned (0xDB) and never unmapped, so a late copy from it is detected
+ *    ("copies_from_freed") instead of crashing; a copy still queued when its source is
+ *    freed is counted ("free_while_pending": with the synchronising free, only a copy queued
+ *    by another thread meanwhile); double or unknown frees are counted ("bad_frees").
  *  - fork: a process other than the one that called cuInit gets CUDA_ERROR_NOT_INITIALIZED
  *    for every call, touches no lock, and appends "<pid> <function>" to the file named by
  *    $FAKE_CUDA_LOG (if set), so the parent can see what a forked child called.
@@ -35,7 +50,7 @@
  *    fake_cuda_fail_copies(n, code) (the next n cuMemcpyHtoDAsync_v2 calls return `code`),
  *    fake_cuda_fail_pushes_elsewhere(n, code) (the next n cuCtxPushCurrent_v2 calls made by
  *    threads other than the caller of the hook return `code`: a copy engine thread that
- *    cannot start).
+ *    cannot start), fake_cuda_stream_flags(h) (a live stream's creation flags, -1 if none).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -45,6 +60,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -67,12 +83,14 @@ enum {
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_ERRORS 16
 #define MAX_STACK 64
+#define MAX_DEVICES 4
+#define CU_STREAM_NON_BLOCKING 0x1
 
 struct CUctx_st {
   int device;
 };
 
-enum { OP_COPY, OP_RECORD, OP_WAIT };
+enum { OP_COPY, OP_RECORD, OP_WAIT, OP_WAIT_STREAM };
 
 typedef struct Op {
   int kind;
@@ -80,6 +98,7 @@ typedef struct Op {
   const void* src;
   size_t bytes;
   struct CUevent_st* event;
+  struct CUstream_st* stream;  // OP_WAIT_STREAM: until this stream has completed `seq` ops
   uint64_t seq;
   struct Op* next;
 } Op;
@@ -88,6 +107,9 @@ struct CUstream_st {
   int destroyed;
   int is_default;
   unsigned flags;
+  struct CUctx_st* ctx;  // the context it belongs to
+  uint64_t enqueued;     // ops queued so far
+  uint64_t done;         // ops completed so far
   Op* head;  // the op being executed stays at the head until it is done
   Op* tail;
   pthread_t thread;
@@ -98,6 +120,7 @@ struct CUstream_st {
 struct CUevent_st {
   int destroyed;
   unsigned flags;
+  struct CUctx_st* ctx;  // the context it belongs to
   uint64_t recorded;   // how many times it was recorded
   uint64_t completed;  // the latest record a stream has reached
   struct CUevent_st* next_event;
@@ -115,10 +138,12 @@ typedef struct Alloc {
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static pid_t g_init_pid = 0;
-static struct CUctx_st g_primary = {0};
-static long g_retained = 0;
+static int g_devices = 1;
+static struct CUctx_st g_primary[MAX_DEVICES] = {{0}, {1}, {2}, {3}};
+static long g_retained_dev[MAX_DEVICES];
+static long g_retained = 0;  // over all devices
 static struct CUstream_st* g_streams = NULL;
-static struct CUstream_st* g_default = NULL;
+static struct CUstream_st* g_default[MAX_DEVICES];
 static struct CUevent_st* g_events = NULL;
 static Alloc* g_allocs = NULL;
 static long g_copy_delay_us = -1;
@@ -134,6 +159,7 @@ static struct {
   long streams_created, streams_live, events_created, events_live, bad_handles;
   long copies, copied_bytes, copies_from_pinned, copies_from_pageable, copies_from_freed;
   long queued_from_freed, records, waits, event_syncs, stream_syncs, other_pid_calls;
+  long foreign_handles, legacy_waits, host_syncs, host_syncs_busy, host_sync_us;
 } S;
 static char g_errors[MAX_ERRORS][200];
 static int g_nerrors = 0;
@@ -238,22 +264,41 @@ static void start_stream(struct CUstream_st* s) {
   }
 }
 
-/* The stream a handle names, or NULL for a bad handle. 0, 1 (legacy), 2 (per-thread): default. */
-static struct CUstream_st* get_stream(struct CUstream_st* h, const char* fn) {
-  if ((uintptr_t)h <= 2) {
-    if (!g_default) {
-      g_default = (struct CUstream_st*)calloc(1, sizeof *g_default);
-      g_default->is_default = 1;
-      start_stream(g_default);
-    }
-    return g_default;
+static struct CUctx_st* current_ctx(void) { return t_depth ? t_stack[t_depth - 1] : NULL; }
+
+static struct CUstream_st* default_stream(struct CUctx_st* ctx) {
+  int d = ctx ? ctx->device : 0;
+  if (!g_default[d]) {
+    g_default[d] = (struct CUstream_st*)calloc(1, sizeof *g_default[d]);
+    g_default[d]->is_default = 1;
+    g_default[d]->ctx = &g_primary[d];
+    start_stream(g_default[d]);
   }
+  return g_default[d];
+}
+
+/* The stream a handle names, or NULL for a bad handle. 0, 1 (legacy), 2 (per-thread): the
+ * current context's default stream. With `same_ctx`, a stream of another context than the
+ * current one is rejected (the driver's CUDA_ERROR_INVALID_HANDLE). */
+static struct CUstream_st* get_stream_in(struct CUstream_st* h, const char* fn, int same_ctx) {
+  if ((uintptr_t)h <= 2) return default_stream(current_ctx());
   for (struct CUstream_st* s = g_streams; s; s = s->next_stream)
-    if (s == h && !s->destroyed && !s->is_default) return s;
+    if (s == h && !s->destroyed && !s->is_default) {
+      if (same_ctx && s->ctx != current_ctx()) {
+        S.bad_handles++;
+        S.foreign_handles++;
+        record_error("%s: stream %p belongs to device %d's context, not the current one (device %d)", fn, (void*)h,
+                     s->ctx->device, current_ctx() ? current_ctx()->device : -1);
+        return NULL;
+      }
+      return s;
+    }
   S.bad_handles++;
   record_error("%s: invalid or destroyed stream %p", fn, (void*)h);
   return NULL;
 }
+
+static struct CUstream_st* get_stream(struct CUstream_st* h, const char* fn) { return get_stream_in(h, fn, 1); }
 
 static struct CUevent_st* get_event(struct CUevent_st* h, const char* fn) {
   for (struct CUevent_st* e = g_events; e; e = e->next_event)
@@ -263,13 +308,37 @@ static struct CUevent_st* get_event(struct CUevent_st* h, const char* fn) {
   return NULL;
 }
 
-static void enqueue(struct CUstream_st* s, Op* op) {
+static void push_op(struct CUstream_st* s, Op* op) {
   op->next = NULL;
   if (s->tail)
     s->tail->next = op;
   else
     s->head = op;
   s->tail = op;
+  s->enqueued++;
+}
+
+/* Queues an implicit wait on `s` for everything queued on `other` so far. */
+static void wait_for_stream(struct CUstream_st* s, struct CUstream_st* other) {
+  if (other->done >= other->enqueued) return;
+  Op* w = (Op*)calloc(1, sizeof *w);
+  w->kind = OP_WAIT_STREAM;
+  w->stream = other;
+  w->seq = other->enqueued;
+  push_op(s, w);
+  S.legacy_waits++;
+}
+
+/* Queues op on s, after the implicit waits of the legacy default stream's semantics. */
+static void enqueue(struct CUstream_st* s, Op* op) {
+  if (s->is_default) {
+    for (struct CUstream_st* b = g_streams; b; b = b->next_stream)
+      if (!b->is_default && !b->destroyed && b->ctx == s->ctx && !(b->flags & CU_STREAM_NON_BLOCKING))
+        wait_for_stream(s, b);
+  } else if (!(s->flags & CU_STREAM_NON_BLOCKING)) {
+    wait_for_stream(s, default_stream(s->ctx));
+  }
+  push_op(s, op);
   pthread_cond_broadcast(&g_cv);
 }
 
@@ -288,6 +357,8 @@ static void* stream_main(void* arg) {
     Op* op = s->head;
     if (op->kind == OP_WAIT) {
       while (op->event->completed < op->seq) pthread_cond_wait(&g_cv, &g_mu);
+    } else if (op->kind == OP_WAIT_STREAM) {
+      while (op->stream->done < op->seq) pthread_cond_wait(&g_cv, &g_mu);
     } else if (op->kind == OP_RECORD) {
       if (op->event->completed < op->seq) op->event->completed = op->seq;
       S.records++;
@@ -315,6 +386,7 @@ static void* stream_main(void* arg) {
     }
     s->head = op->next;
     if (!s->head) s->tail = NULL;
+    s->done++;
     free(op);
     pthread_cond_broadcast(&g_cv);
   }
@@ -329,7 +401,13 @@ EXPORT CUresult cuInit(unsigned flags) {
   pthread_mutex_lock(&g_mu);
   S.calls++;
   S.inits++;
-  if (g_init_pid == 0) __atomic_store_n(&g_init_pid, getpid(), __ATOMIC_RELEASE);
+  if (g_init_pid == 0) {
+    const char* n = getenv("FAKE_CUDA_DEVICES");
+    g_devices = n ? atoi(n) : 1;
+    if (g_devices < 1) g_devices = 1;
+    if (g_devices > MAX_DEVICES) g_devices = MAX_DEVICES;
+    __atomic_store_n(&g_init_pid, getpid(), __ATOMIC_RELEASE);
+  }
   pthread_mutex_unlock(&g_mu);
   return flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
@@ -341,7 +419,7 @@ EXPORT CUresult cuDeviceGetCount(int* count) {
   CUresult r = g_init_pid ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
   if (r == CUDA_SUCCESS) {
     if (count)
-      *count = 1;
+      *count = g_devices;
     else
       r = CUDA_ERROR_INVALID_VALUE;
   }
@@ -354,9 +432,9 @@ EXPORT CUresult cuDeviceGet(CUdevice* dev, int ordinal) {
   pthread_mutex_lock(&g_mu);
   S.calls++;
   CUresult r = !g_init_pid ? CUDA_ERROR_NOT_INITIALIZED : !dev ? CUDA_ERROR_INVALID_VALUE
-                                                         : ordinal != 0 ? CUDA_ERROR_INVALID_DEVICE
-                                                                        : CUDA_SUCCESS;
-  if (r == CUDA_SUCCESS) *dev = 0;
+                                                         : ordinal < 0 || ordinal >= g_devices ? CUDA_ERROR_INVALID_DEVICE
+                                                                                               : CUDA_SUCCESS;
+  if (r == CUDA_SUCCESS) *dev = ordinal;
   pthread_mutex_unlock(&g_mu);
   return r;
 }
@@ -366,10 +444,11 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(struct CUctx_st** ctx, CUdevice dev) {
   pthread_mutex_lock(&g_mu);
   S.calls++;
   CUresult r = !g_init_pid ? CUDA_ERROR_NOT_INITIALIZED : !ctx ? CUDA_ERROR_INVALID_VALUE
-                                                         : dev != 0 ? CUDA_ERROR_INVALID_DEVICE
-                                                                    : CUDA_SUCCESS;
+                                                         : dev < 0 || dev >= g_devices ? CUDA_ERROR_INVALID_DEVICE
+                                                                                       : CUDA_SUCCESS;
   if (r == CUDA_SUCCESS) {
-    *ctx = &g_primary;
+    *ctx = &g_primary[dev];
+    g_retained_dev[dev]++;
     g_retained++;
     S.retains++;
   }
@@ -381,13 +460,16 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
   ENTER("cuDevicePrimaryCtxRelease_v2");
   pthread_mutex_lock(&g_mu);
   S.calls++;
-  CUresult r = !g_init_pid ? CUDA_ERROR_NOT_INITIALIZED : dev != 0 ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+  CUresult r = !g_init_pid                      ? CUDA_ERROR_NOT_INITIALIZED
+               : dev < 0 || dev >= g_devices ? CUDA_ERROR_INVALID_DEVICE
+                                             : CUDA_SUCCESS;
   if (r == CUDA_SUCCESS) {
-    if (g_retained <= 0) {
+    if (g_retained_dev[dev] <= 0) {
       S.bad_releases++;
       record_error("cuDevicePrimaryCtxRelease of a primary context that is not retained");
       r = CUDA_ERROR_INVALID_CONTEXT;
     } else {
+      g_retained_dev[dev]--;
       g_retained--;
       S.releases++;
     }
@@ -403,10 +485,10 @@ EXPORT CUresult cuCtxPushCurrent_v2(struct CUctx_st* ctx) {
   CUresult r = CUDA_SUCCESS;
   if (!g_init_pid) {
     r = CUDA_ERROR_NOT_INITIALIZED;
-  } else if (ctx != &g_primary) {
+  } else if (!ctx || ctx < &g_primary[0] || ctx >= &g_primary[g_devices]) {
     record_error("cuCtxPushCurrent of an unknown context %p", (void*)ctx);
     r = CUDA_ERROR_INVALID_CONTEXT;
-  } else if (g_retained <= 0) {
+  } else if (g_retained_dev[ctx->device] <= 0) {
     record_error("cuCtxPushCurrent of a primary context nobody retains");
     r = CUDA_ERROR_INVALID_CONTEXT;
   } else if (g_fail_pushes > 0 && !pthread_equal(pthread_self(), g_fail_push_thread)) {
@@ -445,17 +527,44 @@ EXPORT CUresult cuCtxPopCurrent_v2(struct CUctx_st** ctx) {
 
 /* --- host memory --------------------------------------------------------------------------- */
 
+/* The implicit device synchronisation of cuMemHostAlloc and cuMemFreeHost: waits (releasing
+ * g_mu) until every stream of every context has drained. */
+static void synchronise_device(void) {
+  S.host_syncs++;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int busy = 0;
+  for (;;) {
+    int pending = 0;
+    for (struct CUstream_st* s = g_streams; s; s = s->next_stream)
+      if (s->head) pending = 1;
+    if (!pending) break;
+    busy = 1;
+    pthread_cond_wait(&g_cv, &g_mu);
+  }
+  if (busy) {
+    S.host_syncs_busy++;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    S.host_sync_us += (t1.tv_sec - t0.tv_sec) * 1000000L + (t1.tv_nsec - t0.tv_nsec) / 1000;
+  }
+}
+
 EXPORT CUresult cuMemHostAlloc(void** pp, size_t bytes, unsigned flags) {
   ENTER("cuMemHostAlloc");
   CUresult r = lock_with_context("cuMemHostAlloc");
   if (r != CUDA_SUCCESS) return r;
   (void)flags;
   void* p = NULL;
+  if (pp && bytes) synchronise_device();
   if (!pp || bytes == 0) {
     r = CUDA_ERROR_INVALID_VALUE;
-  } else if (posix_memalign(&p, 4096, bytes) != 0) {
+  } else if ((p = mmap(NULL, (bytes + 4095) / 4096 * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0)) == MAP_FAILED) {
+    p = NULL;
     r = CUDA_ERROR_OUT_OF_MEMORY;
   } else {
+    // Not inherited by a forked child, as the driver's pinned memory.
+    (void)madvise(p, (bytes + 4095) / 4096 * 4096, MADV_DONTFORK);
     Alloc* a = (Alloc*)calloc(1, sizeof *a);
     a->p = (unsigned char*)p;
     a->bytes = bytes;
@@ -478,6 +587,7 @@ EXPORT CUresult cuMemFreeHost(void* p) {
   Alloc* a = NULL;
   for (Alloc* x = g_allocs; x; x = x->next)
     if (x->p == (unsigned char*)p) a = x;
+  if (a && !a->freed) synchronise_device();
   if (!a || a->freed) {
     S.bad_frees++;
     record_error("cuMemFreeHost(%p): %s", p, a ? "double free" : "not an allocation of cuMemHostAlloc");
@@ -510,6 +620,7 @@ EXPORT CUresult cuStreamCreate(struct CUstream_st** out, unsigned flags) {
   } else {
     struct CUstream_st* s = (struct CUstream_st*)calloc(1, sizeof *s);
     s->flags = flags;
+    s->ctx = current_ctx();
     start_stream(s);
     S.streams_created++;
     S.streams_live++;
@@ -523,7 +634,7 @@ EXPORT CUresult cuStreamDestroy_v2(struct CUstream_st* h) {
   ENTER("cuStreamDestroy_v2");
   CUresult r = lock_with_context("cuStreamDestroy_v2");
   if (r != CUDA_SUCCESS) return r;
-  struct CUstream_st* s = (uintptr_t)h <= 2 ? NULL : get_stream(h, "cuStreamDestroy_v2");
+  struct CUstream_st* s = (uintptr_t)h <= 2 ? NULL : get_stream_in(h, "cuStreamDestroy_v2", 0);
   if (!s) {
     if ((uintptr_t)h <= 2) record_error("cuStreamDestroy of the default stream");
     r = CUDA_ERROR_INVALID_HANDLE;
@@ -542,7 +653,7 @@ EXPORT CUresult cuStreamSynchronize(struct CUstream_st* h) {
   ENTER("cuStreamSynchronize");
   CUresult r = lock_with_context("cuStreamSynchronize");
   if (r != CUDA_SUCCESS) return r;
-  struct CUstream_st* s = get_stream(h, "cuStreamSynchronize");
+  struct CUstream_st* s = get_stream_in(h, "cuStreamSynchronize", 0);
   if (!s) {
     r = CUDA_ERROR_INVALID_HANDLE;
   } else {
@@ -562,6 +673,7 @@ EXPORT CUresult cuEventCreate(struct CUevent_st** out, unsigned flags) {
   } else {
     struct CUevent_st* e = (struct CUevent_st*)calloc(1, sizeof *e);
     e->flags = flags;
+    e->ctx = current_ctx();
     e->next_event = g_events;
     g_events = e;
     S.events_created++;
@@ -593,6 +705,13 @@ EXPORT CUresult cuEventRecord(struct CUevent_st* h, struct CUstream_st* sh) {
   if (r != CUDA_SUCCESS) return r;
   struct CUevent_st* e = get_event(h, "cuEventRecord");
   struct CUstream_st* s = e ? get_stream(sh, "cuEventRecord") : NULL;
+  if (e && s && e->ctx != s->ctx) {
+    S.bad_handles++;
+    S.foreign_handles++;
+    record_error("cuEventRecord: event %p of device %d's context on a stream of device %d's", (void*)e,
+                 e->ctx ? e->ctx->device : -1, s->ctx ? s->ctx->device : -1);
+    s = NULL;
+  }
   if (!e || !s) {
     r = CUDA_ERROR_INVALID_HANDLE;
   } else {
@@ -728,13 +847,14 @@ EXPORT const char* fake_cuda_stats(void) {
       "\"bad_handles\": %ld, \"copies\": %ld, \"copied_bytes\": %ld, \"copies_from_pinned\": %ld, "
       "\"copies_from_pageable\": %ld, \"copies_from_freed\": %ld, \"queued_from_freed\": %ld, "
       "\"records\": %ld, \"waits\": %ld, \"event_syncs\": %ld, \"stream_syncs\": %ld, "
-      "\"pending\": %ld, \"pending_default\": %ld, \"errors\": [",
+      "\"pending\": %ld, \"pending_default\": %ld, \"foreign_handles\": %ld, \"legacy_waits\": %ld, "
+      "\"host_syncs\": %ld, \"host_syncs_busy\": %ld, \"host_sync_us\": %ld, \"errors\": [",
       (int)getpid(), (int)g_init_pid, S.calls, S.inits, g_retained, S.retains, S.releases, S.bad_releases,
       S.pushes, S.pops, S.bad_pops, S.no_ctx_calls, g_no_ctx_names, S.allocs, S.allocs_live, S.alloc_bytes_live,
       S.frees, S.bad_frees, S.free_while_pending, S.streams_created, S.streams_live, S.events_created,
       S.events_live, S.bad_handles, S.copies, S.copied_bytes, S.copies_from_pinned, S.copies_from_pageable,
       S.copies_from_freed, S.queued_from_freed, S.records, S.waits, S.event_syncs, S.stream_syncs, pending,
-      pending_default);
+      pending_default, S.foreign_handles, S.legacy_waits, S.host_syncs, S.host_syncs_busy, S.host_sync_us);
   for (int i = 0; i < g_nerrors && n < (int)sizeof buf - 256; ++i)
     n += snprintf(buf + n, sizeof buf - (size_t)n, "%s\"%s\"", i ? ", " : "", g_errors[i]);
   snprintf(buf + n, sizeof buf - (size_t)n, "]}");
@@ -782,4 +902,13 @@ EXPORT void fake_cuda_fail_pushes_elsewhere(long n, int code) {
   g_fail_push_code = code;
   g_fail_push_thread = pthread_self();
   pthread_mutex_unlock(&g_mu);
+}
+
+EXPORT int fake_cuda_stream_flags(struct CUstream_st* h) {
+  int r = -1;
+  pthread_mutex_lock(&g_mu);
+  for (struct CUstream_st* s = g_streams; s; s = s->next_stream)
+    if (s == h && !s->destroyed && !s->is_default) r = (int)s->flags;
+  pthread_mutex_unlock(&g_mu);
+  return r;
 }

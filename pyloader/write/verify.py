@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -81,7 +81,8 @@ def _batch_arrays(fields: list[Field], item: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _segments(store: DatasetStore, shards: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+def _segments(store: DatasetStore,
+              shards: list[dict[str, Any]]) -> Generator[tuple[str, list[dict[str, Any]]], None, None]:
     """(folder, shards) to read in turn: the dataset's own folder, or remote shards fetched a few at a time."""
     if isinstance(store, LocalStore):
         yield store.root, shards

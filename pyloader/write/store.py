@@ -17,6 +17,7 @@ A store pickles as its URL and options, and makes its own filesystem in each pro
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -24,6 +25,10 @@ from typing import Any
 from ..format.encode import DatasetStore, LocalStore
 
 __all__ = ["RemoteStore", "is_url", "local_path", "open_store"]
+
+# A process's filesystems, by (URL, options): each task of a worker pickles a store anew,
+# and a new S3 client per task (its session, its connections) costs more than a small task.
+_FILESYSTEMS: dict[tuple[str, str], tuple[Any, str]] = {}
 
 
 def is_url(dst: str) -> bool:
@@ -52,12 +57,16 @@ class RemoteStore:
 
     @property
     def fs(self) -> Any:
-        """The fsspec filesystem, made on first use in this process."""
+        """The fsspec filesystem, made on first use in this process (one per URL and options)."""
         if self._fs is None:
-            import fsspec
+            key = (self.location, json.dumps(self.storage_options, sort_keys=True, default=repr))
+            made = _FILESYSTEMS.get(key)
+            if made is None:
+                import fsspec
 
-            self._fs, self._path = fsspec.core.url_to_fs(self.location, **self.storage_options)
-            self._path = self._path.rstrip("/")
+                fs, path = fsspec.core.url_to_fs(self.location, **self.storage_options)
+                made = _FILESYSTEMS[key] = (fs, path.rstrip("/"))
+            self._fs, self._path = made
         return self._fs
 
     def path(self, name: str) -> str:

@@ -21,7 +21,7 @@ import os
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import lz4.block
 import numpy as np
@@ -83,6 +83,56 @@ def remove_shards(root: str, names: Iterable[str]) -> None:
             pass
 
 
+class DatasetStore(Protocol):
+    """Where a dataset's files go: a local folder (``LocalStore``) or an object store URL.
+
+    ``put`` publishes a whole file under ``name`` (a reader sees all of it or nothing:
+    NOTE [atomic publish]); ``get`` returns a file's bytes or None if it is missing;
+    ``remove`` deletes files, skipping missing ones; ``names`` lists the files directly
+    in the dataset. ``location`` is the folder or URL, for messages.
+    """
+
+    location: str
+
+    def put(self, name: str, chunks: Sequence[Any]) -> None: ...  # noqa: D102
+
+    def get(self, name: str) -> bytes | None: ...  # noqa: D102
+
+    def remove(self, names: Iterable[str]) -> None: ...  # noqa: D102
+
+    def names(self) -> list[str]: ...  # noqa: D102
+
+
+class LocalStore:
+    """A dataset folder on this machine: files are published by ``atomic_write``."""
+
+    def __init__(self, root: str) -> None:
+        self.location = self.root = root
+
+    def put(self, name: str, chunks: Sequence[Any]) -> None:
+        """Writes ``chunks`` to ``<root>/<name>`` atomically (a ``.part`` temp file renamed into place)."""
+        atomic_write(os.path.join(self.root, name), chunks)
+
+    def get(self, name: str) -> bytes | None:
+        """The bytes of ``<root>/<name>``, None if there is no such file."""
+        try:
+            with open(os.path.join(self.root, name), "rb") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    def remove(self, names: Iterable[str]) -> None:
+        """Deletes ``<root>/<name>`` for each name; ones already gone are skipped."""
+        remove_shards(self.root, names)
+
+    def names(self) -> list[str]:
+        """The names of the files directly in the folder (none if it does not exist)."""
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_file(follow_symlinks=False))
+        except FileNotFoundError:
+            return []
+
+
 @dataclass(frozen=True)
 class ColumnBytes:
     """One field's values for ``n`` records as raw bytes, already validated against the field.
@@ -105,19 +155,22 @@ class ShardEncoder:
     columns (NOTE [column layout] in spec.py), raw whatever their ``compress`` flag; if no
     field qualifies the shards are version 2, byte for byte what version 2 writers wrote.
     ``version=2`` writes version 2 shards always. Any other value is a ValueError.
-    A value of an indexed field is stored LZ4 when its field's ``compress`` flag is set and
-    LZ4 saves at least ``min_gain`` of its size, raw otherwise. A shard is published (NOTE
-    [atomic publish]) once its payload reaches ``shard_bytes``, and by ``close()``.
-    ``shards`` lists the manifest entries of the shards published so far, in order.
+    ``store`` publishes them (default: ``LocalStore(root)``; a convert to a URL passes
+    its own). A value of an indexed field is stored LZ4 when its field's ``compress`` flag
+    is set and LZ4 saves at least ``min_gain`` of its size, raw otherwise. A shard is
+    published (NOTE [atomic publish]) once its payload reaches ``shard_bytes``, and by
+    ``close()``. ``shards`` lists the manifest entries of the shards published so far, in order.
     """
 
     def __init__(self, root: str, fields: Sequence[Field], compress: Sequence[bool], *, shard_bytes: int,
-                 prefix: str, min_gain: float = MIN_GAIN, version: int = VERSION) -> None:
+                 prefix: str, min_gain: float = MIN_GAIN, version: int = VERSION,
+                 store: DatasetStore | None = None) -> None:
         if len(compress) != len(fields):
             raise ValueError(f"compress has {len(compress)} flags for {len(fields)} fields")
         if version not in (2, 3):
             raise ValueError(f"version must be 2 or 3 (the shard format versions written), got {version!r}")
         self.root, self.prefix = root, prefix
+        self.store: DatasetStore = store if store is not None else LocalStore(root)
         self.fields = list(fields)
         self.compress = [bool(c) for c in compress]
         self.shard_bytes = shard_bytes
@@ -245,7 +298,7 @@ class ShardEncoder:
         )
         data = b"".join([header, self.schema, table, index_bytes, *self._blobs, *column_data])
         name = f"{self.prefix}{len(self.shards):06d}.pyl"
-        atomic_write(os.path.join(self.root, name), [data])
+        self.store.put(name, [data])
         # The manifest's whole-file checksum is XXH64 whatever the shard version.
         self.shards.append({"path": name, "records": n, "bytes": len(data),
                             "xxh64": f"{_C.xxh64(data):016x}"})
@@ -267,39 +320,44 @@ class ShardEncoder:
 
     def abort(self) -> None:
         """Deletes every shard published so far and drops the one in progress."""
-        remove_shards(self.root, [s["path"] for s in self.shards])
+        self.store.remove([s["path"] for s in self.shards])
         self.shards = []
         self._clear()
 
 
-def replace_token(root: str, *, overwrite: bool, hint: str) -> tuple[str, list[str]]:
+def replace_token(root: str, *, overwrite: bool, hint: str,
+                  store: DatasetStore | None = None) -> tuple[str, list[str]]:
     """(token, old shard paths) for a new dataset at ``root`` (NOTE [overwrite]).
 
     No dataset there: ``("", [])``. One there: a FileExistsError naming ``hint`` unless
     ``overwrite``, else a fresh token (8 hex digits and ``-``) for the new shard names and
     the old manifest's shard paths (none if that manifest is unreadable: then nothing of
-    the old dataset is removed).
+    the old dataset is removed). ``store`` is where the dataset lives (default: the folder).
     """
-    mpath = os.path.join(root, MANIFEST_NAME)
-    if not os.path.exists(mpath):
+    store = store if store is not None else LocalStore(root)
+    try:
+        data = store.get(MANIFEST_NAME)
+    except OSError:
+        data = b""  # there but unreadable: a dataset whose shards cannot be named
+    if data is None:
         return "", []
     if not overwrite:
         raise FileExistsError(f"{root!r} already holds a dataset ({hint})")
     try:
-        with open(mpath, "rb") as fh:
-            old = [s["path"] for s in parse_manifest(fh.read(), mpath, _C.xxh64)["shards"]]
+        old = [s["path"] for s in parse_manifest(data, f"{store.location}/{MANIFEST_NAME}", _C.xxh64)["shards"]]
     except (OSError, ValueError):
         old = []
     return f"{uuid.uuid4().hex[:8]}-", old
 
 
 def publish_manifest(root: str, fields: Sequence[Field], shards: list[dict[str, Any]],
-                     replaced: Iterable[str] = ()) -> dict[str, Any]:
-    """Writes the manifest of the finished dataset at ``root``; returns its body.
+                     replaced: Iterable[str] = (), store: DatasetStore | None = None) -> dict[str, Any]:
+    """Writes the manifest of the finished dataset at ``root`` (or into ``store``); returns its body.
 
     The manifest is published atomically (NOTE [atomic publish]); then the ``replaced``
     shards it no longer lists are deleted (NOTE [overwrite]).
     """
+    store = store if store is not None else LocalStore(root)
     body = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -307,12 +365,10 @@ def publish_manifest(root: str, fields: Sequence[Field], shards: list[dict[str, 
         "records": sum(int(s["records"]) for s in shards),
         "shards": shards,
     }
-    atomic_write(os.path.join(root, MANIFEST_NAME), [dump_manifest(body, _C.xxh64)])
+    store.put(MANIFEST_NAME, [dump_manifest(body, _C.xxh64)])
     kept = {s["path"] for s in shards}
-    for old in replaced:
-        if old not in kept:
-            try:
-                os.unlink(os.path.join(root, old))
-            except OSError:  # the new dataset is complete; a leftover old shard harms no reader
-                pass
+    try:
+        store.remove([old for old in replaced if old not in kept])
+    except OSError:  # the new dataset is complete; a leftover old shard harms no reader
+        pass
     return body

@@ -4,7 +4,9 @@
 |---|---|
 | ``writer.py`` | ``ShardWriter``: validates samples one by one, encodes them with ``ShardEncoder`` |
 | ``sources.py`` | convert's sources (Parquet/Arrow, numpy, files, tars): ``open_source``, units, chunks |
-| ``convert.py`` | ``convert()``: compression choice, parallel jobs that encode chunks, progress |
+| ``convert.py`` | ``convert()``: compression choice, parallel jobs that encode chunks, progress, leftovers |
+| ``cluster.py`` | ``convert(engine="dask")``: the task plan, tasks on a Dask cluster, one manifest merge |
+| ``store.py`` | where convert writes: a local folder or an fsspec URL (``s3://``), uploads whole files |
 | ``verify.py`` | ``verify_dataset``: reads a dataset back with the native core, compares it with its source |
 | ``cli.py`` | the ``pyloader convert`` command |
 

@@ -21,19 +21,19 @@ from typing import Any
 
 from ..errors import PyloaderError, VerifyError
 from ..format.sizes import parse_size
-from .convert import COMPRESSIONS, convert
+from .convert import COMPRESSIONS, ENGINES, convert
 from .sources import KINDS, NULL_POLICIES
 from .verify import verify_dataset
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 # convert()'s keywords as the command's flags, in the messages it prints.
-_KEYWORD = re.compile(r"\b(kind|fields|nulls|labels|compression|jobs)=(?:True\b)?")
+_KEYWORD = re.compile(r"\b(kind|fields|nulls|labels|compression|jobs|engine|scheduler|storage_options)=(?:True\b)?")
 
 
 def cli_words(message: str) -> str:
     """``message`` with ``kind=`` (a keyword of ``convert()``) written as its flag ``--kind``."""
-    return _KEYWORD.sub(lambda m: f"--{m.group(1)}", message)
+    return _KEYWORD.sub(lambda m: f"--{m.group(1).replace('_', '-')}", message)
 
 
 def parse_fields(text: str | None) -> Any:
@@ -64,14 +64,25 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
         "3 verification found a difference.")
     p.add_argument("src", nargs="+", metavar="SRC",
                    help="source file or folder; several files; or a quoted glob pattern such as \"wds/*.tar\"")
-    p.add_argument("dst", metavar="DST", help="dataset folder to write")
+    p.add_argument("dst", metavar="DST", help="dataset folder to write, or a URL (s3://bucket/prefix): shards are "
+                   "uploaded as they are made, the manifest last")
     p.add_argument("--kind", choices=KINDS, help="source kind (default: guessed from the file names)")
     p.add_argument("--fields", help="columns to convert, in order: a,b,c; name:dtype casts a Parquet/Arrow column "
                    "(checked: lossy casts fail)")
     p.add_argument("--compression", default="auto", choices=COMPRESSIONS,
                    help="auto (default): LZ4 only for fields where it saves >= 10%% on a sample")
     p.add_argument("--shard-size", default="64M", help="payload bytes per shard, e.g. 64M (default), 256M, 1G")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes (default 1); with --engine dask, those of the local cluster")
+    p.add_argument("--engine", default="local", choices=ENGINES,
+                   help="local (default): this machine's processes; dask: tasks on a Dask cluster (pyloader[dask])")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="with --engine dask: the cluster's scheduler (tcp://host:8786); default: a local cluster "
+                   "of --jobs processes")
+    p.add_argument("--task-size", help="with --engine dask: source bytes per task (default: 4 x --shard-size)")
+    p.add_argument("--storage-options", metavar="JSON",
+                   help="a URL DST's fsspec options as a JSON object (default: the backend's own settings, "
+                   "e.g. the AWS_* variables)")
     p.add_argument("--nulls", default="error", choices=NULL_POLICIES,
                    help="error (default): a null fails naming its column and row; zero: store zeros / empty values")
     p.add_argument("--labels", action="store_true", help="folder of files: add an int64 label from the class folder")
@@ -89,9 +100,22 @@ def run_convert(args: argparse.Namespace) -> int:
     err = sys.stderr
     try:
         fields = parse_fields(args.fields)
-        if args.jobs < 1:
+        if args.jobs is not None and args.jobs < 1:
             raise ValueError("--jobs must be >= 1")
+        if args.scheduler is not None and args.jobs is not None:
+            raise ValueError("--jobs sets the local cluster's processes; with --scheduler the cluster's own "
+                             "workers run the tasks")
+        if args.engine != "dask" and (args.scheduler is not None or args.task_size is not None):
+            raise ValueError("--scheduler and --task-size need --engine dask")
         parse_size(args.shard_size, minimum=1)
+        if args.task_size is not None:
+            parse_size(args.task_size, minimum=1)
+        try:
+            storage_options = json.loads(args.storage_options) if args.storage_options else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--storage-options is not JSON: {e}") from None
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ValueError("--storage-options must be a JSON object")
     except ValueError as e:
         print(f"pyloader convert: {e}", file=err)
         return EXIT_USAGE
@@ -99,11 +123,13 @@ def run_convert(args: argparse.Namespace) -> int:
     src = args.src[0] if isinstance(args.src, list) and len(args.src) == 1 else args.src
     try:
         if args.verify_only:
-            out: dict[str, Any] = {"verified": verify_dataset(src, args.dst, **opts)}
+            out: dict[str, Any] = {"verified": verify_dataset(src, args.dst, storage_options=storage_options,
+                                                              **opts)}
         else:
             res = convert(src, args.dst, compression=args.compression, shard_size=args.shard_size,
-                            jobs=args.jobs, overwrite=args.overwrite, progress=not args.quiet and not args.json,
-                            verify=args.verify, **opts)
+                          jobs=args.jobs or 1, overwrite=args.overwrite, progress=not args.quiet and not args.json,
+                          verify=args.verify, engine=args.engine, scheduler=args.scheduler,
+                          task_size=args.task_size, storage_options=storage_options, **opts)
             out = dataclasses.asdict(res)
             out["mb_per_s"] = res.mb_per_s
     except VerifyError as e:
@@ -115,6 +141,9 @@ def run_convert(args: argparse.Namespace) -> int:
     except ValueError as e:  # invalid option combinations found while opening the source
         print(f"pyloader convert: {cli_words(str(e))}", file=err)
         return EXIT_USAGE
+    except ImportError as e:  # --engine dask without dask installed
+        print(f"pyloader convert: {e}", file=err)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("pyloader convert: interrupted; no dataset was written", file=err)
         return EXIT_INTERRUPTED
@@ -126,11 +155,17 @@ def run_convert(args: argparse.Namespace) -> int:
         comp = ", ".join(f"{k}={c}" for k, c in out["compression"].items())
         print(f"wrote {out['records']:,} records in {out['shards']} shards to {out['path']}: "
               f"{out['bytes_in'] / 1e6:.1f} MB of values -> {out['bytes_out'] / 1e6:.1f} MB, "
-              f"{out['seconds']:.2f}s ({out['mb_per_s']:.1f} MB/s, {out['jobs']} jobs); compression: {comp}")
+              f"{out['seconds']:.2f}s ({out['mb_per_s']:.1f} MB/s, {_parallelism(out)}); compression: {comp}")
     if v is not None:
         print(f"verified: {v['records']:,} records x {v['fields']} fields equal the source "
               f"({v['bytes'] / 1e6:.1f} MB in {v['seconds']:.2f}s)")
     return EXIT_OK
+
+
+def _parallelism(out: dict[str, Any]) -> str:
+    if out.get("engine") == "dask":
+        return f"{out['tasks']} dask tasks on {out['jobs']} workers"
+    return f"{out['jobs']} jobs"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,16 @@ the dataset's record order is the source order, and writes one manifest. A job t
 fails stops the others; every shard written so far is removed and no manifest is
 written. With ``overwrite=True`` new shards get a fresh token, the old dataset stays
 whole until the new manifest replaces it, and only then are old shards removed
-(NOTE [overwrite] in pyloader/format/encode.py).
+(NOTE [overwrite] in pyloader/format/encode.py). ``engine="dask"`` runs finer tasks on
+a Dask cluster instead (NOTE [dask convert] in cluster.py).
+
+NOTE [convert leftovers]: a run that was killed (SIGKILL, a lost machine) leaves files
+no manifest lists: shards of its finished parts and ``.part`` temp files of the shards
+being written (NOTE [atomic publish]). Readers never see them: only the manifest names
+shards, and it is written last. Every run removes them (``remove_leftovers``): before
+it starts, every ``shard-*.pyl`` the existing manifest (if any) does not list and every
+temp file; after it publishes, every shard the new manifest does not list; after a
+failure, everything it wrote. So a re-run leaves exactly the shards of its manifest.
 
 NOTE [exactness]: a converted value is the source value's bytes, unchanged: no casts
 except the ones the caller asks for with ``fields={name: dtype}`` (checked by pyarrow
@@ -26,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -41,15 +51,17 @@ from ..format.arrow import VarColumn
 from ..format.encode import (
     MIN_GAIN,
     ColumnBytes,
+    DatasetStore,
+    LocalStore,
     ShardEncoder,
-    atomic_write,
     publish_manifest,
-    remove_shards,
     replace_token,
 )
 from ..format.sizes import parse_size
 from ..format.spec import MAX_FIELD_BYTES, Field
+from .cluster import plan_tasks, run_tasks
 from .sources import Chunk, Source, open_source
+from .store import open_store
 from .verify import verify_dataset
 
 if TYPE_CHECKING:
@@ -61,7 +73,12 @@ if TYPE_CHECKING:
     _ProgressQueue = Queue[tuple[int, int, int]]
 
 COMPRESSIONS = ("auto", "lz4", "none")
+ENGINES = ("local", "dask")
 SIDECAR_NAME = "convert.json"
+# What a convert writes into its destination (NOTE [convert leftovers]): shards, and the
+# temp files of atomic_write (``<name>.<pid>.<8 hex>.part``).
+_SHARD_NAME = re.compile(r"shard-[0-9A-Za-z-]*\.pyl")
+_TEMP_NAME = re.compile(r"(shard-[0-9A-Za-z-]*\.pyl|manifest\.json|convert\.json)\.[0-9]+\.[0-9a-f]{8}\.part")
 _AUTO_SAMPLE_VALUES = 256
 _AUTO_SAMPLE_BYTES = 8 << 20
 
@@ -162,25 +179,48 @@ def _column_bytes(fields: list[Field], chunk: Chunk) -> list[ColumnBytes]:
     return out
 
 
-def _run_job(source: Source, root: str, compress: list[bool], shard_bytes: int, prefix: str,
-             lo: int, hi: int, report: Callable[[int, int], None] | None,
-             stop: Event | None = None) -> dict[str, Any]:
-    encoder = ShardEncoder(root, source.fields, compress, shard_bytes=shard_bytes, prefix=prefix)
+def remove_leftovers(store: DatasetStore, keep: Any = ()) -> list[str]:
+    """Deletes convert's shards that ``keep`` does not name and its temp files (NOTE [convert leftovers]).
+
+    Returns the names removed.
+    """
+    kept = set(keep)
+    stray = [n for n in store.names()
+             if (_SHARD_NAME.fullmatch(n) and n not in kept) or _TEMP_NAME.fullmatch(n)]
+    store.remove(stray)
+    return stray
+
+
+def run_job(source: Source, store: DatasetStore, compress: list[bool], shard_bytes: int, prefix: str,
+            lo: int, hi: int, report: Callable[[int, int], None] | None,
+            stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Converts units ``lo`` to ``hi`` of ``source`` into shards ``<prefix><n:06d>.pyl`` in ``store``.
+
+    ``report(records, bytes)`` is called after each chunk; ``stop()`` is asked before
+    each: once it is true the shards written so far are removed. Returns ``{"shards"``
+    (their manifest entries), ``"records"``, ``"bytes_in"`` (decoded source bytes),
+    ``"stopped"}``. On an error the shards written so far are removed too.
+    """
+    encoder = ShardEncoder(store.location, source.fields, compress, shard_bytes=shard_bytes, prefix=prefix,
+                           store=store)
     row0 = source.unit_row0()
+    nbytes = 0
     try:
         for u in range(lo, hi):
             for chunk in source.read(u, row0[u]):
-                if stop is not None and stop.is_set():
+                if stop is not None and stop():
                     encoder.abort()
-                    return {"shards": [], "records": 0, "stopped": True}
+                    return {"shards": [], "records": 0, "bytes_in": 0, "stopped": True}
                 encoder.append_columns(chunk.n, _column_bytes(source.fields, chunk))
+                nb = chunk.nbytes()
+                nbytes += nb
                 if report is not None:
-                    report(chunk.n, chunk.nbytes())
+                    report(chunk.n, nb)
         shards = encoder.close()
     except BaseException:
         encoder.abort()
         raise
-    return {"shards": shards, "records": encoder.records, "stopped": False}
+    return {"shards": shards, "records": encoder.records, "bytes_in": nbytes, "stopped": False}
 
 
 _WORKER: dict[str, Any] = {}
@@ -190,8 +230,8 @@ def _worker_init(progress_q: _ProgressQueue, stop: Event) -> None:
     _WORKER["q"], _WORKER["stop"] = progress_q, stop
 
 
-def _worker_main(job: int, source: Source, root: str, compress: list[bool], shard_bytes: int, prefix: str,
-                 lo: int, hi: int) -> dict[str, Any]:
+def _worker_main(job: int, source: Source, store: DatasetStore, compress: list[bool], shard_bytes: int,
+                 prefix: str, lo: int, hi: int) -> dict[str, Any]:
     q, stop = _WORKER.get("q"), _WORKER.get("stop")
 
     def report(n: int, nb: int) -> None:
@@ -199,7 +239,8 @@ def _worker_main(job: int, source: Source, root: str, compress: list[bool], shar
             q.put((job, n, nb))
 
     try:
-        return _run_job(source, root, compress, shard_bytes, prefix, lo, hi, report, stop)
+        return run_job(source, store, compress, shard_bytes, prefix, lo, hi, report,
+                       stop.is_set if stop is not None else None)
     except BaseException:
         if stop is not None:
             stop.set()  # the others stop at their next chunk
@@ -261,6 +302,8 @@ class ConvertResult:
 
     ``fields`` are the manifest's field entries, ``compression`` the codec chosen per field,
     ``verified`` the summary of ``verify_dataset`` when ``convert(verify=True)`` ran it.
+    ``path`` is the folder or URL written; ``jobs`` the processes (``engine="local"``) or
+    the cluster's workers (``engine="dask"``) and ``tasks`` the parts the source was cut into.
     """
 
     path: str
@@ -273,6 +316,8 @@ class ConvertResult:
     fields: list[dict[str, Any]]
     compression: dict[str, str]
     verified: dict[str, Any] | None = field(default=None)
+    engine: str = "local"
+    tasks: int = 1
 
     @property
     def mb_per_s(self) -> float:
@@ -283,7 +328,9 @@ class ConvertResult:
 def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, fields: Any = None,
             compression: str | Mapping[str, str] = "auto", shard_size: int | str = "64M", jobs: int = 1,
             nulls: str = "error", labels: bool = False, overwrite: bool = False,
-            progress: bool | Callable[[dict[str, Any]], None] = False, verify: bool = False) -> ConvertResult:
+            progress: bool | Callable[[dict[str, Any]], None] = False, verify: bool = False,
+            engine: str = "local", scheduler: Any = None, task_size: int | str | None = None,
+            storage_options: dict[str, Any] | None = None) -> ConvertResult:
     """Converts ``src`` into a pyloader dataset at ``dst`` (shards + manifest.json).
 
     Args:
@@ -291,7 +338,9 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
             file, a folder of ``.npy`` files, a dict of arrays or ``.npy`` paths, a folder of
             files, or WebDataset ``.tar`` shards (a file, a folder or a list); a glob pattern
             (``"wds/*.tar"``) or a list of files and patterns; see ``open_source``.
-        dst: the dataset folder to write (created if missing).
+        dst: the dataset folder to write (created if missing), or an fsspec URL
+            (``s3://bucket/prefix``, ``memory://...``): shards are uploaded as they are
+            made, the manifest last (NOTE [remote publish] in store.py).
         kind: the source kind (``"parquet"``, ``"arrow"``, ``"numpy"``, ``"files"``, ``"tar"``);
             None guesses it from the file names.
         fields: which columns (arrays, extensions) to convert, in order: a list of names,
@@ -301,7 +350,8 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
             ``"lz4"``, ``"none"``, or ``{field: "lz4" | "none"}``.
         shard_size: payload bytes per shard before it rolls over (``"64M"``, ``1 << 26``).
         jobs: worker processes, each converting a contiguous part of the source
-            (NOTE [parallel convert]); the record order is the source order.
+            (NOTE [parallel convert]); the record order is the source order. With
+            ``engine="dask"`` and no ``scheduler``: the local cluster's worker processes.
         nulls: ``"error"`` (a null raises ConvertError naming the column and row) or
             ``"zero"`` (a null becomes zeros, an empty list or empty bytes; a tar sample
             missing a member gets an empty value).
@@ -309,12 +359,21 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
         overwrite: replace an existing dataset at ``dst`` (atomically, via the manifest).
         progress: ``True`` prints progress to stderr; a callable receives progress dicts.
         verify: after converting, compare every record with its source (``verify()``).
+        engine: ``"local"`` (this machine's processes) or ``"dask"`` (tasks on a Dask
+            cluster, NOTE [dask convert] in cluster.py; needs ``pyloader[dask]``).
+        scheduler: with ``engine="dask"``, the scheduler's address (``"tcp://host:8786"``)
+            or a ``distributed.Client``; None starts a ``LocalCluster`` of ``jobs`` processes.
+        task_size: with ``engine="dask"``, source bytes per task (default: 4 shards'
+            worth); the tasks, hence the shards, depend on it and on nothing else.
+        storage_options: for a URL ``dst``, options for its fsspec filesystem (by
+            default the backend's own configuration: for S3 the ``AWS_*`` variables).
 
     Returns:
         A ConvertResult; with ``verify``, its ``verified`` holds the comparison's summary.
 
     Raises:
         ConvertError: the source cannot be converted (the message names file, column and row).
+        ImportError: ``engine="dask"`` without dask and distributed installed.
         FileExistsError: ``dst`` already holds a dataset and ``overwrite`` is False.
         ValueError: an invalid option.
         VerifyError: with ``verify``, a record differs from its source.
@@ -322,7 +381,19 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
     t0 = time.perf_counter()
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise ValueError("jobs must be a positive int")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine != "dask" and (scheduler is not None or task_size is not None):
+        raise ValueError("scheduler= and task_size= apply to engine='dask'")
+    if scheduler is not None and jobs != 1:
+        raise ValueError("jobs= sets the processes of the local cluster; with scheduler= the cluster's "
+                         "own workers run the tasks")
     shard_bytes = parse_size(shard_size, minimum=1)
+    task_bytes = parse_size(task_size, minimum=1) if task_size is not None else 4 * shard_bytes
+    store = open_store(dst, storage_options)
+    if store.location.startswith("memory://") and (engine == "dask" or jobs > 1):
+        raise ValueError(f"{store.location}: a memory:// filesystem lives in one process, so only "
+                         "engine='local' with jobs=1 can write there")
     source = src if isinstance(src, Source) else open_source(src, kind=kind, fields=fields, nulls=nulls,
                                                              labels=labels)
     if source.num_records == 0:  # a dataset of no records cannot be read: refuse to write one
@@ -330,38 +401,52 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
         raise ConvertError(f"{where}: the {source.kind} source holds no records; nothing to convert "
                            "(a dataset needs at least one record)")
     comp = choose_compression(source, compression)
-    root = os.fspath(dst)
-    os.makedirs(root, exist_ok=True)
-    token, old = replace_token(root, overwrite=overwrite, hint="pass overwrite=True / --overwrite")
+    root = store.location
+    if isinstance(store, LocalStore):
+        os.makedirs(root, exist_ok=True)
+    token, old = replace_token(root, overwrite=overwrite, hint="pass overwrite=True / --overwrite", store=store)
+    remove_leftovers(store, keep=old)  # NOTE [convert leftovers]: a killed run's files
     compress = [comp[f.name] == "lz4" for f in source.fields]
-    ranges = _split_units(source.unit_bytes, jobs)
+    ranges = _split_units(source.unit_bytes, jobs) if engine == "local" else plan_tasks(source.unit_bytes, task_bytes)
     prog = Progress(source.num_records, int(sum(source.unit_bytes)), progress)
     results: list[dict[str, Any]] = []
+    workers = len(ranges)
     try:
-        if len(ranges) == 1:
+        if engine == "dask":
+            results, workers = run_tasks(run_job, source, store, compress, shard_bytes, token, ranges, prog.add,
+                                         scheduler, jobs)
+        elif len(ranges) == 1:
             lo, hi = ranges[0]
-            results.append(_run_job(source, root, compress, shard_bytes, f"shard-{token}00000-", lo, hi, prog.add))
+            results.append(run_job(source, store, compress, shard_bytes, f"shard-{token}00000-", lo, hi, prog.add))
         else:
-            results = _run_parallel(source, root, compress, shard_bytes, token, ranges, prog)
+            results = _run_parallel(source, store, compress, shard_bytes, token, ranges, prog)
     except BaseException:
-        for r in results:
-            remove_shards(root, [s["path"] for s in r["shards"]])
+        try:
+            for r in results:
+                store.remove([s["path"] for s in r["shards"]])
+            remove_leftovers(store, keep=old)
+        except OSError:  # the run's own error is the one to report; the next run removes the rest
+            pass
         raise
     prog.show(final=True)
     shards = [s for r in results for s in r["shards"]]
     records = sum(r["records"] for r in results)
-    body = publish_manifest(root, source.fields, shards, old)  # NOTE [parallel convert]: old shards go last
+    # NOTE [parallel convert]: the manifest is the commit point; old shards go after it.
+    body = publish_manifest(root, source.fields, shards, old, store=store)
+    remove_leftovers(store, keep=[s["path"] for s in shards])
     sidecar = {"source": source.describe(), "compression": comp, "nulls": getattr(source, "nulls", nulls),
-               "jobs": len(ranges), "shard_size": shard_bytes}
-    atomic_write(os.path.join(root, SIDECAR_NAME), [json.dumps(sidecar, indent=1).encode() + b"\n"])
+               "engine": engine, "jobs": workers, "tasks": len(ranges), "shard_size": shard_bytes}
+    if engine == "dask":
+        sidecar["task_size"] = task_bytes
+    store.put(SIDECAR_NAME, [json.dumps(sidecar, indent=1).encode() + b"\n"])
     res = ConvertResult(root, records, len(shards), prog.bytes, sum(s["bytes"] for s in shards),
-                        time.perf_counter() - t0, len(ranges), body["fields"], comp)
+                        time.perf_counter() - t0, workers, body["fields"], comp, engine=engine, tasks=len(ranges))
     if verify:
-        res.verified = verify_dataset(source, root)
+        res.verified = verify_dataset(source, root, storage_options=storage_options)
     return res
 
 
-def _run_parallel(source: Source, root: str, compress: list[bool], shard_bytes: int, token: str,
+def _run_parallel(source: Source, store: DatasetStore, compress: list[bool], shard_bytes: int, token: str,
                   ranges: list[tuple[int, int]], prog: Progress) -> list[dict[str, Any]]:
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
@@ -378,7 +463,7 @@ def _run_parallel(source: Source, root: str, compress: list[bool], shard_bytes: 
     done: list[dict[str, Any] | None] = [None] * len(ranges)
     with ProcessPoolExecutor(max_workers=len(ranges), mp_context=ctx, initializer=_worker_init,
                              initargs=(q, stop)) as ex:
-        futs = [ex.submit(_worker_main, k, source, root, compress, shard_bytes, f"shard-{token}{k:05d}-", lo, hi)
+        futs = [ex.submit(_worker_main, k, source, store, compress, shard_bytes, f"shard-{token}{k:05d}-", lo, hi)
                 for k, (lo, hi) in enumerate(ranges)]
         pending = set(futs)
         error: BaseException | None = None
@@ -397,7 +482,7 @@ def _run_parallel(source: Source, root: str, compress: list[bool], shard_bytes: 
     if error is not None:
         for r in done:
             if r is not None:
-                remove_shards(root, [s["path"] for s in r["shards"]])
+                store.remove([s["path"] for s in r["shards"]])
         raise error
     return [r for r in done if r is not None]
 

@@ -3,22 +3,30 @@
 Every record is compared byte for byte (NOTE [exactness] in convert.py). The dataset
 is read back by the native core alone (``_C.ShardSet`` and ``_C.BatchPipeline`` over an
 in-order plan), which checks every checksum on the way; the write stage does not depend
-on the read stage's datasets.
+on the read stage's datasets. A dataset at a URL is fetched a few shards at a time into a
+temporary folder (each checked against the manifest's size and XXH64), compared, and
+deleted: the local disk holds at most about ``_SEGMENT_BYTES`` of it at once.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
 
 from .. import _C
 from ..errors import VerifyError
+from ..format.encode import DatasetStore, LocalStore
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, parse_manifest
 from .sources import Chunk, Source, open_source
+from .store import RemoteStore, open_store
+
+_SEGMENT_BYTES = 256 << 20  # shards of a remote dataset held on local disk at once, at least one
 
 
 class _Capsule:
@@ -48,10 +56,9 @@ def _host_array(capsule: Any, f: Field | None) -> np.ndarray:
     return np.from_dlpack(_Capsule(capsule))
 
 
-def _read_in_order(root: str, body: dict[str, Any], fields: list[Field], batch_size: int,
+def _read_in_order(root: str, shards: list[dict[str, Any]], fields: list[Field], batch_size: int,
                    num_threads: int) -> Any:
-    """A BatchPipeline over every record of the dataset at ``root``, in stored order."""
-    shards = body["shards"]
+    """A BatchPipeline over every record of the shards ``shards`` (manifest entries) in ``root``, in order."""
     records = [int(s["records"]) for s in shards]
     shard_set = _C.ShardSet(paths=[os.path.join(root, s["path"]) for s in shards],
                             bytes=[int(s["bytes"]) for s in shards], records=records,
@@ -74,15 +81,51 @@ def _batch_arrays(fields: list[Field], item: Any) -> dict[str, np.ndarray]:
     return out
 
 
+def _segments(store: DatasetStore,
+              shards: list[dict[str, Any]]) -> Generator[tuple[str, list[dict[str, Any]]], None, None]:
+    """(folder, shards) to read in turn: the dataset's own folder, or remote shards fetched a few at a time."""
+    if isinstance(store, LocalStore):
+        yield store.root, shards
+        return
+    tmp = tempfile.mkdtemp(prefix="pyloader-verify-")
+    try:
+        k = 0
+        while k < len(shards):
+            seg: list[dict[str, Any]] = []
+            held = 0
+            while k < len(shards) and (not seg or held + int(shards[k]["bytes"]) <= _SEGMENT_BYTES):
+                s = shards[k]
+                data = store.get(s["path"])
+                where = f"{store.location}/{s['path']}"
+                if data is None:
+                    raise VerifyError(f"{where}: the manifest lists this shard but it does not exist")
+                if len(data) != int(s["bytes"]) or f"{_C.xxh64(data):016x}" != s["xxh64"]:
+                    raise VerifyError(f"{where}: {len(data)} bytes with XXH64 {_C.xxh64(data):016x}, the "
+                                      f"manifest says {s['bytes']} bytes with {s['xxh64']}")
+                with open(os.path.join(tmp, s["path"]), "wb") as fh:
+                    fh.write(data)
+                del data
+                seg.append(s)
+                held += int(s["bytes"])
+                k += 1
+            yield tmp, seg
+            for s in seg:
+                os.unlink(os.path.join(tmp, s["path"]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def verify_dataset(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, fields: Any = None,
                    nulls: str = "error", labels: bool = False, batch_size: int = 1024,
-                   num_threads: int = 2) -> dict[str, Any]:
+                   num_threads: int = 2, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Proves that dataset ``dst`` holds exactly the records of ``src``, in order.
 
-    ``src`` and the options are those given to ``convert``. Reads every record back with
-    the native reader (which checks every checksum) and compares it byte for byte with
-    the source. Returns ``{"records", "fields", "bytes", "seconds"}``; raises VerifyError
-    naming the first record and field that differ.
+    ``src`` and the options are those given to ``convert``; ``dst`` is a folder or a URL
+    (``storage_options`` go to its fsspec filesystem; its shards are fetched a few at a
+    time into a temporary folder). Reads every record back with the native reader (which
+    checks every checksum) and compares it byte for byte with the source. Returns
+    ``{"records", "fields", "bytes", "seconds"}``; raises VerifyError naming the first
+    record and field that differ.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError("batch_size must be a positive int")
@@ -91,9 +134,16 @@ def verify_dataset(src: Any, dst: str | os.PathLike[str], *, kind: str | None = 
     t0 = time.perf_counter()
     source = src if isinstance(src, Source) else open_source(src, kind=kind, fields=fields, nulls=nulls,
                                                              labels=labels)
-    root = os.fspath(dst)
-    with open(os.path.join(root, MANIFEST_NAME), "rb") as fh:
-        body = parse_manifest(fh.read(), root, _C.xxh64)
+    store = open_store(dst, storage_options)
+    root = store.location
+    if isinstance(store, RemoteStore):
+        data = store.get(MANIFEST_NAME)
+        if data is None:
+            raise FileNotFoundError(f"{root}/{MANIFEST_NAME}: no manifest: not a dataset")
+    else:
+        with open(os.path.join(root, MANIFEST_NAME), "rb") as fh:
+            data = fh.read()
+    body = parse_manifest(data, root, _C.xxh64)
     got_fields = [tuple(f.values()) for f in body["fields"]]
     want_fields = [tuple(f.to_json().values()) for f in source.fields]
     if got_fields != want_fields:
@@ -103,7 +153,6 @@ def verify_dataset(src: Any, dst: str | os.PathLike[str], *, kind: str | None = 
         raise VerifyError(f"{root}: holds {body['records']} records, the source {n}")
     if n == 0:
         return {"records": 0, "fields": len(source.fields), "bytes": 0, "seconds": time.perf_counter() - t0}
-    pipeline = _read_in_order(root, body, source.fields, batch_size, num_threads)
 
     def source_chunks() -> Iterator[Chunk]:
         row0 = source.unit_row0()
@@ -114,26 +163,32 @@ def verify_dataset(src: Any, dst: str | os.PathLike[str], *, kind: str | None = 
     pending: Chunk | None = None
     pos = 0
     nbytes = 0
+    segments = _segments(store, body["shards"])
     try:
-        while (item := pipeline.next()) is not None:
-            batch = _batch_arrays(source.fields, item)
-            b = next(iter(batch.values())).shape[0]
-            got = 0
-            while got < b:
-                if pending is None or pending.n == 0:
-                    try:
-                        pending = next(chunks)
-                    except StopIteration:
-                        raise VerifyError(f"{root}: holds more records than the source ({pos + got}+)") from None
-                    continue
-                k = min(b - got, pending.n)
-                part = pending.slice(0, k)
-                pending = pending.slice(k, pending.n)
-                nbytes += _compare(source.fields, batch, got, part, pos + got, root)
-                got += k
-            pos += b
+        for folder, shards in segments:
+            pipeline = _read_in_order(folder, shards, source.fields, batch_size, num_threads)
+            try:
+                while (item := pipeline.next()) is not None:
+                    batch = _batch_arrays(source.fields, item)
+                    b = next(iter(batch.values())).shape[0]
+                    got = 0
+                    while got < b:
+                        if pending is None or pending.n == 0:
+                            try:
+                                pending = next(chunks)
+                            except StopIteration:
+                                raise VerifyError(f"{root}: holds more records than the source ({pos + got}+)") from None
+                            continue
+                        k = min(b - got, pending.n)
+                        part = pending.slice(0, k)
+                        pending = pending.slice(k, pending.n)
+                        nbytes += _compare(source.fields, batch, got, part, pos + got, root)
+                        got += k
+                    pos += b
+            finally:
+                pipeline.close()
     finally:
-        pipeline.close()
+        segments.close()  # its temporary folder goes now, also after an error
     if pending is not None and pending.n:
         raise VerifyError(f"{root}: the source has more records than the dataset's {pos}")
     for extra in chunks:

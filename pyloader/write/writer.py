@@ -31,7 +31,7 @@ def _writable_dir(path: str | os.PathLike[str]) -> str:
             f"{s!r}: ShardWriter writes to a local folder only, not to a remote URL. Write the dataset "
             "to a local folder, upload that folder (shards and manifest.json) as is, e.g. with "
             "`aws s3 cp --recursive` or fsspec's put(recursive=True), then read the URL with "
-            "pyloader.ShardDataset(url)")
+            "pyloader.ShardDataset(url); pyloader.convert(src, url) writes to a URL directly")
     return s
 
 

@@ -315,7 +315,7 @@ class Mixture(UnitDataset, IterableDataset):
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fetcher: _Fetchers | None = None
-        self._cache: dict[tuple[Any, ...], tuple[np.ndarray, int]] = {}
+        self._cache: dict[tuple[Any, ...], tuple[np.ndarray, int, np.ndarray]] = {}
 
     # -- construction ----------------------------------------------------------------------
     def _mapped_fields(self, field_map: Any) -> list[Field]:
@@ -448,7 +448,7 @@ class Mixture(UnitDataset, IterableDataset):
         o = self.order.with_overrides(shuffle=shuffle, seed=seed)
         return self._epoch(epoch, o)[0]
 
-    def _epoch(self, epoch: int, o: OrderSpec) -> tuple[np.ndarray, int]:
+    def _epoch(self, epoch: int, o: OrderSpec) -> tuple[np.ndarray, int, np.ndarray]:
         key = (epoch, o.shuffle, o.seed)
         hit = self._cache.get(key)
         if hit is not None:
@@ -485,8 +485,13 @@ class Mixture(UnitDataset, IterableDataset):
         n = int(ch.size)
         if n == 0:
             raise ValueError(f"epoch {epoch} of the mixture is empty")
-        self._cache = {key: (ch, n)}  # the latest epoch only: a loader plans each epoch once per rank
-        return ch, n
+        # The ordinal of each position among its source's positions: which of its records it reads.
+        ordinal = np.empty(n, dtype=np.int64)
+        for i in range(k):
+            idx = np.flatnonzero(ch == i)
+            ordinal[idx] = np.arange(idx.size, dtype=np.int64)
+        self._cache = {key: (ch, n, ordinal)}  # the latest epoch only: a loader plans each epoch once per rank
+        return ch, n, ordinal
 
     def _source_order(self, k: int, source_epoch: int, o: OrderSpec) -> np.ndarray:
         s = self.sources[k]
@@ -539,21 +544,23 @@ class Mixture(UnitDataset, IterableDataset):
                    seed: int | None = None) -> Plan:
         """(global shard, record) of the positions (rank, worker) reads (NOTE [mixture partition])."""
         o = self.order.with_overrides(shuffle=shuffle, seed=seed)
-        ch, n = self._epoch(epoch, o)
+        ch, n, ordinal = self._epoch(epoch, o)
         pos = self._positions(n, rank, world, segments, o.partition, worker, num_workers)
         units = np.empty(pos.size, dtype=np.int32)
         records = np.empty(pos.size, dtype=np.int64)
-        mine = ch[pos]
+        mine, jall = ch[pos], ordinal[pos]
         for k in range(len(self.sources)):
             sel = np.flatnonzero(mine == k)
             if not sel.size:
                 continue
             nk = int(self.source_records[k])
-            j = np.searchsorted(np.flatnonzero(ch == k), pos[sel])  # ordinal among source k's positions
-            cyc = j // nk
-            for c in np.unique(cyc).tolist():
-                at = sel[cyc == c]
-                ids = self._source_order(k, epoch + (c << _CYCLE_SHIFT), o)[j[cyc == c] - c * nk]
+            j = jall[sel]
+            cycles = int(j.max()) // nk + 1
+            for c in range(int(j.min()) // nk, cycles):
+                at, jc = (sel, j) if cycles == 1 else (sel[j // nk == c], j[j // nk == c])
+                if not at.size:
+                    continue
+                ids = self._source_order(k, epoch + (c << _CYCLE_SHIFT), o)[jc - c * nk]
                 u, r = _order.locate(ids, self.sources[k].records_per_shard)
                 units[at] = u + self._unit_offset[k]
                 records[at] = r
@@ -567,7 +574,7 @@ class Mixture(UnitDataset, IterableDataset):
         """
         epoch = self.epoch if epoch is None else epoch
         if rank is None:
-            ch, _ = self._epoch(epoch, self.order)
+            ch = self._epoch(epoch, self.order)[0]
             counts = np.bincount(ch, minlength=len(self.sources))
         else:
             units, _ = self.epoch_plan(epoch, rank, 1 if world_size is None else world_size)

@@ -103,7 +103,10 @@ class ShardSet:
         schema: bytes,
         pending: bool = False,
         max_idle: int = 4096,
-    ) -> None: ...
+        shard_schemas: Sequence[bytes] = (),
+        schema_of: Sequence[int] = (),
+    ) -> None:
+        """shard_schemas/schema_of: shard i equals shard_schemas[schema_of[i]] (NOTE [renamed schemas])."""
     def mark_ready(self, index: int, path: str) -> None:
         """A pending shard's file is verified and in place at `path` (NOTE [shard readiness])."""
 

@@ -48,6 +48,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "DataLoader": ".loader.dataloader",
     "ShardDataset": ".read.shards",
+    "Mixture": ".read.mixture",
     "ParquetDataset": ".read.parquet",
     "SampleContext": ".transform.context",
     "sample_seed": ".transform.context",
@@ -85,6 +86,7 @@ __all__ = [
     "LoaderTimeoutError",
     "ManifestError",
     "ManifestNotFoundError",
+    "Mixture",
     "NotADatasetError",
     "ParquetDataset",
     "ParquetReadError",

@@ -314,11 +314,14 @@ IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
 }
 
 ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
-                   std::string schema_blob, bool pending, size_t max_idle)
+                   std::string schema_blob, bool pending, size_t max_idle, std::vector<std::string> shard_schemas,
+                   std::vector<uint32_t> schema_of)
     : paths_(std::move(paths)),
       bytes_(std::move(bytes)),
       records_(std::move(records)),
       schema_blob_(std::move(schema_blob)),
+      shard_schemas_(std::move(shard_schemas)),
+      schema_of_(std::move(schema_of)),
       pending_set_(pending),
       max_idle_(max_idle),
       pid_(::getpid()) {
@@ -327,6 +330,23 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   if (paths_.size() >= kNone) throw std::invalid_argument("too many shards");
   fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(),
                          "<dataset schema>");
+  // NOTE [renamed schemas]: each alternative schema must match the set's but for names.
+  if (!schema_of_.empty() && schema_of_.size() != paths_.size())
+    throw std::invalid_argument("schema_of must have one entry per shard");
+  for (uint32_t k : schema_of_)
+    if (k >= shard_schemas_.size()) throw std::invalid_argument("schema_of names no schema of shard_schemas");
+  for (size_t k = 0; k < shard_schemas_.size(); ++k) {
+    const std::string where = "<shard schema " + std::to_string(k) + ">";
+    auto alt = parse_schema(reinterpret_cast<const uint8_t*>(shard_schemas_[k].data()), shard_schemas_[k].size(),
+                            where);
+    if (alt.size() != fields_.size())
+      throw std::invalid_argument(where + " has " + std::to_string(alt.size()) + " fields, the set's schema " +
+                                  std::to_string(fields_.size()));
+    for (size_t f = 0; f < alt.size(); ++f)
+      if (alt[f].dtype != fields_[f].dtype || alt[f].variable != fields_[f].variable || alt[f].dims != fields_[f].dims)
+        throw std::invalid_argument(where + " field '" + alt[f].name + "' differs from the set's field '" +
+                                    fields_[f].name + "' in dtype, variability or shape");
+  }
   const size_t n = paths_.size();
   open_.resize(n);
   state_.assign(n, pending ? 1 : 0);
@@ -378,7 +398,8 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     // workers race, one mapping wins and the other is dropped.
     std::shared_ptr<const Shard> sh;
     try {
-      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], schema_blob_, fields_);
+      const std::string& blob = schema_of_.empty() ? schema_blob_ : shard_schemas_[schema_of_[i]];
+      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_);
     } catch (const LoaderError& e) {
       // NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||

@@ -177,10 +177,16 @@ struct ShardEvents {
   std::vector<std::pair<uint32_t, std::string>> corrupt;  // shards to discard and fetch again, with the reason
 };
 
+// NOTE [renamed schemas]: a set may hold shards of several datasets (a mixture) whose
+// fields differ only in name. `shard_schemas` lists their schema blocks and `schema_of[i]`
+// the one shard i must equal byte for byte (empty: every shard equals `schema_blob`). Each
+// must have the fields of `schema_blob` in the same order with the same dtype, variability
+// and shape; batches carry `schema_blob`'s names.
 class ShardSet {
  public:
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
-           std::string schema_blob, bool pending = false, size_t max_idle = 4096);
+           std::string schema_blob, bool pending = false, size_t max_idle = 4096,
+           std::vector<std::string> shard_schemas = {}, std::vector<uint32_t> schema_of = {});
   ~ShardSet();
   ShardSet(const ShardSet&) = delete;
   ShardSet& operator=(const ShardSet&) = delete;
@@ -230,6 +236,8 @@ class ShardSet {
   std::vector<uint64_t> bytes_;
   std::vector<uint64_t> records_;
   std::string schema_blob_;
+  std::vector<std::string> shard_schemas_;  // NOTE [renamed schemas]
+  std::vector<uint32_t> schema_of_;
   std::vector<FieldSpec> fields_;
   bool pending_set_;
   size_t max_idle_;

@@ -20,7 +20,6 @@ from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
 from .. import _C
-from ..read import order as _order
 from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDataset
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
@@ -744,7 +743,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings,
             parts=self._fingerprint_parts)
         try:  # validates the segments against the dataset now, not at the next iter()
-            _order.unread_count(self.dataset.num_records, partition=self._order.partition, segments=segments)
+            self.dataset.unread_count(epoch, segments, partition=self._order.partition)
         except ValueError as e:
             raise _state.ResumeError(f"inconsistent loader state: {e}") from None
         self._next_epoch = epoch

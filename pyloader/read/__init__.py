@@ -5,6 +5,7 @@
 | ``contract.py`` | the dataset contract ``PlannedDataset``; ``OrderSpec``, validated once; ``UnitDataset`` |
 | ``order.py`` | the epoch plan: shuffle, rank partition, worker split, resumed epochs; pure numpy functions |
 | ``shards.py`` | ``ShardDataset`` over a manifest of shards; ``BatchIterator``, the native batch pipeline |
+| ``mixture.py`` | ``Mixture``: weighted, scheduled mixtures of ShardDatasets, one plan over their shards' union |
 | ``parquet.py`` | ``ParquetDataset`` over Parquet row groups; its decode/collate threads and staging buffers |
 
 Imports ``pyloader.errors``, ``format``, ``remote`` (the node cache) and ``_C``; never loader or bench.

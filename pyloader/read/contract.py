@@ -274,6 +274,14 @@ class PlannedDataset(abc.ABC):
     def fingerprint(self) -> str | None:
         """The resumable identity (NOTE [resume state]); None when the dataset cannot resume."""
 
+    def unread_count(self, epoch: int, segments: Sequence[Sequence[int]], *, partition: str) -> int:
+        """Samples of ``epoch`` that ``segments`` left unread; ValueError for segments it cannot have.
+
+        What a loader checks a loaded state with (NOTE [resume segments]); a dataset that
+        partitions otherwise (a ``Mixture``, NOTE [mixture partition]) says so here.
+        """
+        return _order.unread_count(self.num_records, partition=partition, segments=segments)
+
     @property
     def fingerprint_parts(self) -> dict[str, str] | None:
         """Named digests the fingerprint combines (a state keeps them to name what differs); None: none."""

@@ -186,7 +186,7 @@ def run_suite(which: str, test_file: str, work: str, keyword: str | None, timeou
         with open(log) as f:
             tail = f.read()[-3000:]
         raise SystemExit(f"{which} run wrote no junit report (exit {rc}); its log ends:\n{tail}")
-    result: dict[str, Any] = {"exit": rc, "seconds": round(seconds, 1), "log": log, "tests": outcomes(junit)}
+    result: dict[str, Any] = {"exit": rc, "seconds": round(seconds, 1), "log": log, "outcomes": outcomes(junit)}
     if which == "pyloader":
         with open(counts) as f:
             result["loaders"] = json.load(f)
@@ -229,9 +229,9 @@ def main() -> int:
     print(f"torch {torch.__version__} ({torch.version.git_version[:12]}), pyloader from "
           f"{os.path.dirname(pyloader.__file__)}, python {platform.python_version()}")
     print(f"test file {test_file} (sha256 {digest[:16]})" + (f", -k {args.keyword!r}" if args.keyword else ""))
-    print(f"{'run':10} {'tests':>6} {'passed':>7} {'failed':>7} {'skipped':>8} {'xfailed':>8} {'seconds':>8}")
+    print(f"{'':10} {'run':>6} {'passed':>7} {'failed':>7} {'skipped':>8} {'xfailed':>8} {'seconds':>8}")
     for which, r in runs.items():
-        s = r["summary"] = summary(r["tests"])
+        s = r["summary"] = summary(r["outcomes"])
         print(f"{which:10} {s['run']:6d} {s['passed']:7d} {s['failed']:7d} {s['skipped']:8d} {s['xfailed']:8d} "
               f"{r['seconds']:8.0f}")
     report: dict[str, Any] = {"torch": torch.__version__, "torch_git": torch.version.git_version,
@@ -245,7 +245,7 @@ def main() -> int:
         print(f"pyloader.DataLoader objects built: {loaders['built']} ({loaders['in_children']} in child "
               f"processes), by {with_loader} of {len(loaders['per_test'])} tests")
     if len(runs) == 2:
-        theirs, ours = runs["torch"]["tests"], runs["pyloader"]["tests"]
+        theirs, ours = runs["torch"]["outcomes"], runs["pyloader"]["outcomes"]
         diff = {name: ours.get(name, {"outcome": "missing", "first": "not run"})
                 for name, t in sorted(theirs.items())
                 if t["outcome"] == "passed" and ours.get(name, {}).get("outcome") != "passed"}

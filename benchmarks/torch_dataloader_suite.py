@@ -20,7 +20,7 @@ under torch and fails under pyloader with its first error line, less the known d
 ``torch.testing._internal``) and ``psutil``: ``pip install expecttest psutil``.
 
 Usage: python benchmarks/torch_dataloader_suite.py /tmp/torch_tests/test_dataloader.py
-           [-k EXPR] [--timeout 120] [--json out.json] [--only torch|pyloader]
+           [-k EXPR] [--timeout 120] [--slow] [--json out.json] [--only torch|pyloader]
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def outcomes(junit: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_suite(which: str, test_file: str, work: str, keyword: str | None, timeout: int, wall: int) -> dict[str, Any]:
+def run_suite(which: str, test_file: str, work: str, keyword: str | None, timeout: int, wall: int,
+              slow: bool) -> dict[str, Any]:
     """One pytest run of ``test_file`` in a subprocess; its per-test outcomes."""
     junit = os.path.join(work, f"{which}.xml")
     ini = os.path.join(work, "pytest.ini")
@@ -158,6 +159,8 @@ def run_suite(which: str, test_file: str, work: str, keyword: str | None, timeou
     if keyword:
         cmd += ["-k", keyword]
     env = dict(os.environ)
+    if slow:
+        env["PYTORCH_TEST_WITH_SLOW"] = "1"  # torch's @slowTest tests (test_proper_exit)
     paths = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     counts = os.path.join(work, "counts.json")
     if which == "pyloader":
@@ -207,6 +210,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=120, help="seconds per test (pytest-timeout)")
     ap.add_argument("--wall", type=int, default=5400, help="seconds per whole run")
     ap.add_argument("--json", default=None, help="write every per-test outcome here")
+    ap.add_argument("--slow", action="store_true", help="also torch's @slowTest tests (PYTORCH_TEST_WITH_SLOW=1)")
     ap.add_argument("--only", choices=["torch", "pyloader"], default=None, help="one run only")
     args = ap.parse_args()
 
@@ -223,7 +227,7 @@ def main() -> int:
             if args.only in (None, which):
                 d = os.path.join(work, which)
                 os.makedirs(d)
-                runs[which] = run_suite(which, test_file, d, args.keyword, args.timeout, args.wall)
+                runs[which] = run_suite(which, test_file, d, args.keyword, args.timeout, args.wall, args.slow)
                 runs[which].pop("log")
 
     print(f"torch {torch.__version__} ({torch.version.git_version[:12]}), pyloader from "
@@ -236,7 +240,7 @@ def main() -> int:
               f"{r['seconds']:8.0f}")
     report: dict[str, Any] = {"torch": torch.__version__, "torch_git": torch.version.git_version,
                               "python": platform.python_version(), "test_file": test_file, "sha256": digest,
-                              "keyword": args.keyword, "timeout": args.timeout,
+                              "keyword": args.keyword, "timeout": args.timeout, "slow": args.slow,
                               "runs": runs, "differences": {}, "known": {}}
     unexplained = 0
     if "pyloader" in runs:

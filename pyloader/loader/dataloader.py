@@ -936,6 +936,10 @@ class _LoaderIterator:
         self._final_stats: dict[str, Any] | None = None
         self.fence: _transfer.PinnedFence | None = None
         self.on_close: Callable[[dict[str, Any]], None] | None = None
+        if not native and hasattr(source, "_workers"):
+            # torch's worker processes, as its iterator lists them (code written for torch
+            # joins them); kept after close(), which lets go of the torch iterator.
+            self._workers: list[Any] = source._workers
 
     def __iter__(self) -> _LoaderIterator:
         return self

@@ -99,18 +99,20 @@ class _Pending:
 
 
 def _flatten(obj: Any, leaves: list[torch.Tensor],
-             other_layout: Callable[[torch.Tensor], Any] = lambda t: t) -> Callable[[list[Any]], Any]:
+             other_layout: Callable[[torch.Tensor], Any] = lambda t: t,
+             custom: Callable[[Any], Any] = lambda obj: obj) -> Callable[[list[Any]], Any]:
     """Collects the CPU tensors of a batch (mappings, sequences, namedtuples) into ``leaves``.
 
     Returns a function that rebuilds the batch from replacements. Container types are kept
     as torch's ``pin_memory`` keeps them (a copy of a mutable container with its items
     replaced; else the type rebuilt from its items; else a plain one) -- except that a tuple
-    stays a tuple.
+    stays a tuple. Tensors without one flat buffer (sparse, nested) go through
+    ``other_layout``; other objects with a ``pin_memory`` method through ``custom``.
     """
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             return lambda out: obj
-        if obj.layout != torch.strided:
+        if obj.layout != torch.strided or obj.is_nested:
             moved = other_layout(obj)
             return lambda out: moved
         i = len(leaves)
@@ -119,17 +121,20 @@ def _flatten(obj: Any, leaves: list[torch.Tensor],
     if isinstance(obj, (str, bytes)):
         return lambda out: obj
     if isinstance(obj, collections.abc.Mapping):
-        parts = [(k, _flatten(v, leaves, other_layout)) for k, v in obj.items()]
+        parts = [(k, _flatten(v, leaves, other_layout, custom)) for k, v in obj.items()]
         return lambda out: _rebuild_mapping(obj, {k: f(out) for k, f in parts})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        fs = [_flatten(v, leaves, other_layout) for v in obj]
+        fs = [_flatten(v, leaves, other_layout, custom) for v in obj]
         return lambda out: type(obj)(*(f(out) for f in fs))
     if isinstance(obj, tuple):
-        fs = [_flatten(v, leaves, other_layout) for v in obj]
+        fs = [_flatten(v, leaves, other_layout, custom) for v in obj]
         return lambda out: _rebuild_sequence(obj, [f(out) for f in fs])
     if isinstance(obj, collections.abc.Sequence):
-        fs = [_flatten(v, leaves, other_layout) for v in obj]
+        fs = [_flatten(v, leaves, other_layout, custom) for v in obj]
         return lambda out: _rebuild_sequence(obj, [f(out) for f in fs])
+    if callable(getattr(obj, "pin_memory", None)):  # a custom batch type (torch calls its pin_memory())
+        moved = custom(obj)
+        return lambda out: moved
     return lambda out: obj
 
 
@@ -234,7 +239,7 @@ class DeviceStage:
         device (or returns the pinned copies).
         """
         leaves: list[torch.Tensor] = []
-        build = _flatten(batch, leaves, self._other_layout)
+        build = _flatten(batch, leaves, self._other_layout, self._custom)
         # Lazy conjugate/negative views must be materialised: the engine copies raw bytes.
         srcs = [t.resolve_conj().resolve_neg().contiguous() for t in leaves]
         stream = self._stream()
@@ -249,10 +254,17 @@ class DeviceStage:
         return _Pending(ticket, stream, outs, srcs, build)
 
     def _other_layout(self, t: torch.Tensor) -> torch.Tensor:
-        """Sparse and other non-strided tensors: moved by torch (the engine copies flat bytes)."""
+        """Sparse, nested and other tensors without one flat buffer: moved by torch (the engine copies flat bytes)."""
         if self.device is not None:
             return t.to(self.device)
         return t.pin_memory() if self.pinned else t
+
+    def _custom(self, obj: Any) -> Any:
+        """An object with its own ``pin_memory()``: called when pinning, as torch's pin_memory does.
+
+        With a ``device`` the object is passed through (torch has no protocol to move it).
+        """
+        return obj.pin_memory() if self.device is None and self.pinned else obj
 
     def consumed(self, p: _Pending) -> bool:
         """Whether the engine has consumed ``p``'s ticket (a take() that raised may not have)."""

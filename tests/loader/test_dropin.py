@@ -548,3 +548,84 @@ def test_lightning_rebuilds_from_recorded_init_args(lightning_hooks):
         setattr(new, name, value)
     assert type(new) is pyloader.DataLoader and new.in_order is False and new.sampler is sampler
     assert flat(list(new), "x") == list(sampler)
+
+
+# --- torch's own test suite (benchmarks/torch_dataloader_suite.py): what it found --------------
+# Batches staged by pyloader's copy engine (pin_memory=True with CUDA, or device=) reach the
+# loop through a pyloader iterator, not torch's: these keep what torch's tests read there.
+
+
+@pytest.mark.timeout(60)
+def test_staged_iterator_lists_torchs_workers():
+    """torch's test_partial_workers: ``iter(loader)._workers`` are the worker processes, and
+    dropping a partly read iterator stops them."""
+    loader = pyloader.DataLoader(Squares(40), batch_size=2, num_workers=2, device="cpu",
+                                 multiprocessing_context="fork")
+    it = iter(loader)
+    assert isinstance(it, pyloader.loader.dataloader._LoaderIterator)  # staged, not torch's iterator
+    workers = it._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    assert flat([next(it) for _ in range(5)], "x") == list(range(10))
+    del it
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive(), "worker process not stopped after its iterator was dropped"
+
+
+class _Nested(tud.Dataset):
+    def __init__(self) -> None:
+        self.items = [torch.nested.nested_tensor([torch.arange(i + 1.0), torch.ones(2)]) for i in range(4)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.items[i]
+
+
+def _clone(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in batch]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_staged_nested_tensors_like_torch():
+    """torch's test_nested_tensor_multiprocessing (pin_memory=True): a strided nested tensor
+    has no one flat buffer for the engine to copy; torch moves it, as its pin_memory does."""
+    ds = _Nested()
+    got = list(pyloader.DataLoader(ds, batch_size=1, collate_fn=_clone, device="cpu"))
+    assert len(got) == len(ds)
+    for batch, want in zip(got, ds.items, strict=True):
+        assert batch[0].is_nested
+        assert all(torch.equal(a, b) for a, b in zip(batch[0].unbind(), want.unbind(), strict=True))
+
+
+class PinnableBatch:
+    """A custom batch type with its own pin_memory(), as in torch's TestCustomPinFn."""
+
+    def __init__(self, t: torch.Tensor, pinned: bool = False) -> None:
+        self.t = t
+        self.pinned = pinned
+
+    def pin_memory(self) -> PinnableBatch:
+        return PinnableBatch(self.t, pinned=True)
+
+
+def test_custom_batch_pin_memory_is_called_like_torch():
+    """torch's test_custom_batch_pin: pinning calls a batch object's own pin_memory() (inside
+    containers too), after mappings and sequences, as torch's pin_memory does."""
+    leaves: list[torch.Tensor] = []
+    batch = {"custom": PinnableBatch(torch.ones(2)), "plain": [torch.zeros(3)], "n": 3}
+    build = _transfer._flatten(batch, leaves, custom=lambda obj: obj.pin_memory())
+    assert len(leaves) == 1 and torch.equal(leaves[0], torch.zeros(3))  # only the tensor is copied
+    out = build([torch.full((3,), 7.0)])
+    assert out["custom"].pinned and out["n"] == 3 and torch.equal(out["plain"][0], torch.full((3,), 7.0))
+    # The stage calls it only when it pins (a pin-only stage over page-locked memory); over
+    # pageable memory, where torch would not pin either, the object passes through.
+    stage = _transfer.DeviceStage(None, pin=True, depth=2)
+    try:
+        p = stage.submit_tree([PinnableBatch(torch.ones(2)), torch.arange(3)])
+        got = stage.take(p)
+    finally:
+        stage.close()
+    assert got[0].pinned is stage.pinned and torch.equal(got[1], torch.arange(3))

@@ -24,7 +24,8 @@ of the interval waiting for shards to arrive than collating, the downloads bind,
 only step taken is on them, by trial: twice the downloads, kept if the bytes received per
 second over the next whole interval grew by ``FETCH_GAIN``, else back to the count before
 (a link that is full, or a store that throttles, gains nothing from more requests). A
-count that did not help is not tried again for ``FETCH_RETRY_S`` seconds. Downloads are
+count that did not help is not tried again for ``FETCH_RETRY_S`` seconds, and none is
+tried while every shard left to fetch is downloading already. Downloads are
 never lowered for being idle: an idle download thread costs nothing.
 
 Memory: every batch in flight holds one slot of the batch's size, so the loader holds at
@@ -236,6 +237,12 @@ class AutoTune:
                                 f"{before_rate / 1e6:.0f} MB/s with {before}: back to {before}")
                 return
         want = min(MAX_FETCH_JOBS, 2 * self.fetch_jobs)
+        d = stream.downloads() if stream is not None else None
+        if d is not None and d["pending"] <= self.fetch_jobs:
+            # Every shard left to fetch is downloading already (the end of a plan): more
+            # jobs could not start, and a trial now would judge them on nothing.
+            self._note(f"{seen}: the {d['pending']} downloads left all run at once")
+            return
         if self._fetch_ceiling is not None:
             jobs, when = self._fetch_ceiling
             if want >= jobs and now - when < FETCH_RETRY_S:

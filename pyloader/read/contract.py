@@ -195,7 +195,7 @@ class PipelineStream(BatchStream, Protocol):
         """How many of its threads collate, and how far ahead."""
 
     def downloads(self) -> dict[str, int] | None:
-        """Remote data: ``{"jobs", "bytes", "job_bytes"}`` of its downloads; local data: None."""
+        """Remote data: ``{"jobs", "bytes", "job_bytes", "pending"}`` of its downloads; local data: None."""
 
     def tune_downloads(self, jobs: int) -> None:
         """Remote data: how many downloads run at once."""

@@ -174,6 +174,10 @@ class _Fetchers:
     def job_bytes(self) -> int:
         return max(f.job_bytes for f in self.all)
 
+    @property
+    def pending(self) -> int:
+        return sum(f.pending for f in self.all)
+
     def set_jobs(self, jobs: int) -> None:
         for f in self.all:
             f.set_jobs(max(1, jobs // len(self.all)))

@@ -152,14 +152,14 @@ class BatchIterator:
         self.ahead_target = ahead
 
     def downloads(self) -> dict[str, int] | None:
-        """A remote dataset's downloads: concurrent ``jobs``, ``bytes`` received so far, ``job_bytes`` of memory each.
+        """A remote dataset's downloads: concurrent ``jobs``, ``bytes`` received so far, ``job_bytes`` of memory each, ``pending`` (queued or running).
 
         ``None`` for local data (NOTE [autotune]).
         """
         f = self._fetcher
         if f is None:
             return None
-        return {"jobs": f.jobs, "bytes": f.bytes, "job_bytes": f.job_bytes}
+        return {"jobs": f.jobs, "bytes": f.bytes, "job_bytes": f.job_bytes, "pending": f.pending}
 
     def tune_downloads(self, jobs: int) -> None:
         """Runs at most ``jobs`` downloads at once (NOTE [autotune]); nothing for local data."""

@@ -285,6 +285,11 @@ class ShardFetcher:
             self._cv.notify_all()
 
     @property
+    def pending(self) -> int:
+        """Downloads queued or running: more jobs than this cannot run at once."""
+        return self._nqueued + len(self._progress)
+
+    @property
     def job_bytes(self) -> int:
         """Memory one running download holds: its read buffer (what an auto-tuned loader counts per job)."""
         return download_buffer_bytes(self.dcache.url)

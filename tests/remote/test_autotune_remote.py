@@ -54,9 +54,14 @@ def test_a_doubling_that_gains_nothing_is_undone_and_not_retried_at_once() -> No
     # twice the downloads received the same bytes per second.
     class Stream:
         jobs: list[int] = []
+        pending = 1000  # shards queued or downloading
 
         def tune_downloads(self, jobs: int) -> None:
             self.jobs.append(jobs)
+
+        def downloads(self) -> dict[str, int]:
+            return {"jobs": self.jobs[-1] if self.jobs else 4, "bytes": 0, "job_bytes": 1 << 20,
+                    "pending": self.pending}
 
     t = autotune.AutoTune(1 << 30, max_threads=2, threads=2, prefetch=4)
     t.fetch_jobs, t.job_bytes = 4, 1 << 20
@@ -76,6 +81,12 @@ def test_a_doubling_that_gains_nothing_is_undone_and_not_retried_at_once() -> No
     t._step(s, wait=0.5, collate=0.1, shard_wait=0.8, rate=50e6, since=time.perf_counter())
     t._step(s, wait=0.5, collate=0.1, shard_wait=0.8, rate=90e6, since=time.perf_counter())
     assert s.jobs[-2:] == [8, 16] and t.fetch_jobs == 16
+    # Every shard left is downloading already: no trial (it would judge more jobs on nothing).
+    s.pending = 16
+    t._trial = None
+    t._step(s, wait=0.5, collate=0.1, shard_wait=0.8, rate=90e6, since=time.perf_counter())
+    assert t.fetch_jobs == 16 and "left all run at once" in t.decisions[-1]["why"]
+    s.pending = 1000
     # Threads that collate more than they wait for shards are not a download problem.
     t._step(s, wait=0.5, collate=0.9, shard_wait=0.05, rate=90e6, since=time.perf_counter())
     assert t.fetch_jobs == 16 and "waiting for downloads" not in t.decisions[-1]["why"]

@@ -179,18 +179,29 @@ def test_busy_legacy_default_stream_does_not_hold_up_batches(dataset: str) -> No
 
 # -- process lifetime --------------------------------------------------------------------------
 def test_fork_with_a_live_device_loader(dataset: str) -> None:
-    """A fork with a device loader mid-epoch (engine threads, pinned slots, copies in flight):
-    the child drops everything it inherited and reads with a CPU loader, without a CUDA call
-    that could hang or crash; the parent carries on."""
+    """A fork with a device loader between epochs (its engine threads, stream, events and
+    pinned slots kept) and a copy in flight on another engine: the child drops everything it
+    inherited and reads with a CPU loader, without a CUDA call that could hang or crash; the
+    parent carries on. (The child drops no iterator that is mid-epoch: its collation threads
+    may hold locks at the fork, which the child cannot take.)"""
     loader = pyloader.DataLoader(pyloader.ShardDataset(dataset), batch_size=16, num_workers=2, device="cuda")
-    it = iter(loader)
-    check_x(next(it), "parent, before the fork")
-    gpu_sleep(5.0)
+    for k, b in enumerate(loader):
+        check_x(b, f"parent, batch {k} before the fork")
+    idx = dev().index
+    staging = _C.SlotPool(num_fields=1, pinned=True, device=idx)
+    inherited: dict[str, Any] = {"loader": loader, "batch": b, "staging": staging,
+                                 "engine": _C.CopyEngine(backend="cuda", device=idx, depth=2, staging=staging)}
+    del loader, b, staging
+    src = torch.arange(1 << 20, dtype=torch.int32)
+    out = torch.zeros_like(src, device=dev())
+    handle = int(torch.cuda.current_stream().cuda_stream)
+    gpu_sleep(50.0)  # the copy below waits behind this: in flight at the fork
+    ticket = inherited["engine"].submit([(src.data_ptr(), out.data_ptr(), src.nbytes)], stream=handle, stage=True)
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 3  # dropping what it inherited failed
         try:
-            del it, loader
+            inherited.clear()
             gc.collect()
             code = 4  # reading failed
             cpu = pyloader.DataLoader(pyloader.ShardDataset(dataset), batch_size=16, num_workers=2)
@@ -199,7 +210,7 @@ def test_fork_with_a_live_device_loader(dataset: str) -> None:
         finally:
             os._exit(code)
     deadline = time.monotonic() + 30
-    status = None
+    status = 0
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -211,8 +222,11 @@ def test_fork_with_a_live_device_loader(dataset: str) -> None:
         pytest.fail("the forked child hung")
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
         f"the forked child failed: status {status} (exit 3: dropping the inherited loader, 4: reading, 2: values)"
-    for k, b in enumerate(it):
-        check_x(b, f"parent, batch {k + 1} after the fork")
+    inherited["engine"].take(ticket, stream=handle)
+    assert torch.equal(out.cpu(), src), "the copy in flight at the fork"
+    for k, b in enumerate(inherited["loader"]):
+        check_x(b, f"parent, batch {k} after the fork")
+    inherited["engine"].close()
 
 
 def test_sys_exit_with_copies_in_flight(dataset: str) -> None:

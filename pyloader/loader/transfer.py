@@ -96,7 +96,7 @@ class _Pending:
         self.outputs = outputs  # destination tensors, or (dtype, shape) for staged results
         self.keep = keep  # sources the engine reads until take()
         self.build = build
-        self.torch_copies = False  # some leaves were copied by torch on `stream` (sparse)
+        self.torch_copies: Any = None  # the torch stream some leaves (sparse) were copied on, if any
 
 
 def _flatten(obj: Any, leaves: list[torch.Tensor],
@@ -250,7 +250,8 @@ class DeviceStage:
         ticket = self._engine.submit(segs, stream=stream, stage=True)
         self._submitted += 1
         p = _Pending(ticket, stream, outs, srcs, build)
-        p.torch_copies = self._moved_by_torch
+        if self._moved_by_torch:
+            p.torch_copies = torch.cuda.current_stream(self.device)
         return p
 
     def _other_layout(self, t: torch.Tensor) -> torch.Tensor:
@@ -294,10 +295,10 @@ class DeviceStage:
             cur = torch.cuda.current_stream(self.device)
             for t in outs:
                 t.record_stream(cur)
-            if p.torch_copies:
+            if p.torch_copies is not None:
                 # Sparse leaves were copied by torch on the submit stream, which the engine's
                 # markers do not cover.
-                cur.wait_stream(torch.cuda.ExternalStream(p.stream, device=self.device))
+                cur.wait_stream(p.torch_copies)
         return p.build(outs)
 
     def counters(self) -> dict[str, Any]:

@@ -375,3 +375,26 @@ def test_variable_length_growth_without_a_stall(write_dataset: Callable[..., str
     later = per_epoch[-1]["driver_allocs"] - per_epoch[0]["driver_allocs"]
     assert later <= loader._pool.created, \
         f"{later} pinned allocations after the first epoch (each synchronises the device): {per_epoch}"
+
+
+def test_sparse_leaves_reach_the_device_without_a_host_wait() -> None:
+    """Sparse tensors in a batch are pinned by torch and copied with non_blocking=True on the
+    submit stream; a batch taken on another stream waits for that stream."""
+    from pyloader.loader import transfer as _transfer
+
+    batches = [{"s": torch.sparse_coo_tensor([[0, k + 1]], [float(k), 7.0], (64,)), "d": torch.full((4,), k)}
+               for k in range(8)]
+    stage = _transfer.DeviceStage(dev(), pin=False, depth=2)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    got = []
+    it = _transfer.Staged(iter(batches), stage, stage.submit_tree, go_on_after_error=False)
+    for k in range(len(batches)):
+        with torch.cuda.stream((s1, s2)[k % 2]):
+            gpu_sleep(1.0)  # the copies queued on this stream run late
+            b = next(it)
+            assert b["s"].is_sparse and b["s"].device == dev()
+            got.append((b["s"].to_dense(), b["d"].clone()))
+    torch.cuda.synchronize()
+    stage.close()
+    for k, (s, d) in enumerate(got):
+        assert torch.equal(s.cpu(), batches[k]["s"].to_dense()) and torch.equal(d.cpu(), batches[k]["d"]), f"batch {k}"

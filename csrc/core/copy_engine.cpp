@@ -132,17 +132,30 @@ CopyEngine::CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<Slo
   if (depth < 1) throw std::invalid_argument("depth must be >= 1");
   if (!staging_ || staging_->num_fields() < 1) throw std::invalid_argument("staging must be a SlotPool with a field");
   ring_.resize(depth);
-  thread_ = std::thread([this] { thread_loop(); });
-  // A thread that cannot start (its context cannot be made current) fails the construction
-  // here, rather than every later job with errors that do not say why.
+  // NOTE [copy engine threads]. A thread that cannot start (its context cannot be made
+  // current) fails the construction here, rather than every later job with errors that do
+  // not say why.
+  int threads = 0;
   std::exception_ptr err;
+  try {
+    thread_ = std::thread([this] { thread_loop(); });
+    ++threads;
+    completer_ = std::thread([this] { complete_loop(); });
+    ++threads;
+  } catch (...) {
+    err = std::current_exception();  // std::system_error: no thread for it
+  }
   {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_consumer_->wait(lk, [&] { return started_; });
-    err = start_error_;
+    cv_consumer_->wait(lk, [&] { return started_ == threads; });
+    if (!err) err = start_error_;
+    if (err) stop_ = true;  // the thread that did start returns (nothing was submitted)
   }
   if (err) {
-    thread_.join();  // it returned without touching the ring
+    cv_engine_->notify_all();
+    if (thread_.joinable()) thread_.join();
+    if (completer_.joinable()) completer_.join();
+    closed_ = true;
     std::rethrow_exception(err);
   }
 }
@@ -158,7 +171,9 @@ CopyEngine::~CopyEngine() {
 void CopyEngine::close() {
   if (::getpid() != pid_) {
     auto* leaked = new std::thread(std::move(thread_));
+    auto* leaked_completer = new std::thread(std::move(completer_));
     (void)leaked;
+    (void)leaked_completer;
     closed_ = true;
     return;
   }
@@ -174,6 +189,7 @@ void CopyEngine::close() {
   cv_engine_->notify_all();
   cv_consumer_->notify_all();
   if (thread_.joinable()) thread_.join();
+  if (completer_.joinable()) completer_.join();
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& e : ring_) e = Entry();  // every issued job has completed: release the slots
 }
@@ -280,73 +296,90 @@ void CopyEngine::run_job(Entry& e, size_t m) {
   counters_.jobs.fetch_add(1, std::memory_order_relaxed);
 }
 
-void CopyEngine::thread_loop() {
+bool CopyEngine::start_thread() {
   std::exception_ptr start_error;
   try {
     backend_->thread_start();
   } catch (...) {
     start_error = std::current_exception();
   }
-  std::unique_lock<std::mutex> lk(mu_);
-  started_ = true;
-  start_error_ = start_error;
+  std::lock_guard<std::mutex> lk(mu_);
+  ++started_;
+  if (start_error && !start_error_) start_error_ = start_error;
   cv_consumer_->notify_all();
-  if (start_error) return;  // the constructor rethrows it
+  return !start_error;  // on failure the constructor stops the other thread and rethrows
+}
+
+void CopyEngine::thread_loop() {
+  const bool ok = start_thread();
+  std::unique_lock<std::mutex> lk(mu_);
+  // NOTE [copy engine threads]: this thread only issues; it never waits for the GPU.
+  while (ok) {
+    cv_engine_->wait(lk, [&] { return stop_ || issued_ < submitted_; });
+    if (stop_) break;  // jobs submitted and not issued are dropped (their copies never run)
+    const uint64_t t = issued_;
+    const size_t m = size_t(t % ring_.size());
+    Entry& e = ring_[m];
+    lk.unlock();
+    const uint64_t t0 = now_ns();
+    std::exception_ptr err;
+    try {
+      run_job(e, m);
+    } catch (...) {
+      err = std::current_exception();
+      // Copies queued before the failing one may still run: let them finish before
+      // the consumer hears of the error and releases the destinations.
+      try {
+        backend_->sync_all();
+      } catch (...) {
+      }
+    }
+    counters_.issue_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    lk.lock();
+    e.error = err;
+    e.issued = true;
+    ++issued_;
+    cv_consumer_->notify_all();
+    cv_engine_->notify_all();  // the completion thread
+  }
+  issuer_done_ = true;
+  cv_engine_->notify_all();
+}
+
+void CopyEngine::complete_loop() {
+  const bool ok = start_thread();
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!ok) {
+    // The constructor fails: the issuing thread stops before issuing anything.
+    cv_engine_->wait(lk, [&] { return issuer_done_; });
+    return;
+  }
   for (;;) {
-    cv_engine_->wait(lk, [&] { return stop_ || issued_ < submitted_ || completed_ < issued_; });
-    if (issued_ < submitted_ && !stop_) {
-      // Issue before completing: the next job's copies queue behind the current ones.
-      const uint64_t t = issued_;
-      const size_t m = size_t(t % ring_.size());
-      Entry& e = ring_[m];
-      lk.unlock();
-      const uint64_t t0 = now_ns();
-      std::exception_ptr err;
-      try {
-        run_job(e, m);
-      } catch (...) {
-        err = std::current_exception();
-        // Copies queued before the failing one may still run: let them finish before
-        // the consumer hears of the error and releases the destinations.
-        try {
-          backend_->sync_all();
-        } catch (...) {
-        }
-      }
-      counters_.issue_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-      lk.lock();
-      e.error = err;
-      e.issued = true;
-      ++issued_;
-      cv_consumer_->notify_all();
-      continue;
+    cv_engine_->wait(lk, [&] { return completed_ < issued_ || (stop_ && issuer_done_); });
+    if (completed_ == issued_) return;  // NOTE [copy engine shutdown]: all issued jobs have completed
+    const uint64_t t = completed_;
+    const size_t m = size_t(t % ring_.size());
+    Entry& e = ring_[m];
+    const bool failed = bool(e.error);
+    lk.unlock();
+    const uint64_t t0 = now_ns();
+    std::exception_ptr err;
+    try {
+      // A job that failed part way may have queued some copies but not its marker.
+      if (failed)
+        backend_->sync_all();
+      else
+        backend_->complete(m);
+    } catch (...) {
+      err = std::current_exception();
     }
-    if (completed_ < issued_) {
-      const uint64_t t = completed_;
-      Entry& e = ring_[size_t(t % ring_.size())];
-      const size_t m = size_t(t % ring_.size());
-      lk.unlock();
-      const uint64_t t0 = now_ns();
-      std::exception_ptr err;
-      try {
-        // A job that failed part way may have queued some copies but not its marker.
-        if (e.error)
-          backend_->sync_all();
-        else
-          backend_->complete(m);
-      } catch (...) {
-        err = std::current_exception();
-      }
-      counters_.complete_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-      lk.lock();
-      if (err && !async_error_) async_error_ = err;
-      e.job = CopyJob();  // NOTE [copy ordering]: the source slot returns only now
-      if (e.error) e.result = CopyResult();
-      ++completed_;
-      cv_consumer_->notify_all();
-      continue;
-    }
-    if (stop_) return;  // NOTE [copy engine shutdown]: all issued jobs have completed
+    counters_.complete_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    lk.lock();
+    if (err && !async_error_) async_error_ = err;
+    e.job = CopyJob();  // NOTE [copy ordering]: the source slot returns only now
+    if (failed) e.result = CopyResult();
+    ++completed_;
+    cv_consumer_->notify_all();
   }
 }
 

@@ -4,7 +4,7 @@
 // NOTE [copy ordering]: for each job the consumer thread first submits (recording a
 // marker on its current stream, after which the destination memory -- freshly taken from
 // torch's caching allocator on that stream -- may be written), then later takes it
-// (making its current stream wait for the copies). The engine thread issues a job's
+// (making its current stream wait for the copies). The issuing thread issues a job's
 // copies only after that first marker, and a job's host source (a pinned batch slot or
 // the engine's staging slot) is released only once its copies have completed, so a slot
 // is never rewritten while a DMA engine still reads it (NOTE [slot reuse]). A job's
@@ -15,17 +15,27 @@
 //
 // take() itself never blocks the host on the GPU (it only orders the consumer's stream),
 // but submit() does: ticket t reuses ring entry t % depth, which frees up only when job
-// t - depth's copies have completed (the engine thread's wait on its done marker). Those
+// t - depth's copies have completed (the completion thread's wait on its done marker). Those
 // copies ran after the work the consumer had queued when it submitted t - depth, so
 // submit() -- and with it the loader's next() -- waits until the GPU has caught up to
 // within `depth` submits of the host: the host runs at most `depth` (device_prefetch)
 // steps ahead of the GPU. The bound is what keeps the markers, the staging slots and
 // the pinned sources reusable without a host wait per job; submit_wait_ns counts it.
 //
-// NOTE [copy engine shutdown]: close() stops the thread from issuing further jobs, lets
-// it wait for every job already issued to complete (so no copy still reads a slot that is
-// about to be reused or freed), then joins it. In a forked child the thread does not
-// exist and nothing is joined or synchronised.
+// NOTE [copy engine threads]: two native threads per engine. The issuing thread stages a
+// job (packs its sources into a staging slot) and queues its copies; the completion
+// thread waits, job by job in order, for the copies to complete and releases their host
+// sources. The issuing thread never waits for the GPU, so staging job t+1 runs while job
+// t's copies do: N jobs with staging time S and copy time C take about N * max(S, C), not
+// N * (S + C) (with one thread that also waited in cuEventSynchronize, it was blocked there
+// whenever a submit arrived, and the copy stream idled while it then staged). Both threads
+// make the engine's context current once, for their whole life. Staging itself is one
+// memcpy per source on the issuing thread.
+//
+// NOTE [copy engine shutdown]: close() stops the issuing thread from issuing further jobs,
+// lets the completion thread wait for every job already issued to complete (so no copy
+// still reads a slot that is about to be reused or freed), then joins both. In a forked
+// child the threads do not exist and nothing is joined or synchronised.
 #pragma once
 
 #include <sys/types.h>
@@ -73,22 +83,22 @@ class CopyBackend {
  public:
   virtual ~CopyBackend() = default;
   virtual const char* name() const noexcept = 0;
-  // On the engine thread, once, before any issue().
+  // On each engine thread (NOTE [copy engine threads]), once, before any other call there.
   virtual void thread_start() {}
   // Consumer thread, at submit: later copies of marker m are ordered after the work
   // already queued on `stream`.
   virtual void after_stream(size_t m, uintptr_t stream) = 0;
-  // Engine thread: queue the copies of marker m.
+  // Issuing thread: queue the copies of marker m.
   virtual void issue(size_t m, const std::vector<CopySegment>& segments) = 0;
-  // Engine thread: block until the copies of marker m have completed.
+  // Completion thread: block until the copies of marker m have completed.
   virtual void complete(size_t m) = 0;
-  // Engine thread: block until every copy queued so far has completed.
+  // Either engine thread: block until every copy queued so far has completed.
   virtual void sync_all() {}
   // Consumer thread, at take: work queued on `stream` from now on runs after marker m's copies.
   virtual void before_stream(size_t m, uintptr_t stream) = 0;
 };
 
-// memcpy on the engine thread.
+// memcpy on the issuing thread.
 std::unique_ptr<CopyBackend> make_cpu_copy_backend();
 // Copies on a dedicated non-blocking stream of `device`, ordered by events. Throws
 // LoaderError(kDevice) when the driver is missing or a call fails.
@@ -98,16 +108,16 @@ struct CopyCounters {
   std::atomic<uint64_t> jobs{0};
   std::atomic<uint64_t> bytes{0};           // bytes copied to destinations
   std::atomic<uint64_t> staged_bytes{0};    // bytes packed into staging slots
-  std::atomic<uint64_t> issue_ns{0};        // engine thread: staging and queueing copies
-  std::atomic<uint64_t> complete_ns{0};     // engine thread: waiting for copies to complete
+  std::atomic<uint64_t> issue_ns{0};        // issuing thread: staging and queueing copies
+  std::atomic<uint64_t> complete_ns{0};     // completion thread: waiting for copies to complete
   std::atomic<uint64_t> take_wait_ns{0};    // consumer: blocked in take()
   std::atomic<uint64_t> submit_wait_ns{0};  // consumer: blocked in submit() for a free ring entry
 };
 
 class CopyEngine {
  public:
-  // Starts the engine thread and waits for it to be ready: throws (LoaderError(kDevice) for
-  // the CUDA backend) when it cannot start, e.g. its context cannot be made current.
+  // Starts the engine threads and waits for them to be ready: throws (LoaderError(kDevice) for
+  // the CUDA backend) when one cannot start, e.g. its context cannot be made current.
   CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<SlotPool> staging, size_t depth);
   ~CopyEngine();
   CopyEngine(const CopyEngine&) = delete;
@@ -143,7 +153,10 @@ class CopyEngine {
     bool issued = false;
   };
 
-  void thread_loop();
+  void thread_loop();    // the issuing thread
+  void complete_loop();  // the completion thread
+  // Runs backend_->thread_start(); false if it failed (then recorded in start_error_).
+  bool start_thread();
   void run_job(Entry& e, size_t m);
 
   std::unique_ptr<CopyBackend> backend_;
@@ -158,10 +171,12 @@ class CopyEngine {
   uint64_t submitted_ = 0, issued_ = 0, completed_ = 0, taken_ = 0;
   bool stop_ = false;
   bool closed_ = false;
-  bool started_ = false;            // the thread ran thread_start() (set once, under mu_)
-  std::exception_ptr start_error_;  // why thread_start() failed: rethrown by the constructor
+  int started_ = 0;                 // threads that ran thread_start() (under mu_)
+  bool issuer_done_ = false;        // the issuing thread returned: nothing more will be issued
+  std::exception_ptr start_error_;  // why a thread_start() failed: rethrown by the constructor
   std::exception_ptr async_error_;  // a completion that failed after its job was taken
-  std::thread thread_;
+  std::thread thread_;              // issues (NOTE [copy engine threads])
+  std::thread completer_;           // completes
   CopyCounters counters_;
 };
 

@@ -88,7 +88,7 @@ def slot_pool(num_fields: int, *, pinned: bool, device_index: int = 0) -> _C.Slo
 class _Pending:
     """One submitted job: its ticket, where its results go, and what must stay alive."""
 
-    __slots__ = ("ticket", "stream", "outputs", "keep", "build")
+    __slots__ = ("ticket", "stream", "outputs", "keep", "build", "torch_copies")
 
     def __init__(self, ticket: int, stream: int, outputs: list[Any], keep: Any, build: Callable[[list[Any]], Any]):
         self.ticket = ticket
@@ -96,6 +96,7 @@ class _Pending:
         self.outputs = outputs  # destination tensors, or (dtype, shape) for staged results
         self.keep = keep  # sources the engine reads until take()
         self.build = build
+        self.torch_copies: Any = None  # the torch stream some leaves (sparse) were copied on, if any
 
 
 def _flatten(obj: Any, leaves: list[torch.Tensor],
@@ -197,6 +198,7 @@ class DeviceStage:
         self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
                                      staging=pool)
         self.closed = False
+        self._moved_by_torch = False  # set by _other_layout during a submit_tree()
         self._submitted = 0
         self._base: dict[str, Any] = {}  # the engine's counters when the current epoch began
 
@@ -239,6 +241,7 @@ class DeviceStage:
         device (or returns the pinned copies).
         """
         leaves: list[torch.Tensor] = []
+        self._moved_by_torch = False
         build = _flatten(batch, leaves, self._other_layout, self._custom)
         # Lazy conjugate/negative views must be materialised: the engine copies raw bytes.
         srcs = [t.resolve_conj().resolve_neg().contiguous() for t in leaves]
@@ -251,10 +254,26 @@ class DeviceStage:
             segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
         ticket = self._engine.submit(segs, stream=stream, stage=True)
         self._submitted += 1
-        return _Pending(ticket, stream, outs, srcs, build)
+        p = _Pending(ticket, stream, outs, srcs, build)
+        if self._moved_by_torch:
+            p.torch_copies = torch.cuda.current_stream(self.device)
+        return p
 
     def _other_layout(self, t: torch.Tensor) -> torch.Tensor:
-        """Sparse, nested and other tensors without one flat buffer: moved by torch (the engine copies flat bytes)."""
+        """Sparse, nested and other tensors without one flat buffer: moved by torch (the engine copies flat bytes).
+
+        To a device: pinned by torch, then copied without a host wait on the current stream
+        (the stream the batch is submitted on); torch's pinned block is guarded by its own
+        event, and take() orders another stream after this one. A layout torch cannot pin
+        is copied synchronously, as ``t.to(device)`` does.
+        """
+        if self._cuda:
+            try:
+                pinned = t.pin_memory()
+            except (RuntimeError, NotImplementedError):
+                return t.to(self.device)
+            self._moved_by_torch = True
+            return pinned.to(self.device, non_blocking=True)
         if self.device is not None:
             return t.to(self.device)
         return t.pin_memory() if self.pinned else t
@@ -288,6 +307,10 @@ class DeviceStage:
             cur = torch.cuda.current_stream(self.device)
             for t in outs:
                 t.record_stream(cur)
+            if p.torch_copies is not None:
+                # Sparse leaves were copied by torch on the submit stream, which the engine's
+                # markers do not cover.
+                cur.wait_stream(p.torch_copies)
         return p.build(outs)
 
     def counters(self) -> dict[str, Any]:
@@ -400,14 +423,47 @@ class PinnedFence:
     refilled by the next collation while the copy still waits in the stream. The loader
     therefore holds each delivered batch until an event, recorded on the loop's current
     stream when the next batch is taken (after every copy queued from this one on that
-    stream), has completed; at most ``limit`` batches are held (the oldest is waited for).
-    Copies queued on another stream must be synchronised by the caller.
+    stream), has completed; at most ``limit`` batches are held (then the host waits for the
+    oldest: the loop runs at most ``limit`` batches ahead of its own copies). Copies queued
+    on another stream must be synchronised by the caller.
+
+    - A loop that never initialised torch's CUDA (``torch.cuda.is_initialized()``) cannot
+      have queued a copy through torch: nothing is recorded and earlier batches go at once,
+      so a pin-only loop that never touches a GPU does not initialise torch's CUDA (which a
+      later ``fork`` would inherit broken) -- and the fence costs nothing there.
+    - Events come from a small pool per device (one per held batch at most) and are
+      recorded again once their record completed: no event is created per batch.
+    - They are made with ``blocking=True``: waiting for one sleeps instead of spinning a core.
+    - Nothing is synchronised at an epoch's end: the fence is kept across epochs
+      (NOTE [stage across epochs]); ``release()`` is the explicit wait.
     """
 
-    def __init__(self, limit: int = 4, event: Callable[[], Any] | None = None) -> None:
+    def __init__(self, limit: int = 4, event: Callable[[], Any] | None = None,
+                 cuda_used: Callable[[], bool] | None = None, device: Callable[[], int] | None = None) -> None:
         self._limit = limit
-        self._event = event if event is not None else _cuda_event
-        self._held: collections.deque[list[Any]] = collections.deque()  # [event or None, batch]
+        self._new_event = event if event is not None else _cuda_event
+        self._cuda_used = cuda_used if cuda_used is not None else torch.cuda.is_initialized
+        self._device = device if device is not None else torch.cuda.current_device
+        self._held: collections.deque[list[Any]] = collections.deque()  # [(device, event) or None, batch]
+        self._free: dict[int, list[Any]] = {}  # per device: events whose record completed
+        self.events_made = 0
+
+    def _record(self) -> tuple[int, Any]:
+        """An event recorded now on the current stream, reused from the pool when one is free."""
+        dev = self._device()
+        free = self._free.get(dev)
+        if free:
+            ev = free.pop()
+        else:
+            ev = self._new_event()
+            self.events_made += 1
+        ev.record()
+        return dev, ev
+
+    def _let_go_oldest(self) -> None:
+        mark, _ = self._held.popleft()
+        if mark is not None:
+            self._free.setdefault(mark[0], []).append(mark[1])
 
     def hold(self, batch: Any) -> None:
         """Holds ``batch`` until an event recorded at the next ``hold()`` completed (NOTE [pinned batch fence]).
@@ -415,28 +471,34 @@ class PinnedFence:
         Lets go of earlier batches whose event completed; with ``limit`` batches held, waits
         for the oldest.
         """
+        if not self._cuda_used():
+            # No CUDA use through torch yet (it is never undone): no copy can read them.
+            self._held.clear()
+            self._held.append([None, batch])
+            return
+        # Earlier batches whose event completed go first: their events can be recorded again.
+        while self._held and self._held[0][0] is not None and self._held[0][0][1].query():
+            self._let_go_oldest()
         if self._held:
-            self._held[-1][0] = self._event()  # after every copy queued from the previous batch
-        while self._held and self._held[0][0] is not None:
-            ev = self._held[0][0]
-            if not ev.query():
-                if len(self._held) < self._limit:
-                    break
-                ev.synchronize()
-            self._held.popleft()
+            self._held[-1][0] = self._record()  # after every copy queued from the previous batch
+        while len(self._held) >= self._limit:
+            self._held[0][0][1].synchronize()
+            self._let_go_oldest()
         self._held.append([None, batch])
 
     def release(self) -> None:
         """Waits for the copies queued so far, then lets every held batch go."""
-        if self._held:
-            self._event().synchronize()
-        self._held.clear()
+        if self._held and self._cuda_used():
+            dev, ev = self._record()
+            ev.synchronize()
+            self._free.setdefault(dev, []).append(ev)
+        while self._held:
+            self._let_go_oldest()
 
     def __len__(self) -> int:
         return len(self._held)
 
 
 def _cuda_event() -> Any:
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream())
-    return ev
+    # blocking: a synchronize() sleeps until the event completes rather than spinning.
+    return torch.cuda.Event(blocking=True)

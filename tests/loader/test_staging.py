@@ -119,11 +119,16 @@ def test_sparse_tensors_pass_through_staging() -> None:
 
 
 class _Event:
-    """A GPU event stand-in: completes when the test says so."""
+    """A GPU event stand-in: completes when the test says so; a new record() is pending again."""
 
     def __init__(self, log: list[str]) -> None:
         self.done = False
+        self.records = 0
         self.log = log
+
+    def record(self) -> None:
+        self.records += 1
+        self.done = False
 
     def query(self) -> bool:
         return self.done
@@ -133,28 +138,61 @@ class _Event:
         self.done = True
 
 
-def test_pinned_fence_holds_each_batch_until_the_event_after_it_completed() -> None:
-    log: list[str] = []
-    events: list[_Event] = []
-
+def _fence(limit: int, events: list[_Event], log: list[str]) -> _transfer.PinnedFence:
     def event() -> _Event:
         events.append(_Event(log))
         return events[-1]
 
-    fence = _transfer.PinnedFence(limit=3, event=event)
+    return _transfer.PinnedFence(limit=limit, event=event, cuda_used=lambda: True, device=lambda: 0)
+
+
+def test_pinned_fence_holds_each_batch_until_the_event_after_it_completed() -> None:
+    log: list[str] = []
+    events: list[_Event] = []
+    fence = _fence(3, events, log)
     fence.hold("b0")
     assert len(fence) == 1 and not events  # nothing recorded before the next batch is taken
     fence.hold("b1")  # the event for b0 is recorded now; not complete: b0 stays held
     assert len(fence) == 2 and len(events) == 1
     events[0].done = True
-    fence.hold("b2")  # b0's event completed: b0 goes; b1's event is new and pending
-    assert len(fence) == 2
+    fence.hold("b2")  # b0's event completed: b0 goes; b1's event is pending (b0's, recorded again)
+    assert len(fence) == 2 and len(events) == 1 and events[0].records == 2
     fence.hold("b3")
     assert len(fence) == 3 and log == []
     fence.hold("b4")  # over the limit: the oldest pending event is waited for
     assert log == ["sync"] and len(fence) == 3
     fence.release()
     assert len(fence) == 0 and log[-1] == "sync"
+
+
+def test_pinned_fence_reuses_a_small_pool_of_events() -> None:
+    # NOTE [pinned batch fence]: no event per batch; at most one per held batch, reused.
+    log: list[str] = []
+    events: list[_Event] = []
+    fence = _fence(4, events, log)
+    for k in range(200):
+        fence.hold(k)
+        if k % 7 == 0:  # the GPU catches up now and then
+            for ev in events:
+                ev.done = True
+    assert 0 < len(events) <= 4, f"{len(events)} events made for 200 batches"
+    assert fence.events_made == len(events) and sum(ev.records for ev in events) == 199
+
+
+def test_pinned_fence_without_torch_cuda_initialised_records_nothing() -> None:
+    # A pin-only loop that never touched a GPU through torch: nothing can read its batches, so
+    # the fence neither records events nor initialises torch's CUDA (the default fence here,
+    # on whatever torch this is: a CPU build cannot even make a CUDA event).
+    was = torch.cuda.is_initialized()
+    fence = _transfer.PinnedFence(limit=2)
+    if was:
+        pytest.skip("torch's CUDA is already initialised in this process")
+    for k in range(10):
+        fence.hold(k)
+        assert len(fence) == 1
+    fence.release()
+    assert len(fence) == 0 and fence.events_made == 0
+    assert not torch.cuda.is_initialized(), "the fence initialised torch's CUDA"
 
 
 def test_no_fence_without_a_gpu(write_dataset) -> None:

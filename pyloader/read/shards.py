@@ -258,7 +258,9 @@ class BatchIterator:
 
     def _finish(self) -> None:
         cb, self.on_finish = self.on_finish, None
-        if cb is not None:
+        if cb is not None and os.getpid() == self._pid:
+            # Not in a forked child: the native set's locks may have been held by a thread
+            # of the parent at the fork, and no thread of this process will release them.
             cb(self.stats())
 
     def __del__(self) -> None:
@@ -278,6 +280,8 @@ class BatchIterator:
         ``wait_fraction`` is that over the wall time since the iterator started (or until
         it ended): the share of a training loop's time lost waiting for data.
         """
+        if os.getpid() != self._pid:
+            raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         c = self._pipeline.counters()
         wall = (self._end or time.perf_counter()) - self._start
         waited = c["wait_ns"] / 1e9

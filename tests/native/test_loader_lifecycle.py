@@ -438,3 +438,36 @@ def test_fork_after_a_device_cpu_loader(write_dataset, tmp_path) -> None:
         got += 8
     assert got == N
     DS_HOLDER.clear()
+
+
+def _child_drops_a_mid_epoch_iterator(it: Any, finished: list[Any], step: Callable[[str], None]) -> int:
+    step("stats() of the parent's iterator")
+    try:
+        it.stats()
+    except pyloader.LoaderStateError:
+        pass
+    else:
+        return 1  # it read the parent's native set (whose locks a parent thread may hold)
+    step("drop it")
+    del it
+    gc.collect()
+    if finished:
+        return 2  # its finish callback ran here, reading the parent's native set
+    step("done")
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_drops_a_mid_epoch_iterator_without_touching_the_parents_set(write_dataset,
+                                                                                     tmp_path) -> None:
+    path = write_dataset(N, FIELDS, sample)
+    it = open_ds(path).batches(8, num_threads=2)
+    check_batch(next(it), 0, 8)
+    finished: list[Any] = []
+    it.on_finish = finished.append
+    child = run_in_forked_child(lambda step: _child_drops_a_mid_epoch_iterator(it, finished, step),
+                                str(tmp_path / "child.log"), timeout=60)
+    assert child.code is not None, f"the forked child hung (killed after 60 s); its steps:\n{child.log}"
+    assert child.code == 0, f"the forked child failed with exit code {child.code}; its steps:\n{child.log}"
+    assert sum(int(b["label"].shape[0]) for b in it) == N - 8  # the parent's epoch goes on
+    assert finished and finished[0]["records"] == N  # and its finish callback runs here

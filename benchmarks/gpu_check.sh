@@ -121,13 +121,17 @@ if [ "$tcap" -lt 20 ]; then
   trc=124
   note "tests/cuda NOT RUN: only $(left) s left after the build"
 else
-  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 5 "$tcap" $PY -m pytest "${PYTEST[@]}" tests/cuda 2>&1 \
+  # --quick: only what a first GPU run must check (tests/cuda/test_cuda_first_run.py, about
+  # 30 s); the full check runs every file of tests/cuda.
+  TESTS=tests/cuda
+  [ "$QUICK" = 1 ] && TESTS=tests/cuda/test_cuda_first_run.py
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 5 "$tcap" $PY -m pytest "${PYTEST[@]}" "$TESTS" 2>&1 \
     | tee "$OUT_DIR/pytest_cuda.log"
   trc=${PIPESTATUS[0]}
   summ=$(grep -E '^=+ .*(passed|failed|error|skipped|no tests).* =+$' "$OUT_DIR/pytest_cuda.log" | tail -n 1 \
          | sed -E 's/^=+ //; s/ =+$//')
   case $trc in
-    0) note "tests/cuda ok ($((SECONDS - t0)) s): ${summ:-?}" ;;
+    0) note "$TESTS ok ($((SECONDS - t0)) s): ${summ:-?}" ;;
     124|137) note "tests/cuda TIMED OUT after ${tcap} s (the last test started is in pytest_cuda.log)" ;;
     *) note "tests/cuda FAILED (rc=$trc, $((SECONDS - t0)) s): ${summ:-no summary; see pytest_cuda.log}" ;;
   esac

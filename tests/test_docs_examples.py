@@ -28,7 +28,7 @@ name, ``/local/nvme/pyloader``, becomes a folder under the temporary one.
 from __future__ import annotations
 
 import io
-import os
+import json
 import re
 import subprocess
 import sys
@@ -165,21 +165,39 @@ def workdir(tmp_path, monkeypatch, s3_endpoint) -> Path:
         torch.distributed.destroy_process_group()  # a page may start a one-process group
 
 
+# A page runs in a child interpreter of its own: its examples start clusters, process
+# groups and worker processes (and multiprocessing's helpers) that must not outlive the
+# page inside the test process, where later tests count their own children.
+RUNNER = r"""
+import json, os, subprocess, sys, traceback
+blocks = json.load(open(sys.argv[1]))
+ns = {"__name__": "__docs__"}
+env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+for lang, code, where in blocks:
+    if lang == "python":
+        try:
+            exec(compile(code, where, "exec"), ns)
+        except BaseException as e:
+            traceback.print_exc()
+            print(f"{where}: the example raised {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
+    else:
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], env=env, capture_output=True, text=True,
+                           timeout=120)
+        if r.returncode:
+            print(f"{where}: exit {r.returncode}\n{r.stdout}\n{r.stderr}", file=sys.stderr)
+            sys.exit(1)
+"""
+
+
 def run_page(path: Path, runnable: list[Block], workdir: Path) -> None:
-    namespace: dict[str, object] = {"__name__": "__docs__"}
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    for b in runnable:
-        where = f"{page_id(path)}:{b.line} ({b.section})"
-        code = b.code.replace(NVME, str(workdir / "nvme"))
-        if b.lang == "python":
-            try:
-                exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
-            except Exception as e:
-                raise AssertionError(f"{where}: the example raised {type(e).__name__}: {e}") from e
-        else:
-            r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=workdir, env=env,
-                               capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0, f"{where}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    todo = [(b.lang, b.code.replace(NVME, str(workdir / "nvme")), f"{page_id(path)}:{b.line} ({b.section})")
+            for b in runnable]
+    spec = workdir / ".docs_blocks.json"
+    spec.write_text(json.dumps(todo))
+    r = subprocess.run([sys.executable, "-W", "error", "-c", RUNNER, str(spec)], cwd=workdir, capture_output=True,
+                       text=True, timeout=170)
+    assert r.returncode == 0, f"{page_id(path)}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -206,7 +224,7 @@ def test_pages_are_found():
     assert sum(b.lang in RUN and b.skip is None for p in PAGES for b in blocks(p)) >= 15
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang in RUN and b.skip is None for b in blocks(p))],
                          ids=page_id)
 def test_page_runs(page, workdir):

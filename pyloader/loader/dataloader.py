@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
 from .. import _C
+from ..errors import LoaderStateError
 from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDataset
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
@@ -965,7 +966,12 @@ class _LoaderIterator:
         if self._closed:
             return
         self._closed = True
-        self._final_stats = self.stats()
+        try:
+            self._final_stats = self.stats()
+        except LoaderStateError:
+            # A parent's iterator closed in a forked child: its native counters belong to
+            # the parent, so the child keeps none (and the close below touches no lock).
+            self._final_stats = {}
         if self.on_close is not None:
             self.on_close(self._final_stats)  # the loader keeps the last epoch's figures
         gen, self._gen = self._gen, iter(())

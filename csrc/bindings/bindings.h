@@ -10,5 +10,6 @@ void register_codec(pybind11::module_& m);
 void register_pipeline(pybind11::module_& m);
 void register_copy(pybind11::module_& m);
 void register_image(pybind11::module_& m);
+void register_packer(pybind11::module_& m);
 
 }  // namespace pyloader

@@ -10,6 +10,7 @@ PYBIND11_MODULE(_C, m) {
   pyloader::register_pipeline(m);
   pyloader::register_copy(m);
   pyloader::register_image(m);
+  pyloader::register_packer(m);
 }
 
 namespace pyloader {

@@ -25,6 +25,7 @@ from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDatas
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
 from . import autotune as _autotune
+from . import packing as _packing
 from . import state as _state
 from . import transfer as _transfer
 
@@ -156,7 +157,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  in_order: bool = True, device: str | torch.device | int | None = None, device_prefetch: int = 2,
                  prefetch: int | None = None, transform: Callable[..., Any] | None = None,
                  executor: str = "threads", batch_transform: Callable[[Any], Any] | None = None,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, pack: _packing.PackSpec | None = None) -> None:
         # torch's __init__ is not run: the attributes torch's own code reads are set here
         # (NOTE [torch's DataLoader attributes]).
         _check_common(num_workers, timeout, prefetch_factor, persistent_workers, device_prefetch, pin_memory_device)
@@ -182,6 +183,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if memory_budget is not None and num_workers != "auto":
             raise ValueError("memory_budget= bounds what num_workers='auto' may use; give num_workers='auto'")
         self.memory_budget = memory_budget
+        if pack is not None and not isinstance(pack, _packing.PackSpec):
+            raise ValueError(f"pack must be a pyloader.PackSpec, got {pack!r}")
+        self.pack = pack
+        self._pack_field = -1
+        self._pack_resume: list[dict[str, Any]] = []  # packing phases of a loaded state (NOTE [packing resume])
+        self._pack_run: tuple[Any, ...] | None = None  # (epoch, world, rank, phases, stream, consumed)
         self._tuner: _autotune.AutoTune | None = None  # NOTE [autotune], made with the dataset's checks
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {transform!r}")
@@ -226,6 +233,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             if prefetch is not None:
                 raise ValueError("prefetch= sets native collation depth and needs a pyloader dataset; "
                                  "use prefetch_factor with worker processes")
+            if pack is not None:
+                raise ValueError("pack= packs the token field of a pyloader dataset (ShardDataset or Mixture) on "
+                                 f"native threads, not a {type(dataset).__name__}")
             if transform is not None or executor != "threads":
                 raise ValueError("transform= and executor= run per-sample transforms on a pyloader dataset's "
                                  "native path; over another dataset, apply the transform in its __getitem__ "
@@ -268,10 +278,25 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self.sampler = _InfiniteConstantSampler()
             if bs is not None:
                 self.batch_sampler = BatchSampler(self.sampler, bs, self.drop_last)
+        if self.pack is not None:
+            self._check_pack(name)
         self._next_epoch = self.dataset.epoch
         # Resumable state is defined for datasets with a fingerprint (NOTE [resume state]).
         self._fingerprint = self.dataset.fingerprint
         self._fingerprint_parts = getattr(self.dataset, "fingerprint_parts", None)
+
+    def _check_pack(self, name: str) -> None:
+        """What packing needs (NOTE [packing rule] in csrc/core/packer.h); ValueError naming what is missing."""
+        if not self.dataset.pipeline_streams:
+            raise ValueError(f"pack= needs a dataset read by the native pipeline (ShardDataset or Mixture), not a {name}")
+        if self.batch_size is None:
+            raise ValueError("pack= needs batch_size= (packed rows per batch)")
+        if self.collate_fn is not None or self.transform is not None or self.dataset.transform is not None:
+            raise ValueError("pack= makes the batches natively: collate_fn= and transform= do not apply "
+                             "(use batch_transform= on the packed batch)")
+        if self._auto_workers:
+            raise ValueError("num_workers='auto' does not tune a packing loader yet; give num_workers a number")
+        self._pack_field = self.pack.resolve_field(self.dataset.fields)  # type: ignore[union-attr]
 
     @property
     def _threads(self) -> int:
@@ -408,7 +433,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if not self._native:
             return None
         if self._batch_pool is None:
-            self._batch_pool = _transfer.slot_pool(len(self.dataset.fields), pinned=self._pinned,
+            fields = 4 if self.pack is not None else len(self.dataset.fields)  # packed batches: 4 outputs
+            self._batch_pool = _transfer.slot_pool(fields, pinned=self._pinned,
                                                    device_index=self._pin_index if self._pinned else 0)
         return self._batch_pool
 
@@ -487,6 +513,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._next_epoch += 1
         segments, self._resume = self._resume, []
         rank, world = ds.rank_and_world()
+        if self.pack is not None:
+            return self._iter_packed(epoch, rank, world)
         batched = self.batch_size is not None
         native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
         spec = self._transform_spec(epoch)
@@ -563,7 +591,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # own. The early pipeline stops when the loader is dropped; after the last epoch of a
     # job its few batches are unused.
     def _reads_ahead(self) -> bool:
-        return bool(self.dataset.early_streams)
+        return bool(self.dataset.early_streams) and self.pack is None
 
     def _tuned(self) -> dict[str, Any]:
         """batches() arguments that start a pipeline at the tuner's values (NOTE [autotune])."""
@@ -613,6 +641,75 @@ class DataLoader(_TorchDataLoader[_T_co]):
         it.on_close = self._keep_stats
         it.fence = self._fence(stage)
         return it
+
+    # -- packing (native path) ----------------------------------------------------------
+    def _iter_packed(self, epoch: int, rank: int, world: int) -> _LoaderIterator:
+        """An epoch of packed rows (NOTE [packing rule] in csrc/core/packer.h, NOTE [packing resume])."""
+        ds: PlannedDataset = self.dataset
+        spec = self.pack
+        assert spec is not None
+        phases_in, self._pack_resume = self._pack_resume, []
+
+        def plan(r: int, w: int) -> Any:
+            return ds.epoch_plan(epoch, r, w, [], shuffle=self.shuffle, seed=self._seed)
+
+        plans = _packing.PhasePlans(plan, phases_in)
+        phases, items, rows_before = plans.resume_items(rank, world)
+        entry = phases[-1]["ranks"].get(str(rank))
+        if entry is None:
+            entry = {"cursor": [int(items.pos[0]), int(items.start[0])] if len(items) else [-1, 0],
+                     "window": [], "rows": 0}
+        docs = ds.batches(spec.doc_batch, plan=(items.units, items.records), drop_last=False,
+                          num_threads=self._threads, prefetch=self._prefetch)
+        prefetch = self._prefetch if self._prefetch is not None else 2
+        try:
+            packer = _C.Packer(docs=docs._pipeline, field=self._pack_field, pool=self._pool,  # type: ignore[attr-defined]
+                               pos=items.pos, start=items.start, end=items.end, seq_len=spec.seq_len,
+                               rows=self.batch_size, lookahead=spec.window, split=spec.split,
+                               drop_last=self.drop_last, prefetch=prefetch, pad_id=spec.pad_id)
+        except BaseException:
+            docs.close()
+            raise
+        src = _packing.PackedStream(docs, packer, spec, entry, rows_before)
+        src.timeout = float(self.timeout)
+        src.on_finish = self._keep_stats
+        consumed = ConsumedCount()
+        src.consumed = consumed
+        self._run = None
+        self._pack_run = (epoch, world, rank, phases, src, consumed)
+        stage = self._new_stage(True)
+        gen: Iterator[Any]
+        if stage is None:
+            gen = src
+        else:
+            submit_host = stage.submit_host
+            gen = _transfer.Staged(_host_batches(src), stage, lambda item: submit_host(*item),
+                                   go_on_after_error=False)
+        return self._loader_iterator(gen, None, src, stage, consumed)  # type: ignore[arg-type]
+
+    def _packed_state(self, fingerprint: str) -> dict[str, Any]:
+        """``state_dict()`` of a packing loader (NOTE [packing resume])."""
+        run = self._pack_run
+        if run is None:
+            epoch, phases = self._next_epoch, self._pack_resume
+        else:
+            run_epoch, world, rank, run_phases, src, consumed = run
+            if src.finished_after(consumed.batches):
+                epoch, phases = self._next_epoch, []
+            else:
+                epoch = run_epoch
+                phases = [dict(p) for p in run_phases]
+                ranks = {str(rank): src.state_after(consumed.batches)}
+                dist = torch.distributed
+                if world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
+                    gathered: list[Any] = [None] * world
+                    dist.all_gather_object(gathered, (rank, ranks[str(rank)]))
+                    ranks = {str(r): e for r, e in gathered}
+                phases[-1] = {"world": world, "ranks": ranks}
+        state = _state.make_state(fingerprint, self.dataset.num_records, self._settings, epoch, [],
+                                  parts=self._fingerprint_parts)
+        state["packing"] = {"spec": self.pack.settings(), "phases": phases}  # type: ignore[union-attr]
+        return state
 
     # -- per-sample transforms (native path) -------------------------------------------
     def _transform_spec(self, epoch: int) -> _stage.TransformSpec | None:
@@ -711,6 +808,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._next_epoch = epoch
         self._run = None
         self._resume = []
+        self._pack_run = None
+        self._pack_resume = []
 
     def state_dict(self) -> dict[str, Any]:
         """This loader's position: where the next ``iter()`` of a restored loader starts.
@@ -720,6 +819,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         the next epoch's start. Cheap: no per-sample work (NOTE [resume state]).
         """
         fingerprint = self._require_resumable()
+        if self.pack is not None:
+            return self._packed_state(fingerprint)
         run = self._run
         if run is None:  # nothing read since construction, set_epoch or load_state_dict
             epoch, segments = self._next_epoch, self._resume
@@ -743,12 +844,35 @@ class DataLoader(_TorchDataLoader[_T_co]):
         epoch, segments = _state.check_state(
             state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings,
             parts=self._fingerprint_parts)
+        if self.pack is not None or "packing" in state:
+            self._load_packed(state, epoch, segments)
+            return
         try:  # validates the segments against the dataset now, not at the next iter()
             self.dataset.unread_count(epoch, segments, partition=self._order.partition)
         except ValueError as e:
             raise _state.ResumeError(f"inconsistent loader state: {e}") from None
         self._next_epoch = epoch
         self._resume = segments
+        self._run = None
+
+    def _load_packed(self, state: dict[str, Any], epoch: int, segments: list[list[int]]) -> None:
+        if self.pack is None:
+            raise _state.ResumeError("the state was saved by a packing loader (pack=PackSpec); this loader does not "
+                                     "pack: give it the same pack=")
+        if segments:
+            raise _state.ResumeError("a packing loader's state names its position in its packing phases, not "
+                                     "in segments")
+        phases = _packing.check_packing(state, self.pack)
+        ds = self.dataset
+        rank, world = ds.rank_and_world()
+
+        def plan(r: int, w: int) -> Any:
+            return ds.epoch_plan(epoch, r, w, [], shuffle=self.shuffle, seed=self._seed)
+
+        _packing.PhasePlans(plan, phases).resume_items(rank, world)  # a state it cannot resume fails now
+        self._next_epoch = epoch
+        self._pack_resume = phases
+        self._pack_run = None
         self._run = None
 
     def _require_native(self, what: str) -> None:
@@ -771,6 +895,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if not self._native:
             assert self._inner is not None
             return len(self._inner)
+        if self.pack is not None:
+            raise TypeError("a packing loader's batches per epoch depend on its documents' lengths; "
+                            "stats()['packing'] counts them as they are made")
         n = self._len_called = len(self.dataset)
         if self.batch_size is None:
             return n

@@ -234,6 +234,50 @@ class BatchPipeline:
     def close(self) -> None: ...
     def counters(self) -> dict[str, int]: ...
 
+# register_packer.cpp
+
+_PackState: TypeAlias = tuple[int, int, npt.NDArray[np.int64], int]
+
+class Packer:
+    """Packs the documents a BatchPipeline reads into rows of seq_len tokens on its own thread.
+
+    NOTE [packing rule] in core/packer.h.
+    """
+
+    def __init__(
+        self,
+        *,
+        docs: BatchPipeline,
+        field: int,
+        pool: SlotPool,
+        pos: _IndexArray,
+        start: _IndexArray,
+        end: _IndexArray,
+        seq_len: int,
+        rows: int,
+        lookahead: int = 1,
+        split: bool = True,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        pad_id: int = 0,
+    ) -> None: ...
+    def next(self, timeout: float = 0.0) -> tuple[int, int, list[_DLPackCapsule], _PackState] | None:
+        """The next packed batch as (index, rows, [capsule per output], state), or None at the end.
+
+        Outputs: tokens, position_ids, document_ids, cu_seqlens; state: (cursor_pos, cursor_tok,
+        window [k, 3], rows) after this batch (NOTE [packing state]).
+        """
+
+    def next_host(
+        self, timeout: float = 0.0
+    ) -> tuple[HostBatch, list[_DLPackCapsule], list[None], _PackState] | None:
+        """Like next(), but returns (HostBatch, arrays, lengths, state), the HostBatch for a CopyEngine."""
+
+    @property
+    def names(self) -> list[str]: ...
+    def close(self) -> None: ...
+    def counters(self) -> dict[str, int]: ...
+
 # register_copy.cpp
 
 def cuda_driver_error() -> str | None:

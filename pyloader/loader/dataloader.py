@@ -662,10 +662,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         docs = ds.batches(spec.doc_batch, plan=(items.units, items.records), drop_last=False,
                           num_threads=self._threads, prefetch=self._prefetch)
         prefetch = self._prefetch if self._prefetch is not None else 2
+        pool, rows = self._pool, self.batch_size
+        assert pool is not None and rows is not None  # the native path, batched (_check_pack)
         try:
-            packer = _C.Packer(docs=docs._pipeline, field=self._pack_field, pool=self._pool,  # type: ignore[attr-defined]
+            packer = _C.Packer(docs=docs._pipeline, field=self._pack_field, pool=pool,  # type: ignore[attr-defined]
                                pos=items.pos, start=items.start, end=items.end, seq_len=spec.seq_len,
-                               rows=self.batch_size, lookahead=spec.window, split=spec.split,
+                               rows=rows, lookahead=spec.window, split=spec.split,
                                drop_last=self.drop_last, prefetch=prefetch, pad_id=spec.pad_id)
         except BaseException:
             docs.close()

@@ -398,3 +398,21 @@ def test_sparse_leaves_reach_the_device_without_a_host_wait() -> None:
     stage.close()
     for k, (s, d) in enumerate(got):
         assert torch.equal(s.cpu(), batches[k]["s"].to_dense()) and torch.equal(d.cpu(), batches[k]["d"]), f"batch {k}"
+
+
+def test_packed_rows_to_the_device_match_the_host(write_dataset: Callable[..., str]) -> None:
+    """Packed batches (NOTE [packing rule]) staged to the GPU by the copy engine equal the host's,
+    every output (tokens, position ids, document ids, cu_seqlens of varying length) over an epoch."""
+    path = write_dataset(300, GROW_FIELDS, grow_sample, shard_bytes=1 << 16)
+    spec = pyloader.PackSpec(seq_len=512, mode="first_fit", lookahead=16)
+    ds = pyloader.ShardDataset(path, shuffle=True, seed=3)
+    host = [{k: v.clone() for k, v in b.items()} for b in pyloader.DataLoader(ds, batch_size=4, pack=spec)]
+    got = []
+    for b in pyloader.DataLoader(ds, batch_size=4, pack=spec, device=dev()):
+        assert all(v.device == dev() for v in b.values())
+        got.append({k: v.cpu() for k, v in b.items()})
+    assert len(got) == len(host) > 10
+    for a, b in zip(host, got, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k

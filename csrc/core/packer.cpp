@@ -93,8 +93,10 @@ void Packer::close() {
   stop_.store(true, std::memory_order_release);
   cv_room_->notify_all();
   cv_ready_->notify_all();
-  if (thread_.joinable()) thread_.join();
+  // Closing the document pipeline first ends a wait of the packer thread in docs_->next()
+  // at once (it raises there, which the stopping thread ignores).
   docs_->close();
+  if (thread_.joinable()) thread_.join();
   std::lock_guard<std::mutex> lk(mu_);
   ready_.clear();
 }

@@ -690,23 +690,30 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return self._loader_iterator(gen, None, src, stage, consumed)  # type: ignore[arg-type]
 
     def _packed_state(self, fingerprint: str) -> dict[str, Any]:
-        """``state_dict()`` of a packing loader (NOTE [packing resume])."""
+        """``state_dict()`` of a packing loader (NOTE [packing resume]).
+
+        Under an initialised process group of the loader's world size it is a collective:
+        every rank's entry is gathered (a rank that received its epoch's last batch sends
+        its final entry), so each rank returns the same state.
+        """
         run = self._pack_run
         if run is None:
             epoch, phases = self._next_epoch, self._pack_resume
         else:
             run_epoch, world, rank, run_phases, src, consumed = run
-            if src.finished_after(consumed.batches):
-                epoch, phases = self._next_epoch, []
+            entry = dict(src.state_after(consumed.batches))
+            entry["done"] = src.finished_after(consumed.batches)
+            ranks = {str(rank): entry}
+            dist = torch.distributed
+            if world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, (rank, entry))
+                ranks = {str(r): e for r, e in gathered}
+            if len(ranks) == world and all(e["done"] for e in ranks.values()):
+                epoch, phases = self._next_epoch, []  # every rank read its whole epoch
             else:
                 epoch = run_epoch
                 phases = [dict(p) for p in run_phases]
-                ranks = {str(rank): src.state_after(consumed.batches)}
-                dist = torch.distributed
-                if world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
-                    gathered: list[Any] = [None] * world
-                    dist.all_gather_object(gathered, (rank, ranks[str(rank)]))
-                    ranks = {str(r): e for r, e in gathered}
                 phases[-1] = {"world": world, "ranks": ranks}
         state = _state.make_state(fingerprint, self.dataset.num_records, self._settings, epoch, [],
                                   parts=self._fingerprint_parts)

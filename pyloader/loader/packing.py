@@ -24,7 +24,8 @@ was to read in that phase):
   (item ``j`` of rank ``r`` at key ``(j, r)``) and dealt to the new ranks by stride: a new
   phase. Every token not yet delivered is then delivered once, and none twice.
 
-A state's rank entries are small (at most ``lookahead`` pieces), and a phase's base
+A rank that received its epoch's last batch has a ``done`` entry (nothing left to read);
+once every rank's entry is done, the state names the next epoch. A state's rank entries are small (at most ``lookahead`` pieces), and a phase's base
 sequence is recomputed from the epoch order and the phases before it, never stored.
 """
 
@@ -182,6 +183,8 @@ def _unread(base: Items, entry: Mapping[str, Any] | None) -> Items:
     if entry is None:
         return base
     n = len(base)
+    if entry.get("done"):  # the rank read its whole epoch (with drop_last, its last rows were dropped)
+        return Items.base(base.units[:0], base.records[:0])
     win = np.asarray(entry["window"], dtype=np.int64).reshape(-1, 3)
     cpos, ctok = (int(x) for x in entry["cursor"])
     if cpos < 0:
@@ -276,7 +279,8 @@ def check_packing(state: Mapping[str, Any], spec: PackSpec) -> list[dict[str, An
                 ok = ok and str(r).isdigit() and int(r) < ph["world"] and isinstance(e, Mapping) \
                     and isinstance(e.get("cursor"), (list, tuple)) and len(e["cursor"]) == 2 \
                     and isinstance(e.get("window"), (list, tuple)) and isinstance(e.get("rows"), int) \
-                    and all(isinstance(w, (list, tuple)) and len(w) == 3 for w in e["window"])
+                    and all(isinstance(w, (list, tuple)) and len(w) == 3 for w in e["window"]) \
+                    and isinstance(e.get("done", False), bool)
         if not ok:
             raise ResumeError(f"packing state phase {i} is malformed: {ph!r}")
         out.append({"world": ph["world"], "ranks": {str(r): e for r, e in ph["ranks"].items()}})
@@ -314,6 +318,10 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     raise ValueError(f"two states hold different packing states for rank {r}")
                 mine["ranks"][r] = e
     merged["packing"] = {"spec": pk["spec"], "phases": phases}
+    last = phases[-1] if phases else None
+    if last is not None and len(last["ranks"]) == last["world"] and all(e.get("done") for e in last["ranks"].values()):
+        merged["epoch"] = first["epoch"] + 1  # every rank read its whole epoch: the next one starts
+        merged["packing"]["phases"] = []
     return merged
 
 
@@ -399,7 +407,7 @@ class PackedStream:
         st = self._states.get(batches)
         if self._ended and batches >= self._handed:
             return True
-        return st is not None and st["cursor"][0] < 0 and not st["window"]
+        return st is not None and (bool(st.get("done")) or (st["cursor"][0] < 0 and not st["window"]))
 
     def close(self) -> None:
         """Stops the packer and the document pipeline. Idempotent."""

@@ -194,6 +194,7 @@ class BatchPipeline:
         ahead: int = -1,
         early: bool = False,
         active_threads: int = 0,
+        ragged: bool = False,
     ) -> None: ...
     @property
     def threads(self) -> int:

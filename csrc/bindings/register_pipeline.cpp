@@ -159,8 +159,9 @@ void register_pipeline(py::module_& m) {
                        const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& shard_idx,
                        const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& record_idx,
                        size_t batch_size, bool drop_last, int num_threads, int prefetch, int ahead, bool early,
-                       int active_threads) {
+                       int active_threads, bool ragged) {
              PipelineConfig cfg;
+             cfg.ragged = ragged;
              cfg.ahead = ahead;
              cfg.early = early;
              cfg.active_threads = active_threads;
@@ -177,7 +178,7 @@ void register_pipeline(py::module_& m) {
            }),
            py::kw_only(), py::arg("shards"), py::arg("pool"), py::arg("shard_idx"), py::arg("record_idx"),
            py::arg("batch_size"), py::arg("drop_last") = false, py::arg("num_threads") = 1, py::arg("prefetch") = 2,
-           py::arg("ahead") = -1, py::arg("early") = false, py::arg("active_threads") = 0)
+           py::arg("ahead") = -1, py::arg("early") = false, py::arg("active_threads") = 0, py::arg("ragged") = false)
       .def("__len__", &BatchPipeline::num_batches)
       .def_property(
           "ahead", &BatchPipeline::ahead, [](BatchPipeline& p, int n) { p.set_ahead(n); },

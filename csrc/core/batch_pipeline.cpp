@@ -281,6 +281,9 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   std::vector<std::shared_ptr<const Shard>> held;
   std::vector<const Shard*> shard_of(rows);
   std::vector<uint32_t> max_len(nf, 0);
+  // NOTE [ragged batches]: each variable field's row offsets (in rows of the field), row order.
+  std::vector<std::vector<uint64_t>> row_off(cfg_.ragged ? nf : 0);
+  for (auto& o : row_off) o.assign(rows + 1, 0);
   int32_t last = -1;
   for (size_t k = 0; k < rows; ++k) {
     const size_t i = visit[k];
@@ -291,9 +294,14 @@ void BatchPipeline::fill(size_t b, Batch* out) {
     }
     shard_of[i] = held.back().get();
     for (size_t f = 0; f < nf; ++f)
-      if (fields[f].variable)
-        max_len[f] = std::max(max_len[f], shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading);
+      if (fields[f].variable) {
+        const uint32_t len = shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading;
+        max_len[f] = std::max(max_len[f], len);
+        if (cfg_.ragged) row_off[f][i + 1] = len;
+      }
   }
+  for (auto& o : row_off)
+    for (size_t i = 0; i < rows; ++i) o[i + 1] += o[i];
 
   const uint64_t t_fill = now_ns();
   counters_.shard_wait_ns.fetch_add(t_fill - t_open, std::memory_order_relaxed);
@@ -308,7 +316,13 @@ void BatchPipeline::fill(size_t b, Batch* out) {
     const FieldSpec& spec = fields[f];
     FieldView& v = out->fields[f];
     v.shape.assign(1, int64_t(rows));
-    if (spec.variable) {
+    if (spec.variable && cfg_.ragged) {
+      v.shape.assign(1, int64_t(row_off[f][rows]));
+      v.shape.insert(v.shape.end(), spec.dims.begin() + 1, spec.dims.end());
+      stride[f] = size_t(row_off[f][rows]) * spec.row_bytes;  // the whole field (allocation below)
+      slot.lengths[f].reserve(rows * sizeof(int64_t));
+      v.lengths = reinterpret_cast<int64_t*>(slot.lengths[f].data());
+    } else if (spec.variable) {
       v.shape.push_back(int64_t(max_len[f]));
       v.shape.insert(v.shape.end(), spec.dims.begin() + 1, spec.dims.end());
       stride[f] = size_t(max_len[f]) * spec.row_bytes;
@@ -320,7 +334,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       v.lengths = nullptr;
     }
     size_t before = slot.data[f].capacity();
-    slot.data[f].reserve(std::max<size_t>(rows * stride[f], 1));
+    slot.data[f].reserve(std::max<size_t>(spec.variable && cfg_.ragged ? stride[f] : rows * stride[f], 1));
     if (slot.data[f].capacity() != before) ++slot.allocations;
     v.data = slot.data[f].data();
   }
@@ -364,7 +378,8 @@ void BatchPipeline::fill(size_t b, Batch* out) {
     const uint8_t* payload = sh.payload();
     const bool verify = !sh.verified(rec);  // NOTE [verify once] in shard_reader.h
     for (size_t f = 0; f < nf; ++f) {
-      uint8_t* dst = out->fields[f].data + i * stride[f];
+      const bool ragged = cfg_.ragged && fields[f].variable;
+      uint8_t* dst = out->fields[f].data + (ragged ? row_off[f][i] * fields[f].row_bytes : i * stride[f]);
       if (const int32_t c = sh.column_of(f); c >= 0) {
         // NOTE [column layout]: the value's block is checked once, then the value is copied.
         const ColumnSpec& col = sh.column(size_t(c));
@@ -401,7 +416,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       }
       if (fields[f].variable) {
         // Zero the padding so no bytes of an earlier batch leak into this one.
-        std::memset(dst + e.decoded_size, 0, stride[f] - e.decoded_size);
+        if (!ragged) std::memset(dst + e.decoded_size, 0, stride[f] - e.decoded_size);
         out->fields[f].lengths[i] = int64_t(e.leading);
       }
       stored += e.stored_size;

@@ -30,6 +30,11 @@ struct PipelineConfig {
   // A pipeline made ahead of its epoch (NOTE [epoch ahead] in pyloader/loader/dataloader.py):
   // it collates only into slots others return to the pool, until adopt().
   bool early = false;
+  // NOTE [ragged batches]: variable fields are collated without padding: row i's values
+  // start at the sum of the lengths of rows 0..i-1, and the field's shape is [sum of
+  // lengths, ...]. For a consumer that cuts the rows apart itself (the Packer), so that a
+  // batch of documents with a long tail of lengths costs its tokens, not rows x the longest.
+  bool ragged = false;
 };
 
 struct FieldView {
@@ -95,6 +100,7 @@ class BatchPipeline {
   // consumer's next take on, and the slot pool may grow again.
   void adopt(int ahead);
   size_t num_batches() const noexcept { return num_batches_; }
+  bool ragged() const noexcept { return cfg_.ragged; }
   const PipelineCounters& counters() const noexcept { return counters_; }
   const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
 

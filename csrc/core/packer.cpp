@@ -123,6 +123,7 @@ bool Packer::next_piece(Piece* out) {
       }
       doc_batch_ = std::move(b);
       doc_row_ = 0;
+      doc_off_ = 0;
     }
     if (item_ >= pos_.size())
       throw LoaderError(ErrorKind::kState, "", -1, spec.name,
@@ -130,7 +131,10 @@ bool Packer::next_piece(Piece* out) {
                             std::to_string(pos_.size()));
     const FieldView& v = doc_batch_.fields[field_];
     const int64_t n = v.lengths[doc_row_];
-    const uint8_t* data = v.data + doc_row_ * size_t(v.shape[1]) * itemsize_;
+    // NOTE [ragged batches]: rows back to back; a padded batch: rows of the longest length.
+    const uint8_t* data = docs_->ragged() ? v.data + doc_off_ * itemsize_
+                                          : v.data + doc_row_ * size_t(v.shape[1]) * itemsize_;
+    doc_off_ += size_t(n);
     ++doc_row_;
     counters_.items.fetch_add(1, std::memory_order_relaxed);
     const int64_t s = start_[item_], e = end_[item_] < 0 ? n : end_[item_];

@@ -133,6 +133,7 @@ class Packer {
   // Packer thread state (touched by that thread only).
   Batch doc_batch_;         // the doc batch being split
   size_t doc_row_ = 0;      // its next row
+  size_t doc_off_ = 0;      // that row's first token (ragged batches)
   bool docs_done_ = false;  // the doc pipeline ended
   size_t item_ = 0;         // stream index of the item being split
   bool in_item_ = false;    // an item is being split

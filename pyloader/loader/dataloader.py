@@ -189,6 +189,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._pack_field = -1
         self._pack_resume: list[dict[str, Any]] = []  # packing phases of a loaded state (NOTE [packing resume])
         self._pack_run: tuple[Any, ...] | None = None  # (epoch, world, rank, phases, stream, consumed)
+        self._doc_pool: _C.SlotPool | None = None  # the packer's input documents (NOTE [ragged batches])
         self._tuner: _autotune.AutoTune | None = None  # NOTE [autotune], made with the dataset's checks
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {transform!r}")
@@ -659,8 +660,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if entry is None:
             entry = {"cursor": [int(items.pos[0]), int(items.start[0])] if len(items) else [-1, 0],
                      "window": [], "rows": 0}
-        docs = ds.batches(spec.doc_batch, plan=(items.units, items.records), drop_last=False,
-                          num_threads=self._threads, prefetch=self._prefetch)
+        if self._doc_pool is None:  # the documents' buffers, kept across epochs like the batches'
+            self._doc_pool = _C.SlotPool(num_fields=len(ds.fields))
+        docs = ds.batches(spec.doc_batch, plan=(items.units, items.records), drop_last=False,  # type: ignore[call-arg]
+                          num_threads=self._threads, prefetch=self._prefetch, pool=self._doc_pool, ragged=True)
         prefetch = self._prefetch if self._prefetch is not None else 2
         pool, rows = self._pool, self.batch_size
         assert pool is not None and rows is not None  # the native path, batched (_check_pack)

@@ -629,7 +629,7 @@ class Mixture(UnitDataset, IterableDataset):
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
                 num_workers: int = 1, ahead: int | None = None, early: bool = False,
-                active_threads: int | None = None) -> MixtureBatches:
+                active_threads: int | None = None, ragged: bool = False) -> MixtureBatches:
         """The native batched iterator over ``plan``; the arguments are ``ShardDataset.batches``'."""
         prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
@@ -646,6 +646,7 @@ class Mixture(UnitDataset, IterableDataset):
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
             ahead=-1 if ahead is None else max(0, min(ahead, prefetch)), early=early,
             active_threads=0 if active_threads is None else max(1, min(active_threads, num_threads)),
+            ragged=ragged,
         )
         counts = np.bincount(self._unit_source[sidx], minlength=len(self.sources))
         per_source = {n: int(c) for n, c in zip(self.names, counts, strict=True)}

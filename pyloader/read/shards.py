@@ -562,7 +562,7 @@ class ShardDataset(UnitDataset, IterableDataset):
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
                 num_workers: int = 1, ahead: int | None = None, early: bool = False,
-                active_threads: int | None = None) -> BatchIterator:
+                active_threads: int | None = None, ragged: bool = False) -> BatchIterator:
         """The native batched iterator over ``plan`` (the contract, NOTE [dataset contract]).
 
         Without ``plan``: this rank's plan of ``epoch`` (default: the current one), split
@@ -573,6 +573,8 @@ class ShardDataset(UnitDataset, IterableDataset):
         [epoch ahead]): it collates into slots others return to the pool (it makes none)
         until ``begin()``. ``active_threads``: how many of the ``num_threads`` threads collate
         at first (default: all; the ``threads`` of the native pipeline, for tuning).
+        ``ragged``: variable fields without padding, rows back to back (NOTE [ragged batches] in
+        csrc/core/batch_pipeline.h; for the packer, which cuts them apart by their lengths).
         """
         prefetch = check_batch_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
@@ -590,6 +592,7 @@ class ShardDataset(UnitDataset, IterableDataset):
             drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
             ahead=-1 if ahead is None else max(0, min(ahead, prefetch)), early=early,
             active_threads=0 if active_threads is None else max(1, min(active_threads, num_threads)),
+            ragged=ragged,
         )
         return BatchIterator(self, pipeline, num_threads, prefetch)
 

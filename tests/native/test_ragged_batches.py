@@ -12,9 +12,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from conftest import MIXED_FIELDS
 
 import pyloader
-from conftest import MIXED_FIELDS
 
 
 @pytest.mark.parametrize("compression", [None, "lz4"])

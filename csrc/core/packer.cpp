@@ -138,7 +138,7 @@ bool Packer::next_piece(Piece* out) {
     ++doc_row_;
     counters_.items.fetch_add(1, std::memory_order_relaxed);
     const int64_t s = start_[item_], e = end_[item_] < 0 ? n : end_[item_];
-    if (e > n)
+    if (e > n || s > e)
       throw LoaderError(ErrorKind::kState, "", -1, spec.name,
                         "packing item at position " + std::to_string(pos_[item_]) + " asks for tokens [" +
                             std::to_string(s) + ", " + std::to_string(e) + ") of a document of " + std::to_string(n) +

@@ -690,7 +690,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             submit_host = stage.submit_host
             gen = _transfer.Staged(_host_batches(src), stage, lambda item: submit_host(*item),
                                    go_on_after_error=False)
-        return self._loader_iterator(gen, None, src, stage, consumed)  # type: ignore[arg-type]
+        it = self._loader_iterator(gen, None, src, stage, consumed)  # type: ignore[arg-type]
+        it.len_error = "a packed epoch's number of batches depends on its documents' lengths; it is known at its end"
+        return it
 
     def _packed_state(self, fingerprint: str) -> dict[str, Any]:
         """``state_dict()`` of a packing loader (NOTE [packing resume]).
@@ -720,7 +722,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 phases[-1] = {"world": world, "ranks": ranks}
         state = _state.make_state(fingerprint, self.dataset.num_records, self._settings, epoch, [],
                                   parts=self._fingerprint_parts)
-        state["packing"] = {"spec": self.pack.settings(), "phases": phases}  # type: ignore[union-attr]
+        field = self.dataset.fields[self._pack_field].name
+        state["packing"] = {"spec": self.pack.settings(field), "phases": phases}  # type: ignore[union-attr]
         return state
 
     # -- per-sample transforms (native path) -------------------------------------------
@@ -871,10 +874,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.pack is None:
             raise _state.ResumeError("the state was saved by a packing loader (pack=PackSpec); this loader does not "
                                      "pack: give it the same pack=")
+        phases = _packing.check_packing(state, self.pack, self.dataset.fields[self._pack_field].name)
         if segments:
             raise _state.ResumeError("a packing loader's state names its position in its packing phases, not "
                                      "in segments")
-        phases = _packing.check_packing(state, self.pack)
         ds = self.dataset
         rank, world = ds.rank_and_world()
 
@@ -1075,6 +1078,7 @@ class _LoaderIterator:
         self._closed = False
         self._final_stats: dict[str, Any] | None = None
         self.fence: _transfer.PinnedFence | None = None
+        self.len_error = "this loader's dataset has no len()"
         self.on_close: Callable[[dict[str, Any]], None] | None = None
         if not native and hasattr(source, "_workers"):
             # torch's worker processes, as its iterator lists them (code written for torch
@@ -1086,7 +1090,7 @@ class _LoaderIterator:
 
     def __len__(self) -> int:
         if self._len is None:
-            raise TypeError("this loader's dataset has no len()")
+            raise TypeError(self.len_error)
         return self._len
 
     def __next__(self) -> Any:

@@ -104,9 +104,9 @@ class PackSpec:
             return 1
         return _DEFAULT_LOOKAHEAD if self.lookahead is None else self.lookahead
 
-    def settings(self) -> dict[str, Any]:
-        """What the rows depend on (kept in a state, checked when it is loaded)."""
-        return {"seq_len": self.seq_len, "field": self.field, "lookahead": self.window, "split": self.split}
+    def settings(self, field: str) -> dict[str, Any]:
+        """What the rows depend on (kept in a state, checked when it is loaded); ``field``: the token field used."""
+        return {"seq_len": self.seq_len, "field": field, "lookahead": self.window, "split": self.split}
 
     def resolve_field(self, fields: Sequence[Field]) -> int:
         """The index of the token field among ``fields``; ValueError naming the candidates."""
@@ -187,10 +187,12 @@ def _unread(base: Items, entry: Mapping[str, Any] | None) -> Items:
         return Items.base(base.units[:0], base.records[:0])
     win = np.asarray(entry["window"], dtype=np.int64).reshape(-1, 3)
     cpos, ctok = (int(x) for x in entry["cursor"])
-    if cpos < 0:
+    if cpos == -1:
         cpos = n
     if (win.size and (win[:, 0].min() < 0 or win[:, 0].max() >= n)) or not 0 <= cpos <= n:
-        raise ResumeError(f"inconsistent packing state: positions beyond the rank's {n} items")
+        raise ResumeError(f"inconsistent packing state: positions outside the rank's {n} items ({entry!r})")
+    if ctok < 0 or (win.size and (win[:, 1].min() < 0 or win[:, 2].min() < 1)):
+        raise ResumeError(f"inconsistent packing state: negative token offsets or empty pieces ({entry!r})")
     p = win[:, 0]
     parts = [Items(base.units[p], base.records[p], win[:, 1], win[:, 1] + win[:, 2], p)]
     if cpos < n:
@@ -258,15 +260,18 @@ class PhasePlans:
         return phases, PhasePlans(self._plan, phases).base(len(phases) - 1, rank), 0
 
 
-def check_packing(state: Mapping[str, Any], spec: PackSpec) -> list[dict[str, Any]]:
-    """The phases of a state's ``"packing"`` entry, checked against ``spec``; ResumeError if they do not fit."""
+def check_packing(state: Mapping[str, Any], spec: PackSpec, field: str) -> list[dict[str, Any]]:
+    """The phases of a state's ``"packing"`` entry, checked against ``spec`` over token field ``field``.
+
+    ResumeError if they do not fit.
+    """
     pk = state.get("packing")
     if not isinstance(pk, Mapping):
         raise ResumeError("the state was saved by a loader without packing; this loader packs (pack=PackSpec): "
                           "the rows would differ")
-    if pk.get("spec") != spec.settings():
+    if pk.get("spec") != spec.settings(field):
         raise ResumeError(f"the state was saved with packing {pk.get('spec')!r}, this loader packs with "
-                          f"{spec.settings()!r}: the rows would differ")
+                          f"{spec.settings(field)!r}: the rows would differ")
     phases = pk.get("phases")
     if not isinstance(phases, list):
         raise ResumeError("packing state phases must be a list")

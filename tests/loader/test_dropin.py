@@ -146,7 +146,7 @@ def test_signature_is_torchs_plus_keyword_extras():
         assert ours[name].default == p.default, name
     extras = list(ours)[len(theirs):]
     assert extras == ["device", "device_prefetch", "prefetch", "transform", "executor", "batch_transform",
-                      "memory_budget"]
+                      "memory_budget", "pack"]
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extras)
 
 

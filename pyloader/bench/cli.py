@@ -20,8 +20,10 @@ import numpy as np
 
 from ..errors import ManifestError, PyloaderError
 from ..loader.autotune import cpu_budget
+from ..loader.packing import PackSpec
 from ..read.shards import ShardDataset
 from ..transform.image import ImageDecode
+from ..write.writer import ShardWriter
 from . import measure as B
 from . import stages as R
 
@@ -68,6 +70,12 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         result["dataset"] = {"url": url if args.url else None, "generated": args.url is None,
                              "records": ds.num_records, "shards": len(ds.shard_paths),
                              "bytes": sum(ds.shard_bytes), "fields": [f.to_json() for f in ds.fields]}
+        spec = None
+        if args.pack is not None:
+            spec = PackSpec(seq_len=args.pack, mode=args.pack_mode,
+                            lookahead=args.pack_lookahead if args.pack_mode == "first_fit" else None)
+            if args.url:
+                spec.resolve_field(ds.fields)  # a dataset without a token field fails now, not after the stages
         stages = R.run_stages(ds, batch_size=args.batch_size, threads=args.threads, epochs=args.epochs,
                               torch_workers=args.torch_workers, progress=progress, min_seconds=args.min_seconds)
         result["stages"] = stages
@@ -85,6 +93,17 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
                 torch_workers=args.torch_workers,
                 min_seconds=args.min_seconds, progress=progress)
             result["transform"]["function"] = args.transform
+
+        if spec is not None:
+            pack_url = url if args.url else _generate_documents(tmp, args.records, progress)
+
+            def make_pack_ds() -> ShardDataset:
+                return ShardDataset(pack_url, cache_dir=args.cache_dir if args.url else None, shuffle=True)
+
+            result["packing"] = R.run_pack_stage(
+                make_pack_ds, spec, rows=args.pack_rows, threads=cpu_budget() if args.threads == "auto" else args.threads,
+                epochs=args.epochs, min_seconds=args.min_seconds, progress=progress)
+            result["packing"]["generated"] = args.url is None
 
         w = _workload(args)
         if w is not None:
@@ -106,6 +125,32 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _generate_documents(tmp: str, records: int, progress: Any) -> str:
+    """A token dataset for the packing stage: ``records`` int32 documents of log-normal lengths (mean ~800)."""
+    progress(f"generating the packing dataset: {records} token documents, log-normal lengths")
+    path = os.path.join(tmp, "documents")
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(800) - 0.5, 1.0, records), 1, 32768).astype(np.int64)
+    with ShardWriter(path, {"tokens": ("int32", (None,))}, compression=None) as w:
+        for n in lengths:
+            w.write({"tokens": rng.integers(1, 50_000, int(n), dtype=np.int32)})
+    return path
+
+
+def _print_packing(p: dict[str, Any]) -> None:
+    la = f", lookahead {p['lookahead']}" if p["mode"] == "first_fit" else ""
+    print(f"\n  packing stage: {p['field']!r} into rows of {p['seq_len']} tokens ({p['mode']}{la}, "
+          f"{p['rows_per_batch']} rows per batch, {p['threads']} threads)")
+    print(f"    packed               {p['tokens_per_s'] / 1e6:>10.1f} M tokens/s")
+    print(f"    read unpacked        {p['unpacked_tokens_per_s'] / 1e6:>10.1f} M tokens/s "
+          f"(packed / unpacked: {p['packed_vs_unpacked']:.2f}x)")
+    print(f"    padding {100 * p['padding_fraction']:.2f}% of row tokens; {p['split_documents']} documents split "
+          f"over rows, {p['truncated_tokens']} tokens truncated")
+    print(f"    packer thread: building rows {100 * p['packer_busy']:.0f}% of the time, waiting for documents "
+          f"{100 * p['packer_waiting']:.0f}%; the consumer waited {100 * p['wait_fraction']:.0f}%")
+    print(f"    bound: {p['bound']}")
 
 
 def _load_transform(spec: str) -> Any:
@@ -198,6 +243,8 @@ def _print_bench(r: dict[str, Any]) -> None:
         print(f"  - {n}")
     if r.get("transform"):
         _print_transform(r["transform"])
+    if r.get("packing"):
+        _print_packing(r["packing"])
     au = r.get("accelerator_utilization")
     if au:
         w = au["workload"]
@@ -326,6 +373,12 @@ def add_bench_parser(sub: Any) -> None:
                    help="the transform's executor (docs/transforms.md)")
     b.add_argument("--image-size", type=_positive(int), metavar="N",
                    help="decode image fields to N x N with a random resized crop and flip in the transform stage")
+    b.add_argument("--pack", type=_positive(int), metavar="SEQ_LEN",
+                   help="also measure sequence packing into rows of SEQ_LEN tokens (docs/llm-pretraining.md): the "
+                        "dataset's token field, or generated token documents without URL")
+    b.add_argument("--pack-mode", choices=["greedy", "first_fit"], default="first_fit")
+    b.add_argument("--pack-lookahead", type=_positive(int), default=64, help="first-fit window in pieces")
+    b.add_argument("--pack-rows", type=_positive(int), default=8, help="packed rows per batch")
     b.add_argument("--cache-dir", help="node cache directory for a remote URL (default: PYLOADER_CACHE_DIR)")
     b.add_argument("--json", action="store_true", help="print the result as JSON (docs/bench.md) on stdout")
     b.add_argument("--plot", metavar="FILE.png", help="plot stage throughput and AU (needs matplotlib)")

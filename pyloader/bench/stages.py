@@ -331,6 +331,65 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
     }
 
 
+def _token_epochs(loader: Any, count: Callable[[dict[str, torch.Tensor]], int], rounds: int,
+                  min_seconds: float) -> tuple[float, dict[str, Any]]:
+    """(best tokens/s over ``rounds`` timed rounds, the stats of that round's last epoch).
+
+    The tokens of an epoch are counted in a first, untimed epoch (``count`` per batch); the
+    timed epochs only take the batches, as a training loop would.
+    """
+    per_epoch = sum(count(b) for b in loader)
+    best, best_stats = 0.0, {}
+    for _ in range(rounds):
+        epochs, t0 = 0, time.perf_counter()
+        while True:
+            for _b in loader:
+                pass
+            epochs += 1
+            if time.perf_counter() - t0 >= min_seconds or epochs >= 1000:
+                break
+        rate = per_epoch * epochs / (time.perf_counter() - t0)
+        if rate > best:
+            best, best_stats = rate, loader.stats()
+    return best, best_stats
+
+
+def run_pack_stage(make_ds: Callable[[], ShardDataset], spec: Any, *, rows: int, threads: int, epochs: int,
+                   min_seconds: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Sequence packing (``DataLoader(pack=spec)``) against reading the same documents unpacked.
+
+    Reports document tokens per second packed and read unpacked (``spec.doc_batch``
+    documents per batch, their lengths summed), the padding, and where the packed loader
+    waits: the packer thread's time building rows and waiting for documents.
+    """
+    ds = make_ds()
+    field = ds.fields[spec.resolve_field(ds.fields)].name
+    progress(f"packing stage: packing {field!r} into rows of {spec.seq_len} tokens ({spec.mode}, {rows} rows per "
+             f"batch, {threads} threads)")
+    packed = DataLoader(ds, batch_size=rows, num_workers=threads, pack=spec)
+    packed_rate, st = _token_epochs(packed, lambda b: int((b["document_ids"] >= 0).sum()), epochs, min_seconds)
+    progress(f"packing stage: the same documents read unpacked ({spec.doc_batch} per batch)")
+    plain = DataLoader(make_ds(), batch_size=spec.doc_batch, num_workers=threads)
+    plain_rate, _ = _token_epochs(plain, lambda b: int(b[f"{field}_lengths"].sum()), epochs, min_seconds)
+    pk = st["packing"]
+    wall = max(st["wall_s"], 1e-12)
+    busy, starved = pk["pack_s"] / wall, pk["input_wait_s"] / wall
+    if st["wait_fraction"] < 0.5:
+        bound = "consumer: the loop took the batches no faster than they were packed"
+    elif starved >= busy:
+        bound = ("documents: the packer waits for the native pipeline that reads them; what binds that pipeline "
+                 "is in the stages above (more --threads help when its workers are busy)")
+    else:
+        bound = ("packer: its thread builds rows most of the time; a smaller lookahead (or greedy) packs faster, "
+                 "at more padding")
+    return {"field": field, "seq_len": spec.seq_len, "mode": spec.mode, "lookahead": spec.window,
+            "rows_per_batch": rows, "threads": threads, "tokens_per_s": packed_rate,
+            "unpacked_tokens_per_s": plain_rate, "packed_vs_unpacked": packed_rate / max(plain_rate, 1e-12),
+            "padding_fraction": pk["padding_fraction"], "split_documents": pk["split_documents"],
+            "truncated_tokens": pk["truncated_tokens"], "packer_busy": busy, "packer_waiting": starved,
+            "wait_fraction": st["wait_fraction"], "bound": bound}
+
+
 # A stage used at or above this share of its measured capacity is what binds the loader.
 BOUND_AT = 0.8
 # Measurements shorter than these are flagged as too short to trust.

@@ -202,3 +202,36 @@ def test_bench_with_auto_threads_reports_what_the_tuner_chose() -> None:
     assert a["slot_bytes"] >= 64 * 12288  # the largest batch seen (64 records of 12 KB)
     bad = run_cli(*TINY, "--threads", "two")
     assert bad.returncode == 2 and "--threads: not an integer: 'two'" in bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_packing_stage_on_a_token_dataset(tmp_path) -> None:
+    """--pack: the packing stage over the dataset's token field, its padding counted from the
+    documents written (greedy rows of 64 tokens: every document here is 40 tokens, one per row)."""
+    path = str(tmp_path / "docs")
+    with pyloader.ShardWriter(path, {"tokens": ("int32", (None,)), "id": ("int64", ())}) as w:
+        for i in range(500):
+            w.write({"tokens": np.full(40, i, np.int32), "id": i})
+    res = run_cli(path, "--epochs", "1", "--torch-workers", "0", "--workload", "none", "--json", "--quiet",
+                  "--pack", "64", "--pack-mode", "greedy", "--pack-rows", "4", "--min-seconds", "0.05")
+    assert res.returncode == 0, res.stderr
+    p = json.loads(res.stdout)["packing"]
+    assert p["field"] == "tokens" and p["seq_len"] == 64 and p["mode"] == "greedy" and p["lookahead"] == 1
+    assert p["padding_fraction"] == pytest.approx(24 / 64)
+    assert p["split_documents"] == 0 and p["truncated_tokens"] == 0 and p["generated"] is False
+    assert p["tokens_per_s"] > 0 and p["unpacked_tokens_per_s"] > 0
+    assert p["packed_vs_unpacked"] == pytest.approx(p["tokens_per_s"] / p["unpacked_tokens_per_s"])
+    assert p["bound"].split(":")[0] in ("consumer", "documents", "packer")
+    # The table names the stage.
+    table = run_cli(path, "--epochs", "1", "--torch-workers", "0", "--workload", "none", "--quiet", "--pack", "64",
+                    "--min-seconds", "0.05")
+    assert table.returncode == 0, table.stderr
+    assert "packing stage: 'tokens' into rows of 64 tokens (first_fit, lookahead 64" in table.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_pack_without_a_token_field_fails_before_measuring(tmp_path) -> None:
+    path = _write(str(tmp_path / "ds"), 50)
+    res = run_cli(path, "--workload", "none", "--quiet", "--pack", "64")
+    assert res.returncode == 1
+    assert "token field" in res.stderr

@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -19,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pyloader
 
@@ -47,22 +47,30 @@ def tokens_of(batch: dict[str, torch.Tensor]) -> list[int]:
     return t[batch["document_ids"].flatten() >= 0].tolist()
 
 
-def _rank(rank: int, port: int, path: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        ds = pyloader.ShardDataset(path, shuffle=True, seed=5)  # rank and world size from the process group
-        dl = pyloader.DataLoader(ds, batch_size=2, num_workers=1,
-                                 pack=pyloader.PackSpec(seq_len=SEQ, mode="first_fit", lookahead=8))
-        seen: list[int] = []
-        for step, b in enumerate(dl):
-            seen += tokens_of(b)
-            if step + 1 == STEPS:
-                break
-        state = dl.state_dict()  # a collective: both ranks call it
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"state": state, "seen": seen}, f)
-    finally:
-        dist.destroy_process_group()
+# Each rank is its own interpreter (not multiprocessing from the test process, whose
+# resource tracker would outlive the test as a child of pytest).
+WORKER = """
+import json, os, sys
+import torch.distributed as dist
+import pyloader
+rank, port, path, out, seq, steps = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    ds = pyloader.ShardDataset(path, shuffle=True, seed=5)  # rank and world size from the process group
+    dl = pyloader.DataLoader(ds, batch_size=2, num_workers=1,
+                             pack=pyloader.PackSpec(seq_len=seq, mode="first_fit", lookahead=8))
+    seen = []
+    for step, b in enumerate(dl):
+        t = b["tokens"].flatten()
+        seen += t[b["document_ids"].flatten() >= 0].tolist()
+        if step + 1 == steps:
+            break
+    state = dl.state_dict()  # a collective: both ranks call it
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"state": state, "seen": seen}, f)
+finally:
+    dist.destroy_process_group()
+"""
 
 
 def test_state_dict_gathers_every_rank_and_resumes_at_another_world_size(tmp_path: Any) -> None:
@@ -71,7 +79,16 @@ def test_state_dict_gathers_every_rank_and_resumes_at_another_world_size(tmp_pat
         for i in range(200):
             w.write({"tokens": doc(i)})
     out = str(tmp_path)
-    mp.start_processes(_rank, args=(free_port(), path, out), nprocs=2, start_method="spawn", join=True)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), port, path, out, str(SEQ), str(STEPS)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], logs
     got = []
     for r in range(2):
         with open(os.path.join(out, f"rank{r}.json")) as f:

@@ -20,6 +20,16 @@ uint64_t now_ns() {
           .count());
 }
 
+// Writes n tokens of value v (its low bytes: the same value in any integer width) at dst.
+void fill_tokens(uint8_t* dst, size_t n, size_t itemsize, int64_t v) {
+  switch (itemsize) {
+    case 1: std::fill_n(dst, n, uint8_t(v)); return;
+    case 2: std::fill_n(reinterpret_cast<uint16_t*>(dst), n, uint16_t(v)); return;
+    case 4: std::fill_n(reinterpret_cast<uint32_t*>(dst), n, uint32_t(v)); return;
+    default: std::fill_n(reinterpret_cast<uint64_t*>(dst), n, uint64_t(v)); return;
+  }
+}
+
 // Thrown on the packer thread when close() stops it mid-wait.
 struct Stopped {};
 
@@ -201,8 +211,6 @@ void Packer::snapshot(PackState* st) const {
 
 void Packer::run() {
   const size_t S = cfg_.seq_len, R = cfg_.rows;
-  uint8_t pad[8];
-  std::memcpy(pad, &cfg_.pad_id, 8);  // little-endian: the low bytes are the value in any integer width
   try {
     for (size_t index = 0;; ++index) {
       if (stopping()) return;
@@ -256,11 +264,9 @@ void Packer::run() {
         }
         if (used < S) {  // padding: its own segment, document id -1, position 0
           const size_t n = S - used;
-          for (size_t k = 0; k < n; ++k) {
-            std::memcpy(row_tok + (used + k) * itemsize_, pad, itemsize_);
-            row_pos[used + k] = 0;
-            row_doc[used + k] = -1;
-          }
+          fill_tokens(row_tok + used * itemsize_, n, itemsize_, cfg_.pad_id);
+          std::fill_n(row_pos + used, n, int64_t(0));
+          std::fill_n(row_doc + used, n, int32_t(-1));
           ++seg;
           cu[seg] = cu[seg - 1] + int32_t(n);
           pad_tokens += n;

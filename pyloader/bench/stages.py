@@ -424,7 +424,7 @@ _BELOW = {
               "between runs is that large here",
     "collate": "the stage and the loader ran at different moments of a shared machine: the spread "
                "between runs is that large here",
-    "workers": "",
+    "workers": "the workers' capacity is derived from their busy share, which the load of the moment moves",
 }
 
 

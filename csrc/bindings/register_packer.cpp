@@ -8,6 +8,7 @@
 #include "bindings/dlpack_export.h"
 #include "bindings/gil_release.h"
 #include "bindings/interruptible_wait.h"
+#include "bindings/numpy_args.h"
 #include "core/packer.h"
 
 namespace py = pybind11;
@@ -36,11 +37,6 @@ py::tuple export_state(const PackState& s) {
   py::array_t<int64_t> w({py::ssize_t(s.window.size() / 3), py::ssize_t(3)});
   if (!s.window.empty()) std::memcpy(w.mutable_data(), s.window.data(), s.window.size() * sizeof(int64_t));
   return py::make_tuple(s.cursor_pos, s.cursor_tok, w, s.rows);
-}
-
-template <typename T>
-std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
-  return std::vector<T>(a.data(), a.data() + a.size());
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "bindings/dlpack_export.h"
 #include "bindings/gil_release.h"
 #include "bindings/interruptible_wait.h"
+#include "bindings/numpy_args.h"
 #include "core/batch_pipeline.h"
 #include "core/cuda_driver.h"
 #include "core/dtype.h"
@@ -42,11 +43,6 @@ py::tuple export_batch(const Batch& b, const std::vector<FieldSpec>& fspec) {
       lengths.append(py::none());
   }
   return py::make_tuple(b.index, b.rows, arrays, lengths);
-}
-
-template <typename T>
-std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
-  return std::vector<T>(a.data(), a.data() + a.size());
 }
 
 }  // namespace

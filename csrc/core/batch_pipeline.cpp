@@ -311,7 +311,8 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   if (!out->slot) throw LoaderError(ErrorKind::kState, "", -1, "", "cancelled while waiting for a free batch slot");
   Slot& slot = *out->slot;
   out->fields.resize(nf);
-  std::vector<size_t> stride(nf);
+  std::vector<size_t> stride(nf);       // padded rows: bytes per row
+  std::vector<size_t> field_bytes(nf);  // the field's whole buffer
   for (size_t f = 0; f < nf; ++f) {
     const FieldSpec& spec = fields[f];
     FieldView& v = out->fields[f];
@@ -319,7 +320,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
     if (spec.variable && cfg_.ragged) {
       v.shape.assign(1, int64_t(row_off[f][rows]));
       v.shape.insert(v.shape.end(), spec.dims.begin() + 1, spec.dims.end());
-      stride[f] = size_t(row_off[f][rows]) * spec.row_bytes;  // the whole field (allocation below)
+      field_bytes[f] = size_t(row_off[f][rows]) * spec.row_bytes;
       slot.lengths[f].reserve(rows * sizeof(int64_t));
       v.lengths = reinterpret_cast<int64_t*>(slot.lengths[f].data());
     } else if (spec.variable) {
@@ -333,8 +334,9 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       stride[f] = spec.row_bytes;
       v.lengths = nullptr;
     }
+    if (!(spec.variable && cfg_.ragged)) field_bytes[f] = rows * stride[f];
     size_t before = slot.data[f].capacity();
-    slot.data[f].reserve(std::max<size_t>(spec.variable && cfg_.ragged ? stride[f] : rows * stride[f], 1));
+    slot.data[f].reserve(std::max<size_t>(field_bytes[f], 1));
     if (slot.data[f].capacity() != before) ++slot.allocations;
     v.data = slot.data[f].data();
   }

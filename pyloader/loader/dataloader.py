@@ -650,12 +650,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         spec = self.pack
         assert spec is not None
         phases_in, self._pack_resume = self._pack_resume, []
-
-        def plan(r: int, w: int) -> Any:
-            return ds.epoch_plan(epoch, r, w, [], shuffle=self.shuffle, seed=self._seed)
-
-        plans = _packing.PhasePlans(plan, phases_in)
-        phases, items, rows_before = plans.resume_items(rank, world)
+        phases, items, rows_before = self._phase_plans(epoch, phases_in).resume_items(rank, world)
         entry = phases[-1]["ranks"].get(str(rank))
         if entry is None:
             entry = {"cursor": [int(items.pos[0]), int(items.start[0])] if len(items) else [-1, 0],
@@ -693,6 +688,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         it = self._loader_iterator(gen, None, src, stage, consumed)  # type: ignore[arg-type]
         it.len_error = "a packed epoch's number of batches depends on its documents' lengths; it is known at its end"
         return it
+
+    def _phase_plans(self, epoch: int, phases: list[dict[str, Any]]) -> _packing.PhasePlans:
+        """The packing phases of ``epoch`` over this loader's epoch order (NOTE [packing resume])."""
+        ds = self.dataset
+
+        def plan(r: int, w: int) -> Any:
+            return ds.epoch_plan(epoch, r, w, [], shuffle=self.shuffle, seed=self._seed)
+
+        return _packing.PhasePlans(plan, phases)
 
     def _packed_state(self, fingerprint: str) -> dict[str, Any]:
         """``state_dict()`` of a packing loader (NOTE [packing resume]).
@@ -878,13 +882,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if segments:
             raise _state.ResumeError("a packing loader's state names its position in its packing phases, not "
                                      "in segments")
-        ds = self.dataset
-        rank, world = ds.rank_and_world()
-
-        def plan(r: int, w: int) -> Any:
-            return ds.epoch_plan(epoch, r, w, [], shuffle=self.shuffle, seed=self._seed)
-
-        _packing.PhasePlans(plan, phases).resume_items(rank, world)  # a state it cannot resume fails now
+        rank, world = self.dataset.rank_and_world()
+        self._phase_plans(epoch, phases).resume_items(rank, world)  # a state it cannot resume fails now
         self._next_epoch = epoch
         self._pack_resume = phases
         self._pack_run = None

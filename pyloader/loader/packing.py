@@ -354,7 +354,8 @@ class PackedStream:
         self._spec = spec
         self._pid = os.getpid()
         self._rows_before = rows_before
-        self._states: dict[int, dict[str, Any]] = {0: initial}  # after k batches handed out
+        # After k batches handed out: the native state tuple, made a dict only when asked for.
+        self._states: dict[int, Any] = {0: initial}
         self._handed = 0
         self._ended = False
         self._start = time.perf_counter()
@@ -362,7 +363,6 @@ class PackedStream:
         self.consumed: Any = None  # the loader's ConsumedCount: states before it are dropped
         self.timeout = 0.0
         self.on_finish: Callable[[dict[str, Any]], None] | None = None
-        self._base_len = 0
 
     def __iter__(self) -> PackedStream:
         return self
@@ -384,8 +384,7 @@ class PackedStream:
                 self._finish()
             raise StopIteration
         self._handed += 1
-        cpos, ctok, window, rows = item[-1]
-        self._states[self._handed] = _entry(cpos, ctok, window, rows + self._rows_before)
+        self._states[self._handed] = item[-1]
         keep = self.consumed.batches if self.consumed is not None else 0
         for k in [k for k in self._states if k < keep]:
             del self._states[k]
@@ -405,13 +404,17 @@ class PackedStream:
 
     def state_after(self, batches: int) -> dict[str, Any]:
         """This rank's packing entry after ``batches`` batches of this stream (NOTE [packing state])."""
-        return self._states[batches]
+        st = self._states[batches]
+        if isinstance(st, dict):
+            return st
+        cpos, ctok, window, rows = st
+        return _entry(cpos, ctok, window, rows + self._rows_before)
 
     def finished_after(self, batches: int) -> bool:
         """Whether the epoch is complete once ``batches`` batches were received."""
-        st = self._states.get(batches)
         if self._ended and batches >= self._handed:
             return True
+        st = self.state_after(batches) if batches in self._states else None
         return st is not None and (bool(st.get("done")) or (st["cursor"][0] < 0 and not st["window"]))
 
     def close(self) -> None:

@@ -90,10 +90,12 @@ class BatchPipeline {
   // others wait (a worker mid-batch finishes it first). For online tuning.
   void set_threads(int n);
   int threads() const;
-  // Once every batch of this pipeline is claimed (its workers then run out of work), the
-  // first worker to find nothing left raises `next`'s read-ahead to `ahead` -- from a
-  // worker thread, so the consumer is not the thread that wakes `next`'s workers. Applied
-  // at once if that moment has passed. Held weakly: a `next` already dropped is skipped;
+  // Once every batch of this pipeline is collated (its last worker finds nothing left to
+  // claim), that worker raises `next`'s read-ahead to `ahead` -- from a worker thread, so
+  // the consumer is not the thread that wakes `next`'s workers. Not earlier: `next` takes
+  // the slots the consumer frees, and a worker of this pipeline still to take a slot would
+  // then find none free and grow the pool past its budget (NOTE [autotune]). Applied at
+  // once if that moment has passed. Held weakly: a `next` already dropped is skipped;
   // nothing is raised if a batch of this pipeline failed.
   void hand_over(const std::shared_ptr<BatchPipeline>& next, int ahead);
   // The epoch of a pipeline made ahead (cfg.ahead >= 0) begins: read-ahead `ahead` from the
@@ -147,7 +149,7 @@ class BatchPipeline {
   size_t active_threads_ = 1;               // workers with index < active_threads_ claim batches
   size_t ahead_ = 1;                        // workers claim batch b only while b < consumed_ + ahead_
   size_t ahead_later_ = 0;                  // set_ahead(n, later=true): ahead_ becomes n at the next take
-  bool claims_done_ = false;                // every batch has been claimed
+  size_t workers_left_ = 0;                 // workers still collating; 0: every batch has its slot
   bool failed_ = false;                     // a batch failed (hand_over() then raises nothing)
   std::weak_ptr<BatchPipeline> successor_;  // hand_over()
   int successor_ahead_ = 0;

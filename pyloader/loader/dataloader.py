@@ -577,10 +577,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # pipeline and waits for its first batch. Instead, when the consumer has taken all but
     # the last `3 * prefetch` batches of an epoch (or half of a shorter one), the loader
     # plans the epoch its next iter() will read and starts that epoch's pipeline, which
-    # collates its first batch only. Once every batch of the current epoch is claimed, the
-    # first of its workers to run out of work lets the new pipeline collate `prefetch` batches (BatchPipeline.hand_over: a
-    # worker, not the training loop, wakes the new threads, so the loop is not the thread
-    # they preempt on a busy machine; not after a failed batch), into slots the current
+    # collates its first batch only. Once every batch of the current epoch is collated, the
+    # last of its workers to leave lets the new pipeline collate `prefetch` batches
+    # (BatchPipeline.hand_over: a worker, not the training loop, wakes the new threads, so
+    # the loop is not the thread they preempt on a busy machine; not after a failed batch;
+    # not while a worker of the current epoch may still need a slot, or the pool would
+    # grow past the memory budget), into slots the current
     # epoch returns to the pool: it never makes one, so the current epoch keeps its CPU and
     # a first epoch pays no extra buffer memory. The next iter() adopts the early pipeline
     # if nothing its order depends on changed -- the epoch number (set_epoch), rank and

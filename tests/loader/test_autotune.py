@@ -130,3 +130,29 @@ def test_auto_is_refused_where_it_cannot_tune(ds_path) -> None:
         pyloader.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)), batch_size=4, num_workers="auto")
     with pytest.raises(ValueError, match="num_workers option should be non-negative"):
         pyloader.DataLoader(ds, batch_size=4, num_workers="many")
+
+
+@pytest.mark.timeout(120)
+def test_epoch_hand_overs_never_grow_the_pool_past_the_budget(tmp_path) -> None:
+    """NOTE [epoch ahead]: the next epoch's pipeline takes only slots the current one frees,
+    and only once the current one has collated everything. Many short epochs, each a
+    hand-over with workers asleep for room when the last batch is claimed: every record
+    once per epoch, and the pool within the budget after all of them."""
+    path = str(tmp_path / "ds")
+    with pyloader.ShardWriter(path, {"x": ("uint8", (RECORD,)), "id": ("int64", ())}, compression="none",
+                              shard_bytes=1 << 18) as w:
+        for i in range(12 * BATCH):
+            w.write({"x": np.full(RECORD, i % 251, dtype=np.uint8), "id": i})
+    slot = BATCH * (RECORD + 8)
+    budget = 7 * slot
+    for _ in range(3):
+        loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True), batch_size=BATCH,
+                                     num_workers="auto", memory_budget=budget)
+        for epoch in range(40):
+            ids = []
+            for b in loader:
+                ids.extend(int(i) for i in b["id"])
+                time.sleep(0.002)  # a training step: the workers wait for room, then race for slots
+            assert sorted(ids) == list(range(12 * BATCH)), epoch
+        assert loader.stats()["started_ahead"]
+        assert loader._batch_pool.created * slot <= budget, (loader._batch_pool.created, loader.stats()["autotune"])

@@ -125,6 +125,8 @@ void BatchPipeline::close() {
     return;
   }
   bool finished;
+  std::shared_ptr<BatchPipeline> next;
+  int next_ahead = 0;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
@@ -132,13 +134,20 @@ void BatchPipeline::close() {
     stop_ = true;
     cancel_.store(true, std::memory_order_release);
     finished = workers_left_ == 0;
+    // Every batch taken while a worker had yet to leave (the consumer was quicker): no
+    // worker hands over now, so the close does (hand_over()); nothing of this pipeline
+    // needs a slot any more.
+    if (consumed_ >= num_batches_ && !failed_) next = successor_.lock();
+    successor_.reset();
+    next_ahead = successor_ahead_;
   }
   // NOTE [no join at the end]: once every worker has left its loop (the epoch was
   // collated; each decremented workers_left_ under mu_ and touches nothing of this
   // pipeline after releasing it), the threads are only exiting: they are detached, not
   // joined. A join here waits for each to be scheduled once more, which on a busy machine
   // (the next epoch's workers running) cost the training loop 0.5-1.7 ms at every epoch
-  // boundary. Otherwise (closed mid-epoch) they are woken and joined.
+  // boundary. Otherwise (closed mid-epoch, or before the last worker left) they are woken
+  // and joined.
   if (!finished) {
     cv_work_->notify_all();
     cv_ready_->notify_all();
@@ -151,6 +160,7 @@ void BatchPipeline::close() {
         t.join();
     }
   threads_.clear();
+  if (next) next->set_ahead(next_ahead);
   // Workers released every batch they claimed; the rest will never be collated.
   for (size_t b = next_claim_; b < num_batches_; ++b) release_batch(b);
   std::lock_guard<std::mutex> lk(mu_);

@@ -399,7 +399,13 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       const uint64_t nrec = uint64_t(record_idx_[begin + visit[k + 1]]);
       if (const int32_t nf0 = nx.first_indexed(); nf0 >= 0) {
         const IndexEntry ne = nx.entry(nrec, size_t(nf0));
-        __builtin_prefetch(nx.payload() + ne.offset);
+        // Every page of it: a shuffled batch's next record is on pages the TLB has not
+        // seen, and the hardware prefetcher stops at each page boundary; touching each
+        // page now starts those walks while this record is copied.
+        const uint8_t* np = nx.payload() + ne.offset;
+        const uint8_t* end = np + ne.stored_size;
+        for (const uint8_t* q = np; q < end; q += 4096) __builtin_prefetch(q);
+        if (ne.stored_size > 4096) __builtin_prefetch(end - 1);
       } else {
         const ColumnSpec& nc = nx.column(0);
         __builtin_prefetch(nc.data + nrec * nc.row_bytes);

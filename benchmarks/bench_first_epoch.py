@@ -158,6 +158,7 @@ def main() -> int:
             v1 = os.path.join(tmp, f"{name}-v1")
             _to_v1(v2, v1)
             variants += [(name, "v2", v2, True), (name, "v1", v1, True), (name, "v2-no-ahead", v2, False)]
+        os.sync()  # the datasets just written go to disk now, not as writeback during the runs
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in range(args.rounds):
             for name, tag, path, ahead in variants:

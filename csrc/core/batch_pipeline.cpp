@@ -394,7 +394,12 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
   for (size_t k = 0; k < rows; ++k) {
     const size_t i = visit[k];
-    if (k + 1 < rows) {  // start fetching the next record's index entry and first bytes
+    if (k + 2 < rows) {  // the index entry of the record after next: read below one record from now
+      const Shard& n2 = *shard_of[visit[k + 2]];
+      if (const int32_t f0 = n2.first_indexed(); f0 >= 0)
+        __builtin_prefetch(n2.entry_address(uint64_t(record_idx_[begin + visit[k + 2]]), size_t(f0)));
+    }
+    if (k + 1 < rows) {  // start fetching the next record's bytes
       const Shard& nx = *shard_of[visit[k + 1]];
       const uint64_t nrec = uint64_t(record_idx_[begin + visit[k + 1]]);
       if (const int32_t nf0 = nx.first_indexed(); nf0 >= 0) {

@@ -302,7 +302,7 @@ bool Shard::check_block(size_t c, uint64_t block, uint64_t* got, uint64_t* want)
 }
 
 IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
-  const uint8_t* p = base_ + index_offset_ + (record * num_indexed_ + slot_[field]) * kIndexEntrySize;
+  const uint8_t* p = entry_address(record, field);
   IndexEntry e;
   e.offset = load_le<uint64_t>(p);
   e.stored_size = load_le<uint32_t>(p + 8);

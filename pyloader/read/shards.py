@@ -117,6 +117,7 @@ class BatchIterator:
         self._threads = num_threads
         self._start = time.perf_counter()
         self._end: float | None = None
+        self._final: dict[str, Any] | None = None  # stats() once the iterator ended or closed
         self.on_finish: Any = None  # called with stats() when the iterator ends or closes
         self.timeout = 0.0  # seconds next() waits for a batch before LoaderTimeoutError (0: forever)
         self.prefetch = prefetch  # the pipeline's ring: the most batches it may collate ahead
@@ -261,7 +262,9 @@ class BatchIterator:
         if cb is not None and os.getpid() == self._pid:
             # Not in a forked child: the native set's locks may have been held by a thread
             # of the parent at the fork, and no thread of this process will release them.
-            cb(self.stats())
+            # Built once: the loader's iterator asks again as it closes, at the epoch boundary.
+            self._final = self.stats()
+            cb(dict(self._final))
 
     def __del__(self) -> None:
         try:
@@ -282,6 +285,8 @@ class BatchIterator:
         """
         if os.getpid() != self._pid:
             raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
+        if self._final is not None:
+            return dict(self._final)
         c = self._pipeline.counters()
         wall = (self._end or time.perf_counter()) - self._start
         waited = c["wait_ns"] / 1e9

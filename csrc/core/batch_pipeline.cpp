@@ -125,8 +125,7 @@ void BatchPipeline::close() {
     return;
   }
   bool finished;
-  std::shared_ptr<BatchPipeline> next;
-  int next_ahead = 0;
+  std::pair<std::shared_ptr<BatchPipeline>, int> next;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
@@ -137,9 +136,8 @@ void BatchPipeline::close() {
     // Every batch taken while a worker had yet to leave (the consumer was quicker): no
     // worker hands over now, so the close does (hand_over()); nothing of this pipeline
     // needs a slot any more.
-    if (consumed_ >= num_batches_ && !failed_) next = successor_.lock();
-    successor_.reset();
-    next_ahead = successor_ahead_;
+    next = take_successor();
+    if (consumed_ < num_batches_) next.first.reset();  // closed mid-epoch: nothing to hand over
   }
   // NOTE [no join at the end]: once every worker has left its loop (the epoch was
   // collated; each decremented workers_left_ under mu_ and touches nothing of this
@@ -148,10 +146,8 @@ void BatchPipeline::close() {
   // (the next epoch's workers running) cost the training loop 0.5-1.7 ms at every epoch
   // boundary. Otherwise (closed mid-epoch, or before the last worker left) they are woken
   // and joined.
-  if (!finished) {
-    cv_work_->notify_all();
-    cv_ready_->notify_all();
-  }
+  cv_work_->notify_all();
+  cv_ready_->notify_all();
   for (auto& t : threads_)
     if (t.joinable()) {
       if (finished)
@@ -160,7 +156,7 @@ void BatchPipeline::close() {
         t.join();
     }
   threads_.clear();
-  if (next) next->set_ahead(next_ahead);
+  if (next.first) next.first->set_ahead(next.second);
   // Workers released every batch they claimed; the rest will never be collated.
   for (size_t b = next_claim_; b < num_batches_; ++b) release_batch(b);
   std::lock_guard<std::mutex> lk(mu_);
@@ -204,6 +200,14 @@ void BatchPipeline::adopt(int ahead) {
   // Raised at the next take when batches are under way (that take wakes the workers
   // anyway); at once when none may be claimed yet, or the next take would wait forever.
   set_ahead(ahead, /*later=*/!idle);
+}
+
+std::pair<std::shared_ptr<BatchPipeline>, int> BatchPipeline::take_successor() {
+  // An epoch that failed does not push the next one ahead (its read-ahead stays low until
+  // the next iter() adopts it): the same storage fault would hit it too.
+  std::shared_ptr<BatchPipeline> next = failed_ ? nullptr : successor_.lock();
+  successor_.reset();
+  return {std::move(next), successor_ahead_};
 }
 
 void BatchPipeline::set_threads(int n) {
@@ -250,11 +254,7 @@ void BatchPipeline::worker_loop(size_t index) {
       if (stop_) return;
       if (next_claim_ >= num_batches_) {
         if (--workers_left_ > 0) return;  // the last worker out hands over (hand_over())
-        // An epoch that failed does not push the next one ahead (its read-ahead stays low
-        // until the next iter() adopts it): the same storage fault would hit it too.
-        std::shared_ptr<BatchPipeline> next = failed_ ? nullptr : successor_.lock();
-        successor_.reset();
-        const int n = successor_ahead_;
+        auto [next, n] = take_successor();
         lk.unlock();
         if (next) next->set_ahead(n);  // hand_over(): this thread wakes the next pipeline's workers
         return;

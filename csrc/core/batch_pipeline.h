@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/shard_reader.h"
@@ -121,6 +122,9 @@ class BatchPipeline {
   // The distinct shards batch b reads, ascending.
   std::vector<uint32_t> batch_shards(size_t b) const;
   void release_batch(size_t b);
+  // hand_over(), with mu_ held: the successor to raise and its read-ahead (null after a
+  // failed batch, or when none is registered); the registration is dropped either way.
+  std::pair<std::shared_ptr<BatchPipeline>, int> take_successor();
 
   std::shared_ptr<ShardSet> shards_;
   std::shared_ptr<SlotPool> pool_;

@@ -148,6 +148,10 @@ def main() -> int:
 
     from pyloader.bench import measure as B
 
+    unknown = [n for n in args.profiles.split(",") if n not in B.PROFILES]
+    if unknown:
+        ap.error(f"--profiles: unknown profile(s) {', '.join(map(repr, unknown))}; choose from "
+                 f"{', '.join(sorted(B.PROFILES))}")
     results: dict[str, Any] = {"config": vars(args), "environment": B.environment(), "profiles": {}}
     with tempfile.TemporaryDirectory(prefix="pyloader-first-epoch-") as tmp:
         variants: list[tuple[str, str, str, bool]] = []

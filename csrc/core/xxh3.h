@@ -13,7 +13,9 @@ uint64_t xxh3_64(const void* data, size_t len) noexcept;
 
 // Copies len bytes from src to dst (the ranges must not overlap) and returns
 // xxh3_64(src, len). Inputs longer than 240 bytes are read once: each 64-byte stripe is
-// loaded, stored to dst and accumulated. Shorter ones are copied, then hashed.
+// loaded, stored to dst and accumulated; from 4 KB into a 16-byte aligned dst with
+// non-temporal stores, fenced before the return (NOTE [streaming copy] in xxh3.cpp).
+// Shorter ones are copied, then hashed.
 uint64_t xxh3_64_copy(void* dst, const void* src, size_t len) noexcept;
 
 // The implementations of the long-input loop. kAuto picks the fastest this CPU runs

@@ -390,6 +390,28 @@ def test_xxh3_copy_copies_and_hashes(impl):
         _C.xxh3_64_copy(b"read", b"only")  # dst must be writable
 
 
+@pytest.mark.parametrize("impl", XXH3_IMPLS + ["auto"])
+def test_xxh3_copy_streamed_into_aligned_destinations(impl):
+    """From 4 KB into a 16-byte aligned destination the copy uses non-temporal stores (NOTE
+    [streaming copy]); the input's last stripe, unaligned when the length is not a multiple
+    of 16, is stored plainly. Every alignment and tail: the same bytes and checksum, nothing
+    written outside the destination."""
+    guard = 64
+    raw = np.empty((1 << 20) + 4096 + 2 * guard, np.uint8)
+    base = (-raw.ctypes.data) % 64  # raw[base:] starts 64-byte aligned
+    for n in (4095, 4096, 4097, 4096 + 63, 12 << 10, 150000 + 8, 153600, (1 << 20) + 3):
+        src = XXH3_DATA[:n]
+        want = xxhash.xxh3_64_intdigest(src)
+        for shift in (0, 16, 48, 8, 1):  # streamed at 0/16/48 (16-byte aligned), plain at 8 and 1
+            raw[:] = 0xA5
+            start = base + shift
+            dst = raw[start:start + n]
+            assert dst.ctypes.data % 16 == shift % 16
+            assert _C.xxh3_64_copy(dst, src, impl=impl) == want, (impl, n, shift)
+            assert dst.tobytes() == src, (impl, n, shift)
+            assert (raw[:start] == 0xA5).all() and (raw[start + n:] == 0xA5).all(), ("write outside dst", impl, n)
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=3000))
 def test_xxh3_matches_reference(data):

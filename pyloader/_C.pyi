@@ -327,3 +327,11 @@ class CopyEngine:
     @property
     def backend(self) -> str: ...
     def counters(self) -> dict[str, int]: ...
+
+# -- epoch orders (register_order.cpp) -----------------------------------------------------
+
+def global_order(n: int, state: int, lo: int, hi: int) -> npt.NDArray[np.int64]:
+    """Positions [lo, hi) of the ids 0..n-1 sorted by mix64(id ^ state) (NOTE [native global order])."""
+
+def locate(ids: _IndexArray, ends: _IndexArray) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """(shard int32, record int64) of each id, given ends = the running sum of records per shard."""

@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
   pyloader::register_copy(m);
   pyloader::register_image(m);
   pyloader::register_packer(m);
+  pyloader::register_order(m);
 }
 
 namespace pyloader {

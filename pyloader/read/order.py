@@ -3,7 +3,9 @@
 Everything here is a pure function of its arguments. The shuffle sorts by a
 hash (splitmix64) of (seed, epoch, stream, sample id) instead of using numpy's
 random generators, so the order is identical on every machine and numpy
-version. Per-sample work is vectorized numpy.
+version. Per-sample work is vectorized numpy, except a global shuffle's order and the
+lookup of ids in shards, which run natively (NOTE [native global order] in
+csrc/core/order.cpp): the same results, without sorting every key on the training thread.
 
 Global sample id ``g`` of record ``r`` in shard ``s`` is ``offsets[s] + r``,
 where ``offsets`` is the exclusive cumulative sum of ``records_per_shard``.
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from .. import _C
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -188,8 +192,16 @@ def epoch_order(
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     if shuffle_mode == "global":
-        return _sort_by_key(np.arange(n, dtype=np.int64), seed, epoch, STREAM_GLOBAL)
+        return _global_order(n, 0, n, seed, epoch)
     return _window_order(counts, 0, n, seed, epoch, window)
+
+
+def _global_order(n: int, lo: int, hi: int, seed: int, epoch: int) -> np.ndarray:
+    """``epoch_order(...)[lo:hi]`` of a global shuffle of ``n`` ids, from those positions alone.
+
+    The ids sorted by ``sample_keys(arange(n), stream=0)`` (NOTE [native global order]).
+    """
+    return _C.global_order(n, int(_key_state(seed, epoch, STREAM_GLOBAL)), lo, hi)
 
 
 def _window_order(counts: np.ndarray, lo: int, hi: int, seed: int, epoch: int, window: int) -> np.ndarray:
@@ -269,24 +281,11 @@ def locate(ids: np.ndarray, records_per_shard: Sequence[int] | np.ndarray) -> tu
     counts = _counts(records_per_shard)
     ends = np.cumsum(counts)
     n = int(ends[-1]) if ends.size else 0
-    if arr.size and (arr.min() < 0 or arr.max() >= n):
-        raise ValueError(f"ids must be in [0, {n}), got values in [{arr.min()}, {arr.max()}]")
-    if arr.size == 0:
-        return np.zeros(0, np.int32), np.zeros(0, np.int64)
-    # A binary search per id costs ~log2(S) cache-missing branches. Instead look up
-    # a cache-sized table of buckets of 2**k ids, then step past the few shard ends
-    # inside a bucket; fall back to searchsorted when shards are tiny.
-    k = max(0, (n - 1).bit_length() - 16)
-    first = np.searchsorted(ends, np.append(np.arange(0, n, 1 << k), n - 1), side="right")
-    if np.diff(first).max(initial=0) > 8:
-        shard = np.searchsorted(ends, arr, side="right")
-    else:
-        shard = first[:-1].astype(np.int32)[arr >> k]
-        todo = np.flatnonzero(arr >= ends[shard])
-        while todo.size:
-            shard[todo] += 1
-            todo = todo[arr[todo] >= ends[shard[todo]]]
-    return shard.astype(np.int32, copy=False), arr - (ends - counts)[shard]
+    try:
+        shard, record = _C.locate(arr.reshape(-1), ends)  # NOTE [native global order]
+    except ValueError:
+        raise ValueError(f"ids must be in [0, {n}), got values in [{arr.min()}, {arr.max()}]") from None
+    return shard.reshape(arr.shape), record.reshape(arr.shape)
 
 
 def plan(
@@ -326,9 +325,8 @@ def plan(
     runs = [(start, min(start + size, n)), (0, max(0, start + size - n))]
     if not shuffle:
         mine = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in runs])
-    elif shuffle_mode == "global":  # every position depends on every key: sort them all
-        order = _sort_by_key(np.arange(n, dtype=np.int64), seed, epoch, STREAM_GLOBAL)
-        mine = np.concatenate([order[lo:hi] for lo, hi in runs])
+    elif shuffle_mode == "global":  # every position depends on every key: two passes over them all
+        mine = np.concatenate([_global_order(n, lo, hi, seed, epoch) for lo, hi in runs])
     else:
         mine = np.concatenate([_window_order(counts, lo, hi, seed, epoch, window) for lo, hi in runs])
     shard, record = locate(mine, counts)

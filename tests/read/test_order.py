@@ -295,6 +295,49 @@ def test_locate_large_and_sparse(counts: list[int]) -> None:
     assert (record >= 0).all() and (record < np.asarray(counts)[shard]).all()
 
 
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 1000, (1 << 16) + 1, 300_001])
+def test_a_share_of_the_global_order_is_that_slice_of_the_sorted_keys(n: int) -> None:
+    """NOTE [native global order]: positions [lo, hi) computed from the buckets that overlap
+    them alone equal the same slice of argsort(keys), at every size class of the bucket
+    count, at bucket edges and across the whole order."""
+    from pyloader import _C
+
+    for seed, epoch in ((0, 0), (2**64 - 1, 3)):
+        keys = sample_keys(np.arange(n), seed=seed, epoch=epoch, stream=0)
+        want = np.argsort(keys, kind="stable")
+        state = int(_plan._key_state(seed, epoch, _plan.STREAM_GLOBAL))
+        rng = np.random.default_rng(n)
+        cuts = {(0, n), (0, 0), (n, n), (0, 1), (n - 1, n), (n // 2, n // 2 + 1)}
+        cuts |= {tuple(sorted(map(int, rng.integers(0, n + 1, 2)))) for _ in range(6)}
+        for lo, hi in sorted(cuts):
+            got = _C.global_order(n, state, lo, hi)
+            assert got.dtype == np.int64 and np.array_equal(got, want[lo:hi]), (n, seed, epoch, lo, hi)
+    with pytest.raises(ValueError, match="lo <= hi <= n"):
+        _C.global_order(n, 0, 5, 4)
+    with pytest.raises(ValueError, match="lo <= hi <= n"):
+        _C.global_order(n, 0, 0, n + 1)
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_every_rank_plans_its_share_of_a_large_global_shuffle(world: int) -> None:
+    """Each rank's plan (its share computed alone) is its block of the whole order."""
+    counts = [50_000, 0, 70_001, 13, 0, 80_000]
+    whole = epoch_order(counts, shuffle=True, seed=5, epoch=2)
+    parts = [plan(counts, shuffle=True, seed=5, epoch=2, rank=r, world_size=world) for r in range(world)]
+    ids = np.concatenate([global_ids(s, r, counts) for s, r in parts])
+    want = np.concatenate([partition(whole, rank=r, world_size=world) for r in range(world)])
+    assert np.array_equal(ids, want)
+
+
+def test_locate_names_an_id_outside_the_dataset() -> None:
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 6\)"):
+        locate(np.array([0, 6]), [2, 0, 4])
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 6\)"):
+        locate(np.array([-1]), [2, 0, 4])
+    shard, record = locate(np.zeros(0, np.int64), [2, 0, 4])
+    assert shard.size == record.size == 0
+
+
 @pytest.mark.parametrize("mode", ["global", "window"])
 def test_plan_composes_and_skips_empty_shards(mode: str) -> None:
     counts = [4, 0, 0, 3, 0, 5]

@@ -162,7 +162,8 @@ class SlotPool:
     def memory(self) -> dict[str, Any]:
         """The pool's host memory: bytes held (live in slots + cached) and the allocations.
 
-        Also how many allocations and frees reached the system or the CUDA driver (NOTE [pinned cache]).
+        Also how many allocations and frees reached the system or the CUDA driver (NOTE [pinned cache]),
+        the bytes of those allocations and the thread time they took (``driver_alloc_s``).
         """
 
 class HostBatch:

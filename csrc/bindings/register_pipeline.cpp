@@ -138,10 +138,13 @@ void register_pipeline(py::module_& m) {
             d["reused"] = m.reused;
             d["driver_allocs"] = m.driver_allocs;
             d["driver_frees"] = m.driver_frees;
+            d["driver_alloc_bytes"] = m.driver_alloc_bytes;
+            d["driver_alloc_s"] = double(m.driver_alloc_ns) / 1e9;
             return d;
           },
           "The pool's host memory: bytes held (live in slots + cached), the allocations and how many "
-          "reached the system or the CUDA driver (NOTE [pinned cache]).");
+          "reached the system or the CUDA driver (NOTE [pinned cache]), with their bytes and the thread "
+          "time they took.");
 
   py::class_<Batch>(m, "HostBatch",
                     "One collated batch in its host slot; the slot is reused only when this object and "

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <new>
 
@@ -13,6 +14,12 @@ namespace pyloader {
 namespace {
 constexpr size_t kPopulateMin = size_t(2) << 20;
 constexpr size_t kPage = 4096;
+
+uint64_t now_ns() {
+  return uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
 }  // namespace
 
 // NOTE [prefaulted slots]: a batch buffer is written in full by every batch, so all of its
@@ -34,6 +41,7 @@ size_t PageableAllocator::good_size(size_t n, size_t, size_t) const noexcept {
 void* PageableAllocator::allocate(size_t bytes, size_t align) {
   size_t n = (bytes + align - 1) / align * align;
   void* p = nullptr;
+  const uint64_t t0 = now_ns();
   if (n >= kPopulateMin) {
     p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
@@ -41,6 +49,8 @@ void* PageableAllocator::allocate(size_t bytes, size_t align) {
     p = std::aligned_alloc(align, n);
     if (!p) throw std::bad_alloc();
   }
+  alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  alloc_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   live_.fetch_add(bytes, std::memory_order_relaxed);
   allocs_.fetch_add(1, std::memory_order_relaxed);
   return p;
@@ -61,6 +71,8 @@ HostMemoryStats PageableAllocator::stats() const noexcept {
   s.live_bytes = live_.load(std::memory_order_relaxed);
   s.allocs = s.driver_allocs = allocs_.load(std::memory_order_relaxed);
   s.driver_frees = frees_.load(std::memory_order_relaxed);
+  s.driver_alloc_bytes = alloc_bytes_.load(std::memory_order_relaxed);
+  s.driver_alloc_ns = alloc_ns_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -138,10 +150,13 @@ void* PinnedAllocator::allocate(size_t bytes, size_t align) {
   }
   cuda::ScopedContext scope(d_, ctx_.get());
   void* p = nullptr;
+  const uint64_t t0 = now_ns();
   cuda::CUresult r = d_.MemHostAlloc(&p, bytes, cuda::kHostAllocPortable);
   if (r != cuda::kSuccess || !p)
     throw LoaderError(ErrorKind::kDevice, "", -1, "",
                       "cuMemHostAlloc of " + std::to_string(bytes) + " bytes failed: " + cuda::error_text(d_, r));
+  alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  alloc_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   live_.fetch_add(bytes, std::memory_order_relaxed);
   allocs_.fetch_add(1, std::memory_order_relaxed);
   driver_allocs_.fetch_add(1, std::memory_order_relaxed);
@@ -198,6 +213,8 @@ HostMemoryStats PinnedAllocator::stats() const noexcept {
   s.reused = reused_.load(std::memory_order_relaxed);
   s.driver_allocs = driver_allocs_.load(std::memory_order_relaxed);
   s.driver_frees = driver_frees_.load(std::memory_order_relaxed);
+  s.driver_alloc_bytes = alloc_bytes_.load(std::memory_order_relaxed);
+  s.driver_alloc_ns = alloc_ns_.load(std::memory_order_relaxed);
   return s;
 }
 

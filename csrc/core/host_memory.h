@@ -21,13 +21,15 @@ namespace pyloader {
 
 // What an allocator holds and how often it went to the OS or the driver (for stats()).
 struct HostMemoryStats {
-  uint64_t live_bytes = 0;     // handed out and not released
-  uint64_t cached_bytes = 0;   // released and kept for reuse (the pinned cache)
-  uint64_t cache_limit = 0;    // the most the cache keeps
-  uint64_t allocs = 0;         // buffers handed out
-  uint64_t reused = 0;         // ... of them from the cache
-  uint64_t driver_allocs = 0;  // system or driver allocations (cuMemHostAlloc when pinned)
-  uint64_t driver_frees = 0;   // system or driver frees (cuMemFreeHost when pinned)
+  uint64_t live_bytes = 0;          // handed out and not released
+  uint64_t cached_bytes = 0;        // released and kept for reuse (the pinned cache)
+  uint64_t cache_limit = 0;         // the most the cache keeps
+  uint64_t allocs = 0;              // buffers handed out
+  uint64_t reused = 0;              // ... of them from the cache
+  uint64_t driver_allocs = 0;       // system or driver allocations (cuMemHostAlloc when pinned)
+  uint64_t driver_frees = 0;        // system or driver frees (cuMemFreeHost when pinned)
+  uint64_t driver_alloc_bytes = 0;  // bytes of those allocations
+  uint64_t driver_alloc_ns = 0;     // thread time in them (the kernel populating pages, or the driver)
 };
 
 class HostAllocator {
@@ -56,7 +58,7 @@ class PageableAllocator final : public HostAllocator {
   HostMemoryStats stats() const noexcept override;
 
  private:
-  std::atomic<uint64_t> live_{0}, allocs_{0}, frees_{0};
+  std::atomic<uint64_t> live_{0}, allocs_{0}, frees_{0}, alloc_bytes_{0}, alloc_ns_{0};
 };
 
 // cuMemHostAlloc(PORTABLE) in the primary context of one device: page-locked for every
@@ -89,6 +91,7 @@ class PinnedAllocator final : public HostAllocator {
   mutable std::mutex mu_;                      // guards free_
   std::map<size_t, std::vector<void*>> free_;  // size class -> cached blocks
   std::atomic<uint64_t> live_{0}, cached_{0}, allocs_{0}, reused_{0}, driver_allocs_{0}, driver_frees_{0};
+  std::atomic<uint64_t> alloc_bytes_{0}, alloc_ns_{0};
 };
 
 // The process-wide pageable allocator.

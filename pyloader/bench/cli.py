@@ -218,6 +218,9 @@ def _print_bench(r: dict[str, Any]) -> None:
         if "first_batch_s" in s:
             rows.append((f"  first epoch: {1e3 * s['startup_s']:.0f} ms, first batch {1e3 * s['first_batch_s']:.1f} ms",
                          f"{s['first_epoch_vs_steady']:.2f}x steady", None))
+        if s.get("first_epoch_alloc_bytes"):
+            rows.append((f"    new batch memory: {s['first_epoch_alloc_bytes'] / 2**20:.0f} MiB",
+                         f"{1e3 * s['first_epoch_alloc_s']:.0f} ms thread time", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
     print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")

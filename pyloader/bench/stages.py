@@ -173,6 +173,9 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
         samples += int(tensors[-1].shape[0])
         del batch, tensors  # as the timed epochs do: the slot goes back to the pool
     startup = time.perf_counter() - t_make
+    # New batch memory in the first epoch: the kernel populating (and zeroing) fresh pages,
+    # on the collating threads (thread time, summed over them).
+    first_alloc = loader.host_memory() if isinstance(loader, DataLoader) else None
     best: dict[str, Any] | None = None
     for _ in range(rounds):
         n = nbytes = epochs = 0
@@ -202,6 +205,9 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
     if isinstance(loader, DataLoader) and "autotune" in loader.stats():
         best["autotune"] = loader.stats()["autotune"]  # where the tuner ended (NOTE [autotune])
     best["first_epoch_vs_steady"] = best["first_epoch_samples_per_s"] / max(best["samples_per_s"], 1e-12)
+    if first_alloc is not None:
+        best["first_epoch_alloc_bytes"] = first_alloc["driver_alloc_bytes"]
+        best["first_epoch_alloc_s"] = first_alloc["driver_alloc_s"]
     return best
 
 
@@ -511,6 +517,13 @@ def diagnose(st: dict[str, Any]) -> dict[str, Any]:
     if py["samples"] and py["bytes"] / py["samples"] < 4096:
         notes.append("records are small (< 4 KB): per-record overhead dominates; larger records or "
                      "batching several samples per record raise throughput")
+    alloc_s, startup = py.get("first_epoch_alloc_s", 0.0), py.get("startup_s", 0.0)
+    if startup > 0 and py["first_epoch_vs_steady"] < 0.6 and alloc_s > 0.2 * startup * max(py["threads"], 1):
+        notes.append(f"the first epoch ran at {py['first_epoch_vs_steady']:.2f}x the steady state, and "
+                     f"{100 * alloc_s / (startup * max(py['threads'], 1)):.0f}% of its collating threads' time went "
+                     f"to new batch memory ({py['first_epoch_alloc_bytes'] / 2**20:.0f} MiB: the kernel populating "
+                     "pages for the batch buffers, paid once per process; an epoch of only a few batches "
+                     "weighs it heavily)")
     warnings = []
     loaders = (("pyloader", st["pyloader"]), ("torch", st["torch_dataloader"]))
     few = [(label, s) for label, s in loaders if s["batches_per_epoch"] < MIN_BATCHES]

@@ -940,10 +940,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         ``bytes``: held from the allocator (``live_bytes`` in slots + ``cached_bytes`` kept for
         reuse, at most ``cache_limit`` per pool); ``allocs``: buffers handed out, ``reused`` of
         them from the cache; ``driver_allocs`` / ``driver_frees``: the calls that reached the
-        system or, when pinned, the CUDA driver (each of which synchronises the device).
+        system or, when pinned, the CUDA driver (each of which synchronises the device);
+        ``driver_alloc_bytes`` / ``driver_alloc_s``: the bytes of those allocations and the
+        thread time they took -- the kernel handing out and zeroing new pages, or the driver
+        pinning them: in a first epoch of large records, most of what it costs beyond the
+        steady state (``pyloader bench`` reports it).
         """
         keys = ("bytes", "live_bytes", "cached_bytes", "cache_limit", "allocs", "reused", "driver_allocs",
-                "driver_frees")
+                "driver_frees", "driver_alloc_bytes", "driver_alloc_s")
         out: dict[str, Any] = dict.fromkeys(keys, 0)
         pools = [p for p in (self._batch_pool, self._staging_pool) if p is not None]
         for pool in pools:

@@ -53,3 +53,29 @@ def test_wait_fraction_reflects_the_training_loop(tmp_path) -> None:
     assert busy["wait_fraction"] < 0.3, busy
     assert idle["wait_fraction"] > busy["wait_fraction"]
     assert busy["wall_s"] >= 10 * 0.02
+
+
+def test_host_memory_reports_the_new_batch_memory_and_its_cost(tmp_path) -> None:
+    """The bytes the loader's batch buffers took from the system and the thread time that
+    took (the kernel populating new pages): made in the first epoch, none later while the
+    buffers are reused; a 2 MiB+ buffer (mapped and populated) and small ones alike."""
+    path = str(tmp_path / "wide")
+    with pyloader.ShardWriter(path, {"x": ("uint8", (64 << 10,)), "y": ("int64", ())}, shard_bytes=4 << 20) as w:
+        for i in range(200):
+            w.write({"x": np.full(64 << 10, i % 251, np.uint8), "y": i})
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=40, num_workers=2)  # x: 2.5 MiB a batch
+    assert loader.host_memory()["driver_alloc_bytes"] == 0
+    for b in loader:
+        del b
+    first = loader.host_memory()
+    # Fixed-size fields: no buffer is regrown or freed, so every byte held came from the system once.
+    assert first["driver_frees"] == 0 and first["driver_allocs"] >= 2 * 3  # two fields in at least three slots
+    assert first["driver_alloc_bytes"] == first["live_bytes"] >= 3 * 40 * ((64 << 10) + 8)
+    assert first["driver_alloc_s"] > 0
+    for _ in range(3):
+        for b in loader:
+            del b
+    later = loader.host_memory()
+    grown = later["driver_allocs"] - first["driver_allocs"]  # slots the next epochs added, if any
+    assert later["driver_alloc_bytes"] == later["live_bytes"]
+    assert grown <= 2 * 2, later  # the pool reaches its steady size within an epoch or two

@@ -518,9 +518,10 @@ def diagnose(st: dict[str, Any]) -> dict[str, Any]:
         notes.append("records are small (< 4 KB): per-record overhead dominates; larger records or "
                      "batching several samples per record raise throughput")
     alloc_s, startup = py.get("first_epoch_alloc_s", 0.0), py.get("startup_s", 0.0)
-    if startup > 0 and py["first_epoch_vs_steady"] < 0.6 and alloc_s > 0.2 * startup * max(py["threads"], 1):
-        notes.append(f"the first epoch ran at {py['first_epoch_vs_steady']:.2f}x the steady state, and "
-                     f"{100 * alloc_s / (startup * max(py['threads'], 1)):.0f}% of its collating threads' time went "
+    first_vs, nthreads = py.get("first_epoch_vs_steady", 1.0), max(int(py.get("threads") or 1), 1)
+    if startup > 0 and first_vs < 0.6 and alloc_s > 0.2 * startup * nthreads:
+        notes.append(f"the first epoch ran at {first_vs:.2f}x the steady state, and "
+                     f"{100 * alloc_s / (startup * nthreads):.0f}% of its collating threads' time went "
                      f"to new batch memory ({py['first_epoch_alloc_bytes'] / 2**20:.0f} MiB: the kernel populating "
                      "pages for the batch buffers, paid once per process; an epoch of only a few batches "
                      "weighs it heavily)")

@@ -203,6 +203,21 @@ def test_the_consumer_wait_line_only_when_true_with_the_number() -> None:
     assert not any("consumer waited" in n for n in middle)
 
 
+def test_a_first_epoch_slowed_by_new_batch_memory_is_named() -> None:
+    st = _stages(gbps=1.0, memcpy=10.0)
+    # 8 threads for 0.1 s: 0.8 s of thread time, 0.4 s of it allocating 512 MiB of batch memory.
+    st["pyloader"].update(first_epoch_vs_steady=0.25, first_epoch_alloc_s=0.4, first_epoch_alloc_bytes=512 << 20)
+    notes = R.diagnose(st)["notes"]
+    hit = [n for n in notes if "new batch memory" in n]
+    assert len(hit) == 1 and "0.25x the steady state" in hit[0] and "50% of its collating threads' time" in hit[0]
+    assert "512 MiB" in hit[0]
+    for quiet in ({"first_epoch_vs_steady": 0.7}, {"first_epoch_alloc_s": 0.05}):  # a fast first epoch; little memory
+        st2 = _stages(gbps=1.0, memcpy=10.0)
+        st2["pyloader"].update({"first_epoch_vs_steady": 0.25, "first_epoch_alloc_s": 0.4,
+                                "first_epoch_alloc_bytes": 512 << 20, **quiet})
+        assert not any("new batch memory" in n for n in R.diagnose(st2)["notes"]), quiet
+
+
 def test_a_short_measurement_warns() -> None:
     short = R.diagnose(_stages(gbps=1.0, memcpy=10.0, batches=2, epoch_s=0.009))
     assert len(short["warnings"]) == 1

@@ -27,6 +27,7 @@ because this machine is shared and noisy. Writes JSON and prints a table of rati
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -87,8 +88,6 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, warm: 
     then uses (its batch memory is populated before the first epoch starts).
     """
     t_import = time.perf_counter()
-    import gc
-
     import pyloader
     from pyloader.bench import measure as B
 
@@ -143,9 +142,10 @@ def run_child(path: str, args: argparse.Namespace, *, ahead: bool, epochs: int,
               warm: str | None = None) -> dict[str, Any]:
     _read_all(path)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    extra = ["--warm", warm] if warm is not None else []
+    extra: list[str] = []
     if warm is not None:
         _read_all(warm)
+        extra = ["--warm", warm]
     out = subprocess.run([sys.executable, __file__, "--child", path, "--batch", str(args.batch),
                           "--shuffle", str(int(args.shuffle)), "--ahead", str(int(ahead)), "--epochs", str(epochs),
                           *extra], capture_output=True, text=True, env=env, timeout=600)

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/clock.h"
 #include "core/errors.h"
 #include "core/lz4_block.h"
 
@@ -41,12 +42,6 @@ constexpr uint32_t kNoBatch = 0xffffffffu;
 
 // Thrown by fill() when the batch must be collated again once a shard was fetched anew.
 struct RetryBatch {};
-
-uint64_t now_ns() {
-  return uint64_t(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
-}
 
 }  // namespace
 

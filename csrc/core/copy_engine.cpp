@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/clock.h"
 #include "core/cuda_driver.h"
 #include "core/errors.h"
 
@@ -21,12 +22,6 @@ bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, int
     return true;
   }
   return cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
-}
-
-uint64_t now_ns() {
-  return uint64_t(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
 }
 
 class CpuCopyBackend final : public CopyBackend {

@@ -4,22 +4,16 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
 #include <new>
 
+#include "core/clock.h"
 #include "core/errors.h"
 
 namespace pyloader {
 namespace {
 constexpr size_t kPopulateMin = size_t(2) << 20;
 constexpr size_t kPage = 4096;
-
-uint64_t now_ns() {
-  return uint64_t(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
-}
 }  // namespace
 
 // NOTE [prefaulted slots]: a batch buffer is written in full by every batch, so all of its

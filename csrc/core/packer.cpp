@@ -8,17 +8,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/clock.h"
 #include "core/dtype.h"
 #include "core/errors.h"
 
 namespace pyloader {
 namespace {
-
-uint64_t now_ns() {
-  return uint64_t(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
-}
 
 // Writes n tokens of value v (its low bytes: the same value in any integer width) at dst.
 void fill_tokens(uint8_t* dst, size_t n, size_t itemsize, int64_t v) {

@@ -90,11 +90,15 @@ void Packer::close() {
     return;
   }
   {
+    // stop_ is set under mu_: the packer thread tests it under mu_ before it sleeps for
+    // room (cv_room_), so the wake-up below cannot fall between its test and its sleep.
+    // Set outside the lock, it could, and close() then joined a thread asleep for good
+    // (a fresh-clone CI run hung there).
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
     closed_ = true;
+    stop_.store(true, std::memory_order_release);
   }
-  stop_.store(true, std::memory_order_release);
   cv_room_->notify_all();
   cv_ready_->notify_all();
   // Closing the document pipeline first ends a wait of the packer thread in docs_->next()

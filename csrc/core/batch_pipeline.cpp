@@ -361,7 +361,8 @@ void BatchPipeline::fill(size_t b, Batch* out) {
     }
     if (!(spec.variable && cfg_.ragged)) field_bytes[f] = rows * stride[f];
     size_t before = slot.data[f].capacity();
-    slot.data[f].reserve(std::max<size_t>(field_bytes[f], 1));
+    // A fixed-shape field: batch_size rows of row_bytes every batch (fewer in the last).
+    slot.data[f].reserve(std::max<size_t>(field_bytes[f], 1), !spec.variable);
     if (slot.data[f].capacity() != before) ++slot.allocations;
     v.data = slot.data[f].data();
   }

@@ -37,8 +37,10 @@ class HostAllocator {
   virtual ~HostAllocator() = default;
   // The size to allocate for a buffer that must hold n bytes and now has cap (0: none):
   // rounded up, with headroom on regrowth so that rising variable lengths regrow seldom.
-  // `peer` is the largest size the same buffer has in any slot of the pool.
-  virtual size_t good_size(size_t n, size_t cap, size_t peer) const noexcept = 0;
+  // `peer` is the largest size the same buffer has in any slot of the pool. `fixed`: the
+  // buffer holds the same number of bytes every batch (a fixed-shape field), so headroom
+  // would only be memory the kernel populates and nothing ever writes.
+  virtual size_t good_size(size_t n, size_t cap, size_t peer, bool fixed) const noexcept = 0;
   // Exactly `bytes` bytes (a good_size()) aligned to `align` (a power of two, at most
   // 2 MiB); throws std::bad_alloc or LoaderError on failure.
   virtual void* allocate(size_t bytes, size_t align) = 0;
@@ -51,7 +53,7 @@ class HostAllocator {
 // slots] in host_memory.cpp); smaller ones: aligned_alloc.
 class PageableAllocator final : public HostAllocator {
  public:
-  size_t good_size(size_t n, size_t cap, size_t peer) const noexcept override;
+  size_t good_size(size_t n, size_t cap, size_t peer, bool fixed) const noexcept override;
   void* allocate(size_t bytes, size_t align) override;
   void release(void* p, size_t bytes) noexcept override;
   bool pinned() const noexcept override { return false; }
@@ -70,7 +72,7 @@ class PinnedAllocator final : public HostAllocator {
   static constexpr size_t kDefaultCacheLimit = size_t(256) << 20;
   PinnedAllocator(const cuda::Driver& d, int device, size_t cache_limit = kDefaultCacheLimit);
   ~PinnedAllocator() override;
-  size_t good_size(size_t n, size_t cap, size_t peer) const noexcept override;
+  size_t good_size(size_t n, size_t cap, size_t peer, bool fixed) const noexcept override;
   void* allocate(size_t bytes, size_t align) override;
   void release(void* p, size_t bytes) noexcept override;
   bool pinned() const noexcept override { return true; }

@@ -16,11 +16,12 @@ HostBuffer::~HostBuffer() {
   if (data_) alloc_->release(data_, cap_);
 }
 
-void HostBuffer::reserve(size_t n) {
+void HostBuffer::reserve(size_t n, bool fixed) {
   if (n <= cap_) return;
-  // The allocator's sizes: headroom for rising variable lengths, whole 2 MiB for pageable
+  // The allocator's sizes: headroom for rising variable lengths (none for a pageable fixed
+  // field's buffer), whole 2 MiB for pageable
   // prefaulted mappings (NOTE [prefaulted slots]), size classes when pinned (NOTE [pinned cache]).
-  const size_t want = alloc_->good_size(n, cap_, peer_ ? peer_->load(std::memory_order_relaxed) : 0);
+  const size_t want = alloc_->good_size(n, cap_, peer_ ? peer_->load(std::memory_order_relaxed) : 0, fixed);
   void* p = alloc_->allocate(want, kAlign);
   if (data_) alloc_->release(data_, cap_);
   data_ = static_cast<uint8_t*>(p);

@@ -35,8 +35,9 @@ class HostBuffer {
   }
   HostBuffer& operator=(HostBuffer&&) = delete;
 
-  // Grows (never shrinks) to at least n bytes; contents are not preserved.
-  void reserve(size_t n);
+  // Grows (never shrinks) to at least n bytes; contents are not preserved. `fixed`: n is
+  // the same every time the buffer is filled (HostAllocator::good_size).
+  void reserve(size_t n, bool fixed = false);
   uint8_t* data() noexcept { return data_; }
   size_t capacity() const noexcept { return cap_; }
 

@@ -79,3 +79,25 @@ def test_host_memory_reports_the_new_batch_memory_and_its_cost(tmp_path) -> None
     grown = later["driver_allocs"] - first["driver_allocs"]  # slots the next epochs added, if any
     assert later["driver_alloc_bytes"] == later["live_bytes"]
     assert grown <= 2 * 2, later  # the pool reaches its steady size within an epoch or two
+
+
+def test_fixed_shape_batch_buffers_are_sized_exactly(tmp_path) -> None:
+    """A fixed-shape field's batch buffer holds the same bytes every batch: sized to them
+    (in whole 2 MiB for a mapped buffer), with none of the headroom a variable-length
+    field's buffer gets against rising lengths -- memory the kernel would populate and no
+    batch would write. A slot first used by the short last batch is sized like the others."""
+    path = str(tmp_path / "exact")
+    with pyloader.ShardWriter(path, {"x": ("uint8", (64 << 10,)), "y": ("int64", ())}, shard_bytes=4 << 20) as w:
+        for i in range(200):  # 6 batches of 32 and a last one of 8
+            w.write({"x": np.full(64 << 10, i % 251, np.uint8), "y": i})
+    ds = pyloader.ShardDataset(path, shuffle=True, seed=1)
+    loader = pyloader.DataLoader(ds, batch_size=32, num_workers=2)  # x: exactly 2 MiB a batch
+    for _ in range(2):
+        for b in loader:
+            assert b["x"].shape[1:] == (64 << 10,)
+            del b
+    mem, slots = loader.host_memory(), loader._pool.created
+    assert slots >= 2
+    # Per slot: x in one 2 MiB mapping (with 1/8 headroom it would take two), y in one page.
+    assert mem["live_bytes"] == slots * ((2 << 20) + 4096), (mem, slots)
+    assert mem["driver_frees"] == 0  # nothing was regrown

@@ -157,6 +157,17 @@ class SlotPool:
     def pinned(self) -> bool: ...
     @property
     def created(self) -> int: ...
+    def prepare(self, *, count: int, field_bytes: list[int]) -> None:
+        """Makes slots until the pool has ``count``, on a thread of its own; returns at once.
+
+        Each field's buffer is reserved for ``field_bytes[i]`` bytes (0: at its first batch)
+        (NOTE [prepared slots]).
+        """
+
+    @property
+    def preparing(self) -> bool:
+        """Whether a prepare() thread is still making slots."""
+
     @property
     def free(self) -> int: ...
     def memory(self) -> dict[str, Any]:

@@ -123,6 +123,15 @@ void register_pipeline(py::module_& m) {
            "class up to cache_bytes released bytes (NOTE [pinned cache]).")
       .def_property_readonly("pinned", &SlotPool::pinned)
       .def_property_readonly("created", &SlotPool::created)
+      .def(
+          "prepare",
+          [](SlotPool& p, size_t count, std::vector<size_t> field_bytes) {
+            without_gil([&] { p.prepare(count, std::move(field_bytes)); });
+          },
+          py::kw_only(), py::arg("count"), py::arg("field_bytes"),
+          "Makes slots until the pool has `count`, on a thread of its own, each field's buffer reserved for "
+          "field_bytes[i] bytes (0: at its first batch); returns at once (NOTE [prepared slots]).")
+      .def_property_readonly("preparing", &SlotPool::preparing, "Whether a prepare() thread is still making slots.")
       .def_property_readonly("free", &SlotPool::free_count)
       .def(
           "memory",

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "core/host_memory.h"
@@ -71,6 +72,14 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   // the current epoch frees); returns null if *cancel becomes true meanwhile.
   std::shared_ptr<Slot> acquire(const std::atomic<bool>* no_grow = nullptr, const std::atomic<bool>* cancel = nullptr);
 
+  // NOTE [prepared slots]: makes slots until the pool has `count`, on a thread of its own,
+  // each with buffer f reserved for field_bytes[f] bytes (0: left for its first batch) as
+  // a fixed-shape field's, and puts each in the free list as soon as it is ready. Returns
+  // at once; a second call while the first runs does nothing. The thread stops early when
+  // the pool is destroyed (which joins it).
+  void prepare(size_t count, std::vector<size_t> field_bytes);
+  // Whether a prepare() thread is still making slots.
+  bool preparing() const noexcept { return preparing_.load(std::memory_order_acquire); }
   size_t created() const;
   size_t free_count() const;
   bool pinned() const noexcept { return alloc_->pinned(); }
@@ -80,6 +89,7 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
 
  private:
   void give_back(Slot* s) noexcept;
+  Slot* new_slot();  // with empty buffers, one per field
 
   size_t num_fields_;
   std::shared_ptr<HostAllocator> alloc_;
@@ -89,6 +99,11 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   std::unique_ptr<std::condition_variable> returned_ = std::make_unique<std::condition_variable>();
   std::vector<Slot*> free_;
   size_t created_ = 0;
+  // prepare(): heap-allocated so that a forked child (where the thread does not exist) can
+  // leak it instead of joining it.
+  std::unique_ptr<std::thread> preparer_;
+  size_t making_ = 0;  // slots prepare() is making now (not yet in created_)
+  std::atomic<bool> preparing_{false}, stop_preparing_{false};
   // Per field: the largest data and lengths buffer of any slot (HostBuffer's peer).
   std::unique_ptr<std::atomic<size_t>[]> peak_data_, peak_lengths_;
 };

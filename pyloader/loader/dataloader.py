@@ -227,6 +227,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._init_native(shuffle, sampler, batch_sampler, multiprocessing_context)
             if num_workers == "auto":
                 self._auto()  # raises now for what it cannot tune
+            self._prepare_slots()
         else:
             if num_workers == "auto":
                 raise ValueError("num_workers='auto' tunes the native threads of a ShardDataset; torch's "
@@ -438,6 +439,27 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._batch_pool = _transfer.slot_pool(fields, pinned=self._pinned,
                                                    device_index=self._pin_index if self._pinned else 0)
         return self._batch_pool
+
+    def _prepare_slots(self) -> None:
+        """Starts making the first epoch's batch slots now, on a native thread (NOTE [prepared slots]).
+
+        As many as the pipeline's read-ahead and the loop hold at once (``prefetch`` + 1, the
+        size the pool reaches in an epoch or two anyway), each with its fixed-shape fields'
+        buffers populated: the memory a first epoch would otherwise wait for the kernel to
+        hand over, made while the training script builds its model. Pageable pools of the
+        plain native path only: a pinned pool is made at the first ``iter()`` (NOTE [lazy
+        pinned pools]), the transform and packing paths collate into pools of their own, and
+        ``num_workers="auto"`` sizes memory against its budget (NOTE [autotune]).
+        """
+        ds = self.dataset
+        if (self._pinned or self.pack is not None or self.batch_size is None or self._auto_workers
+                or not getattr(ds, "pipeline_streams", False) or self._transform_spec(0) is not None):
+            return
+        pool = self._pool
+        assert pool is not None
+        sizes = [0 if f.variable else self.batch_size * f.row_bytes for f in ds.fields]
+        depth = self._prefetch if self._prefetch is not None else 2 * self._threads  # check_batch_args' default
+        pool.prepare(count=depth + 1, field_bytes=sizes)
 
     @property
     def _pin_index(self) -> int:

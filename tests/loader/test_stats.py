@@ -64,12 +64,18 @@ def test_host_memory_reports_the_new_batch_memory_and_its_cost(tmp_path) -> None
         for i in range(200):
             w.write({"x": np.full(64 << 10, i % 251, np.uint8), "y": i})
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=40, num_workers=2)  # x: 2.5 MiB a batch
-    assert loader.host_memory()["driver_alloc_bytes"] == 0
+    pool = loader._batch_pool
+    assert pool is not None
+    while pool.preparing:  # NOTE [prepared slots]: the constructor's thread makes prefetch + 1 slots
+        time.sleep(0.005)
+    prepared = loader.host_memory()
+    assert pool.created == 2 * 2 + 1 and prepared["driver_allocs"] == 2 * 5  # two fields in five slots
+    assert prepared["driver_alloc_bytes"] == prepared["live_bytes"] == 5 * ((4 << 20) + 4096)
     for b in loader:
         del b
     first = loader.host_memory()
     # Fixed-size fields: no buffer is regrown or freed, so every byte held came from the system once.
-    assert first["driver_frees"] == 0 and first["driver_allocs"] >= 2 * 3  # two fields in at least three slots
+    assert first["driver_frees"] == 0 and first["driver_allocs"] >= 2 * 5
     assert first["driver_alloc_bytes"] == first["live_bytes"] >= 3 * 40 * ((64 << 10) + 8)
     assert first["driver_alloc_s"] > 0
     for _ in range(3):

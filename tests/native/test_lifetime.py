@@ -213,7 +213,8 @@ def test_dataloader_abandoned_epoch_stops_threads(write_dataset) -> None:
     # Holding a weakref (stats() could keep just the counters) would fix it.
     ds = open_ds(write_dataset(200, FIELDS, sample))
     loader = pyloader.DataLoader(ds, batch_size=8, num_workers=3)
-    base = threads_now()
+    _prepared(loader)  # its slots made (NOTE [prepared slots]): that thread is gone
+    base = wait_threads(threads_now())
     for batch in loader:
         check_batch(batch, list(range(8)))
         assert threads_now() >= base + 3
@@ -308,6 +309,88 @@ def test_batch_outlives_iterator_loader_and_dataset(write_dataset) -> None:
     assert np.array_equal(row_view.numpy(), expected_img(expected[13]))
     assert label_view.tolist() == expected[10:12]
     assert len(junk) == 15
+
+
+def _prepared(loader: pyloader.DataLoader, timeout: float = 20.0) -> Any:
+    """The loader's pool once its prepare() thread is done (NOTE [prepared slots])."""
+    pool = loader._batch_pool
+    assert pool is not None, "a pageable native loader makes its pool when built"
+    deadline = time.monotonic() + timeout
+    while pool.preparing and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not pool.preparing
+    return pool
+
+
+@pytest.mark.timeout(120)
+def test_built_loader_prepares_its_first_epoch_slots(write_dataset) -> None:
+    """The constructor starts making prefetch + 1 slots, fixed-shape buffers populated (NOTE
+    [prepared slots]); a first epoch whose loop drops each batch then reads into them, making
+    at most the one more the next epoch's early batch can take (NOTE [epoch ahead])."""
+    n, bs, threads, prefetch = 64, 8, 2, 3
+    ds = open_ds(write_dataset(n, BIG_FIELDS, lambda i: {"label": i, "payload": np.full(BIG, i % 251, np.uint8)},
+                               shard_bytes=4 << 20), shuffle=True, seed=2)
+    loader = pyloader.DataLoader(ds, batch_size=bs, num_workers=threads, prefetch=prefetch)
+    pool = _prepared(loader)
+    assert pool.created == pool.free == prefetch + 1
+    mem = pool.memory()
+    # label (8 rows of int64: one page) and payload (8 x 150,000 bytes in whole pages), exact.
+    assert mem["live_bytes"] == (prefetch + 1) * (4096 + -(-bs * BIG // 4096) * 4096), mem
+    expected = plan_labels(ds, epoch=0)
+    for k, batch in enumerate(loader):
+        labels = expected[k * bs:(k + 1) * bs]
+        assert batch["label"].numpy().tolist() == labels
+        assert all(int(batch["payload"][i, 0]) == labels[i] % 251 for i in range(len(labels)))
+        del batch
+    assert prefetch + 1 <= pool.created <= prefetch + 2
+    assert pool.memory()["driver_frees"] == 0  # no prepared buffer was regrown
+
+
+@pytest.mark.timeout(120)
+def test_loader_dropped_or_forked_while_preparing_its_slots(write_dataset, tmp_path) -> None:
+    """A loader dropped while its pool's prepare() thread runs joins that thread (stopped
+    early); a child forked meanwhile has no such thread and drops its copy without joining."""
+    path = write_dataset(16, BIG_FIELDS, lambda i: {"label": i, "payload": np.zeros(BIG, np.uint8)},
+                         shard_bytes=4 << 20)
+    base = threads_now()
+    for _ in range(3):
+        loader = pyloader.DataLoader(open_ds(path), batch_size=16, num_workers=4, prefetch=16)  # 17 x 2.3 MiB
+        assert loader._batch_pool is not None
+        del loader
+        gc.collect()
+    assert wait_threads(base) <= base, "a prepare() thread outlived its pool"
+
+    loader = pyloader.DataLoader(open_ds(path), batch_size=16, num_workers=4, prefetch=16)
+
+    def child(step: Callable[[str], None]) -> int:
+        nonlocal loader
+        step("forked")
+        del loader
+        gc.collect()
+        step("dropped the loader")
+        return 0
+
+    forked = run_in_forked_child(child, str(tmp_path / "child.log"), timeout=30)
+    assert forked.code == 0, f"child exit code {forked.code}; its steps:\n{forked.log}"
+    pool = _prepared(loader)
+    assert pool.created == 17
+    labels = [int(x) for b in loader for x in b["label"]]
+    assert labels == list(range(16))
+
+
+@pytest.mark.timeout(60)
+def test_loaders_that_prepare_no_slots_when_built(write_dataset) -> None:
+    """Pinned pools are made at the first iter() (NOTE [lazy pinned pools]); transform and
+    packing loaders collate into pools of their own; "auto" sizes memory against its budget."""
+    path = write_dataset(32, FIXED_FIELDS, fixed_sample)
+    ds = open_ds(path)
+    cases = [dict(transform=lambda s: s), dict(num_workers="auto"), dict(batch_size=None)]
+    for kw in cases:
+        args: dict[str, Any] = {"batch_size": 4, "num_workers": 2, **kw}
+        loader = pyloader.DataLoader(ds, **args)
+        assert loader._batch_pool is None, kw
+    plain = pyloader.DataLoader(ds, batch_size=4, num_workers=2)
+    assert _prepared(plain).created == 2 * 2 + 1
 
 
 # --- the GIL ------------------------------------------------------------------------------

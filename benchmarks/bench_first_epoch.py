@@ -13,10 +13,13 @@ restarted job sees them:
 3. epoch boundaries: the gap between the last batch of epoch e and the first of e+1 over
    the median gap between batches inside an epoch, with the next epoch started ahead
    (NOTE [epoch ahead] in pyloader/loader/dataloader.py) and without (as before it);
-4. the first epoch once more, with the loader's batch memory populated beforehand (a few
-   batches of another dataset of the same profile read into the same slot pool): what is
-   left of the first epoch's extra cost when the kernel no longer has to hand the process
-   new pages for its batch buffers (shards still mapped afresh, records still verified).
+4. the first epoch once more, as a training script sees it: the loader built, then the
+   script builds its model (here: waits until the loader's constructor has prepared its
+   batch slots, NOTE [prepared slots] in csrc/core/slot_pool.cpp, and reports how long that
+   took), then the first epoch from ``iter()`` -- what is left of the first epoch's extra
+   cost once the kernel no longer has to hand the process new pages for its batch buffers
+   (shards still mapped afresh, records still verified). Variants 1-3 time the first epoch
+   from the constructor, with the preparation running alongside.
 
 Runs are interleaved (round 1 of every variant, then round 2, ...) and medians reported,
 because this machine is shared and noisy. Writes JSON and prints a table of ratios.
@@ -27,7 +30,6 @@ because this machine is shared and noisy. Writes JSON and prints a table of rati
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -81,30 +83,29 @@ def _read_all(path: str) -> None:
                 pass
 
 
-def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, warm: str | None = None) -> dict[str, Any]:
+def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle: bool = False) -> dict[str, Any]:
     """One fresh process: first epoch, steady state, boundaries, memcpy.
 
-    ``warm``: a dataset of the same fields read first into the slot pool the measured loader
-    then uses (its batch memory is populated before the first epoch starts).
+    ``settle``: the first epoch is timed from ``iter()``, once the loader built before it
+    has prepared its batch slots (as after a script's model building); else from the
+    constructor.
     """
     t_import = time.perf_counter()
     import pyloader
     from pyloader.bench import measure as B
 
     import_s = time.perf_counter() - t_import
-    pool = None
-    if warm is not None:
-        warm_loader = pyloader.DataLoader(pyloader.ShardDataset(warm), batch_size=batch, num_workers=2)
-        for b in warm_loader:
-            del b
-        pool = warm_loader._pool
-        del warm_loader  # its epoch made ahead is closed: every slot is back in the pool
-        gc.collect()
     t0 = time.perf_counter()
     loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=shuffle, seed=0), batch_size=batch,
                                  num_workers=2)
-    if pool is not None:
-        loader._batch_pool = pool  # the measured loader starts with populated batch memory
+    prepare_s = None
+    if settle:
+        pool = loader._batch_pool
+        assert pool is not None
+        while pool.preparing and time.perf_counter() - t0 < 30:
+            time.sleep(0.001)
+        prepare_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
     if not ahead:
         loader._reads_ahead = lambda: False  # type: ignore[method-assign]  # the loader as it was before
     first_batch = None
@@ -135,17 +136,14 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, warm: 
             "steady_gbps": steady * payload / n / 1e9, "memcpy_2t_gbps": B.memcpy_gbps(2),
             "gap_inside_s": statistics.median(inside), "gap_boundary_s": statistics.median(boundary),
             "boundary_vs_inside": statistics.median(boundary) / statistics.median(inside),
-            "started_ahead": loader.stats()["started_ahead"], "slots": loader._pool.created}
+            "started_ahead": loader.stats()["started_ahead"], "slots": loader._pool.created,
+            "prepare_s": prepare_s}
 
 
-def run_child(path: str, args: argparse.Namespace, *, ahead: bool, epochs: int,
-              warm: str | None = None) -> dict[str, Any]:
+def run_child(path: str, args: argparse.Namespace, *, ahead: bool, epochs: int, settle: bool = False) -> dict[str, Any]:
     _read_all(path)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    extra: list[str] = []
-    if warm is not None:
-        _read_all(warm)
-        extra = ["--warm", warm]
+    extra = ["--settle", "1"] if settle else []
     out = subprocess.run([sys.executable, __file__, "--child", path, "--batch", str(args.batch),
                           "--shuffle", str(int(args.shuffle)), "--ahead", str(int(ahead)), "--epochs", str(epochs),
                           *extra], capture_output=True, text=True, env=env, timeout=600)
@@ -165,11 +163,11 @@ def main() -> int:
     ap.add_argument("--out", default="bench_results/first_epoch.json")
     ap.add_argument("--child")
     ap.add_argument("--ahead", type=int, default=1)
-    ap.add_argument("--warm", help=argparse.SUPPRESS)
+    ap.add_argument("--settle", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.batch, bool(args.shuffle), bool(args.ahead), args.epochs,
-                               args.warm)))
+                               bool(args.settle))))
         return 0
 
     from pyloader.bench import measure as B
@@ -180,23 +178,20 @@ def main() -> int:
                  f"{', '.join(sorted(B.PROFILES))}")
     results: dict[str, Any] = {"config": vars(args), "environment": B.environment(), "profiles": {}}
     with tempfile.TemporaryDirectory(prefix="pyloader-first-epoch-") as tmp:
-        variants: list[tuple[str, str, str, bool, str | None]] = []
+        variants: list[tuple[str, str, str, bool, bool]] = []
         for name in args.profiles.split(","):
             p = B.PROFILES[name]
             v2 = os.path.join(tmp, f"{name}-v2")
             B.write_profile_dataset(v2, p, int(args.mb * 1e6 / p.record_bytes), compression="none", version=2)
             v1 = os.path.join(tmp, f"{name}-v1")
             _to_v1(v2, v1)
-            # Other records (seed 1), enough batches to grow the pool to its steady size.
-            warm = os.path.join(tmp, f"{name}-warm")
-            B.write_profile_dataset(warm, p, 12 * args.batch, compression="none", seed=1, version=2)
-            variants += [(name, "v2", v2, True, None), (name, "v1", v1, True, None),
-                         (name, "v2-no-ahead", v2, False, None), (name, "v2-mem-warm", v2, True, warm)]
+            variants += [(name, "v2", v2, True, False), (name, "v1", v1, True, False),
+                         (name, "v2-no-ahead", v2, False, False), (name, "v2-built-ahead", v2, True, True)]
         os.sync()  # the datasets just written go to disk now, not as writeback during the runs
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in range(args.rounds):
-            for name, tag, path, ahead, warm_path in variants:
-                res = run_child(path, args, ahead=ahead, epochs=args.epochs, warm=warm_path)
+            for name, tag, path, ahead, settle in variants:
+                res = run_child(path, args, ahead=ahead, epochs=args.epochs, settle=settle)
                 runs.setdefault((name, tag), []).append(res)
                 print(f"[round {r + 1}/{args.rounds}] {name} {tag}: first/steady {res['first_vs_steady']:.2f}, "
                       f"first batch {1e3 * res['first_batch_s']:.1f} ms, boundary/inside "
@@ -205,27 +200,30 @@ def main() -> int:
     rows = []
     for name in args.profiles.split(","):
         out: dict[str, Any] = {}
-        for tag in ("v2", "v1", "v2-no-ahead", "v2-mem-warm"):
+        for tag in ("v2", "v1", "v2-no-ahead", "v2-built-ahead"):
             rs = runs[(name, tag)]
             out[tag] = {"runs": rs, **{k: med([x[k] for x in rs]) for k in (
                 "first_batch_s", "first_rate", "steady_rate", "first_vs_steady", "steady_gbps", "memcpy_2t_gbps",
                 "gap_inside_s", "gap_boundary_s", "boundary_vs_inside")}}
             out[tag]["steady_vs_memcpy_2t"] = med([x["steady_gbps"] / x["memcpy_2t_gbps"] for x in rs])
         results["profiles"][name] = out
-        v2, v1, off, mem = out["v2"], out["v1"], out["v2-no-ahead"], out["v2-mem-warm"]
+        v2, v1, off, built = out["v2"], out["v1"], out["v2-no-ahead"], out["v2-built-ahead"]
+        built["prepare_s"] = med([x["prepare_s"] for x in built["runs"]])
         rows.append((name, v1["first_vs_steady"], v2["first_vs_steady"], v2["first_rate"] / v1["first_rate"],
                      1e3 * v1["first_batch_s"], 1e3 * v2["first_batch_s"], v2["steady_vs_memcpy_2t"],
-                     off["boundary_vs_inside"], v2["boundary_vs_inside"], mem["first_vs_steady"]))
+                     off["boundary_vs_inside"], v2["boundary_vs_inside"], built["first_vs_steady"],
+                     1e3 * built["first_batch_s"], 1e3 * built["prepare_s"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=1)
     print(f"medians of {args.rounds} interleaved rounds, {args.mb:.0f} MB per dataset, batch {args.batch}, "
           f"{'shuffled' if args.shuffle else 'in order'}, 2 native threads, page cache hot, fresh process per run")
     print(f"{'profile':<10}{'first/steady v1':>16}{'v2':>7}{'v2/v1 first':>13}{'1st batch v1 ms':>17}{'v2 ms':>7}"
-          f"{'steady/memcpy2t':>17}{'boundary gap: before':>22}{'ahead':>7}{'first/steady, memory warm':>27}")
+          f"{'steady/memcpy2t':>17}{'boundary gap: before':>22}{'ahead':>7}"
+          f"{'built ahead: first/steady':>27}{'1st batch ms':>14}{'prepared in ms':>16}")
     for r in rows:
         print(f"{r[0]:<10}{r[1]:>16.2f}{r[2]:>7.2f}{r[3]:>12.2f}x{r[4]:>17.1f}{r[5]:>7.1f}{r[6]:>17.2f}"
-              f"{r[7]:>21.1f}x{r[8]:>6.1f}x{r[9]:>27.2f}")
+              f"{r[7]:>21.1f}x{r[8]:>6.1f}x{r[9]:>27.2f}{r[10]:>14.1f}{r[11]:>16.1f}")
     print(f"wrote {args.out}")
     return 0
 

@@ -14,6 +14,11 @@ namespace pyloader {
 namespace {
 constexpr size_t kPopulateMin = size_t(2) << 20;
 constexpr size_t kPage = 4096;
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;  // Linux 5.14's value, for older headers
+#endif
 }  // namespace
 
 // NOTE [prefaulted slots]: a batch buffer is written in full by every batch, so all of its
@@ -24,6 +29,23 @@ constexpr size_t kPage = 4096;
 // touched page by page (with or without transparent huge pages), which halved the time to
 // the first batch of 150 KB records (38 MB slots) and doubled their first epoch's rate;
 // the steady state (slots reused) was unchanged. Smaller buffers come from aligned_alloc.
+// NOTE [chunked populate]: the kernel populates a range holding the process's mmap lock
+// for reading, and mmap()/munmap() elsewhere in the process (a worker opening a shard)
+// waits for it, with later faults queued behind that writer: one MAP_POPULATE of a 40 MiB
+// slot holds it for 13-20 ms. So the range is populated 2 MiB at a time
+// (MADV_POPULATE_WRITE, Linux 5.14+; before that, by writing a byte per page).
+void PageableAllocator::populate(uint8_t* p, size_t n) noexcept {
+  static std::atomic<bool> no_madvise{false};
+  for (size_t off = 0; off < n; off += kPopulateMin) {
+    const size_t len = std::min(kPopulateMin, n - off);
+    if (!no_madvise.load(std::memory_order_relaxed)) {
+      if (::madvise(p + off, len, kMadvPopulateWrite) == 0) continue;
+      no_madvise.store(true, std::memory_order_relaxed);  // EINVAL: a kernel without it
+    }
+    for (size_t q = 0; q < len; q += kPage) static_cast<volatile uint8_t*>(p)[off + q] = 0;
+  }
+}
+
 size_t PageableAllocator::good_size(size_t n, size_t, size_t peer, bool fixed) const noexcept {
   // Grow by at least 1/8 so that slowly rising variable lengths do not reallocate every
   // batch. A fixed-shape field's buffer holds the same bytes every batch: no headroom (38 MB
@@ -41,8 +63,9 @@ void* PageableAllocator::allocate(size_t bytes, size_t align) {
   void* p = nullptr;
   const uint64_t t0 = now_ns();
   if (n >= kPopulateMin) {
-    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
+    populate(static_cast<uint8_t*>(p), n);
   } else {
     p = std::aligned_alloc(align, n);
     if (!p) throw std::bad_alloc();

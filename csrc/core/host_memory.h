@@ -60,6 +60,8 @@ class PageableAllocator final : public HostAllocator {
   HostMemoryStats stats() const noexcept override;
 
  private:
+  // Faults [p, p + n) in, 2 MiB at a time (NOTE [chunked populate] in host_memory.cpp).
+  static void populate(uint8_t* p, size_t n) noexcept;
   std::atomic<uint64_t> live_{0}, allocs_{0}, frees_{0}, alloc_bytes_{0}, alloc_ns_{0};
 };
 

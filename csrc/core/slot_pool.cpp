@@ -60,6 +60,7 @@ void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
   std::lock_guard<std::mutex> lk(mu_);
   if (preparing_.load(std::memory_order_acquire) || created_ >= count) return;
   if (preparer_) preparer_->join();  // a finished earlier run
+  stop_preparing_.store(false, std::memory_order_release);
   preparing_.store(true, std::memory_order_release);
   preparer_ = std::make_unique<std::thread>([this, count, fb = std::move(field_bytes)] {
     while (!stop_preparing_.load(std::memory_order_acquire)) {
@@ -104,6 +105,10 @@ Slot* SlotPool::new_slot() {
 }
 
 std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const std::atomic<bool>* cancel) {
+  // NOTE [prepared slots]: once batches are being collated, the preparing thread would only
+  // compete with the workers for the CPU (and delay the first batch): it stops after the
+  // slot it is making, and the workers make what they still need.
+  if (preparing_.load(std::memory_order_relaxed)) stop_preparing_.store(true, std::memory_order_release);
   Slot* s = nullptr;
   {
     std::unique_lock<std::mutex> lk(mu_);

@@ -52,8 +52,11 @@ SlotPool::~SlotPool() {
 // for the consumer, while the steady epoch over 480 MB of such records takes ~22 ms. A
 // training script builds its loader, then its model, optimizer and CUDA state before the
 // first batch is asked for: the DataLoader prepares its slots in that time, from its
-// constructor, so the first epoch reads into memory that is already there. A worker that
-// finds no free slot while the preparing thread is still at work makes its own, as before.
+// constructor, so the first epoch reads into memory that is already there. If batches are
+// asked for before it is done, the first worker to want a slot stops it after the slot it
+// is making (it would only compete with the workers for the CPU), and a worker that finds
+// no slot free waits for that slot rather than populate one of its own beside it -- one
+// worker per slot in the making; the others make their own, as before.
 void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
   if (field_bytes.size() != num_fields_)
     throw std::invalid_argument("field_bytes must have one entry per field (" + std::to_string(num_fields_) + ")");
@@ -80,12 +83,15 @@ void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
           ++created_;  // counted when free: created() == free_count() whenever no slot is in use
         }
         (void)s.release();
-        returned_->notify_one();
+        returned_->notify_all();  // a worker waiting for this slot may be among other waiters
       } catch (...) {
         // Out of memory here is no batch's error: the workers make their slots as before
         // and meet the same condition where it is reported with its batch.
-        std::lock_guard<std::mutex> g(mu_);
-        --making_;
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          --making_;
+        }
+        returned_->notify_all();
         break;
       }
     }
@@ -118,10 +124,15 @@ std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const 
         free_.pop_back();
         break;
       }
-      if (!no_grow || !no_grow->load(std::memory_order_acquire)) break;
+      const bool held = no_grow && no_grow->load(std::memory_order_acquire);
+      // NOTE [prepared slots]: a slot in the making that no other worker waits for.
+      const bool coming = making_ > awaiting_;
+      if (!held && !coming) break;
       if (cancel && cancel->load(std::memory_order_acquire)) return nullptr;
       // Slices: the flags are set without this mutex.
+      if (coming) ++awaiting_;
       returned_->wait_for(lk, std::chrono::milliseconds(20));
+      if (coming) --awaiting_;
     }
   }
   if (!s) {

@@ -102,7 +102,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   // prepare(): heap-allocated so that a forked child (where the thread does not exist) can
   // leak it instead of joining it.
   std::unique_ptr<std::thread> preparer_;
-  size_t making_ = 0;  // slots prepare() is making now (not yet in created_)
+  size_t making_ = 0;    // slots prepare() is making now (not yet in created_)
+  size_t awaiting_ = 0;  // acquire() calls waiting for one of those
   std::atomic<bool> preparing_{false}, stop_preparing_{false};
   // Per field: the largest data and lengths buffer of any slot (HostBuffer's peer).
   std::unique_ptr<std::atomic<size_t>[]> peak_data_, peak_lengths_;

@@ -73,7 +73,7 @@ void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
         ++making_;
       }
       try {
-        std::unique_ptr<Slot> s(new_slot());
+        std::unique_ptr<Slot> s = new_slot();
         for (size_t f = 0; f < num_fields_; ++f)
           if (fb[f]) s->data[f].reserve(fb[f], /*fixed=*/true);
         {
@@ -99,7 +99,7 @@ void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
   });
 }
 
-Slot* SlotPool::new_slot() {
+std::unique_ptr<Slot> SlotPool::new_slot() {
   auto s = std::make_unique<Slot>();
   s->data.reserve(num_fields_);
   s->lengths.reserve(num_fields_);
@@ -107,13 +107,12 @@ Slot* SlotPool::new_slot() {
     s->data.emplace_back(alloc_.get(), &peak_data_[f]);
     s->lengths.emplace_back(alloc_.get(), &peak_lengths_[f]);
   }
-  return s.release();
+  return s;
 }
 
 std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const std::atomic<bool>* cancel) {
-  // NOTE [prepared slots]: once batches are being collated, the preparing thread would only
-  // compete with the workers for the CPU (and delay the first batch): it stops after the
-  // slot it is making, and the workers make what they still need.
+  // NOTE [prepared slots]: batches are being collated; the preparing thread stops after the
+  // slot it is making.
   if (preparing_.load(std::memory_order_relaxed)) stop_preparing_.store(true, std::memory_order_release);
   Slot* s = nullptr;
   {
@@ -136,7 +135,7 @@ std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const 
     }
   }
   if (!s) {
-    s = new_slot();
+    s = new_slot().release();
     std::lock_guard<std::mutex> lk(mu_);
     ++created_;
   }

@@ -72,11 +72,12 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   // the current epoch frees); returns null if *cancel becomes true meanwhile.
   std::shared_ptr<Slot> acquire(const std::atomic<bool>* no_grow = nullptr, const std::atomic<bool>* cancel = nullptr);
 
-  // NOTE [prepared slots]: makes slots until the pool has `count`, on a thread of its own,
-  // each with buffer f reserved for field_bytes[f] bytes (0: left for its first batch) as
-  // a fixed-shape field's, and puts each in the free list as soon as it is ready. Returns
-  // at once; a second call while the first runs does nothing. The thread stops early when
-  // the pool is destroyed (which joins it).
+  // Makes slots until the pool has `count`, on a thread of its own, each with buffer f
+  // reserved for field_bytes[f] bytes (0: left for its first batch) as a fixed-shape
+  // field's, and puts each in the free list as soon as it is ready (NOTE [prepared slots]
+  // in slot_pool.cpp). Returns at once; a second call while the first runs does nothing.
+  // The thread stops after its current slot at the first acquire() and when the pool is
+  // destroyed (which joins it).
   void prepare(size_t count, std::vector<size_t> field_bytes);
   // Whether a prepare() thread is still making slots.
   bool preparing() const noexcept { return preparing_.load(std::memory_order_acquire); }
@@ -89,7 +90,7 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
 
  private:
   void give_back(Slot* s) noexcept;
-  Slot* new_slot();  // with empty buffers, one per field
+  std::unique_ptr<Slot> new_slot();  // with empty buffers, one per field
 
   size_t num_fields_;
   std::shared_ptr<HostAllocator> alloc_;

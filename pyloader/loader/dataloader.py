@@ -21,7 +21,7 @@ from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
 from .. import _C
 from ..errors import LoaderStateError
-from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDataset
+from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDataset, check_batch_args
 from ..transform import stage as _stage
 from ..transform.image import resolve_decode as _resolve_decode
 from . import autotune as _autotune
@@ -458,7 +458,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         pool = self._pool
         assert pool is not None
         sizes = [0 if f.variable else self.batch_size * f.row_bytes for f in ds.fields]
-        depth = self._prefetch if self._prefetch is not None else 2 * self._threads  # check_batch_args' default
+        depth = check_batch_args(self.batch_size, self._threads, self._prefetch)  # the pipeline's ring
         pool.prepare(count=depth + 1, field_bytes=sizes)
 
     @property

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 import pyloader
+from pyloader import _C
 
 
 def _dataset(tmp_path, n: int, compression: str) -> str:
@@ -91,18 +92,20 @@ def test_fixed_shape_batch_buffers_are_sized_exactly(tmp_path) -> None:
     """A fixed-shape field's batch buffer holds the same bytes every batch: sized to them
     (in whole 2 MiB for a mapped buffer), with none of the headroom a variable-length
     field's buffer gets against rising lengths -- memory the kernel would populate and no
-    batch would write. A slot first used by the short last batch is sized like the others."""
+    batch would write. A slot first used by the short last batch is sized like the others.
+    The pipeline sizes them (a pool of its own: a DataLoader's pool is prepared beforehand
+    with the same sizes, NOTE [prepared slots])."""
     path = str(tmp_path / "exact")
     with pyloader.ShardWriter(path, {"x": ("uint8", (64 << 10,)), "y": ("int64", ())}, shard_bytes=4 << 20) as w:
         for i in range(200):  # 6 batches of 32 and a last one of 8
             w.write({"x": np.full(64 << 10, i % 251, np.uint8), "y": i})
     ds = pyloader.ShardDataset(path, shuffle=True, seed=1)
-    loader = pyloader.DataLoader(ds, batch_size=32, num_workers=2)  # x: exactly 2 MiB a batch
-    for _ in range(2):
-        for b in loader:
+    pool = _C.SlotPool(num_fields=2)
+    for epoch in range(2):
+        for b in ds.batches(32, num_threads=2, prefetch=4, pool=pool, epoch=epoch):  # x: exactly 2 MiB a batch
             assert b["x"].shape[1:] == (64 << 10,)
             del b
-    mem, slots = loader.host_memory(), loader._pool.created
+    mem, slots = pool.memory(), pool.created
     assert slots >= 2
     # Per slot: x in one 2 MiB mapping (with 1/8 headroom it would take two), y in one page.
     assert mem["live_bytes"] == slots * ((2 << 20) + 4096), (mem, slots)

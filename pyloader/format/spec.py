@@ -430,18 +430,46 @@ def manifest_body(data: bytes, where: str, xxh64: Hasher) -> bytes:
     return raw
 
 
-def parse_manifest(data: bytes, where: str, xxh64: Hasher) -> dict[str, Any]:
-    """Checks and parses manifest bytes; raises ManifestError naming ``where``."""
+def parse_manifest(data: bytes, where: str, xxh64: Hasher, *, identity: bool = False) -> dict[str, Any]:
+    """Checks and parses manifest bytes; raises ManifestError naming ``where``.
+
+    Every entry is validated strictly (NOTE [untrusted manifest]). ``identity``: the
+    manifest was built by pyloader itself from a listing of objects (Parquet files), so
+    ``"content_hash": false`` is allowed; a manifest read from a dataset never may say it.
+    """
     raw = manifest_body(data, where, xxh64)
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ManifestError(f"manifest {where!r}: invalid JSON: {e}") from None
-    _validate_manifest(body, where)
+    _validate_manifest(body, where, identity)
     return body
 
 
-def _validate_manifest(body: Any, where: str) -> None:
+# NOTE [untrusted manifest]: a manifest comes from whoever serves the dataset, and its
+# entries become cache file names, download sizes and plan arrays, so each is checked at
+# parse time before anything uses it:
+# * a shard's ``path`` is relative: "/"-separated components, none empty, "." or "..",
+#   none longer than NAME_MAX (255 bytes) and the whole at most PATH_MAX_BYTES; no NUL,
+#   backslash or control character (C0, DEL, C1) anywhere;
+# * its ``xxh64`` is exactly 16 lowercase hex digits (it is part of the cached name);
+# * ``bytes`` is at least a shard header and at most MAX_SHARD_BYTES; ``records`` is at
+#   most the bytes after the header (every record takes at least one stored byte) and the
+#   total at most MAX_RECORDS;
+# * ``"content_hash": false`` (name objects by identity, check only Parquet magic) is
+#   accepted only where pyloader built the manifest itself (``identity=True``): a
+#   manifest read from a URL or a folder can never turn the content check off.
+# The cache then builds every path from these components alone and checks that each
+# stays in its own directory (pyloader.remote.cache, NOTE [cache paths]).
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4096
+MAX_SHARD_BYTES = 1 << 40  # 1 TiB: far above any shard a writer makes (default 64 MiB)
+MAX_RECORDS = 1 << 40
+_BAD_PATH_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\\]")
+_HEX16_STR = re.compile(r"[0-9a-f]{16}")
+
+
+def _validate_manifest(body: Any, where: str, identity: bool = False) -> None:
     def bad(msg: str) -> ManifestError:
         return ManifestError(f"manifest {where!r}: {msg}")
 
@@ -451,18 +479,46 @@ def _validate_manifest(body: Any, where: str) -> None:
         raise bad(f"unsupported version {body.get('version')!r}")
     if not isinstance(body.get("fields"), list) or not isinstance(body.get("shards"), list):
         raise bad("missing fields or shards")
+    if "content_hash" in body:
+        if not identity:
+            raise bad('"content_hash" is not allowed in a dataset\'s manifest: pyloader checks every shard it '
+                      "downloads against its xxh64 (only the manifests pyloader builds for Parquet files name "
+                      "objects by identity); rewrite the manifest without it")
+        if body["content_hash"] is not False:
+            raise bad(f'"content_hash" must be false, got {body["content_hash"]!r}')
     total = _valid_records(body["shards"])
     if total is None:  # some entry is invalid: the per-entry checks below say which and why
         total = 0
         for i, s in enumerate(body["shards"]):
             _check_shard_entry(i, s, bad)
             total += s["records"]
-    if body.get("records") != total:
+    rec = body.get("records")
+    if type(rec) is not int or rec != total:
         raise bad("total record count disagrees with the shard entries")
+    if total > MAX_RECORDS:
+        raise bad(f"{total} records in all: more than the {MAX_RECORDS} a manifest may list")
 
 
-def _unsafe_path(p: str) -> bool:
-    return not p or p.startswith("/") or ".." in p.split("/") or "\\" in p
+def _unsafe_path(p: str) -> str | None:
+    """Why shard path ``p`` is unsafe to use as a relative path (NOTE [untrusted manifest]); None if it is safe."""
+    if not p:
+        return "it is empty"
+    if p[0] == "/":
+        return "it is absolute"
+    if _BAD_PATH_CHARS.search(p):
+        return "it holds a NUL, backslash or control character"
+    try:
+        b = p.encode("utf-8")
+    except UnicodeEncodeError:
+        return "it is not valid Unicode"
+    if len(b) > PATH_MAX_BYTES:
+        return f"it is longer than {PATH_MAX_BYTES} bytes"
+    for c in p.split("/"):
+        if c in ("", ".", ".."):
+            return f"it has a component {c!r}" if c else "it has an empty component"
+        if len(c) > NAME_MAX_BYTES // 4 and len(c.encode("utf-8")) > NAME_MAX_BYTES:
+            return f"a component is longer than {NAME_MAX_BYTES} bytes"
+    return None
 
 
 def _check_shard_entry(i: int, s: Any, bad: Callable[[str], ManifestError]) -> None:
@@ -471,10 +527,17 @@ def _check_shard_entry(i: int, s: Any, bad: Callable[[str], ManifestError]) -> N
     for key, typ in (("path", str), ("records", int), ("bytes", int), ("xxh64", str)):
         if not isinstance(s.get(key), typ) or isinstance(s.get(key), bool):
             raise bad(f"shard entry {i} lacks a valid {key!r}")
-    if s["records"] < 0 or s["bytes"] < HEADER_SIZE:
-        raise bad(f"shard entry {i} has invalid sizes")
-    if _unsafe_path(s["path"]):
-        raise bad(f"shard entry {i} has an unsafe path {s['path']!r}")
+    why = _unsafe_path(s["path"])
+    if why is not None:
+        raise bad(f"shard entry {i} has an unsafe path {s['path']!r}: {why}")
+    if not _HEX16_STR.fullmatch(s["xxh64"]):
+        raise bad(f"shard entry {i} ({s['path']!r}): xxh64 {s['xxh64']!r} is not 16 lowercase hex digits")
+    if not HEADER_SIZE <= s["bytes"] <= MAX_SHARD_BYTES:
+        raise bad(f"shard entry {i} ({s['path']!r}): size {s['bytes']} bytes is outside "
+                  f"[{HEADER_SIZE}, {MAX_SHARD_BYTES}]")
+    if not 0 <= s["records"] <= s["bytes"] - HEADER_SIZE:
+        raise bad(f"shard entry {i} ({s['path']!r}): {s['records']} records cannot fit in "
+                  f"{s['bytes']} bytes")
 
 
 def _valid_records(shards: list[Any]) -> int | None:
@@ -498,12 +561,24 @@ def _valid_records(shards: list[Any]) -> int | None:
     if (set(map(type, paths)) != {str} or set(map(type, sums)) != {str} or set(map(type, records)) != {int}
             or set(map(type, sizes)) != {int}):
         return None
-    if min(records) < 0 or min(sizes) < HEADER_SIZE:
+    if min(records) < 0 or min(sizes) < HEADER_SIZE or max(sizes) > MAX_SHARD_BYTES:
         return None
-    # Few paths hold "..", "\\" or a leading "/": only those get the exact check.
-    if any(map(_unsafe_path, [p for p in paths if not p or p[0] == "/" or ".." in p or "\\" in p])):
+    if any(r > b - HEADER_SIZE for r, b in zip(records, sizes)):
         return None
+    joined = "".join(sums)
+    if len(joined) != 16 * len(sums) or not _HEX_RUN.fullmatch(joined):
+        return None
+    # One pass over every path joined by "/": a non-ASCII or bad character, an absolute
+    # path, an empty, "." or ".." component or a long path sends them to the exact check.
+    joined = "/" + "/".join(paths) + "/"
+    if (not joined.isascii() or _BAD_PATH_CHARS.search(joined) or "//" in joined or "/./" in joined
+            or "/../" in joined or max(map(len, paths)) > NAME_MAX_BYTES // 4):
+        if any(map(_unsafe_path, paths)):
+            return None
     return sum(records)
+
+
+_HEX_RUN = re.compile(r"[0-9a-f]*")
 
 
 def _manifest_field_spec(entry: Mapping[str, Any]) -> tuple[Any, tuple[Any, ...]]:

@@ -64,6 +64,7 @@ class _ParquetFileCache(DatasetCache):
     """
 
     retry_bad_content = False  # a file that is not Parquet will not become one on a retry
+    identity_listing = True  # open_remote builds its manifest from the listing (NOTE [untrusted manifest])
 
     def content_error(self, url: str, shard: str, problem: str) -> PyloaderError:
         return ParquetReadError(f"{url}: {problem}")

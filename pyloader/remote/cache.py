@@ -7,6 +7,7 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
     root/v1/<key>/url                   the dataset URL (key = XXH64 of the URL)
     root/v1/<key>/manifest.json         the manifest copy the shards below were checked against
     root/v1/<key>/shards/<name>         published shards; name = quote(path) + "." + manifest xxh64
+                                        (NOTE [cache paths]: a long quoted path is shortened)
     root/v1/<key>/locks/<name>.lock     flock EX: held by the process downloading <name>
     root/v1/<key>/pins.lock             OFD read lock on one byte per shard a process may have mapped
     root/v1/<key>/tmp/<name>.<owner>.<pid>.<random>.part   a download in progress
@@ -15,6 +16,19 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
 ``<owner>`` is ``<host>-<boot>-<pidns>``: the writer's host name, the first 16 hex digits
 of its kernel's boot id and the inode of its pid namespace, which is what a later
 process needs to tell whether the writer is still alive (NOTE [cache publish]).
+
+NOTE [cache paths]: every file the cache creates is under its dataset's directory, in a
+name built from manifest entries that ``parse_manifest`` validated (NOTE [untrusted
+manifest] in pyloader/format/spec.py): the shard path percent-quoted into one component
+(``%2F`` for "/"), a dot and the 16 hex digits of its checksum; a quoted path that would
+take the name past 255 bytes keeps its first 160 characters and adds ``~`` and the XXH64
+of the whole path. ``DatasetCache`` checks each name is one component before it is used.
+On a cache shared by several users a planted symlink could still redirect a write or a
+read, so lock, pin, log and temp files are opened with ``O_NOFOLLOW`` (temps also
+``O_EXCL``), a published shard counts only as a regular file (``lstat``), and the
+dataset's directories are checked to be real directories, not links, before anything is
+written in them (``_real_dir``); ``os.replace`` and ``os.unlink`` act on a link itself,
+never on what it points to.
 
 A shard's cached name carries the manifest's checksum, so a dataset rewritten at the
 same URL never reuses a file verified against the old manifest: old and new copies are
@@ -76,6 +90,7 @@ import fcntl
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -86,7 +101,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _C
-from ..errors import CacheError, CacheLimitError, PyloaderError
+from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
 from ..format.encode import atomic_write as _atomic_write
 from ..format.sizes import parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
@@ -108,6 +123,10 @@ _STALE_TEMP_S = 3600.0
 # without them (NOTE [cache publish]); EOPNOTSUPP is ENOTSUP on Linux.
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _PINS_FILE = "pins.lock"
+# What to free, for a write that failed on a full disk.
+_FULL_HINT = {errno.ENOSPC: " (no space or no inodes left: free some, or set a smaller cache limit or another "
+                            "cache_dir)",
+              errno.EDQUOT: " (disk quota exceeded: free some, or set another cache_dir)"}
 _DISCARD_LOG = "discarded.log"
 
 
@@ -156,16 +175,59 @@ def _fsync_dir(path: str) -> None:
 
 
 def _open_lockfile(path: str) -> int | None:
-    """An fd for flock on ``path`` (created if possible); None if it cannot exist (read-only dir)."""
+    """An fd for flock on ``path`` (created if possible); None if it cannot exist (read-only dir).
+
+    Never through a symlink (NOTE [cache paths]): a link planted at ``path`` raises CacheError.
+    """
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as e:
-        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC):
-            raise
+        if e.errno == errno.ELOOP:
+            raise _link_error(path) from None
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EDQUOT):
+            raise _cache_error(e.errno or errno.EIO, f"cannot open lock file {path}: {os.strerror(e.errno or 0)}") \
+                from None
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _link_error(path) from None
         return None
+
+
+def _link_error(path: str) -> CacheError:
+    return _cache_error(errno.ELOOP, f"{path} is a symbolic link: pyloader writes no file of its cache through a "
+                        "link; remove it (and check who can write to the cache directory: docs/security.md)")
+
+
+def _real_dir(path: str) -> None:
+    """Creates directory ``path`` if needed; raises CacheError if it (or ``v1`` above it) is a link or not a directory.
+
+    NOTE [cache paths]. A missing parent is created by ``os.makedirs`` as usual.
+    """
+    os.makedirs(path, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise _cache_error(errno.ENOTDIR, f"{path} is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a directory'}: "
+                           "pyloader keeps its cache in real directories only; remove it "
+                           "(and check who can write to the cache directory: docs/security.md)")
+
+
+_NAME_MAX = 255
+
+
+def shard_cache_name(path: str, digest: str) -> str:
+    """The cached file name of shard ``path`` whose manifest checksum is ``digest`` (NOTE [cache paths]).
+
+    Raises ValueError unless the result is one file-name component.
+    """
+    q = _quote(path)
+    if len(q) + 17 > _NAME_MAX:
+        q = f"{q[:160]}~{_C.xxh64(path.encode('utf-8')):016x}"
+    name = f"{q}.{digest}"
+    if "/" in name or "\0" in name or name in (".", "..") or len(name.encode("utf-8")) > _NAME_MAX:
+        raise ValueError(f"shard {path!r}: its cache name {name!r} is not one file-name component")
+    return name
 
 
 def _same_file(path: str, fd: int) -> bool:
@@ -517,7 +579,9 @@ class ShardCache:
                     url = f.read().strip()
                 with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
                     data = f.read()
-                out.append(DatasetCache(self, url, data))
+                # The cache's own copy: checked before it was stored, and it may be a
+                # listing pyloader built itself (NOTE [untrusted manifest]).
+                out.append(DatasetCache(self, url, data, identity=True))
             except (OSError, PyloaderError, ValueError):
                 continue  # not a dataset dir (or half-created): ignored, `clear` removes it
         return out
@@ -747,16 +811,26 @@ class _SpaceLock:
 class DatasetCache:
     """The cached shards of one dataset (one manifest) inside a ShardCache."""
 
+    # Whether this flavour's manifests are built by pyloader from a listing of objects
+    # named by identity (``"content_hash": false``; NOTE [untrusted manifest]).
+    identity_listing = False
+
     def __init__(self, cache: ShardCache, url: str, manifest_bytes: bytes, *,
-                 storage_options: dict[str, Any] | None = None, policy: RetryPolicy | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, policy: RetryPolicy | None = None,
+                 identity: bool | None = None) -> None:
         self.cache = cache
         self.url = normalize_url(url)
         self.key = dataset_key(self.url)
         self.dir = os.path.join(cache.root, self.key)
         self.manifest_bytes = manifest_bytes
-        self.manifest = parse_manifest(manifest_bytes, self.url + "/" + MANIFEST_NAME, _C.xxh64)
+        where = self.url + "/" + MANIFEST_NAME
+        self.manifest = parse_manifest(manifest_bytes, where, _C.xxh64,
+                                       identity=self.identity_listing if identity is None else identity)
         self.shards: list[dict[str, Any]] = self.manifest["shards"]
-        self.names = [f"{_quote(s['path'])}.{s['xxh64']}" for s in self.shards]
+        try:
+            self.names = [shard_cache_name(s["path"], s["xxh64"]) for s in self.shards]
+        except ValueError as e:
+            raise ManifestError(f"manifest {where!r}: {e}") from None
         self.storage_options = storage_options
         self.policy = policy or RetryPolicy.from_env()
         self._pins: dict[int, int] = {}  # shard index -> its byte in pins.lock, pinned by this object
@@ -810,32 +884,47 @@ class DatasetCache:
         return os.path.join(self.dir, _PINS_FILE)
 
     def store_manifest(self) -> None:
-        """Writes the URL and this manifest into the dataset dir (skipped where read-only)."""
+        """Writes the URL and this manifest into the dataset dir (skipped where read-only).
+
+        Raises CacheError naming the path for a full disk (no space or no inodes left) or
+        a link planted in the cache (NOTE [cache paths]).
+        """
+        path = self.cache.root
         try:
+            _real_dir(path)
+            _real_dir(self.dir)
             for sub in ("shards", "locks", "tmp"):
-                os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-            mpath = os.path.join(self.dir, MANIFEST_NAME)
+                path = os.path.join(self.dir, sub)
+                _real_dir(path)
+            path = os.path.join(self.dir, MANIFEST_NAME)
             try:
-                with open(mpath, "rb") as f:
+                with open(path, "rb") as f:
                     same = f.read() == self.manifest_bytes
             except FileNotFoundError:
                 same = False
             if not same:
-                _atomic_write(mpath, [self.manifest_bytes])
-            upath = os.path.join(self.dir, "url")
-            if not os.path.exists(upath):
-                _atomic_write(upath, [self.url.encode("utf-8") + b"\n"])
+                _atomic_write(path, [self.manifest_bytes])
+            path = os.path.join(self.dir, "url")
+            if not os.path.lexists(path):
+                _atomic_write(path, [self.url.encode("utf-8") + b"\n"])
+        except CacheError:
+            raise
         except OSError as e:
-            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise
-            # Read-only cache: usable for shards that are already there.
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return  # read-only cache: usable for shards that are already there
+            raise _cache_error(e.errno or errno.EIO, f"{self.url}: cannot write {path} in cache {self.cache.base}: "
+                               f"{os.strerror(e.errno or errno.EIO)}{_FULL_HINT.get(e.errno or 0, '')}") from None
 
     def is_published(self, i: int) -> bool:
-        """Whether shard ``i`` is in the cache at its manifest size (NOTE [cache publish])."""
+        """Whether shard ``i`` is in the cache at its manifest size (NOTE [cache publish]).
+
+        A regular file only: a link at its name is not a published shard (NOTE [cache paths]).
+        """
         try:
-            return os.stat(self.shard_file(i)).st_size == self.shards[i]["bytes"]
+            st = os.lstat(self.shard_file(i))
         except FileNotFoundError:
             return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == self.shards[i]["bytes"]
 
     def entries(self) -> list[Entry]:
         """This dataset's published shard files, including those an older manifest named."""
@@ -848,7 +937,7 @@ class DatasetCache:
         for n in names:
             p = os.path.join(self.shard_dir, n)
             try:
-                st = os.stat(p)
+                st = os.lstat(p)  # a link is listed as itself, and fails verify_entry
             except FileNotFoundError:
                 continue
             out.append(Entry(self, n, p, st.st_size, st.st_mtime, n in refs, st.st_ino))
@@ -894,7 +983,7 @@ class DatasetCache:
     def _pinned(self, names: Iterable[str]) -> set[str]:
         """Which of the shard files ``names`` some process pins (one open of ``pins.lock``)."""
         try:
-            fd = os.open(self._pins_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self._pins_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             return set()  # no pins.lock: nobody pins anything here
         try:
@@ -1028,10 +1117,10 @@ class DatasetCache:
         for _ in range(2):
             tmp = os.path.join(self.tmp_dir, _new_temp_name(name))
             try:
-                return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except FileNotFoundError:
-                os.makedirs(self.tmp_dir, exist_ok=True)  # `clear` removed it meanwhile
-        return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                _real_dir(self.tmp_dir)  # `clear` removed it meanwhile
+        return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
     def _reclaim_temps(self, name: str) -> None:
         """Removes the temps of shard ``name`` whose writers are gone (NOTE [cache publish])."""
@@ -1055,7 +1144,7 @@ class DatasetCache:
         except FileNotFoundError:
             if not os.path.exists(tmp):
                 raise _TempLost() from None
-            os.makedirs(self.shard_dir, exist_ok=True)  # `clear` removed it meanwhile
+            _real_dir(self.shard_dir)  # `clear` removed it meanwhile
             os.replace(tmp, final)
         _fsync_dir(self.shard_dir)
 
@@ -1120,9 +1209,13 @@ class DatasetCache:
         if e.bytes != info["bytes"]:
             return f"size {e.bytes}, manifest says {info['bytes']}"
         try:
-            fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None  # evicted meanwhile: nothing cached, nothing wrong
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return "a symbolic link, not a shard file (NOTE [cache paths])"
+            raise
         try:
             return self.content_problem(fd, e.bytes, i)
         finally:
@@ -1200,7 +1293,7 @@ class DatasetCache:
                     f"{self.names[i]}: {reason}").replace("\n", " ")
             try:
                 fd = os.open(os.path.join(self.dir, _DISCARD_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                             | os.O_CLOEXEC, 0o644)
+                             | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
                 try:
                     os.write(fd, line.encode("utf-8", "replace") + b"\n")  # one append: whole lines
                 finally:

@@ -7,10 +7,10 @@ last fetched the manifest, and it stays fresh for ``PYLOADER_MANIFEST_TTL`` seco
 (default 60; 0: always fetch). A fresh copy serves a process's *first* open of the URL,
 without a request. Otherwise ``node_manifest`` takes the flock
 ``locks/manifest.json.lock`` and, for a first open, looks again: the process it waited
-for may have just fetched it. If it must fetch, it checks the manifest's framing and
-checksum and stores it: an atomic replace (NOTE [atomic publish]), so a reader sees the
-old copy or the new one, never part of one; or, when the bytes did not change, a new
-mtime. So:
+for may have just fetched it. If it must fetch, it checks the manifest (framing,
+checksum and entries: NOTE [untrusted manifest]) and stores it: an atomic replace (NOTE
+[atomic publish]), so a reader sees the old copy or the new one, never part of one; or,
+when the bytes did not change, a new mtime. So:
 
 * the 8 ranks of a node that start together send one GET, not 8;
 * they read the same manifest even if the dataset is rewritten while they start, where
@@ -36,9 +36,9 @@ import time
 from typing import Any
 
 from .. import _C
-from ..errors import ManifestError
+from ..errors import CacheError, ManifestError
 from ..format.encode import atomic_write
-from ..format.spec import MANIFEST_NAME, manifest_body
+from ..format.spec import MANIFEST_NAME, parse_manifest
 from .cache import dataset_key, normalize_url
 from .fs import RetryPolicy, read_object
 
@@ -75,9 +75,10 @@ def node_manifest(url: str, cache_root: str, storage_options: dict[str, Any] | N
     """The manifest bytes of the remote dataset ``url``, shared by the processes of a node that open it together.
 
     ``cache_root`` is the cache's layout directory (``ShardCache.root``); ``ttl`` defaults
-    to ``manifest_ttl()``. The bytes' framing and checksum are checked (the body is not
-    parsed). NOTE [manifest once per node]. Raises ``FetchError`` as ``read_object``
-    does, ``ManifestError`` for a fetched manifest that fails its checksum.
+    to ``manifest_ttl()``. The bytes are checked as ``parse_manifest`` does (framing,
+    checksum and every entry: NOTE [untrusted manifest]) before they are stored or used.
+    NOTE [manifest once per node]. Raises ``FetchError`` as ``read_object`` does,
+    ``ManifestError`` for a fetched manifest that fails those checks.
     """
     url = normalize_url(url)
     murl = url + "/" + MANIFEST_NAME
@@ -109,7 +110,8 @@ def node_manifest(url: str, cache_root: str, storage_options: dict[str, Any] | N
 
 def _fetch(murl: str, storage_options: dict[str, Any] | None, policy: RetryPolicy) -> bytes:
     data: bytes = read_object(murl, storage_options, policy)
-    manifest_body(data, murl, _C.xxh64)  # nothing that fails its checksum is stored
+    # Nothing that fails its checksum or its entries' checks is stored (NOTE [untrusted manifest]).
+    parse_manifest(data, murl, _C.xxh64)
     return data
 
 
@@ -124,9 +126,9 @@ def _fresh_copy(path: str, ttl: float) -> bytes | None:
     except OSError:
         return None
     try:
-        manifest_body(data, path, _C.xxh64)
+        parse_manifest(data, path, _C.xxh64)
     except ManifestError:
-        return None  # damaged on disk: fetch again
+        return None  # damaged on disk, or not a dataset's manifest: fetch again
     return data
 
 
@@ -140,10 +142,13 @@ def _lock(path: str, timeout: float) -> int | None:
     while True:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             if e.errno in _CANNOT_SHARE:
                 return None
+            if e.errno == errno.ELOOP:
+                raise CacheError(errno.ELOOP, f"{path} is a symbolic link: pyloader writes no file of its cache "
+                                 "through a link; remove it (docs/security.md)") from None
             raise
         delay = _LOCK_POLL_S
         try:

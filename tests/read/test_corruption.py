@@ -631,7 +631,11 @@ def test_truncated_shard(sess, fix_manifest):
                 body["shards"][1]["bytes"] = n
                 save_manifest(sess.dir, body)
                 if n < 128:  # the manifest itself rejects a shard smaller than a header
-                    with pytest.raises(pyloader.ManifestError, match="invalid sizes"):
+                    with pytest.raises(pyloader.ManifestError, match=f"size {n} bytes is outside"):
+                        pyloader.ShardDataset(sess.dir)
+                    continue
+                if body["shards"][1]["records"] > n - 128:  # or too small for its records (a byte each)
+                    with pytest.raises(pyloader.ManifestError, match=f"records cannot fit in {n} bytes"):
                         pyloader.ShardDataset(sess.dir)
                     continue
             outcome, exc, _ = read_mutated(sess.dir, shard, sess.ref[BATCH], what, num_threads=2)

@@ -90,6 +90,7 @@ import fcntl
 import mmap
 import os
 import re
+import signal
 import stat
 import struct
 import threading
@@ -454,6 +455,41 @@ def _owner() -> str:
             ns = 0
         _owner_cache = (pid, f"{host or '_'}-{_boot_id()}-{ns}")
     return _owner_cache[1]
+
+
+# NOTE [temps at SIGTERM]: a download's temp file is removed by its writer on every way
+# out of the download, and by the fetchers' exit hook (NOTE [downloads at exit]) at an
+# orderly exit; a process killed outright leaves it for the next writer of that shard
+# (NOTE [cache publish]). One kill is routine: the parent of multiprocessing children
+# (torch's DataLoader workers) terminates them with SIGTERM as it exits, a moment after a
+# Ctrl-C, while their downloads run. So a multiprocessing child that fetches installs,
+# from its main thread and only where SIGTERM has its default action, a handler that
+# unlinks this process's live temps (``_live_temps``) and then dies of SIGTERM as before
+# (the default action restored and the signal sent again). A forked child forgets the
+# parent's temps.
+_live_temps: set[str] = set()
+
+
+def remove_temps_at_sigterm() -> None:
+    """Installs the handler of NOTE [temps at SIGTERM], from the main thread, where SIGTERM's action is the default."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    signal.signal(signal.SIGTERM, _unlink_temps_and_die)
+
+
+def _unlink_temps_and_die(signum: int, frame: object) -> None:
+    for p in list(_live_temps):  # one C call under the GIL: the download threads cannot change it meanwhile
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+os.register_at_fork(after_in_child=_live_temps.clear)
 
 
 def _temp_stem(name: str) -> str:
@@ -1161,6 +1197,7 @@ class DatasetCache:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
                 tmp, fd = self._create_temp(name)
+                _live_temps.add(tmp)
                 try:
                     os.posix_fallocate(fd, 0, size)  # reserve now: a full disk fails here, cleanly
                 except OSError as e:
@@ -1188,8 +1225,10 @@ class DatasetCache:
                 raise
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES):
                 raise _cache_error(e.errno, f"{url}: shard {shard!r}: cannot write to cache {self.cache.base}: "
-                                   f"{os.strerror(e.errno)}", shard) from None
-            raise
+                                   f"{os.strerror(e.errno)}{_FULL_HINT.get(e.errno, '')}", shard) from None
+            where = e.filename or tmp or self.dir
+            raise _cache_error(e.errno or errno.EIO, f"{url}: shard {shard!r}: {where} in cache {self.cache.base}: "
+                               f"{e.strerror or e}", shard) from None
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -1198,6 +1237,7 @@ class DatasetCache:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
+                _live_temps.discard(tmp)
 
     # -- checks --------------------------------------------------------------------------
     def verify_entry(self, e: Entry) -> str | None:

@@ -16,7 +16,10 @@ import atexit
 import collections
 import errno
 import heapq
+import multiprocessing
+import multiprocessing.util
 import os
+import sys
 import threading
 import time
 import weakref
@@ -28,7 +31,7 @@ import numpy as np
 from .. import _C
 from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
-from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url
+from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm
 from .fs import FetchError, RetryPolicy, download_buffer_bytes
 from .manifest import node_manifest
 
@@ -124,20 +127,43 @@ def first_touch_order(shard_idx: Iterable[int] | np.ndarray) -> list[int]:
     return [int(x) for x in uniq[np.argsort(first, kind="stable")]]
 
 
+def _exit_is_abrupt() -> bool:
+    """Whether this process ends in a way that leaves no time to finish downloads.
+
+    A multiprocessing child (a torch DataLoader worker) is ended by its parent soon after
+    the parent stops (``terminate()``, at the latest when the parent exits), and a Ctrl-C
+    (an uncaught KeyboardInterrupt, which ``sys.last_value`` holds at exit) asks for a
+    prompt stop.
+    """
+    if multiprocessing.parent_process() is not None:
+        return True
+    last = getattr(sys, "last_value", None)
+    return isinstance(last, KeyboardInterrupt)
+
+
 def _close_at_exit(ref: weakref.ref[ShardFetcher], finish_s: float = 5.0, cancel_s: float = 2.0) -> None:
+    """Cancels ``ref``'s downloads before this process ends.
+
+    NOTE [downloads at exit]: at interpreter exit (``atexit``) or a multiprocessing
+    child's end (``multiprocessing.util.Finalize``: such a child leaves by ``os._exit``,
+    which skips ``atexit``), the download threads -- daemons, which the exit would stop
+    mid-file -- are cancelled before the process goes, so each removes its temp file.
+    After a normal end the running downloads may first finish and publish (their bytes
+    are not wasted) while bytes keep arriving, up to ``finish_s``; where the end is abrupt
+    (``_exit_is_abrupt``: a worker whose parent will terminate it, a Ctrl-C) they are
+    cancelled at once. A cancel is seen within about 50 ms.
+    """
     fetcher = ref()
     if fetcher is None or os.getpid() != fetcher._pid:
         return
-    # No new downloads; the running ones may finish and publish (their bytes are not
-    # wasted) while bytes keep arriving, up to finish_s; a stalled one is cancelled at
-    # once, and removes its temp.
     fetcher._drop_queue()
-    deadline = time.monotonic() + finish_s
-    seen = fetcher.bytes
-    while time.monotonic() < deadline and not fetcher.wait(timeout=0.25):
-        if fetcher.bytes == seen:
-            break
+    if not _exit_is_abrupt():
+        deadline = time.monotonic() + finish_s
         seen = fetcher.bytes
+        while time.monotonic() < deadline and not fetcher.wait(timeout=0.25):
+            if fetcher.bytes == seen:
+                break  # a stalled download is cancelled at once
+            seen = fetcher.bytes
     fetcher.close()
     fetcher.wait(timeout=cancel_s)
 
@@ -222,10 +248,12 @@ class ShardFetcher:
         self._pilot: threading.Thread | None = None
         self._pid = os.getpid()
         _FETCHERS.add(self)
-        # At interpreter exit the download threads (daemons) would be stopped mid-file,
-        # leaving their temp files for a later process to clean: cancel them first.
+        # See NOTE [downloads at exit].
         ref = weakref.ref(self)
         atexit.register(_close_at_exit, ref)
+        if multiprocessing.parent_process() is not None:
+            multiprocessing.util.Finalize(None, _close_at_exit, args=(ref,), exitpriority=100)
+            remove_temps_at_sigterm()
 
     @property
     def streaming(self) -> bool:

@@ -34,7 +34,11 @@ already accounted for) and pauses the host: for the server's ``Retry-After`` whe
 gives one, else for a jittered backoff that grows with the throttled responses since
 the host's last success. Each success while the window is full widens it by
 ``1/window`` (about one request per round: AIMD, as TCP). So a throttling storm slows
-the fetchers down to what the server accepts instead of failing them. Once the host
+the fetchers down to what the server accepts instead of failing them. A streak is
+reported as a warning on the ``pyloader.remote`` logger (printed to stderr where logging
+is not configured) once it is 5 s old and every 30 s while it lasts: the host, the
+throttled responses and what the last said, the window, and how long until requests
+give up. Once the host
 has answered nothing but throttles for ``throttle_deadline`` seconds, a request that is
 throttled again, or one waiting for a window with nothing in flight, fails with the
 numbers (how long, how many throttled responses, the window reached). After a second
@@ -55,6 +59,7 @@ import concurrent.futures
 import contextlib
 import errno
 import inspect
+import logging
 import os
 import random
 import threading
@@ -171,6 +176,11 @@ class RetryPolicy:
 _CANCEL_POLL_S = 0.05
 _STREAK_IDLE_S = 1.0  # idle past the pause: the host's throttle streak is over
 _WINDOW_IDLE_S = 60.0  # idle this long: the window opens again
+# A host that throttles is reported on the "pyloader.remote" logger once its streak is
+# this old, then at least this often while fetches wait on it (NOTE [fetch throttling]).
+_THROTTLE_REPORT_FIRST_S = 5.0
+_THROTTLE_REPORT_EVERY_S = 30.0
+_log = logging.getLogger("pyloader.remote")
 
 
 class _Cancelled(Exception):
@@ -191,10 +201,16 @@ class HostLimiter:
     it starts there, so only a throttle ever limits anything.
     """
 
-    def __init__(self, ceiling: int = 64) -> None:
+    def __init__(self, ceiling: int = 64, name: str = "") -> None:
         if ceiling < 1:
             raise ValueError("ceiling must be >= 1")
         self.ceiling = ceiling
+        self.name = name  # the host (or bucket) key, for the throttling report
+        self.give_up_after: float | None = None  # the latest slot()'s throttle deadline
+        self.reports = 0  # throttling reports logged
+        self.report_first_s = _THROTTLE_REPORT_FIRST_S
+        self.report_every_s = _THROTTLE_REPORT_EVERY_S
+        self._reported_at: float | None = None
         self._cv = threading.Condition(threading.Lock())
         self._window = float(ceiling)
         self._in_flight = 0
@@ -240,6 +256,8 @@ class HostLimiter:
         ``cancel`` is set meanwhile, ``_ThrottleExpired`` when the host has answered only
         throttles for ``give_up_after`` seconds and nothing is in flight.
         """
+        if give_up_after is not None:
+            self.give_up_after = give_up_after
         started = self._acquire(cancel, give_up_after)
         try:
             yield started
@@ -272,6 +290,7 @@ class HostLimiter:
                     if (give_up_after is not None and not self._in_flight and self._streak_since is not None
                             and now - self._streak_since > give_up_after):
                         raise _ThrottleExpired()
+                    self._report(now)
                     left = self._pause_until - now
                     self._cv.wait(min(left, _CANCEL_POLL_S) if left > 0 else _CANCEL_POLL_S)
             finally:
@@ -296,7 +315,28 @@ class HostLimiter:
                 self.lowest = min(self.lowest, self.window)
             self._pause_until = max(self._pause_until, now + pause)
             self._cv.notify_all()
+            self._report(now)
             return now - self._streak_since
+
+    def _report(self, now: float) -> None:
+        """Logs the throttling streak when due (NOTE [fetch throttling]); the caller holds the lock."""
+        since = self._streak_since
+        if since is None or now - since < self.report_first_s:
+            return
+        if self._reported_at is not None and self._reported_at >= since and now - self._reported_at < \
+                self.report_every_s:
+            return
+        self._reported_at = now
+        self.reports += 1
+        streak_s = now - since
+        left = ""
+        if self.give_up_after is not None:
+            left = (f"; its requests fail once it has throttled for {self.give_up_after:g} s, "
+                    f"{max(0.0, self.give_up_after - streak_s):.0f} s from now (PYLOADER_FETCH_THROTTLE_DEADLINE)")
+        _log.warning("pyloader: %s is throttling: %d throttled responses in %.0f s since its last success "
+                     "(last: %s); request window %d, %d in flight, %d waiting%s", self.name or "the host",
+                     self._streak, streak_s, self.last_signal or "throttled", self.window, self._in_flight,
+                     self._waiting, left)
 
     def ok(self) -> None:
         """A request succeeded: the streak is over; a full window widens by ``1/window``."""
@@ -326,7 +366,7 @@ def host_limiter(url: str) -> HostLimiter:
     with _LIMITERS_MU:
         lim = _LIMITERS.get(key)
         if lim is None:
-            lim = _LIMITERS[key] = HostLimiter()
+            lim = _LIMITERS[key] = HostLimiter(name=key)
         return lim
 
 

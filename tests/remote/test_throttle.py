@@ -6,6 +6,7 @@ throttling fails the fetch after PYLOADER_FETCH_THROTTLE_DEADLINE with the numbe
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ import pyloader
 from pyloader.remote import fs as rfs
 from pyloader.remote.cli import EXIT_OK, EXIT_UNREACHABLE, main
 from pyloader.remote.fetch import open_remote
+from pyloader.remote.fs import host_limiter
 
 N_SHARDS = 48
 
@@ -207,3 +209,25 @@ def test_a_throttle_storm_ends_a_warm_after_the_deadline(many_root, cache_dir, c
     assert took < deadline + 4.0
     assert gets < 40 * N_SHARDS  # paused, not hammering
     assert "throttle deadline" in r["failed"][0]["error"], r["failed"][0]
+
+
+@pytest.mark.timeout(60)
+def test_a_throttled_fetch_says_so_while_it_waits(many_root, cache_dir, monkeypatch, caplog):
+    """The streak is reported on the "pyloader.remote" logger when it is report_first_s old and
+    every report_every_s after (5 s and 30 s by default; shortened here), with what a user needs."""
+    monkeypatch.setenv("PYLOADER_FETCH_THROTTLE_DEADLINE", "3.5")
+    with ThrottlingServer(many_root, always=True, retry_after="1", max_life=50) as srv:
+        lim = host_limiter(srv.url)
+        assert (lim.report_first_s, lim.report_every_s) == (5.0, 30.0)
+        lim.report_first_s, lim.report_every_s = 0.5, 1.0
+        dcache = open_remote(srv.url + "/ds", cache_dir=cache_dir)
+        with caplog.at_level(logging.WARNING, logger="pyloader.remote"):
+            with pytest.raises(pyloader.FetchError, match="throttle deadline"):
+                dcache.ensure(3)
+    reports = [r.getMessage() for r in caplog.records if r.name == "pyloader.remote"]
+    assert 3 <= len(reports) <= 4 and lim.reports == len(reports), reports
+    first = reports[0]
+    host = srv.url.split("://")[1]
+    assert host in first and "is throttling" in first and "throttled responses in" in first, first
+    assert "HTTP 503, Retry-After 1 s" in first and "request window 1" in first, first
+    assert "fail once it has throttled for 3.5 s" in first and "PYLOADER_FETCH_THROTTLE_DEADLINE" in first, first

@@ -105,8 +105,12 @@ class ShardSet:
         max_idle: int = 4096,
         shard_schemas: Sequence[bytes] = (),
         schema_of: Sequence[int] = (),
+        max_value_bytes: int = 1073741824,
     ) -> None:
-        """shard_schemas/schema_of: shard i equals shard_schemas[schema_of[i]] (NOTE [renamed schemas])."""
+        """shard_schemas/schema_of: shard i equals shard_schemas[schema_of[i]] (NOTE [renamed schemas]).
+
+        No value may decode to more than max_value_bytes (NOTE [value bounds] in core/shard_reader.h).
+        """
     def mark_ready(self, index: int, path: str) -> None:
         """A pending shard's file is verified and in place at `path` (NOTE [shard readiness])."""
 

@@ -65,10 +65,13 @@ def jpeg_decode_region(
     width: int,
     height: int,
     channels: int,
+    max_pixels: int = 89478485,
 ) -> None:
     """Decodes the region (x, y, width, height) of a JPEG scaled by 1/denom into dst (HWC uint8).
 
-    Any corrupt-data warning is an error (ValueError). Releases the GIL.
+    An image of more than max_pixels pixels is refused from its header, and a corrupt-data
+    warning stops the decode, both as ValueError (NOTE [pixel limit] in core/jpeg_decode.h).
+    Releases the GIL.
     """
 
 def normalize_u8(

@@ -65,10 +65,13 @@ def jpeg_decode_region(
     width: int,
     height: int,
     channels: int,
+    max_pixels: int = 89478485,
 ) -> None:
     """Decodes the region (x, y, width, height) of a JPEG scaled by 1/denom into dst (HWC uint8).
 
-    Any corrupt-data warning is an error (ValueError). Releases the GIL.
+    An image of more than max_pixels pixels is refused from its header, and a corrupt-data
+    warning stops the decode, both as ValueError (NOTE [pixel limit] in core/jpeg_decode.h).
+    Releases the GIL.
     """
 
 def normalize_u8(
@@ -105,8 +108,12 @@ class ShardSet:
         max_idle: int = 4096,
         shard_schemas: Sequence[bytes] = (),
         schema_of: Sequence[int] = (),
+        max_value_bytes: int = 1073741824,
     ) -> None:
-        """shard_schemas/schema_of: shard i equals shard_schemas[schema_of[i]] (NOTE [renamed schemas])."""
+        """shard_schemas/schema_of: shard i equals shard_schemas[schema_of[i]] (NOTE [renamed schemas]).
+
+        No value may decode to more than max_value_bytes (NOTE [value bounds] in core/shard_reader.h).
+        """
     def mark_ready(self, index: int, path: str) -> None:
         """A pending shard's file is verified and in place at `path` (NOTE [shard readiness])."""
 

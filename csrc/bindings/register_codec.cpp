@@ -98,6 +98,11 @@ void register_codec(py::module_& m) {
       "lz4_decode_block",
       [](const py::buffer& src, size_t decoded_size) {
         ReadView v(src);
+        // NOTE [value bounds] in core/shard_reader.h: refused before the allocation.
+        if (decoded_size > lz4_max_decoded_size(v.size()))
+          throw LoaderError(ErrorKind::kFormat, "", -1, "",
+                            "LZ4 block is malformed: " + std::to_string(decoded_size) +
+                                " bytes is more than a block of " + std::to_string(v.size()) + " bytes can decode to");
         py::bytes out(nullptr, decoded_size);
         char* dst = PyBytes_AS_STRING(out.ptr());
         const char* err = without_gil(

@@ -44,7 +44,8 @@ void register_image(py::module_& m) {
 
   m.def(
       "jpeg_decode_region",
-      [](const py::buffer& data, const py::buffer& dst, int denom, int x, int y, int width, int height, int channels) {
+      [](const py::buffer& data, const py::buffer& dst, int denom, int x, int y, int width, int height, int channels,
+         uint64_t max_pixels) {
         ReadBuffer in(data);
         Py_buffer out{};
         if (PyObject_GetBuffer(dst.ptr(), &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0)
@@ -56,15 +57,16 @@ void register_image(py::module_& m) {
         }
         const char* err = without_gil([&] {
           return jpeg_decode_region(static_cast<const uint8_t*>(in.view.buf), size_t(in.view.len), denom, x, y, width,
-                                    height, channels, static_cast<uint8_t*>(out.buf));
+                                    height, channels, static_cast<uint8_t*>(out.buf), max_pixels);
         });
         PyBuffer_Release(&out);
         if (err) throw py::value_error(err);
       },
       py::arg("data"), py::arg("dst"), py::kw_only(), py::arg("denom"), py::arg("x"), py::arg("y"), py::arg("width"),
-      py::arg("height"), py::arg("channels"),
-      "Decodes the region (x, y, width, height) of a JPEG scaled by 1/denom into dst (HWC uint8). Any "
-      "corrupt-data warning is an error (ValueError). Releases the GIL.");
+      py::arg("height"), py::arg("channels"), py::arg("max_pixels") = kDefaultMaxPixels,
+      "Decodes the region (x, y, width, height) of a JPEG scaled by 1/denom into dst (HWC uint8). An image "
+      "of more than max_pixels pixels is refused from its header, and a corrupt-data warning stops the "
+      "decode, both as ValueError (NOTE [pixel limit] in core/jpeg_decode.h). Releases the GIL.");
 
   m.def(
       "normalize_u8",

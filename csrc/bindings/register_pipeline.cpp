@@ -54,16 +54,16 @@ void register_pipeline(py::module_& m) {
       "(NOTE [working set] in core/shard_reader.h).")
       .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
                        py::bytes schema, bool pending, size_t max_idle, std::vector<py::bytes> shard_schemas,
-                       std::vector<uint32_t> schema_of) {
+                       std::vector<uint32_t> schema_of, uint64_t max_value_bytes) {
              std::vector<std::string> alts;
              for (auto& b : shard_schemas) alts.emplace_back(std::string(b));
              return std::make_shared<ShardSet>(std::move(paths), std::move(bytes), std::move(records),
                                                std::string(schema), pending, max_idle, std::move(alts),
-                                               std::move(schema_of));
+                                               std::move(schema_of), max_value_bytes);
            }),
            py::kw_only(), py::arg("paths"), py::arg("bytes"), py::arg("records"), py::arg("schema"),
            py::arg("pending") = false, py::arg("max_idle") = 4096, py::arg("shard_schemas") = std::vector<py::bytes>{},
-           py::arg("schema_of") = std::vector<uint32_t>{})
+           py::arg("schema_of") = std::vector<uint32_t>{}, py::arg("max_value_bytes") = kDefaultMaxValueBytes)
       .def("mark_ready", &ShardSet::mark_ready, py::arg("index"), py::arg("path"),
            "A pending shard's file is verified and in place at `path` (NOTE [shard readiness]).")
       .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"), py::arg("errno") = 0,

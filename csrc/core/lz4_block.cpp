@@ -170,6 +170,7 @@ inline void copy_match_wild(uint8_t* op, size_t count, size_t d) noexcept {
 
 const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst, size_t dst_size) noexcept {
   if (src_size == 0) return "empty input (a block holds at least one token)";
+  if (dst_size > lz4_max_decoded_size(src_size)) return "the declared size is more than the block can decode to";
   const uint8_t* ip = src;
   const uint8_t* const iend = src + src_size;
   uint8_t* op = dst;

@@ -20,4 +20,13 @@ namespace pyloader {
 // before the end) are not enforced, so every block liblz4 produces is accepted.
 const char* lz4_decode_block(const uint8_t* src, size_t src_size, uint8_t* dst, size_t dst_size) noexcept;
 
+// The most bytes an LZ4 block of `src_size` bytes can decode to. A sequence's token and
+// offset (3 bytes) produce at most 19 bytes, a literal byte one, and each length byte at
+// most 255 (a match or literal length continued by 255; literals also need their own input
+// bytes): no input byte adds more than 255 bytes of output. A declared decoded size above
+// this is a forgery, refused before anything is allocated for it (NOTE [value bounds] in
+// shard_reader.h).
+inline constexpr uint64_t kLz4MaxExpansion = 255;
+constexpr uint64_t lz4_max_decoded_size(uint64_t src_size) noexcept { return src_size * kLz4MaxExpansion; }
+
 }  // namespace pyloader

@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
 #include "core/errors.h"
+#include "core/lz4_block.h"
 #include "core/xxh3.h"
 #include "core/xxh64.h"
 
@@ -35,6 +37,46 @@ size_t willneed_limit() {
 
 [[noreturn]] void format_error(const std::string& path, const std::string& what) {
   throw LoaderError(ErrorKind::kFormat, path, -1, "", what);
+}
+
+// A name from a schema block for a message: printable ASCII as is, any other byte as \xNN,
+// so the message is valid UTF-8 whatever the bytes were.
+std::string escaped_name(const uint8_t* p, size_t n) {
+  std::string out;
+  for (size_t i = 0; i < n && i < 2 * kMaxFieldNameBytes; ++i) {
+    const uint8_t c = p[i];
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      out += char(c);
+    } else {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", unsigned(c));
+      out += hex;
+    }
+  }
+  if (n > 2 * kMaxFieldNameBytes) out += "...";
+  return out;
+}
+
+// The format's rule for field names: [A-Za-z_][A-Za-z0-9_]*, 1 to kMaxFieldNameBytes bytes.
+bool valid_field_name(const uint8_t* p, size_t n) noexcept {
+  if (n == 0 || n > kMaxFieldNameBytes) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t c = p[i];
+    const bool alpha = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_';
+    if (!alpha && !(i > 0 && c >= '0' && c <= '9')) return false;
+  }
+  return true;
+}
+
+std::string size_text(uint64_t n) {
+  char buf[64];
+  if (n >= (uint64_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%llu bytes (%.1f GiB)", static_cast<unsigned long long>(n), double(n) / (1 << 30));
+  else if (n >= (uint64_t(1) << 20))
+    std::snprintf(buf, sizeof buf, "%llu bytes (%.1f MiB)", static_cast<unsigned long long>(n), double(n) / (1 << 20));
+  else
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(n));
+  return buf;
 }
 
 }  // namespace
@@ -69,6 +111,11 @@ std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std:
     pos += 2;
     if (name_len == 0) format_error(where, "schema field with an empty name");
     need(name_len);
+    if (!valid_field_name(data + pos, name_len))
+      throw LoaderError(ErrorKind::kSchema, where, -1, "",
+                        "schema field " + std::to_string(f) + " has the name '" + escaped_name(data + pos, name_len) +
+                            "', which is not [A-Za-z_][A-Za-z0-9_]* of at most " + std::to_string(kMaxFieldNameBytes) +
+                            " bytes (corrupt or forged schema)");
     spec.name.assign(reinterpret_cast<const char*>(data + pos), name_len);
     pos += name_len;
     need(4);
@@ -108,7 +155,7 @@ std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std:
 }
 
 Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
-             const std::vector<FieldSpec>& fields)
+             const std::vector<FieldSpec>& fields, uint64_t max_value_bytes)
     : path_(std::move(path)) {
   int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -195,7 +242,15 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     if (shard_checksum(version_, base_ + index_offset_, index_size) != load_le<uint64_t>(h + 96))
       throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "index checksum mismatch (corrupt index)");
     if (schema_size != schema_blob.size() || std::memcmp(base_ + schema_off, schema_blob.data(), schema_size) != 0) {
-      auto got = parse_schema(base_ + schema_off, schema_size, path_);
+      std::vector<FieldSpec> got;
+      try {
+        got = parse_schema(base_ + schema_off, schema_size, path_);
+      } catch (const LoaderError& e) {
+        // The shard's own schema is malformed: it differs from the dataset's either way.
+        throw LoaderError(ErrorKind::kSchema, path_, -1, "",
+                          std::string("shard schema differs from the dataset schema and is malformed (") + e.what() +
+                              ")");
+      }
       std::string names;
       for (auto& f : got) names += (names.empty() ? "" : ", ") + f.name;
       throw LoaderError(ErrorKind::kSchema, path_, -1, "",
@@ -260,7 +315,9 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         if (column_of_[f] >= 0) continue;
         IndexEntry en = entry(r, f);
         const FieldSpec& spec = fields[f];
-        auto bad = [&](const char* what) { throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what); };
+        auto bad = [&](const std::string& what) {
+          throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what);
+        };
         if (en.offset > payload_size || en.stored_size > payload_size - en.offset)
           bad("index entry points outside the payload");
         if (en.codec != kCodecRaw && en.codec != kCodecLZ4) bad("unknown codec");
@@ -269,6 +326,15 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         uint64_t expect = spec.variable ? uint64_t(en.leading) * spec.row_bytes : spec.row_bytes;
         if (!spec.variable && en.leading != 0) bad("fixed-shape entry with a nonzero length");
         if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
+        // NOTE [value bounds]: no more than the stored bytes can become, nor than the limit.
+        if (en.codec == kCodecLZ4 && en.decoded_size > lz4_max_decoded_size(en.stored_size))
+          bad("index entry says the value decodes to " + size_text(en.decoded_size) + ", more than an LZ4 block of " +
+              std::to_string(en.stored_size) + " bytes can hold (" + std::to_string(kLz4MaxExpansion) +
+              " per byte): corrupt or forged index");
+        if (en.decoded_size > max_value_bytes)
+          bad("value of " + size_text(en.decoded_size) + " exceeds the per-value limit of " +
+              size_text(max_value_bytes) + " (pass a larger max_value_bytes to the dataset if values this large are " +
+              "intended)");
       }
     }
     block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
@@ -315,13 +381,14 @@ IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
 
 ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
                    std::string schema_blob, bool pending, size_t max_idle, std::vector<std::string> shard_schemas,
-                   std::vector<uint32_t> schema_of)
+                   std::vector<uint32_t> schema_of, uint64_t max_value_bytes)
     : paths_(std::move(paths)),
       bytes_(std::move(bytes)),
       records_(std::move(records)),
       schema_blob_(std::move(schema_blob)),
       shard_schemas_(std::move(shard_schemas)),
       schema_of_(std::move(schema_of)),
+      max_value_bytes_(max_value_bytes),
       pending_set_(pending),
       max_idle_(max_idle),
       pid_(::getpid()) {
@@ -330,6 +397,14 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   if (paths_.size() >= kNone) throw std::invalid_argument("too many shards");
   fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(),
                          "<dataset schema>");
+  if (max_value_bytes_ == 0) throw std::invalid_argument("max_value_bytes must be >= 1");
+  // NOTE [value bounds]: a fixed field's every value has its record size.
+  for (const FieldSpec& f : fields_)
+    if (!f.variable && f.row_bytes > max_value_bytes_)
+      throw LoaderError(ErrorKind::kSchema, "", -1, f.name,
+                        "the schema makes every value " + size_text(f.row_bytes) +
+                            ", more than the per-value limit of " + size_text(max_value_bytes_) +
+                            " (pass a larger max_value_bytes to the dataset if values this large are intended)");
   // NOTE [renamed schemas]: each alternative schema must match the set's but for names.
   if (!schema_of_.empty() && schema_of_.size() != paths_.size())
     throw std::invalid_argument("schema_of must have one entry per shard");
@@ -399,7 +474,7 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     std::shared_ptr<const Shard> sh;
     try {
       const std::string& blob = schema_of_.empty() ? schema_blob_ : shard_schemas_[schema_of_[i]];
-      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_);
+      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_);
     } catch (const LoaderError& e) {
       // NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||

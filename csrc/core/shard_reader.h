@@ -31,6 +31,20 @@ inline constexpr size_t kColumnDescSize = 24;  // u32 field, u32 row_bytes, u32 
 inline constexpr uint8_t kCodecRaw = 0;
 inline constexpr uint8_t kCodecLZ4 = 1;
 
+// NOTE [value bounds]: every size a shard states is bounded before anything is allocated
+// from it, because every checksum of a shard can be forged to agree (they catch damage, not
+// intent). At open, each index entry's decoded size must be what the field's declared shape
+// makes of its leading length, at most what its stored bytes can become (themselves: raw;
+// lz4_max_decoded_size(), 255x: LZ4), and at most the set's per-value limit
+// (max_value_bytes; a fixed field's record size is checked against it once, from the
+// schema). Counts and offsets are bounded by the file's size (every record takes an index
+// entry or a column byte; every region lies inside the file). Workers then size batch
+// buffers from validated entries only, so a forged entry fails at open, naming its shard,
+// record and field, instead of reserving batch rows x 4 GiB.
+inline constexpr uint64_t kDefaultMaxValueBytes = uint64_t(1) << 30;
+// A field name is [A-Za-z_][A-Za-z0-9_]* of at most this many bytes (docs/format.md).
+inline constexpr size_t kMaxFieldNameBytes = 128;
+
 struct FieldSpec {
   std::string name;
   uint8_t dtype = 0;
@@ -52,7 +66,8 @@ uint64_t shard_checksum_copy(uint32_t version, void* dst, const void* src, size_
 // The checksum's name for messages: "XXH64" or "XXH3-64".
 const char* shard_checksum_name(uint32_t version) noexcept;
 
-// Parses the binary schema block; throws LoaderError(kFormat) naming `where` if malformed.
+// Parses the binary schema block; throws LoaderError naming `where` if malformed (kFormat),
+// or kSchema for a field name that breaks the format's rule (the message shows it escaped).
 std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std::string& where);
 
 // One index entry, decoded from its 32 on-disk bytes.
@@ -85,9 +100,10 @@ struct ColumnSpec {
 class Shard {
  public:
   // Opens and validates. expected_bytes/records come from the manifest; schema must equal
-  // the dataset schema byte for byte. Throws LoaderError.
+  // the dataset schema byte for byte. No value may decode to more than max_value_bytes
+  // (NOTE [value bounds]). Throws LoaderError.
   Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
-        const std::vector<FieldSpec>& fields);
+        const std::vector<FieldSpec>& fields, uint64_t max_value_bytes = kDefaultMaxValueBytes);
   ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
@@ -190,7 +206,8 @@ class ShardSet {
  public:
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
            std::string schema_blob, bool pending = false, size_t max_idle = 4096,
-           std::vector<std::string> shard_schemas = {}, std::vector<uint32_t> schema_of = {});
+           std::vector<std::string> shard_schemas = {}, std::vector<uint32_t> schema_of = {},
+           uint64_t max_value_bytes = kDefaultMaxValueBytes);
   ~ShardSet();
   ShardSet(const ShardSet&) = delete;
   ShardSet& operator=(const ShardSet&) = delete;
@@ -242,6 +259,7 @@ class ShardSet {
   std::string schema_blob_;
   std::vector<std::string> shard_schemas_;  // NOTE [renamed schemas]
   std::vector<uint32_t> schema_of_;
+  uint64_t max_value_bytes_;  // NOTE [value bounds]
   std::vector<FieldSpec> fields_;
   bool pending_set_;
   size_t max_idle_;

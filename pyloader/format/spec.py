@@ -80,6 +80,9 @@ assert INDEX_DTYPE.itemsize == INDEX_ENTRY_SIZE
 _HEADER = struct.Struct("<8sIIQIIQQQQQQQQQQQ")
 assert _HEADER.size == HEADER_SIZE - 8
 MAX_FIELD_BYTES = 2**32 - 1
+# The most bytes a reader lets one stored value decode to unless told otherwise
+# (``ShardDataset(max_value_bytes=...)``; NOTE [value bounds] in csrc/core/shard_reader.h).
+DEFAULT_MAX_VALUE_BYTES = 1 << 30
 # A checksum (seed 0) of a bytes-like object, e.g. pyloader._C.xxh64, passed in by the caller.
 Hasher = Callable[[Any], int]
 

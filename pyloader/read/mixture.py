@@ -602,7 +602,9 @@ class Mixture(UnitDataset, IterableDataset):
         remote = self.is_remote
         shards = _C.ShardSet(paths=paths, bytes=sizes, records=list(self.unit_records), schema=self._schema,
                              pending=remote, shard_schemas=self._source_schemas if renamed else [],
-                             schema_of=schema_of if renamed else [])
+                             schema_of=schema_of if renamed else [],
+                             # one limit for the set: the largest a source allows (NOTE [value bounds])
+                             max_value_bytes=max(s.max_value_bytes for s in self.sources))
         self._shards, self._shards_pid = shards, os.getpid()
         self._fetcher = None
         if remote:

@@ -23,8 +23,18 @@ from ..errors import (
     ManifestError,
     ManifestNotFoundError,
     NotADatasetError,
+    SchemaError,
 )
-from ..format.spec import MANIFEST_NAME, Field, encode_schema, fields_from_manifest, manifest_path, parse_manifest
+from ..format.sizes import parse_size
+from ..format.spec import (
+    DEFAULT_MAX_VALUE_BYTES,
+    MANIFEST_NAME,
+    Field,
+    encode_schema,
+    fields_from_manifest,
+    manifest_path,
+    parse_manifest,
+)
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
 from ..transform.image import resolve_decode as _resolve_decode
@@ -397,6 +407,12 @@ class ShardDataset(UnitDataset, IterableDataset):
             decoded: None (each to a ``uint8 [H, W, C]`` tensor of its own size), a
             ``pyloader.ImageDecode`` (size, crop, flip...), a dict of them per field, or
             False (the encoded bytes).
+        max_value_bytes: the most bytes one stored value may decode to (an int, or a size
+            such as ``"4G"``; default 1 GiB). A shard whose index says more, or more than
+            the value's stored bytes can decode to, fails when it is opened with a
+            ``ShardFormatError`` naming the shard, record and field, before anything is
+            allocated for it (NOTE [value bounds] in csrc/core/shard_reader.h); a schema
+            whose fixed-shape field is larger raises ``SchemaError``.
     """
 
     pipeline_streams = True  # batches() returns a PipelineStream (tunable)
@@ -414,8 +430,9 @@ class ShardDataset(UnitDataset, IterableDataset):
                  world_size: int | None = None, partition: str = "pad", cache_dir: str | os.PathLike[str] | None = None,
                  cache_limit: int | str | None = None, fetch_jobs: int = 4,
                  storage_options: dict[str, Any] | None = None, transform: Any = None,
-                 decode: Any = None) -> None:
+                 decode: Any = None, max_value_bytes: int | str = DEFAULT_MAX_VALUE_BYTES) -> None:
         super().__init__()
+        self.max_value_bytes = parse_size(max_value_bytes, minimum=1)
         self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
                                partition=partition)
         self.url = os.fspath(path)
@@ -455,6 +472,11 @@ class ShardDataset(UnitDataset, IterableDataset):
         self.partition = partition
         self.epoch = 0
         self._schema = encode_schema(self.fields)
+        for f in self.fields:  # NOTE [value bounds]: before any batch buffer is sized from the schema
+            if not f.variable and f.row_bytes > self.max_value_bytes:
+                raise SchemaError(f"manifest {mpath!r}: field {f.name!r} makes every value {f.row_bytes} bytes, more "
+                                  f"than max_value_bytes ({self.max_value_bytes}); pass a larger max_value_bytes if "
+                                  "values this large are intended")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {transform!r}")
         self.transform = transform
@@ -517,7 +539,8 @@ class ShardDataset(UnitDataset, IterableDataset):
             remote = self._remote
             paths = self.shard_paths if remote is None else remote.shard_files()
             self._shards = _C.ShardSet(paths=paths, bytes=self.shard_bytes, records=self.records_per_shard,
-                                       schema=self._schema, pending=remote is not None)
+                                       schema=self._schema, pending=remote is not None,
+                                       max_value_bytes=self.max_value_bytes)
             self._shards_pid = os.getpid()
             if remote is not None:  # NOTE [shard readiness]: the fetcher fills the pending set
                 limit = remote.cache.limit

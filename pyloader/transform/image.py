@@ -17,6 +17,13 @@ come from the sample's seed (NOTE [sample seeds]), so augmented images are repro
 on a given build. A record that is not a readable image raises ``ImageDecodeError``
 naming the shard, record and field, or, with ``on_error="skip"``, drops the sample and
 counts it. ``PYLOADER_NATIVE_JPEG=0`` sends every image to Pillow.
+
+An image of more than ``ImageDecode.max_pixels`` pixels is refused from its header, on
+either path, before anything is allocated for it (NOTE [pixel limit] in
+csrc/core/jpeg_decode.h): ``ImageDecodeError`` naming the record, never a fall-back to
+Pillow. Pillow's own process-wide limit (``PIL.Image.MAX_IMAGE_PIXELS``: a warning above
+it, an error above twice it) applies on its path as well, so a ``max_pixels`` above
+Pillow's needs that raised too.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ _NATIVE_JPEG = _C.jpeg_available() and os.environ.get("PYLOADER_NATIVE_JPEG", "1
 CROPS = ("resize", "center", "random")
 LAYOUTS = ("HWC", "CHW")
 ON_ERROR = ("raise", "skip")
+# ImageDecode's default max_pixels: Pillow's default PIL.Image.MAX_IMAGE_PIXELS (~256 MiB of RGB).
+DEFAULT_MAX_PIXELS = 89_478_485
+_NO_PIXEL_LIMIT = 2**64 - 1  # max_pixels=None, for the native decoder
 # Pillow's modes with 8 bits per channel, and their channel counts.
 _MODES = {"RGB": 3, "L": 1, "RGBA": 4}
 
@@ -78,6 +88,11 @@ class ImageDecode:
         on_error: ``"raise"`` an ``ImageDecodeError`` for an unreadable image, or
             ``"skip"`` the sample (the batch is one sample shorter; counted in
             ``stats()["skipped_samples"]``).
+        max_pixels: the most pixels (width x height, from the image's header) an image may
+            have; a larger one is refused before it is decoded, as unreadable
+            (``ImageDecodeError``, or skipped with ``on_error="skip"``): a few hundred
+            bytes can claim 65535 x 65535. Default: Pillow's default limit, 89,478,485.
+            None: no limit of pyloader's (Pillow's own still applies to what it decodes).
     """
 
     size: tuple[int, int] | int | None = None
@@ -90,6 +105,7 @@ class ImageDecode:
     on_error: str = "raise"
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
 
     def __post_init__(self) -> None:
         size: Any = self.size
@@ -118,6 +134,9 @@ class ImageDecode:
             raise ValueError(f"ImageDecode: layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"ImageDecode: on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or isinstance(self.max_pixels, bool)
+                                            or self.max_pixels < 1):
+            raise ValueError(f"ImageDecode: max_pixels must be a positive int or None, got {self.max_pixels!r}")
         if not isinstance(self.flip, bool):
             raise ValueError(f"ImageDecode: flip must be a bool, got {self.flip!r}")
         if (self.mean is None) != (self.std is None):
@@ -140,6 +159,13 @@ class ImageDecode:
     def channels(self) -> int:
         """Channels of a decoded image."""
         return _MODES[self.mode]
+
+    def _check_pixels(self, w: int, h: int) -> None:
+        """Refuses an image whose header claims more than ``max_pixels`` (NOTE [pixel limit])."""
+        if self.max_pixels is not None and w * h > self.max_pixels:
+            raise ImageDecodeError(f"image of {w}x{h} = {w * h} pixels is more than max_pixels ({self.max_pixels}): "
+                                   "refused from its header before decoding (a decompression bomb, or pass "
+                                   "ImageDecode(max_pixels=...) to allow images this large)")
 
     def needs_random(self) -> bool:
         """Whether decoding draws random numbers (a random crop or flip)."""
@@ -170,6 +196,8 @@ class ImageDecode:
             rnd = random.Random(seed) if self.needs_random() else None
             try:
                 t = self._native_jpeg(data, rnd)
+            except ImageDecodeError:
+                raise  # over max_pixels: refused, not handed to Pillow
             except ValueError:
                 t = None  # what libjpeg refuses (CMYK, corrupt data) goes to Pillow, which decides
         if t is None:
@@ -193,10 +221,13 @@ class ImageDecode:
         Returns the CHW uint8 image at ``size``. Raises ValueError for what it cannot decode.
         """
         w, h, _, _ = _C.jpeg_header(data)
+        self._check_pixels(w, h)  # before anything is allocated for the image
         channels = self.channels
+        limit = _NO_PIXEL_LIMIT if self.max_pixels is None else self.max_pixels
         if self.size is None:
             arr = np.empty((h, w, channels), dtype=np.uint8)
-            _C.jpeg_decode_region(data, arr, denom=1, x=0, y=0, width=w, height=h, channels=channels)
+            _C.jpeg_decode_region(data, arr, denom=1, x=0, y=0, width=w, height=h, channels=channels,
+                                  max_pixels=limit)
             return torch.from_numpy(arr).permute(2, 0, 1)
         th, tw = self.size  # type: ignore[misc]
         box = self._box(w, h, rnd)
@@ -210,7 +241,7 @@ class ImageDecode:
         bottom = max(top + 1, min(sh, int(box[3] / denom + 0.5)))
         arr = np.empty((bottom - top, right - left, channels), dtype=np.uint8)
         _C.jpeg_decode_region(data, arr, denom=denom, x=left, y=top, width=right - left, height=bottom - top,
-                              channels=channels)
+                              channels=channels, max_pixels=limit)
         return _crop_resize(torch.from_numpy(arr).permute(2, 0, 1), (0, 0, right - left, bottom - top), (th, tw))
 
     def _pillow(self, data: Any, rnd: random.Random | None) -> torch.Tensor:
@@ -221,7 +252,8 @@ class ImageDecode:
             raise ImportError("decoding image fields needs Pillow: pip install 'pyloader[image]' "
                               "(or read the encoded bytes with decode=False)") from None
         try:
-            img: Any = Image.open(io.BytesIO(data))
+            img: Any = Image.open(io.BytesIO(data))  # reads the header only
+            self._check_pixels(*img.size)  # NOTE [pixel limit]: before Pillow allocates the image
             box = None
             if self.size is not None:
                 w, h = img.size
@@ -237,8 +269,11 @@ class ImageDecode:
             if img.mode != self.mode:
                 img = img.convert(self.mode)
             arr = np.array(img)  # (np.asarray of an Image is a read-only view: torch wants it writable)
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-            # (UnidentifiedImageError and "image file is truncated" are OSErrors.)
+        except ImageDecodeError:
+            raise
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            # (UnidentifiedImageError and "image file is truncated" are OSErrors; Pillow's
+            # DecompressionBombWarning is raised only where warnings are errors.)
             raise ImageDecodeError(f"not a readable image: {type(e).__name__}: {e}") from e
         if arr.ndim == 2:
             arr = arr[:, :, None]

@@ -7,7 +7,8 @@ thread), so no sample byte is pickled on the way in. It decodes, transforms and 
 each batch (``stage.run_batch``, the code the thread executor runs) and writes the batch's
 tensors into a *slot*: a file in ``/dev/shm`` it created with ``posix_fallocate`` (so a
 full ``/dev/shm`` is a clear ``SharedMemoryError`` naming it, never a SIGBUS), named
-``pyloader-<parent pid>-<token>-w<worker>-s<slot>-g<generation>``. It sends only the
+``pyloader-<owner>-<parent pid>-<token>-w<worker>-s<slot>-g<generation>`` (``<owner>``:
+``<host>-<boot>-<pidns>`` of the parent, See NOTE [file owners]). It sends only the
 layout (dtypes, shapes, offsets) through its pipe; the parent maps the slot, removes the
 file (both keep their mappings), and hands the consumer tensors that view the mapping --
 zero-copy. A slot is reused only when every tensor of its batch is gone: a finaliser on
@@ -16,7 +17,9 @@ it (it makes a new slot when none is free). The parent sends each worker *credit
 tickets it may make next) so that at most ``depth`` batches are in flight, and takes
 results in plan order. Workers ignore SIGINT (the parent decides), exit when their
 parent dies, and remove their slot files on exit; the parent removes any left at
-``close()`` and, at start, those of dead processes. A worker that dies raises
+``close()`` and, at start, those whose name proves their parent gone (``owner_gone``:
+this boot and pid namespace, pid gone; never a file of another container sharing
+``/dev/shm``, nor one in the older ``pyloader-<pid>-...`` form, which names no owner). A worker that dies raises
 ``TransformWorkerError`` (NOTE [transform worker deaths]); a transform's exception is
 re-raised in the parent with its type and the worker's traceback (torch's
 ``ExceptionWrapper``), and the iteration goes on.
@@ -63,6 +66,7 @@ import numpy as np
 import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError, SharedMemoryError, TransformWorkerError
+from ..format.owner import OWNER_PATTERN, owner, owner_gone
 from .stage import BatchWork, TransformSpec, TransformStream, run_batch
 
 MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worker at once
@@ -83,7 +87,7 @@ def _close_parent_ends() -> None:
 
 
 os.register_at_fork(after_in_child=_close_parent_ends)
-_NAME_RE = re.compile(r"^pyloader-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
+_NAME_RE = re.compile(rf"^pyloader-({OWNER_PATTERN})-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
 
 
 def shm_dir() -> str:
@@ -94,18 +98,13 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def slot_prefix(pid: int) -> str:
+    """The start of the slot file names of the loader process ``pid`` of this host, boot and pid namespace."""
+    return f"pyloader-{owner()}-{pid}-"
 
 
 def clean_stale(directory: str) -> int:
-    """Removes the slot files of processes that no longer run; returns how many."""
+    """Removes the slot files whose parent is provably gone (See NOTE [file owners]); returns how many."""
     n = 0
     try:
         names = os.listdir(directory)
@@ -113,7 +112,7 @@ def clean_stale(directory: str) -> int:
         return 0
     for name in names:
         m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and owner_gone(m.group(1), int(m.group(2))) is True:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
                 n += 1
@@ -364,7 +363,7 @@ class ProcessTransformStream(TransformStream):
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
         self._dir = shm_dir()
         clean_stale(self._dir)
-        self._prefix = f"pyloader-{os.getpid()}-{secrets.token_hex(4)}"
+        self._prefix = slot_prefix(os.getpid()) + secrets.token_hex(4)
         if context is None:
             methods = multiprocessing.get_all_start_methods()
             context = "fork" if "fork" in methods else multiprocessing.get_start_method()

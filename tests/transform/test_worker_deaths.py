@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import pyloader
-from pyloader.transform.processes import shm_dir
+from pyloader.transform.processes import shm_dir, slot_prefix
 
 FIELDS = {"x": ("float32", (4,)), "label": "int64"}
 N = 240
@@ -40,6 +40,8 @@ def shards(tmp_path_factory) -> str:
 
 
 def slow(s: dict[str, Any]) -> dict[str, Any]:
+    if faulthandler.is_enabled():  # (pytest's, inherited: a worker killed by SIGSEGV would print its stack)
+        faulthandler.disable()
     time.sleep(0.05)  # the consumer is always waiting: a batch takes 0.2 s, a death must not
     return {"label": s["label"]}
 
@@ -80,7 +82,7 @@ def alive(pid: int) -> bool:
 
 
 def slot_files() -> list[str]:
-    return glob.glob(os.path.join(shm_dir(), f"pyloader-{os.getpid()}-*"))
+    return glob.glob(os.path.join(shm_dir(), glob.escape(slot_prefix(os.getpid())) + "*"))
 
 
 def next_until_error(it: Any) -> tuple[pyloader.TransformWorkerError, int]:

@@ -106,7 +106,7 @@ def test_a_process_executor_names_its_slots_by_owner_and_cleans_only_dead_ones(s
     mine = re.compile(rf"^{re.escape(slot_prefix(os.getpid()))}[0-9a-f]+-w[01]-s\d+-g\d+$")
     # The workers make the batches they have credits for; the slots the loop has not taken stay.
     deadline = time.monotonic() + 30
-    while not [n for n in os.listdir(d) if mine.match(n)] and time.monotonic() < deadline:
+    while not set(os.listdir(d)) - set(kept) and time.monotonic() < deadline:
         time.sleep(0.01)
     new = sorted(set(os.listdir(d)) - set(kept))
     assert new and all(mine.match(n) for n in new), new

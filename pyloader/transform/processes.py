@@ -41,8 +41,9 @@ signal or exit code, and the batches and samples it held (the credited batches i
 not returned); a worker that ends after its last batch ended normally. A credit sent to
 a worker that died (a broken pipe) is reported the same way. So a death is reported at
 once to a consumer waiting in ``next()`` (its sentinel wakes the wait; measured 5-15 ms
-from SIGKILL), else by the first ``next()`` at least ``_LIVENESS_S`` after it; stopping
-the other workers then takes up to 0.5 s (the batch each has in progress).
+from SIGKILL), else by the first ``next()`` at least ``_LIVENESS_S`` after it. The other
+workers are then stopped at once (SIGTERM), not left ``_STOP_GRACE_S`` to finish a batch
+nobody will take.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worke
 _ALIGN = 64
 _NAME_RE = re.compile(rf"^pyloader-({OWNER_PATTERN})-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
 _LIVENESS_S = 0.1  # the longest the consumer waits without checking that the workers live
+_STOP_GRACE_S = 0.5  # how long close() waits for a worker to finish its batch before it stops it
 _SHOWN_SAMPLES = 32  # sample indices a TransformWorkerError lists before it abbreviates
 
 # The parent's ends of every open stream's worker pipes: a forked child closes its copies
@@ -379,6 +381,7 @@ class ProcessTransformStream(TransformStream):
         self._ended: set[int] = set()  # workers whose pipe reached its end
         self._exited: set[int] = set()  # workers whose process sentinel fired
         self._checked = 0.0  # when _pump last looked at the workers
+        self._grace = [_STOP_GRACE_S]  # how long close() lets workers finish their batch (0 once one died)
         self._procs: list[Any] = []
         # Forked workers share the parent's memory until they write to it; a garbage
         # collection in a worker would write to every object it scans (their gc links and
@@ -416,7 +419,7 @@ class ProcessTransformStream(TransformStream):
             if freeze:
                 gc.unfreeze()
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix,
-                                           os.getpid())
+                                           os.getpid(), self._grace)
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -539,6 +542,7 @@ class ProcessTransformStream(TransformStream):
         if len(samples) > _SHOWN_SAMPLES:
             shown += f", ... ({len(samples)} samples)"
         batches = ", ".join(str(t) for t in held)
+        self._grace[0] = 0.0
         self.close()
         e = TransformWorkerError(
             f"pyloader transform worker {w} (pid {p.pid}) {how} while it held batch{'es' if len(held) > 1 else ''} "
@@ -587,7 +591,7 @@ class ProcessTransformStream(TransformStream):
         if fin is not None:
             fin()
         else:
-            _shutdown(self._procs, self._conns, self._dir, self._prefix, os.getpid())
+            _shutdown(self._procs, self._conns, self._dir, self._prefix, os.getpid(), self._grace)
         self._results.clear()
         self._maps.clear()
         self._finish()
@@ -600,15 +604,17 @@ class ProcessTransformStream(TransformStream):
         return s
 
 
-def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int) -> None:
+def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int,
+              grace: list[float]) -> None:
     if os.getpid() != parent:
         return  # a forked child's copy of the stream: its workers and files are the parent's
     for c in conns:
         with contextlib.suppress(Exception):
             c.send(None)
-    # A worker between batches exits at once; one inside a transform is stopped: its batch is
-    # no longer wanted, and the slot files are removed below.
-    deadline = time.monotonic() + 0.5
+    # A worker between batches exits at once; one inside a transform is stopped (at once
+    # when a sibling died: the epoch is over): its batch is no longer wanted, and the slot
+    # files are removed below.
+    deadline = time.monotonic() + grace[0]
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:

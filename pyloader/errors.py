@@ -168,7 +168,11 @@ class SharedMemoryError(_MessageOnly, PyloaderError, OSError):
 
 
 class TransformWorkerError(PyloaderError, RuntimeError):
-    """A transform worker process exited without reporting an error (killed, out of memory)."""
+    """A transform worker process exited without reporting an error (killed, out of memory).
+
+    Its message and attributes say which: ``worker`` (index), ``pid``, ``exitcode`` (minus
+    the signal number when killed), and the ``batches`` and ``samples`` (indices) it held.
+    """
 
 
 # Kind codes are those of csrc/core/errors.h (ErrorKind).

@@ -6,6 +6,7 @@
 | ``encode.py`` | ``ShardEncoder`` (values to shard files), ``atomic_write``, the finished dataset's manifest |
 | ``arrow.py`` | the field an Arrow column becomes and its values as arrays (convert, ParquetDataset) |
 | ``sizes.py`` | ``parse_size``: ``"64M"``, ``"1.5GiB"``... to bytes, for every size option |
+| ``owner.py`` | who made a file (``<host>-<boot>-<pidns>`` and pid in its name) and whether that process is provably gone: cache temps, transform slots |
 
 Imports only ``pyloader.errors`` and ``pyloader._C``; pyarrow is imported on first use.
 """

@@ -15,7 +15,8 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
 
 ``<owner>`` is ``<host>-<boot>-<pidns>``: the writer's host name, the first 16 hex digits
 of its kernel's boot id and the inode of its pid namespace, which is what a later
-process needs to tell whether the writer is still alive (NOTE [cache publish]).
+process needs to tell whether the writer is still alive (See NOTE [file owners] in
+``pyloader/format/owner.py``; NOTE [cache publish]).
 
 NOTE [cache paths]: every file the cache creates is under its dataset's directory, in a
 name built from manifest entries that ``parse_manifest`` validated (NOTE [untrusted
@@ -45,7 +46,7 @@ each into its own temp, and the second rename replaces a verified file by an ide
 one (a reader that opened the first keeps its inode). A writer removes only its own
 temp. A temp whose writer died is reclaimed by its name's owner: at once if the owner
 is this boot and pid namespace and its pid is gone (or a zombie), or an earlier boot of
-this host; otherwise (another host or pid namespace, a name without an owner) once its
+this host (``owner_gone``: See NOTE [file owners]); otherwise (another host or pid namespace, a name without an owner) once its
 mtime is ``_STALE_TEMP_S`` (1 h) old. A live writer writes at least once per stall
 timeout (30 s) or backoff (10 s), else gives up, so an hour-old temp has no live writer
 (the hour also covers clock skew to a file server). Should its writer still be alive
@@ -104,6 +105,9 @@ from typing import Any
 from .. import _C
 from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
 from ..format.encode import atomic_write as _atomic_write
+from ..format.owner import owner as _owner
+from ..format.owner import owner_gone
+from ..format.owner import pid_alive as _pid_alive
 from ..format.sizes import parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
 from .fs import (
@@ -429,33 +433,7 @@ def _forget_pins_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pins_in_child)
 
 
-# -- temp files and their owners (NOTE [cache publish]) ----------------------------------
-_owner_cache: tuple[int, str] | None = None
-
-
-def _boot_id() -> str:
-    """The first 16 hex digits of this kernel's boot id, or "0" where it cannot be read."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            b = f.read().strip().replace("-", "")[:16].lower()
-    except OSError:
-        return "0"
-    return b if len(b) == 16 and all(c in "0123456789abcdef" for c in b) else "0"
-
-
-def _owner() -> str:
-    """``<host>-<boot>-<pidns>`` of this process: who a temp file's name says wrote it."""
-    global _owner_cache
-    pid = os.getpid()
-    if _owner_cache is None or _owner_cache[0] != pid:
-        host = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in os.uname().nodename)[:32]
-        try:
-            ns = os.stat("/proc/self/ns/pid").st_ino
-        except OSError:
-            ns = 0
-        _owner_cache = (pid, f"{host or '_'}-{_boot_id()}-{ns}")
-    return _owner_cache[1]
-
+# -- temp files and their owners (NOTE [cache publish], See NOTE [file owners]) ------------
 
 # NOTE [temps at SIGTERM]: a download's temp file is removed by its writer on every way
 # out of the download, and by the fetchers' exit hook (NOTE [downloads at exit]) at an
@@ -503,23 +481,6 @@ def _new_temp_name(name: str) -> str:
     return f"{_temp_stem(name)}.{_owner()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` names a live process in this pid namespace (a zombie is dead)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # EPERM: someone else's live process
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _temp_is_stale(ddir: str, path: str, now: float) -> bool:
     """Whether the writer of temp file ``path`` (in dataset dir ``ddir``) is gone (NOTE [cache publish])."""
     try:
@@ -529,14 +490,7 @@ def _temp_is_stale(ddir: str, path: str, now: float) -> bool:
     n = os.path.basename(path)
     parts = n.rsplit(".", 4)
     if len(parts) == 5 and parts[4] == "part" and parts[2].isdigit() and parts[1].count("-") == 2:
-        host, boot, ns = parts[1].split("-")
-        my_host, my_boot, my_ns = _owner().split("-")
-        if boot != "0" and boot == my_boot:
-            if ns == my_ns:
-                return old or not _pid_alive(int(parts[2]))
-        elif boot != "0" and my_boot != "0" and host == my_host:
-            return True  # an earlier boot of this host: every process of it is gone
-        return old
+        return owner_gone(parts[1], int(parts[2])) is True or old
     parts = n.rsplit(".", 3)
     if len(parts) == 4 and parts[3] == "part" and parts[1].isdigit():
         # The older <name>.<pid>.<random>.part form: its writer ran here and held the flock.

@@ -7,7 +7,8 @@ thread), so no sample byte is pickled on the way in. It decodes, transforms and 
 each batch (``stage.run_batch``, the code the thread executor runs) and writes the batch's
 tensors into a *slot*: a file in ``/dev/shm`` it created with ``posix_fallocate`` (so a
 full ``/dev/shm`` is a clear ``SharedMemoryError`` naming it, never a SIGBUS), named
-``pyloader-<parent pid>-<token>-w<worker>-s<slot>-g<generation>``. It sends only the
+``pyloader-<owner>-<parent pid>-<token>-w<worker>-s<slot>-g<generation>`` (``<owner>``:
+``<host>-<boot>-<pidns>`` of the parent, See NOTE [file owners]). It sends only the
 layout (dtypes, shapes, offsets) through its pipe; the parent maps the slot, removes the
 file (both keep their mappings), and hands the consumer tensors that view the mapping --
 zero-copy. A slot is reused only when every tensor of its batch is gone: a finaliser on
@@ -16,9 +17,33 @@ it (it makes a new slot when none is free). The parent sends each worker *credit
 tickets it may make next) so that at most ``depth`` batches are in flight, and takes
 results in plan order. Workers ignore SIGINT (the parent decides), exit when their
 parent dies, and remove their slot files on exit; the parent removes any left at
-``close()`` and, at start, those of dead processes. A worker that dies raises
-``TransformWorkerError``; a transform's exception is re-raised in the parent with its type
-and the worker's traceback (torch's ``ExceptionWrapper``), and the iteration goes on.
+``close()`` and, at start, those whose name proves their parent gone (``owner_gone``:
+this boot and pid namespace, pid gone; never a file of another container sharing
+``/dev/shm``, nor one in the older ``pyloader-<pid>-...`` form, which names no owner). A worker that dies raises
+``TransformWorkerError`` (NOTE [transform worker deaths]); a transform's exception is
+re-raised in the parent with its type and the worker's traceback (torch's
+``ExceptionWrapper``), and the iteration goes on.
+
+NOTE [transform worker deaths]: a worker killed by the out-of-memory killer or a crash in
+native code sends nothing, so the parent watches for it. Each worker's pipe is made just
+before its worker starts, and the parent closes the worker's end right after; every
+parent end is registered in ``_PARENT_ENDS``, which a fork closes in the child
+(``os.register_at_fork``). So a worker holds only its own end of its own pipe -- not its
+siblings' ends, nor the parent's (a sibling's copy would keep a dead worker's pipe open, and
+the parent would never see its end) -- and any other child forked while a stream is open
+(a torch DataLoader worker, a later stream's workers) holds none of them either. The
+consumer's ``next()`` waits on the pipes *and* the workers' process sentinels, at most
+``_LIVENESS_S`` at a time whatever ``timeout`` is, and before it returns a batch already
+here it checks them if it has not in the last ``_LIVENESS_S`` (a check costs ~10 us). When a worker's sentinel fires (or its pipe ends) the parent reads
+what it sent before it died, then, if some of the worker's batches are still missing,
+closes the stream and raises ``TransformWorkerError`` naming the worker, its pid, the
+signal or exit code, and the batches and samples it held (the credited batches it had
+not returned); a worker that ends after its last batch ended normally. A credit sent to
+a worker that died (a broken pipe) is reported the same way. So a death is reported at
+once to a consumer waiting in ``next()`` (its sentinel wakes the wait; measured 5-15 ms
+from SIGKILL), else by the first ``next()`` at least ``_LIVENESS_S`` after it. The other
+workers are then stopped at once (SIGTERM), not left ``_STOP_GRACE_S`` to finish a batch
+nobody will take.
 """
 
 from __future__ import annotations
@@ -44,11 +69,30 @@ import numpy as np
 import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError, SharedMemoryError, TransformWorkerError
+from ..format.owner import OWNER_PATTERN, owner, owner_gone
 from .stage import BatchWork, TransformSpec, TransformStream, run_batch
 
 MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worker at once
 _ALIGN = 64
-_NAME_RE = re.compile(r"^pyloader-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
+_NAME_RE = re.compile(rf"^pyloader-({OWNER_PATTERN})-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
+_LIVENESS_S = 0.1  # the longest the consumer waits without checking that the workers live
+_STOP_GRACE_S = 0.5  # how long close() waits for a worker to finish its batch before it stops it
+_SHOWN_SAMPLES = 32  # sample indices a TransformWorkerError lists before it abbreviates
+
+# The parent's ends of every open stream's worker pipes: a forked child closes its copies
+# (See NOTE [transform worker deaths]).
+_PARENT_ENDS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _close_parent_ends() -> None:
+    with contextlib.suppress(Exception):
+        for conn in list(_PARENT_ENDS):
+            with contextlib.suppress(Exception):
+                conn.close()
+        _PARENT_ENDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_parent_ends)
 
 
 def shm_dir() -> str:
@@ -59,18 +103,13 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def slot_prefix(pid: int) -> str:
+    """The start of the slot file names of the loader process ``pid`` of this host, boot and pid namespace."""
+    return f"pyloader-{owner()}-{pid}-"
 
 
 def clean_stale(directory: str) -> int:
-    """Removes the slot files of processes that no longer run; returns how many."""
+    """Removes the slot files whose parent is provably gone (See NOTE [file owners]); returns how many."""
     n = 0
     try:
         names = os.listdir(directory)
@@ -78,7 +117,7 @@ def clean_stale(directory: str) -> int:
         return 0
     for name in names:
         m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and owner_gone(m.group(1), int(m.group(2))) is True:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
                 n += 1
@@ -214,6 +253,10 @@ class _Worker:
         self.slots = []
 
 
+class _ParentGone(BaseException):
+    """The parent's end of the pipe is closed: the worker has nobody to work for (not an error)."""
+
+
 def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
                  tickets: list[int],
                  batch_size: int, spec: TransformSpec, conn: Any, busy: Any, prefix: str,
@@ -230,6 +273,12 @@ def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.n
     def parent_gone() -> bool:
         return os.getppid() != parent
 
+    def send(msg: tuple[Any, ...]) -> None:
+        try:
+            conn.send(msg)
+        except OSError:  # a broken pipe: the parent closed the stream or died
+            raise _ParentGone from None
+
     stream = None
     try:
         stream = ds.batches(batch_size, plan=(units, records), drop_last=False, num_threads=1, prefetch=2)
@@ -238,7 +287,11 @@ def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.n
             while not conn.poll(1.0):  # a credit for ticket t
                 if parent_gone():
                     return
-            if conn.recv() is None:
+            try:
+                credit = conn.recv()
+            except (EOFError, OSError):  # no sibling holds the parent's end: it closed or died
+                return
+            if credit is None:
                 return
             t0 = time.perf_counter_ns()
             try:
@@ -265,14 +318,16 @@ def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.n
                             dst.copy_(leaf.contiguous().reshape(-1).view(torch.uint8))
                     busy[w * MAX_SLOTS + s] = 1
                 costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0)
-                conn.send(("ok", t, w, s, gen, slot.size if slot is not None else 0, skeleton, metas, costs))
+                send(("ok", t, w, s, gen, slot.size if slot is not None else 0, skeleton, metas, costs))
             except StopIteration:
-                conn.send(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w}: its "
-                                                                 "native stream ended early")))
+                send(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w}: its "
+                                                            "native stream ended early")))
                 return
             except Exception:  # noqa: BLE001 - sent to the parent with its traceback
-                conn.send(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w} (pid "
-                                                                 f"{os.getpid()})")))
+                send(("err", t, w, ExceptionWrapper(where=f"in pyloader transform worker {w} (pid "
+                                                            f"{os.getpid()})")))
+    except _ParentGone:
+        return
     finally:
         if stream is not None:
             with contextlib.suppress(Exception):
@@ -303,6 +358,8 @@ class ProcessTransformStream(TransformStream):
         n = len(units)
         super().__init__("processes", workers, n // batch_size if drop_last else -(-n // batch_size))
         self._workers_n = workers
+        self._batch_size = batch_size
+        self._gidx = gidx  # the samples of each batch, for a dead worker's report
         self._depth = max(depth, workers)
         self._closed = False
         self._results: dict[int, Any] = {}
@@ -311,7 +368,7 @@ class ProcessTransformStream(TransformStream):
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
         self._dir = shm_dir()
         clean_stale(self._dir)
-        self._prefix = f"pyloader-{os.getpid()}-{secrets.token_hex(4)}"
+        self._prefix = slot_prefix(os.getpid()) + secrets.token_hex(4)
         if context is None:
             methods = multiprocessing.get_all_start_methods()
             context = "fork" if "fork" in methods else multiprocessing.get_start_method()
@@ -319,9 +376,12 @@ class ProcessTransformStream(TransformStream):
         self._busy = ctx.Array("b", workers * MAX_SLOTS, lock=False)
         # One pipe per worker: credits go down, results come up, each written synchronously by
         # the sender (a Queue's feeder thread would wait for the GIL, milliseconds per batch).
-        pipes = [ctx.Pipe(duplex=True) for _ in range(workers)]
-        self._conns = [a for a, _ in pipes]
+        # Each is made just before its worker starts (See NOTE [transform worker deaths]).
+        self._conns: list[Any] = []
         self._ended: set[int] = set()  # workers whose pipe reached its end
+        self._exited: set[int] = set()  # workers whose process sentinel fired
+        self._checked = 0.0  # when _pump last looked at the workers
+        self._grace = [_STOP_GRACE_S]  # how long close() lets workers finish their batch (0 once one died)
         self._procs: list[Any] = []
         # Forked workers share the parent's memory until they write to it; a garbage
         # collection in a worker would write to every object it scans (their gc links and
@@ -336,9 +396,12 @@ class ProcessTransformStream(TransformStream):
                 tickets = list(range(w, self._len, workers))
                 rows = np.concatenate([np.arange(t * batch_size, min((t + 1) * batch_size, n)) for t in tickets]) \
                     if tickets else np.empty(0, dtype=np.int64)
+                mine, theirs = ctx.Pipe(duplex=True)
+                self._conns.append(mine)
+                _PARENT_ENDS.add(mine)
                 p = ctx.Process(target=_worker_main, name=f"pyloader-transform-{w}", daemon=True,
                                 args=(w, workers, ds, np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
-                                      np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec, pipes[w][1],
+                                      np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec, theirs,
                                       self._busy, self._prefix, self._dir, os.getpid()))
                 try:
                     p.start()
@@ -346,20 +409,27 @@ class ProcessTransformStream(TransformStream):
                     raise type(e)(f"executor='processes' could not start a worker with the {ctx.get_start_method()!r} "
                                   f"start method (a transform must be picklable for 'spawn' and 'forkserver': "
                                   f"a module-level function, not a lambda or closure): {e}") from e
+                finally:
+                    theirs.close()  # the worker's end lives in the worker only (EOF here when it dies)
                 self._procs.append(p)
-                pipes[w][1].close()  # the worker's end lives in the worker (EOF here when it dies)
         except BaseException:
             self.close()
             raise
         finally:
             if freeze:
                 gc.unfreeze()
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix)
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix,
+                                           os.getpid(), self._grace)
         self._dispatch()
 
     def _dispatch(self) -> None:
         while self._sent < self._len and self._sent < self._delivered + self._depth:
-            self._conns[self._sent % self._workers_n].send(self._sent)
+            w = self._sent % self._workers_n
+            try:
+                self._conns[w].send(self._sent)
+            except OSError:  # a broken pipe: the worker is gone (NOTE [transform worker deaths])
+                self._worker_ended(w)  # (reads what it sent first: the pipe's end is still to be read)
+                raise
             self._sent += 1
 
     def _take(self) -> Any:
@@ -371,27 +441,17 @@ class ProcessTransformStream(TransformStream):
         t0 = time.perf_counter_ns()
         deadline = None if not self.timeout else time.monotonic() + self.timeout
         try:
+            if k in self._results and time.monotonic() - self._checked >= _LIVENESS_S:
+                self._pump(0.0)  # a batch is here, but a worker that died is reported first
             while k not in self._results:
-                wait = 0.1
+                wait = _LIVENESS_S
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise LoaderTimeoutError(f"no transformed batch within timeout={self.timeout} s (batch {k}, "
                                                  f"transform worker {k % self._workers_n})")
                     wait = min(wait, left)
-                live = [c for w, c in enumerate(self._conns) if w not in self._ended]
-                ready: list[Any] = list(wait_conns(live, timeout=wait)) if live else []
-                for conn in ready:
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):  # the worker exited: everything it sent was read
-                        self._ended.add(self._conns.index(conn))
-                        continue
-                    self._results[msg[1]] = msg
-                if k not in self._results and k % self._workers_n in self._ended:
-                    self._worker_died(k, k % self._workers_n)
-                if not live and k not in self._results:
-                    time.sleep(wait)  # (unreachable in practice: a worker's end is its ticket's end)
+                self._pump(wait)
         finally:
             self._stats.wait_ns += time.perf_counter_ns() - t0
         msg = self._results.pop(k)
@@ -401,21 +461,95 @@ class ProcessTransformStream(TransformStream):
             msg[3].reraise()
         return self._build(msg)
 
-    def _worker_died(self, k: int, w: int) -> None:
-        """Worker ``w`` ended without sending batch ``k``: TransformWorkerError, with how it ended."""
+    def _recv(self, w: int) -> None:
+        try:
+            msg = self._conns[w].recv()
+        except (EOFError, OSError):  # the worker exited: everything it sent was read
+            self._ended.add(w)
+            return
+        self._results[msg[1]] = msg
+
+    def _pump(self, timeout: float) -> None:
+        """Reads the results that arrive within ``timeout`` s; reports a worker that died (NOTE [transform worker deaths])."""
+        handles: dict[Any, int] = {}
+        for w, conn in enumerate(self._conns):
+            if w not in self._ended:
+                handles[conn] = w
+            if w not in self._exited:
+                handles[self._procs[w].sentinel] = w
+        if not handles:
+            time.sleep(timeout)
+            return
+        gone: list[int] = []
+        ready = wait_conns(list(handles), timeout=timeout)
+        self._checked = time.monotonic()
+        for h in ready:
+            w = handles[h]
+            if isinstance(h, int):  # a process sentinel
+                self._exited.add(w)
+                gone.append(w)
+                continue
+            self._recv(w)
+            if w in self._ended:
+                gone.append(w)
+        for w in gone:
+            self._worker_ended(w)
+
+    def _worker_ended(self, w: int) -> None:
+        """Worker ``w``'s process or pipe ended: reads what it sent, raises if batches of its share are missing."""
+        conn = self._conns[w]
+        while w not in self._ended:
+            try:
+                ready = conn.poll(0)  # (True at the pipe's end too: recv then says so)
+            except (EOFError, OSError):
+                ready = True
+            if not ready:
+                break
+            self._recv(w)
+        missing = [t for t in range(w, self._len, self._workers_n) if t >= self._delivered and t not in self._results]
+        if missing:
+            raise self._death(w, missing)
+
+    def _death(self, w: int, missing: list[int]) -> TransformWorkerError:
+        """Closes the stream; the error naming worker ``w``, how it ended and the batches it held."""
         p = self._procs[w]
-        p.join(2.0)
+        p.join(1.0)  # its sentinel fires as it exits; its exit status follows at once
         code = p.exitcode
         if code is None:
             how = "closed its pipe"
+            fix = "the transform must not close inherited file descriptors (os.closerange)"
         elif code < 0:
-            how = f"was killed by signal {signal.Signals(-code).name}"
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            how = f"was killed by signal {name}"
+            if code == -signal.SIGKILL:
+                fix = ("SIGKILL is often the out-of-memory killer (see dmesg): use fewer workers, a smaller prefetch "
+                       "or a transform that holds less memory")
+            elif -code in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT):
+                fix = ("a crash in native code the transform calls: run with PYTHONFAULTHANDLER=1 to have the worker "
+                       "print its Python stack when it crashes")
+            else:
+                fix = f"find what sends {name} to the loader's worker processes"
         else:
             how = f"exited with code {code}"
+            fix = "the transform, or a library it calls, must not exit the process (os._exit, exit() in C code)"
+        held = [t for t in missing if t < self._sent] or missing[:1]
+        bs, n = self._batch_size, len(self._gidx)
+        samples = [int(i) for t in held for i in self._gidx[t * bs:min((t + 1) * bs, n)]]
+        shown = ", ".join(str(i) for i in samples[:_SHOWN_SAMPLES])
+        if len(samples) > _SHOWN_SAMPLES:
+            shown += f", ... ({len(samples)} samples)"
+        batches = ", ".join(str(t) for t in held)
+        self._grace[0] = 0.0
         self.close()
-        raise TransformWorkerError(
-            f"pyloader transform worker {w} (pid {p.pid}) {how} before making batch {k}"
-            + (" (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""))
+        e = TransformWorkerError(
+            f"pyloader transform worker {w} (pid {p.pid}) {how} while it held batch{'es' if len(held) > 1 else ''} "
+            f"{batches} (samples {shown}); the epoch cannot be completed. {fix[0].upper()}{fix[1:]}")
+        e.worker, e.pid, e.exitcode = w, p.pid, code  # type: ignore[attr-defined]
+        e.batches, e.samples = held, samples  # type: ignore[attr-defined]
+        return e
 
     def _build(self, msg: tuple[Any, ...]) -> Any:
         _, t, w, s, gen, size, skeleton, metas, costs = msg
@@ -457,7 +591,7 @@ class ProcessTransformStream(TransformStream):
         if fin is not None:
             fin()
         else:
-            _shutdown(self._procs, self._conns, self._dir, self._prefix)
+            _shutdown(self._procs, self._conns, self._dir, self._prefix, os.getpid(), self._grace)
         self._results.clear()
         self._maps.clear()
         self._finish()
@@ -470,13 +604,17 @@ class ProcessTransformStream(TransformStream):
         return s
 
 
-def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str) -> None:
+def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int,
+              grace: list[float]) -> None:
+    if os.getpid() != parent:
+        return  # a forked child's copy of the stream: its workers and files are the parent's
     for c in conns:
         with contextlib.suppress(Exception):
             c.send(None)
-    # A worker between batches exits at once; one inside a transform is stopped: its batch is
-    # no longer wanted, and the slot files are removed below.
-    deadline = time.monotonic() + 0.5
+    # A worker between batches exits at once; one inside a transform is stopped (at once
+    # when a sibling died: the epoch is over): its batch is no longer wanted, and the slot
+    # files are removed below.
+    deadline = time.monotonic() + grace[0]
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:

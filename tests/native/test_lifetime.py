@@ -691,6 +691,7 @@ def test_interpreter_exit_while_a_daemon_thread_waits_in_next(write_dataset) -> 
 
 _SIGINT_IN_NEXT = r"""
 import os, signal, sys, threading, time, pyloader
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's default, even where SIGINT was ignored at start
 path, how = sys.argv[1], sys.argv[2]
 ds = pyloader.ShardDataset(path, rank=0, world_size=1)
 fifo = ds.shard_paths[1]
@@ -740,6 +741,7 @@ def test_keyboard_interrupt_reaches_a_blocked_next(write_dataset, how: str) -> N
 
 _SIGINT_UNCAUGHT = r"""
 import os, signal, sys, threading, time, pyloader
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's default, even where SIGINT was ignored at start
 ds = pyloader.ShardDataset(sys.argv[1], rank=0, world_size=1, shuffle=True)
 def interrupt():
     time.sleep(1.0)

@@ -244,7 +244,8 @@ def test_explicit_reiteration_closes_the_previous_epoch(write_dataset) -> None:
 # --- KeyboardInterrupt ---------------------------------------------------------------------
 
 _SIGINT_SCRIPT = r"""
-import os, sys, time, torch, pyloader
+import os, signal, sys, time, torch, pyloader
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's default, even where SIGINT was ignored at start
 kind, path = sys.argv[1], sys.argv[2]
 
 class Slow(torch.utils.data.Dataset):

@@ -16,13 +16,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 from remote_servers import FaultServer
 from remote_util import temp_files, write_ds
 
+FETCH_DEADLINE_S = 20  # fast_retries: no download retries past this
+# The longest a download thread lives once its dataset is gone: cancelled at its next chunk,
+# else its fetch deadline, plus the last attempt's stall timeout and the removal of its temp
+# (seen up to 10 s where unlinking a fallocated file waits for a TRIM: ext4 `discard`).
+DOWNLOAD_BOUND_S = FETCH_DEADLINE_S + 25
+
 
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", "4")
     monkeypatch.setenv("PYLOADER_FETCH_BACKOFF", "0.01")
     monkeypatch.setenv("PYLOADER_FETCH_BACKOFF_CAP", "2")
-    monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "20")
+    monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", str(FETCH_DEADLINE_S))
     monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", "1")
     monkeypatch.delenv("PYLOADER_CACHE_DIR", raising=False)
 
@@ -45,19 +51,18 @@ def cache_dir(tmp_path):
     d = str(tmp_path / "cache")
     yield d
     # Datasets dropped by the test cancel their fetchers (weakref.finalize); a download
-    # still in flight stops at its next chunk and removes its temp file.
+    # still in flight stops at its next chunk and removes its temp file before its thread
+    # ends. So the wait is for what removes the temps -- the download threads -- for as long
+    # as they run, however slow the machine: not a guess at how long that takes. The bound
+    # is the threads' own (DOWNLOAD_BOUND_S), there to fail a test whose thread never ends.
     gc.collect()
-    # Cancels take ~50 ms, but removing a temp can take seconds where the filesystem is
-    # mounted with online discard (ext4 `discard`: unlinking a file whose blocks were
-    # reserved with posix_fallocate issues a synchronous TRIM; seen blocking 1.5-10 s on
-    # this machine's virtual disk). The bound still catches a temp that is never removed.
-    # A download thread that saw the cancel may still be between making its temp and
-    # removing it: wait for the download threads to end too, not only for no temp now.
-    deadline = time.monotonic() + 30
-    while (temp_files(d) or _downloading()) and time.monotonic() < deadline:
+    bound = time.monotonic() + DOWNLOAD_BOUND_S
+    while (threads := _download_threads()) and time.monotonic() < bound:
+        threads[0].join(max(0.0, bound - time.monotonic()))
+    while temp_files(d) and time.monotonic() < bound:  # (a temp a test's own thread removes)
         time.sleep(0.05)
     assert temp_files(d) == [], "a test left partial downloads behind"
 
 
-def _downloading() -> bool:
-    return any(t.name == "pyloader-fetch" and t.is_alive() for t in threading.enumerate())
+def _download_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pyloader-fetch" and t.is_alive()]

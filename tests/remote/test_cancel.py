@@ -221,8 +221,11 @@ def test_dropping_a_dataset_during_a_stalled_download_removes_its_temp_at_once(s
 
 
 CHILD = textwrap.dedent("""
+    import signal
     import sys
     import pyloader
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's default, even where SIGINT was ignored at start
 
     ds = pyloader.ShardDataset(sys.argv[1], cache_dir=sys.argv[2], fetch_jobs=2)
     print("reading", flush=True)

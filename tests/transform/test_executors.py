@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pyloader
-from pyloader.transform.processes import shm_dir
+from pyloader.transform.processes import shm_dir, slot_prefix
 
 FIELDS = {"x": ("float32", (4,)), "label": "int64", "tokens": ("int32", (None,))}
 N = 300
@@ -260,7 +260,7 @@ def _transform_threads() -> list[threading.Thread]:
 
 
 def _slot_files() -> list[str]:
-    return glob.glob(os.path.join(shm_dir(), f"pyloader-{os.getpid()}-*"))
+    return glob.glob(os.path.join(shm_dir(), glob.escape(slot_prefix(os.getpid())) + "*"))
 
 
 def _children() -> list[int]:
@@ -387,7 +387,7 @@ def test_ctrl_c_leaves_no_process_or_segment(shards, tmp_path) -> None:
     while any(os.path.exists(f"/proc/{k}") for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
-    assert not glob.glob(os.path.join(shm_dir(), f"pyloader-{proc.pid}-*"))
+    assert not glob.glob(os.path.join(shm_dir(), glob.escape(slot_prefix(proc.pid)) + "*"))
 
 
 def test_bad_arguments_are_refused(shards) -> None:

@@ -337,11 +337,16 @@ def test_built_loader_prepares_its_first_epoch_slots(write_dataset) -> None:
     # label (8 rows of int64: one page) and payload (8 x 150,000 bytes in whole pages), exact.
     assert mem["live_bytes"] == (prefetch + 1) * (4096 + -(-bs * BIG // 4096) * 4096), mem
     expected = plan_labels(ds, epoch=0)
-    for k, batch in enumerate(loader):
+    # Not enumerate(): its cached result tuple keeps the previous batch alive while it asks
+    # for the next, so the loop would hold two slots at that moment, not one.
+    k = 0
+    for batch in loader:
         labels = expected[k * bs:(k + 1) * bs]
         assert batch["label"].numpy().tolist() == labels
         assert all(int(batch["payload"][i, 0]) == labels[i] % 251 for i in range(len(labels)))
         del batch
+        k += 1
+    assert k * bs == n
     assert prefetch + 1 <= pool.created <= prefetch + 2
     assert pool.memory()["driver_frees"] == 0  # no prepared buffer was regrown
 

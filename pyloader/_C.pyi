@@ -189,6 +189,9 @@ class HostBatch:
     @property
     def rows(self) -> int: ...
 
+def _pipelines_destroyed_on_workers() -> int:
+    """How many BatchPipelines were destroyed on a pipeline's worker thread (none may be). For tests."""
+
 class BatchPipeline:
     """Collates the planned records into batches on native threads; yields them in plan order."""
 

@@ -198,6 +198,7 @@ class DeviceStage:
         self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
                                      staging=pool)
         self.closed = False
+        self._pid = os.getpid()
         self._moved_by_torch = False  # set by _other_layout during a submit_tree()
         self._submitted = 0
         self._base: dict[str, Any] = {}  # the engine's counters when the current epoch began
@@ -217,6 +218,11 @@ class DeviceStage:
         thread, stream, events and context) running, without waiting for the GPU; one
         abandoned with jobs in flight closes it.
         """
+        if os.getpid() != self._pid:
+            # A forked child: the engine's threads are the parent's, and its lock may have
+            # been held by one of them at the fork (NOTE [loader across fork]).
+            self.closed = True
+            return False
         if not self.closed and self.outstanding():
             self.close()
         return not self.closed

@@ -354,7 +354,8 @@ class ProcessTransformStream(TransformStream):
         finally:
             if freeze:
                 gc.unfreeze()
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir, self._prefix)
+        self._finalizer = weakref.finalize(self, _shutdown_owned, os.getpid(), self._procs, self._conns, self._dir,
+                                           self._prefix)
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -468,6 +469,17 @@ class ProcessTransformStream(TransformStream):
         s["batches"] = self._stats.batches
         s["records"] = self._stats.samples + self._stats.skipped
         return s
+
+
+def _shutdown_owned(pid: int, *args: Any) -> None:
+    """``_shutdown`` in the process that started the workers; nothing in a forked child.
+
+    A child that closed (or dropped, or exited with) its copy of the parent's stream would
+    otherwise tell the parent's workers to stop through the pipes it inherited (NOTE [loader
+    across fork] in pyloader/loader/dataloader.py).
+    """
+    if os.getpid() == pid:
+        _shutdown(*args)
 
 
 def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str) -> None:

@@ -96,7 +96,6 @@ class ThreadTransformStream(TransformStream):
         self._stop = False
         self._closed = False
         self._torch_threads = torch.get_num_threads()
-        self._pid = os.getpid()
         self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
                          for w in range(workers)]
         _LIVE.add(self)
@@ -156,8 +155,6 @@ class ThreadTransformStream(TransformStream):
     def _take(self) -> Any:
         if self._closed:
             raise LoaderStateError("iterator is closed")
-        if os.getpid() != self._pid:
-            raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         t0 = time.perf_counter_ns()
         deadline = None if not self.timeout else time.monotonic() + self.timeout
         ended = False

@@ -508,6 +508,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._ahead = None
         self._kept_stage = None
         self._kept_fence = None
+        if self._tuner is not None:
+            self._tuner.forget_stream()
         if self._batch_pool is not None and self._batch_pool.pinned:
             self._batch_pool = None
         if self._staging_pool is not None and self._staging_pool.pinned:

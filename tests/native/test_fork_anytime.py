@@ -92,19 +92,21 @@ def test_fork_while_the_loader_prepares_its_slots(write_dataset, tmp_path) -> No
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["native", "device", "threads", "processes"])
+@pytest.mark.parametrize("kind", ["native", "auto", "device", "threads", "processes"])
 def test_fork_while_an_epoch_runs(write_dataset, tmp_path, kind: str) -> None:
     """Mid-epoch, at many points: near the start, and near the end where the next epoch's
     pipeline is made ahead (NOTE [epoch ahead]) and handed over."""
     n, bs = 96, 8
     path = write_dataset(n, FIELDS, lambda i: {"label": i, "img": np.full(256, i % 251, np.uint8)})
-    kw: dict[str, Any] = {
+    kw: dict[str, Any] = {"num_workers": 2, "prefetch": 4}
+    kw.update({
         "native": {},
+        "auto": {"num_workers": "auto", "prefetch": None},
         "device": {"device": "cpu"},
         "threads": {"transform": add_one},
         "processes": {"transform": add_one, "executor": "processes"},
-    }[kind]
-    loader = pyloader.DataLoader(open_ds(path), batch_size=bs, num_workers=2, prefetch=4, **kw)
+    }[kind])
+    loader = pyloader.DataLoader(open_ds(path), batch_size=bs, **kw)
     points = [(k, d) for k in (1, n // bs - 2) for d in DELAYS_MS[::2]]
     if kind == "processes":
         points = points[::2]  # each fork of the parent is slow with worker processes alive

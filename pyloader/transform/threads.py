@@ -99,8 +99,14 @@ class ThreadTransformStream(TransformStream):
         self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
                          for w in range(workers)]
         _LIVE.add(self)
-        for t in self._threads:
-            t.start()
+        try:
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            # No thread for a worker (a limit on threads): stop and join those that started,
+            # close the native stream, and raise the error.
+            self.close()
+            raise
 
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
@@ -201,7 +207,7 @@ class ThreadTransformStream(TransformStream):
         self._src.close()  # wakes a worker waiting for the next native batch
         me = threading.current_thread()
         for t in self._threads:
-            if t is not me:
+            if t is not me and t.ident is not None:  # started
                 t.join()
         torch.set_num_threads(self._torch_threads)  # the default of threads yet to use torch
         self._finish()

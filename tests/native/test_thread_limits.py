@@ -17,6 +17,7 @@ import resource
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,8 +53,19 @@ def user_tasks(uid: int) -> int:
     return n
 
 
+def settled_threads() -> int:
+    """The thread count once it stopped changing for 0.1 s (exiting threads still count)."""
+    n, since = threads_now(), time.monotonic()
+    while time.monotonic() - since < 0.1:
+        time.sleep(0.005)
+        if (m := threads_now()) != n:
+            n, since = m, time.monotonic()
+    return n
+
+
 def allow_more_threads(k: int) -> None:
     """Lets this process's user start exactly ``k`` more threads."""
+    settled_threads()
     _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     soft = user_tasks(os.getuid()) + k
     resource.setrlimit(resource.RLIMIT_NPROC, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
@@ -120,10 +132,10 @@ def test_pipeline_and_loader_that_cannot_start_their_threads(readable_dataset) -
             return 10
         as_limited_user()  # once the modules it needs are imported (their files may be root's alone)
         base = threads_now()
-        for started in (0, 3):
+        for started in (0, 3):  # prefetch=1: the started workers wait for room, none leaves
             allow_more_threads(started)
             code = expect_thread_error(step, f"pipeline, {started} of 8 started",
-                                       lambda: ds.batches(8, num_threads=8))
+                                       lambda: ds.batches(1, num_threads=8, prefetch=1))
             no_limit()
             if code:
                 return 20 + code
@@ -196,3 +208,35 @@ def test_packer_copy_engine_and_prepare_that_cannot_start_their_threads(readable
         return 0
 
     run_limited(readable_dataset, "others", child)
+
+
+@pytest.mark.timeout(120)
+def test_a_transform_loader_that_cannot_start_its_threads(readable_dataset) -> None:
+    def child(step: Callable[[str], None]) -> int:
+        ds = pyloader.ShardDataset(readable_dataset, rank=0, world_size=1)
+        # batch_size=1: more batches than the native stream reads ahead, so its threads stay.
+        loader = pyloader.DataLoader(ds, batch_size=1, num_workers=6, transform=lambda s: s)
+        it = iter(loader)
+        next(it)  # the transform modules imported, as the limited user may not read them
+        it.close()
+        as_limited_user()
+        base = settled_threads()  # the closed epoch's threads gone (a finished one's are detached)
+        allow_more_threads(3)  # the native stream's threads and one or two of the six transform threads
+        step(f"{threads_now()} threads; RLIMIT_NPROC {resource.getrlimit(resource.RLIMIT_NPROC)}, "
+             f"user tasks {user_tasks(os.getuid())}")
+        try:
+            next(iter(loader))
+            step("no error")
+            return 1
+        except RuntimeError as e:  # threading's "can't start new thread", or ThreadStartError
+            step(f"iter(): {type(e).__name__}: {e}")
+        finally:
+            no_limit()
+        if wait_threads(base) > base:
+            step(f"threads left: {threads_now()} (before: {base})")
+            return 2
+        if [int(x) for b in loader for x in b["label"]] != list(range(N)):
+            return 3
+        return 0
+
+    run_limited(readable_dataset, "transform", child)

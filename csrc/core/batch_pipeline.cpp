@@ -133,7 +133,7 @@ uint64_t BatchPipeline::destroyed_on_workers() noexcept { return destroyed_on_wo
 BatchPipeline::~BatchPipeline() {
   if (on_worker) destroyed_on_worker.fetch_add(1);
   if (::getpid() == pid_) {
-    // NOTE [hand-over gate]: a predecessor's worker raising this pipeline finishes first.
+    // See NOTE [hand-over gate]: a predecessor's worker raising this pipeline finishes first.
     std::lock_guard<std::mutex> g(gate_->mu);
     gate_->target = nullptr;
   }

@@ -138,7 +138,7 @@ CopyEngine::CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<Slo
     completer_ = std::thread([this] { complete_loop(); });
     ++threads;
   } catch (const std::system_error& e) {
-    // NOTE [thread start failure]: the thread that did start is stopped and joined below.
+    // See NOTE [thread start failure] in core/errors.h; the thread that did start is stopped and joined below.
     err = std::make_exception_ptr(thread_start_error(e, threads == 0 ? "the copy engine's issuing thread"
                                                                      : "the copy engine's completion thread"));
   }

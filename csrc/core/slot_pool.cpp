@@ -161,7 +161,7 @@ void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
       preparing_.store(false, std::memory_order_release);
     });
   } catch (const std::system_error&) {
-    // NOTE [thread start failure]: no thread, no prepared slots; the workers make theirs
+    // See NOTE [thread start failure] in core/errors.h: no thread, no prepared slots; the workers make theirs
     // (and a pipeline that cannot start its own threads says why).
     preparer_.reset();
     preparing_.store(false, std::memory_order_release);

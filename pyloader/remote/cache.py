@@ -190,7 +190,7 @@ def _close_lockfile(fd: int) -> None:
 
 
 def _close_lockfiles_in_child() -> None:
-    # NOTE [lock files across fork]: the parent's locks stay the parent's.
+    # See NOTE [lock files across fork]: the parent's locks stay the parent's.
     for fd in list(_LOCK_FDS):
         try:
             os.close(fd)

@@ -338,6 +338,9 @@ class CopyEngine:
     @property
     def depth(self) -> int: ...
     @property
+    def submitted(self) -> int:
+        """Jobs accepted so far: the ticket the next accepted submit() returns."""
+    @property
     def taken(self) -> int: ...
     @property
     def backend(self) -> str: ...

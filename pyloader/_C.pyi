@@ -196,6 +196,9 @@ class HostBatch:
     @property
     def rows(self) -> int: ...
 
+def _pipelines_destroyed_on_workers() -> int:
+    """How many BatchPipelines were destroyed on a pipeline's worker thread (none may be). For tests."""
+
 class BatchPipeline:
     """Collates the planned records into batches on native threads; yields them in plan order."""
 
@@ -341,6 +344,9 @@ class CopyEngine:
     def close(self) -> None: ...
     @property
     def depth(self) -> int: ...
+    @property
+    def submitted(self) -> int:
+        """Jobs accepted so far: the ticket the next accepted submit() returns."""
     @property
     def taken(self) -> int: ...
     @property

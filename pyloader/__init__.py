@@ -36,6 +36,7 @@ from .errors import (
     ShardNotFoundError,
     ShardPermissionError,
     SharedMemoryError,
+    ThreadStartError,
     TransformWorkerError,
     VerifyError,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "ShardWriter",
     "SharedMemoryError",
     "SampleContext",
+    "ThreadStartError",
     "TransformWorkerError",
     "VerifyError",
     "convert",

@@ -167,6 +167,15 @@ class SharedMemoryError(_MessageOnly, PyloaderError, OSError):
     """The process executor could not get shared memory (``/dev/shm`` full or missing). Built as ``cls(errno, message)``."""
 
 
+class ThreadStartError(_MessageOnly, PyloaderError, OSError):
+    """A native thread could not be started, usually ``EAGAIN`` under a limit on threads.
+
+    The message names the limits that apply (``RLIMIT_NPROC``, a cgroup's ``pids.max``,
+    ``kernel.threads-max``). Nothing the failed constructor started is left running. Built as
+    ``cls(errno, message)``.
+    """
+
+
 class TransformWorkerError(PyloaderError, RuntimeError):
     """A transform worker process exited without reporting an error (killed, out of memory).
 
@@ -184,6 +193,7 @@ _KINDS: dict[int, type[PyloaderError]] = {
     4: LoaderStateError,
     5: LoaderTimeoutError,
     6: DeviceError,
+    7: ThreadStartError,
 }
 
 
@@ -193,6 +203,8 @@ def from_native(kind: int, message: str, shard: str, record: int, field: str, sy
     if cls is ShardIOError:
         err = sys_errno or _errno.EIO  # a failure without an OS error (a fetch) still has an errno
         exc: PyloaderError = _SHARD_IO_BY_ERRNO.get(err, ShardIOError)(err, message)
+    elif cls is ThreadStartError:
+        exc = ThreadStartError(sys_errno or _errno.EAGAIN, message)
     else:
         exc = cls(message)
     exc.shard = shard or None
@@ -224,6 +236,7 @@ __all__ = [
     "CollateError",
     "SharedMemoryError",
     "TransformWorkerError",
+    "ThreadStartError",
     "ShardFormatError",
     "ShardCorruptError",
     "SchemaError",

@@ -113,6 +113,8 @@ void register_copy(py::module_& m) {
           "(None for the others); else None.")
       .def("close", [](CopyEngine& e) { without_gil([&] { e.close(); }); })
       .def_property_readonly("depth", &CopyEngine::depth)
+      .def_property_readonly("submitted", &CopyEngine::submitted,
+                             "Jobs accepted so far: the ticket the next accepted submit() returns.")
       .def_property_readonly("taken", &CopyEngine::taken)
       .def_property_readonly("backend", [](const CopyEngine& e) { return std::string(e.backend_name()); })
       .def("counters", [](const CopyEngine& e) {

@@ -48,6 +48,9 @@ py::tuple export_batch(const Batch& b, const std::vector<FieldSpec>& fspec) {
 }  // namespace
 
 void register_pipeline(py::module_& m) {
+  m.def("_pipelines_destroyed_on_workers", &BatchPipeline::destroyed_on_workers,
+        "How many BatchPipelines were destroyed on a pipeline's worker thread (none may be: NOTE [hand-over gate] "
+        "in core/batch_pipeline.h). For tests.");
   py::class_<ShardSet, std::shared_ptr<ShardSet>>(
       m, "ShardSet",
       "The shards of one dataset, each mapped and validated on first use; idle ones stay mapped in LRU order "

@@ -43,6 +43,10 @@ constexpr uint32_t kNoBatch = 0xffffffffu;
 // Thrown by fill() when the batch must be collated again once a shard was fetched anew.
 struct RetryBatch {};
 
+// Set on a pipeline's worker threads (NOTE [hand-over gate]).
+thread_local bool on_worker = false;
+std::atomic<uint64_t> destroyed_on_worker{0};
+
 }  // namespace
 
 BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
@@ -52,7 +56,9 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
       shard_idx_(std::move(shard_idx)),
       record_idx_(std::move(record_idx)),
       cfg_(cfg),
-      pid_(::getpid()) {
+      pid_(::getpid()),
+      gate_(std::make_shared<Gate>()) {
+  gate_->target = this;
   if (shard_idx_.size() != record_idx_.size())
     throw std::invalid_argument("shard and record index arrays differ in length");
   if (cfg_.batch_size == 0) throw std::invalid_argument("batch_size must be >= 1");
@@ -98,10 +104,39 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   int nthreads = std::min<int>(cfg_.num_threads, int(std::max<size_t>(num_batches_, 1)));
   threads_.reserve(size_t(nthreads));
   workers_left_ = size_t(nthreads);
-  for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this, t] { worker_loop(size_t(t)); });
+  try {
+    for (int t = 0; t < nthreads; ++t) threads_.emplace_back([this, t] { worker_loop(size_t(t)); });
+  } catch (const std::system_error& e) {
+    const size_t started = threads_.size();
+    abandon_start();  // NOTE [thread start failure]
+    throw thread_start_error(e, "collation thread " + std::to_string(started + 1) + " of " + std::to_string(nthreads) +
+                                    " (num_workers)");
+  }
 }
 
+void BatchPipeline::abandon_start() noexcept {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    closed_ = true;
+    stop_ = true;
+    cancel_.store(true, std::memory_order_release);
+  }
+  cv_work_->notify_all();
+  for (auto& t : threads_) t.join();  // each finishes the batch it may have claimed
+  threads_.clear();
+  for (size_t b = 0; b < num_batches_; ++b) release_batch(b);  // what the constructor retained
+  for (auto& p : ring_) p = Pending();
+}
+
+uint64_t BatchPipeline::destroyed_on_workers() noexcept { return destroyed_on_worker.load(); }
+
 BatchPipeline::~BatchPipeline() {
+  if (on_worker) destroyed_on_worker.fetch_add(1);
+  if (::getpid() == pid_) {
+    // See NOTE [hand-over gate]: a predecessor's worker raising this pipeline finishes first.
+    std::lock_guard<std::mutex> g(gate_->mu);
+    gate_->target = nullptr;
+  }
   close();
   if (::getpid() != pid_) {
     // Forked child: destroying a condition variable the parent's threads were waiting on
@@ -120,7 +155,7 @@ void BatchPipeline::close() {
     return;
   }
   bool finished;
-  std::pair<std::shared_ptr<BatchPipeline>, int> next;
+  std::pair<std::shared_ptr<Gate>, int> next;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
@@ -151,7 +186,7 @@ void BatchPipeline::close() {
         t.join();
     }
   threads_.clear();
-  if (next.first) next.first->set_ahead(next.second);
+  raise(next.first, next.second);
   // Workers released every batch they claimed; the rest will never be collated.
   for (size_t b = next_claim_; b < num_batches_; ++b) release_batch(b);
   std::lock_guard<std::mutex> lk(mu_);
@@ -177,7 +212,7 @@ void BatchPipeline::hand_over(const std::shared_ptr<BatchPipeline>& next, int ah
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (workers_left_ > 0 && !closed_) {
-      successor_ = next;
+      successor_ = next->gate_;
       successor_ahead_ = ahead;
       return;
     }
@@ -197,12 +232,18 @@ void BatchPipeline::adopt(int ahead) {
   set_ahead(ahead, /*later=*/!idle);
 }
 
-std::pair<std::shared_ptr<BatchPipeline>, int> BatchPipeline::take_successor() {
+std::pair<std::shared_ptr<BatchPipeline::Gate>, int> BatchPipeline::take_successor() {
   // An epoch that failed does not push the next one ahead (its read-ahead stays low until
   // the next iter() adopts it): the same storage fault would hit it too.
-  std::shared_ptr<BatchPipeline> next = failed_ ? nullptr : successor_.lock();
+  std::shared_ptr<Gate> next = failed_ ? nullptr : std::move(successor_);
   successor_.reset();
   return {std::move(next), successor_ahead_};
+}
+
+void BatchPipeline::raise(const std::shared_ptr<Gate>& gate, int ahead) {
+  if (!gate) return;
+  std::lock_guard<std::mutex> lk(gate->mu);
+  if (gate->target) gate->target->set_ahead(ahead);
 }
 
 void BatchPipeline::set_threads(int n) {
@@ -239,6 +280,7 @@ void BatchPipeline::release_batch(size_t b) {
 }
 
 void BatchPipeline::worker_loop(size_t index) {
+  on_worker = true;
   for (;;) {
     size_t b;
     {
@@ -251,7 +293,7 @@ void BatchPipeline::worker_loop(size_t index) {
         if (--workers_left_ > 0) return;  // the last worker out hands over (hand_over())
         auto [next, n] = take_successor();
         lk.unlock();
-        if (next) next->set_ahead(n);  // hand_over(): this thread wakes the next pipeline's workers
+        raise(next, n);  // hand_over(): this thread wakes the next pipeline's workers
         return;
       }
       b = next_claim_++;

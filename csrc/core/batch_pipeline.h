@@ -106,6 +106,9 @@ class BatchPipeline {
   bool ragged() const noexcept { return cfg_.ragged; }
   const PipelineCounters& counters() const noexcept { return counters_; }
   const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
+  // How many pipelines of this process were destroyed on a pipeline's worker thread: none
+  // may be (NOTE [hand-over gate]). For tests.
+  static uint64_t destroyed_on_workers() noexcept;
 
  private:
   struct Pending {
@@ -122,9 +125,27 @@ class BatchPipeline {
   // The distinct shards batch b reads, ascending.
   std::vector<uint32_t> batch_shards(size_t b) const;
   void release_batch(size_t b);
-  // hand_over(), with mu_ held: the successor to raise and its read-ahead (null after a
+  // NOTE [hand-over gate]: hand_over() keeps the successor through its gate, never a
+  // reference to it. A worker that raised the successor from a shared_ptr could hold the last
+  // one when Python dropped it meanwhile (the loader closed, or the epoch made ahead was not
+  // adopted), and the successor's destructor -- joining its threads, freeing its slots and,
+  // for a pinned pool, calling cuMemFreeHost -- then ran on that worker, which close() may
+  // already have detached (NOTE [no join at the end]), possibly while the interpreter exits.
+  // Through the gate the worker raises the successor under the gate's mutex, and the
+  // successor's destructor first clears the gate under that mutex: the successor is alive
+  // for the whole raise, and only its owner ever destroys it.
+  struct Gate {
+    std::mutex mu;
+    BatchPipeline* target = nullptr;  // null once that pipeline's destructor began
+  };
+  // hand_over(), with mu_ held: the successor's gate and its read-ahead (null after a
   // failed batch, or when none is registered); the registration is dropped either way.
-  std::pair<std::shared_ptr<BatchPipeline>, int> take_successor();
+  std::pair<std::shared_ptr<Gate>, int> take_successor();
+  // Raises the read-ahead of the gate's pipeline to `ahead`, if it is still alive.
+  static void raise(const std::shared_ptr<Gate>& gate, int ahead);
+  // The constructor could not start every worker: stops and joins those it started and
+  // releases the plan's shards (NOTE [thread start failure] in core/errors.h).
+  void abandon_start() noexcept;
 
   std::shared_ptr<ShardSet> shards_;
   std::shared_ptr<SlotPool> pool_;
@@ -150,12 +171,13 @@ class BatchPipeline {
   bool closed_ = false;
   size_t next_claim_ = 0;
   size_t consumed_ = 0;
-  size_t active_threads_ = 1;               // workers with index < active_threads_ claim batches
-  size_t ahead_ = 1;                        // workers claim batch b only while b < consumed_ + ahead_
-  size_t ahead_later_ = 0;                  // set_ahead(n, later=true): ahead_ becomes n at the next take
-  size_t workers_left_ = 0;                 // workers still collating; 0: every batch has its slot
-  bool failed_ = false;                     // a batch failed (hand_over() then raises nothing)
-  std::weak_ptr<BatchPipeline> successor_;  // hand_over()
+  size_t active_threads_ = 1;        // workers with index < active_threads_ claim batches
+  size_t ahead_ = 1;                 // workers claim batch b only while b < consumed_ + ahead_
+  size_t ahead_later_ = 0;           // set_ahead(n, later=true): ahead_ becomes n at the next take
+  size_t workers_left_ = 0;          // workers still collating; 0: every batch has its slot
+  bool failed_ = false;              // a batch failed (hand_over() then raises nothing)
+  std::shared_ptr<Gate> gate_;       // this pipeline's, for the predecessor (NOTE [hand-over gate])
+  std::shared_ptr<Gate> successor_;  // hand_over()
   int successor_ahead_ = 0;
   std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]
   std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])

@@ -137,8 +137,10 @@ CopyEngine::CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<Slo
     ++threads;
     completer_ = std::thread([this] { complete_loop(); });
     ++threads;
-  } catch (...) {
-    err = std::current_exception();  // std::system_error: no thread for it
+  } catch (const std::system_error& e) {
+    // See NOTE [thread start failure] in core/errors.h; the thread that did start is stopped and joined below.
+    err = std::make_exception_ptr(thread_start_error(e, threads == 0 ? "the copy engine's issuing thread"
+                                                                     : "the copy engine's completion thread"));
   }
   {
     std::unique_lock<std::mutex> lk(mu_);

@@ -137,6 +137,11 @@ class CopyEngine {
   void close();
 
   size_t depth() const noexcept { return ring_.size(); }
+  // Jobs accepted so far: the ticket the next accepted job gets.
+  uint64_t submitted() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return submitted_;
+  }
   // Jobs taken so far: a take() that threw consumed its ticket iff this passed it.
   uint64_t taken() {
     std::lock_guard<std::mutex> lk(mu_);

@@ -2,9 +2,11 @@
 // kind to a pyloader Python exception on the consuming thread (see pyloader/_errors.py).
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 namespace pyloader {
 
@@ -16,6 +18,7 @@ enum class ErrorKind : int {
   kState = 4,     // API misuse (e.g. use after fork, after close)
   kTimeout = 5,   // no batch within the caller's timeout
   kDevice = 6,    // a CUDA driver call failed
+  kThread = 7,    // a native thread could not be started (NOTE [thread start failure])
 };
 
 class LoaderError : public std::runtime_error {
@@ -52,5 +55,22 @@ class LoaderError : public std::runtime_error {
   std::string field_;
   int errno_;
 };
+
+// NOTE [thread start failure]: std::thread throws std::system_error when the system will not
+// start another thread -- EAGAIN under a limit on the user's processes and threads
+// (RLIMIT_NPROC, `ulimit -u`), a cgroup's pids.max or kernel.threads-max. A native
+// constructor that starts threads catches it, stops and joins the threads it already started
+// (a joinable std::thread destroyed by the unwinding would std::terminate the process),
+// undoes what it took (a pipeline's shard retains), and throws this error instead: Python
+// receives a ThreadStartError (an OSError with the errno) that names the limit.
+inline LoaderError thread_start_error(const std::system_error& e, const std::string& which) {
+  const int err = e.code().value();
+  std::string msg = "could not start " + which + ": " + e.code().message();
+  if (err == EAGAIN)
+    msg +=
+        " -- the process is at a limit on threads: its user's RLIMIT_NPROC (ulimit -u, which counts every thread "
+        "of the user), its cgroup's pids.max or kernel.threads-max; raise the limit or use fewer workers";
+  return LoaderError(ErrorKind::kThread, "", -1, "", msg, err);
+}
 
 }  // namespace pyloader

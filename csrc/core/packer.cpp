@@ -70,7 +70,11 @@ Packer::Packer(std::shared_ptr<BatchPipeline> docs, size_t field, std::shared_pt
   const int64_t s = int64_t(cfg_.seq_len);
   out_fields_ = {out_field(spec.name, DType(spec.dtype), {s}), out_field("position_ids", DType::kInt64, {s}),
                  out_field("document_ids", DType::kInt32, {s}), out_field("cu_seqlens", DType::kInt32, {-1})};
-  thread_ = std::thread([this] { run(); });
+  try {
+    thread_ = std::thread([this] { run(); });
+  } catch (const std::system_error& e) {
+    throw thread_start_error(e, "the packing thread");  // NOTE [thread start failure]
+  }
 }
 
 Packer::~Packer() {

@@ -1,5 +1,6 @@
 #include "core/slot_pool.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -7,6 +8,8 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <unordered_set>
 
 namespace pyloader {
 
@@ -35,7 +38,66 @@ void HostBuffer::reserve(size_t n, bool fixed) {
   }
 }
 
+// NOTE [slot pools across fork]: a program may build a DataLoader -- whose constructor starts
+// preparing its slots (NOTE [prepared slots]) -- and fork, at any moment. A child forked
+// while the preparing thread makes a slot inherits a pool that counts that slot as in the
+// making, but has no thread to finish it: a worker of the child would wait for it forever;
+// and a child forked while any thread of the parent held the pool's mutex inherits it locked
+// for good. So every pool is entered in a registry, and pthread_atfork handlers, around
+// every fork(), take each pool's mutex in the forking thread before the fork (no other
+// thread holds one then; none is held for long) and release it after, in the parent and in
+// the child. In the child they also bring the pool to what it has: no preparing thread
+// (leaked, not joined: it does not exist), no slot in the making, nobody waiting, a new
+// condition variable (parent threads may have waited on the old one, which is leaked), and
+// the child's pid, so the pool is the child's own: its free slots and the slots its batches
+// return serve the child's epochs. Slots held by parent threads at the fork never come back.
+struct PoolForkHandlers {
+  static std::mutex& mu() {
+    static auto* m = new std::mutex;  // leaked: fork handlers may run during exit
+    return *m;
+  }
+  static std::unordered_set<SlotPool*>& pools() {
+    static auto* s = new std::unordered_set<SlotPool*>;
+    return *s;
+  }
+  static void before() {
+    mu().lock();
+    for (SlotPool* p : pools()) p->mu_.lock();
+  }
+  static void parent() {
+    for (SlotPool* p : pools()) p->mu_.unlock();
+    mu().unlock();
+  }
+  static void child() {
+    const pid_t pid = ::getpid();
+    for (SlotPool* p : pools()) {
+      (void)p->preparer_.release();
+      (void)p->returned_.release();
+      p->returned_ = std::make_unique<std::condition_variable>();
+      p->making_ = 0;
+      p->awaiting_ = 0;
+      p->preparing_.store(false, std::memory_order_relaxed);
+      p->stop_preparing_.store(false, std::memory_order_relaxed);
+      p->pid_ = pid;
+      p->mu_.unlock();
+    }
+    mu().unlock();
+  }
+};
+
+void SlotPool::track() {
+  static const int installed = ::pthread_atfork(PoolForkHandlers::before, PoolForkHandlers::parent,
+                                                PoolForkHandlers::child);
+  (void)installed;
+  std::lock_guard<std::mutex> lk(PoolForkHandlers::mu());
+  PoolForkHandlers::pools().insert(this);
+}
+
 SlotPool::~SlotPool() {
+  {
+    std::lock_guard<std::mutex> lk(PoolForkHandlers::mu());
+    PoolForkHandlers::pools().erase(this);
+  }
   if (::getpid() != pid_) {
     (void)preparer_.release();
     (void)returned_.release();
@@ -65,38 +127,45 @@ void SlotPool::prepare(size_t count, std::vector<size_t> field_bytes) {
   if (preparer_) preparer_->join();  // a finished earlier run
   stop_preparing_.store(false, std::memory_order_release);
   preparing_.store(true, std::memory_order_release);
-  preparer_ = std::make_unique<std::thread>([this, count, fb = std::move(field_bytes)] {
-    while (!stop_preparing_.load(std::memory_order_acquire)) {
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        if (created_ + making_ >= count) break;
-        ++making_;
-      }
-      try {
-        std::unique_ptr<Slot> s = new_slot();
-        for (size_t f = 0; f < num_fields_; ++f)
-          if (fb[f]) s->data[f].reserve(fb[f], /*fixed=*/true);
+  try {
+    preparer_ = std::make_unique<std::thread>([this, count, fb = std::move(field_bytes)] {
+      while (!stop_preparing_.load(std::memory_order_acquire)) {
         {
           std::lock_guard<std::mutex> g(mu_);
-          free_.push_back(s.get());
-          --making_;
-          ++created_;  // counted when free: created() == free_count() whenever no slot is in use
+          if (created_ + making_ >= count) break;
+          ++making_;
         }
-        (void)s.release();
-        returned_->notify_all();  // a worker waiting for this slot may be among other waiters
-      } catch (...) {
-        // Out of memory here is no batch's error: the workers make their slots as before
-        // and meet the same condition where it is reported with its batch.
-        {
-          std::lock_guard<std::mutex> g(mu_);
-          --making_;
+        try {
+          std::unique_ptr<Slot> s = new_slot();
+          for (size_t f = 0; f < num_fields_; ++f)
+            if (fb[f]) s->data[f].reserve(fb[f], /*fixed=*/true);
+          {
+            std::lock_guard<std::mutex> g(mu_);
+            free_.push_back(s.get());
+            --making_;
+            ++created_;  // counted when free: created() == free_count() whenever no slot is in use
+          }
+          (void)s.release();
+          returned_->notify_all();  // a worker waiting for this slot may be among other waiters
+        } catch (...) {
+          // Out of memory here is no batch's error: the workers make their slots as before
+          // and meet the same condition where it is reported with its batch.
+          {
+            std::lock_guard<std::mutex> g(mu_);
+            --making_;
+          }
+          returned_->notify_all();
+          break;
         }
-        returned_->notify_all();
-        break;
       }
-    }
+      preparing_.store(false, std::memory_order_release);
+    });
+  } catch (const std::system_error&) {
+    // See NOTE [thread start failure] in core/errors.h: no thread, no prepared slots; the workers make theirs
+    // (and a pipeline that cannot start its own threads says why).
+    preparer_.reset();
     preparing_.store(false, std::memory_order_release);
-  });
+  }
 }
 
 std::unique_ptr<Slot> SlotPool::new_slot() {

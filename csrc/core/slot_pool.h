@@ -62,7 +62,9 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
         alloc_(std::move(alloc)),
         pid_(::getpid()),
         peak_data_(new std::atomic<size_t>[num_fields]()),
-        peak_lengths_(new std::atomic<size_t>[num_fields]()) {}
+        peak_lengths_(new std::atomic<size_t>[num_fields]()) {
+    track();
+  }
   ~SlotPool();
 
   // A free slot, or a new one when all are in use. The returned pointer returns the
@@ -77,7 +79,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   // field's, and puts each in the free list as soon as it is ready (NOTE [prepared slots]
   // in slot_pool.cpp). Returns at once; a second call while the first runs does nothing.
   // The thread stops after its current slot at the first acquire() and when the pool is
-  // destroyed (which joins it).
+  // destroyed (which joins it). The system refusing the thread (NOTE [thread start failure]
+  // in core/errors.h) only means no slot is prepared.
   void prepare(size_t count, std::vector<size_t> field_bytes);
   // Whether a prepare() thread is still making slots.
   bool preparing() const noexcept { return preparing_.load(std::memory_order_acquire); }
@@ -89,6 +92,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   size_t num_fields() const noexcept { return num_fields_; }
 
  private:
+  friend struct PoolForkHandlers;  // NOTE [slot pools across fork] in slot_pool.cpp
+  void track();                    // enters the pool in the fork handlers' registry
   void give_back(Slot* s) noexcept;
   std::unique_ptr<Slot> new_slot();  // with empty buffers, one per field
 
@@ -96,7 +101,8 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   std::shared_ptr<HostAllocator> alloc_;
   pid_t pid_;
   mutable std::mutex mu_;
-  // Heap-allocated so that a forked child can leak it (a parent thread may have waited on it).
+  // Heap-allocated so that a forked child can leak it (a parent thread may have waited on it)
+  // and wait on a new one (NOTE [slot pools across fork]).
   std::unique_ptr<std::condition_variable> returned_ = std::make_unique<std::condition_variable>();
   std::vector<Slot*> free_;
   size_t created_ = 0;

@@ -140,6 +140,14 @@ class AutoTune:
             elif d["jobs"] != self.fetch_jobs:
                 stream.tune_downloads(self.fetch_jobs)
 
+    def forget_stream(self) -> None:
+        """Stops watching the stream attached last, without reading it.
+
+        In a forked child that stream is the parent's, whose fetcher's locks a parent thread may
+        have held (NOTE [loader across fork] in dataloader.py).
+        """
+        self._stream = None
+
     def _totals(self, stream: Any) -> tuple[int, int, int, int, int]:
         c = stream.counters()
         d = stream.downloads() if self.fetch_jobs is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -205,6 +206,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.device is not None and self.device.type == "cuda":
             self._pin_named = self.device.index
         self._active: weakref.ref[Any] | None = None
+        self._pid = os.getpid()  # NOTE [loader across fork]
         self._last_stats: dict[str, Any] = {}
         self._run: _Run | None = None
         self._resume: list[list[int]] = []
@@ -479,12 +481,39 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     # -- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if os.getpid() != self._pid:
+            self._forked()
         prev = self._active() if self._active is not None else None
         if prev is not None:
             prev.close()  # a new iter() ends the previous one (torch's own iterators manage themselves)
         it = self._get_iterator()
         self._active = weakref.ref(it) if isinstance(it, _LoaderIterator) else None
         return it
+
+    # NOTE [loader across fork]: a program may build a loader, or run epochs of it, and then
+    # fork -- at any moment: while its slots are prepared, while its pipelines, the epoch made
+    # ahead, a transform epoch or a copy engine run. The child has none of the parent's
+    # threads, and the locks they held at the fork stay held in the child. What the loader
+    # keeps across epochs is therefore split at the first iter() in the child: the pageable
+    # slot pools are kept (the native pool makes itself whole in a child: NOTE [slot pools
+    # across fork] in csrc/core/slot_pool.cpp), everything that has threads or a GPU context
+    # -- the parent's epoch in progress, the epoch made ahead (NOTE [epoch ahead]), the copy
+    # engine kept across epochs, the fence, pinned pools -- is let go without closing (each
+    # refuses to touch its threads or locks in a child) and made anew on demand. The child
+    # then reads its own epochs, from the epoch number the parent had reached. An iterator of
+    # the parent's used in the child raises LoaderStateError.
+    def _forked(self) -> None:
+        self._pid = os.getpid()
+        self._active = None
+        self._ahead = None
+        self._kept_stage = None
+        self._kept_fence = None
+        if self._tuner is not None:
+            self._tuner.forget_stream()
+        if self._batch_pool is not None and self._batch_pool.pinned:
+            self._batch_pool = None
+        if self._staging_pool is not None and self._staging_pool.pinned:
+            self._staging_pool = None
 
     def _get_iterator(self) -> Any:
         """A new iterator of this loader (torch's hook; ``iter()`` also closes the previous one)."""

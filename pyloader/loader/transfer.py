@@ -198,8 +198,18 @@ class DeviceStage:
         self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
                                      staging=pool)
         self.closed = False
+        self._pid = os.getpid()
         self._moved_by_torch = False  # set by _other_layout during a submit_tree()
-        self._submitted = 0
+        # NOTE [copy buffers held]: a job's destinations and staged sources, by ticket, from
+        # before its submit() until it is taken or the engine closed. A KeyboardInterrupt
+        # (Ctrl-C) can be raised in the Python code right after the engine accepted a job --
+        # at the first Python call after submit() returned, before the job's _Pending exists
+        # -- and the tensors the engine writes into (or stages from) were then freed while
+        # its thread still copied: heap corruption ("free(): corrupted unsorted chunks") or
+        # a crash. They are entered here, under the ticket the job will get, before the call.
+        # A submit() interrupted before acceptance leaves its entry to be replaced by the next
+        # submit(), which gets the same ticket.
+        self._held: dict[int, Any] = {}
         self._base: dict[str, Any] = {}  # the engine's counters when the current epoch began
 
     def begin_epoch(self) -> None:
@@ -208,7 +218,7 @@ class DeviceStage:
 
     def outstanding(self) -> int:
         """Jobs submitted and not yet taken."""
-        return self._submitted - int(self._engine.taken)
+        return int(self._engine.submitted) - int(self._engine.taken)
 
     def end_epoch(self) -> bool:
         """Ends an epoch: True if the stage stays usable for the next one.
@@ -217,6 +227,11 @@ class DeviceStage:
         thread, stream, events and context) running, without waiting for the GPU; one
         abandoned with jobs in flight closes it.
         """
+        if os.getpid() != self._pid:
+            # A forked child: the engine's threads are the parent's, and its lock may have
+            # been held by one of them at the fork (NOTE [loader across fork]).
+            self.closed = True
+            return False
         if not self.closed and self.outstanding():
             self.close()
         return not self.closed
@@ -230,8 +245,8 @@ class DeviceStage:
         outs = {k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in tensors.items()}
         segs = [(v.data_ptr(), outs[k].data_ptr(), v.nbytes) for k, v in tensors.items()]
         stream = self._stream()
+        self._held[int(self._engine.submitted)] = outs  # NOTE [copy buffers held]
         ticket = self._engine.submit(segs, stream=stream, source=host_batch)
-        self._submitted += 1
         return _Pending(ticket, stream, list(outs.values()), None, lambda _res: outs)
 
     def submit_tree(self, batch: Any) -> _Pending:
@@ -252,8 +267,8 @@ class DeviceStage:
         else:
             outs = [(t.dtype, t.shape) for t in srcs]
             segs = [(t.data_ptr(), 0, t.nbytes) for t in srcs]
+        self._held[int(self._engine.submitted)] = (outs, srcs)  # NOTE [copy buffers held]
         ticket = self._engine.submit(segs, stream=stream, stage=True)
-        self._submitted += 1
         p = _Pending(ticket, stream, outs, srcs, build)
         if self._moved_by_torch:
             p.torch_copies = torch.cuda.current_stream(self.device)
@@ -296,6 +311,9 @@ class DeviceStage:
         """
         stream = self._stream()
         res = self._engine.take(p.ticket, stream=stream)
+        taken = int(self._engine.taken)  # the caller has the results of these (NOTE [copy buffers held])
+        for t in [t for t in self._held if t < taken]:
+            del self._held[t]
         p.keep = None
         outs = p.outputs
         if self.device is None:  # staged results: views of the (pinned) staging slot
@@ -326,6 +344,7 @@ class DeviceStage:
         """Stops the engine thread once every copy already issued completed (NOTE [copy engine shutdown])."""
         self.closed = True
         self._engine.close()
+        self._held.clear()  # every issued copy completed (NOTE [copy buffers held])
 
 
 class Staged:

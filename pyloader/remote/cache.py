@@ -179,25 +179,57 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# NOTE [lock files across fork]: flock and OFD locks belong to an open file description,
+# which a forked child shares through the descriptors it inherits. A child forked while a
+# thread of the parent held a lock file open -- a download's shard lock, the space lock, an
+# evictor's try-lock -- kept that lock held after the parent closed its descriptor: the
+# child's own fetcher then timed out waiting for a lock that only its inherited copy held,
+# and the parent could not take it again until the child exited. Every lock-file descriptor
+# is therefore entered here while it is open (entered after the open, dropped before the
+# close, so the set never names a closed one), and a forked child closes its copies at once.
+_LOCK_FDS: set[int] = set()
+
+
 def _open_lockfile(path: str) -> int | None:
     """An fd for flock on ``path`` (created if possible); None if it cannot exist (read-only dir).
 
     Never through a symlink (NOTE [cache paths]): a link planted at ``path`` raises CacheError.
+    Close it with ``_close_lockfile`` (NOTE [lock files across fork]).
     """
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _link_error(path) from None
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EDQUOT):
             raise _cache_error(e.errno or errno.EIO, f"cannot open lock file {path}: {os.strerror(e.errno or 0)}") \
                 from None
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _link_error(path) from None
-        return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e2:
+            if e2.errno == errno.ELOOP:
+                raise _link_error(path) from None
+            return None
+    _LOCK_FDS.add(fd)
+    return fd
+
+
+def _close_lockfile(fd: int) -> None:
+    _LOCK_FDS.discard(fd)
+    os.close(fd)
+
+
+def _close_lockfiles_in_child() -> None:
+    # See NOTE [lock files across fork]: the parent's locks stay the parent's.
+    for fd in list(_LOCK_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_lockfiles_in_child)
 
 
 def _link_error(path: str) -> CacheError:
@@ -287,12 +319,12 @@ def _lock_fd(path: str, op: int, timeout: float, cancel: threading.Event | None,
         if fd is None:
             return None
         if not _wait_flock(fd, op, timeout, cancel, poll):
-            os.close(fd)
+            _close_lockfile(fd)
             what = "cancelled" if cancel is not None and cancel.is_set() else f"timed out after {timeout:.0f} s"
             raise _cache_error(errno.ETIMEDOUT, f"{what} waiting for lock {path}")
         if _same_file(path, fd):
             return fd
-        os.close(fd)
+        _close_lockfile(fd)
 
 
 # -- byte-range locks on pins.lock (NOTE [cache pins]) ----------------------------------
@@ -398,7 +430,7 @@ class _PinFile:
 
     def _close(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
+            _close_lockfile(self.fd)
             self.fd = None
 
 
@@ -502,7 +534,7 @@ def _temp_is_stale(ddir: str, path: str, now: float) -> bool:
         try:
             return _try_flock(fd, fcntl.LOCK_EX)
         finally:
-            os.close(fd)
+            _close_lockfile(fd)
     return old
 
 
@@ -742,7 +774,7 @@ class _Flock:
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing the only fd of the open file description releases the flock
+            _close_lockfile(self.fd)  # closing the only fd of the open file description releases the flock
             self.fd = None
 
 
@@ -998,7 +1030,7 @@ class DatasetCache:
         finally:
             for fd in (lfd, pfd):
                 if fd is not None:
-                    os.close(fd)  # the only fd of its open file description: its locks go with it
+                    _close_lockfile(fd)  # the only fd of its open file description: its locks go with it
 
     def remove_if_idle(self) -> int:
         """Removes this dataset's directory if it holds no shards or temp files. Returns files removed."""
@@ -1017,7 +1049,7 @@ class DatasetCache:
             except FileNotFoundError:
                 pass
             finally:
-                os.close(fd)
+                _close_lockfile(fd)
         for sub in ("locks", "pins"):  # pins/: one flock file per shard, as older versions pinned
             d = os.path.join(self.dir, sub)
             for name in os.listdir(d) if os.path.isdir(d) else []:
@@ -1031,7 +1063,7 @@ class DatasetCache:
                     else:
                         return n  # someone holds it: keep the directory
                 finally:
-                    os.close(fd)
+                    _close_lockfile(fd)
         for name in (MANIFEST_NAME, "url", _DISCARD_LOG):
             try:
                 os.unlink(os.path.join(self.dir, name))

@@ -607,7 +607,7 @@ class ProcessTransformStream(TransformStream):
 def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int,
               grace: list[float]) -> None:
     if os.getpid() != parent:
-        return  # a forked child's copy of the stream: its workers and files are the parent's
+        return  # a forked child's copy of the stream: its workers and files are the parent's (see NOTE [loader across fork])
     for c in conns:
         with contextlib.suppress(Exception):
             c.send(None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from ..errors import CollateError, ImageDecodeError
+from ..errors import CollateError, ImageDecodeError, LoaderStateError
 from .context import SampleContext, _splitmix64, sample_seeds
 from .image import ImageDecode
 
@@ -239,6 +240,7 @@ class TransformStream:
         self.timeout = 0.0  # seconds each next() may wait (0: forever)
         self.on_finish: Any = None  # called once with stats() at the end or at close()
         self.consumed: Any = None  # the loader's ConsumedCount, if any
+        self._pid = os.getpid()
 
     def __iter__(self) -> TransformStream:
         return self
@@ -247,6 +249,11 @@ class TransformStream:
         return self._len
 
     def __next__(self) -> Any:
+        if os.getpid() != self._pid:
+            # A forked child: the workers are the parent's (NOTE [loader across fork] in
+            # pyloader/loader/dataloader.py); a process worker's pipe would hand the parent's
+            # batches to the child.
+            raise LoaderStateError("iterator used in a forked child; create a new iterator after fork")
         while True:
             item = self._take()
             if item is not None:

@@ -18,12 +18,27 @@ oversubscribe the cores (measured: a resize on two workers ran slower than on on
 setting is per thread for the calling thread, but torch also keeps it as the default of
 threads that start using torch later; ``close()`` puts that default back to the value the
 constructing thread had.
+
+NOTE [transform threads at exit]: a script may end with an epoch in progress (``it =
+iter(loader); next(it)``, or a loop that stops after N steps with ``zip(range(N), loader)``):
+its workers are daemon threads, and at interpreter exit CPython ends a daemon thread that
+asks for the GIL back with ``pthread_exit()``. A worker inside a torch op is then unwound
+through torch's C++ frames, a noexcept one among them, and the process aborts
+("terminate called without an active exception", exit status 134 -- 5 of 6 runs of such a
+script). So every stream still open is closed by an ``atexit`` handler, which runs before
+the interpreter finalises: its workers stop after the sample they are on and are joined.
+Not from ``threading``'s own exit hooks, which run before non-daemon threads are joined:
+a non-daemon thread may still be iterating the loader then, as a program's training thread
+does when the main thread returns first.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -31,6 +46,20 @@ import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError
 from .stage import TransformSpec, TransformStream, _Stopped, run_batch
+
+# Streams whose workers may be running (NOTE [transform threads at exit]).
+_LIVE: weakref.WeakSet[ThreadTransformStream] = weakref.WeakSet()
+
+
+def _close_live() -> None:
+    for stream in list(_LIVE):
+        try:
+            stream.close()
+        except Exception:  # noqa: BLE001 - the process is exiting; the next stream still needs closing
+            pass
+
+
+atexit.register(_close_live)
 
 
 class _Failed:
@@ -69,8 +98,15 @@ class ThreadTransformStream(TransformStream):
         self._torch_threads = torch.get_num_threads()
         self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
                          for w in range(workers)]
-        for t in self._threads:
-            t.start()
+        _LIVE.add(self)
+        try:
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            # No thread for a worker (a limit on threads): stop and join those that started,
+            # close the native stream, and raise the error.
+            self.close()
+            raise
 
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
@@ -159,6 +195,11 @@ class ThreadTransformStream(TransformStream):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
+        if os.getpid() != self._pid:
+            # A forked child: the workers are the parent's (no thread of this process runs
+            # them), and one of them may have held the condition's lock at the fork.
+            return
         with self._cv:
             self._stop = True
             self._results.clear()
@@ -166,7 +207,7 @@ class ThreadTransformStream(TransformStream):
         self._src.close()  # wakes a worker waiting for the next native batch
         me = threading.current_thread()
         for t in self._threads:
-            if t is not me:
+            if t is not me and t.ident is not None:  # started
                 t.join()
         torch.set_num_threads(self._torch_threads)  # the default of threads yet to use torch
         self._finish()

@@ -118,7 +118,7 @@ const char* jpeg_decode_region(const uint8_t* data, size_t len, int denom, int x
   limit_memory(&cinfo, max_pixels);
   jpeg_mem_src(&cinfo, data, static_cast<unsigned long>(len));
   jpeg_read_header(&cinfo, TRUE);
-  // NOTE [pixel limit]: from the header, before libjpeg sizes anything by the image.
+  // See NOTE [pixel limit]: from the header, before libjpeg sizes anything by the image.
   if (const uint64_t pixels = uint64_t(cinfo.image_width) * cinfo.image_height; pixels > max_pixels) {
     jpeg_destroy_decompress(&cinfo);
     std::snprintf(g_message, sizeof(g_message),

@@ -326,7 +326,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
         uint64_t expect = spec.variable ? uint64_t(en.leading) * spec.row_bytes : spec.row_bytes;
         if (!spec.variable && en.leading != 0) bad("fixed-shape entry with a nonzero length");
         if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
-        // NOTE [value bounds]: no more than the stored bytes can become, nor than the limit.
+        // See NOTE [value bounds]: no more than the stored bytes can become, nor than the limit.
         if (en.codec == kCodecLZ4 && en.decoded_size > lz4_max_decoded_size(en.stored_size))
           bad("index entry says the value decodes to " + size_text(en.decoded_size) + ", more than an LZ4 block of " +
               std::to_string(en.stored_size) + " bytes can hold (" + std::to_string(kLz4MaxExpansion) +
@@ -398,7 +398,7 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   fields_ = parse_schema(reinterpret_cast<const uint8_t*>(schema_blob_.data()), schema_blob_.size(),
                          "<dataset schema>");
   if (max_value_bytes_ == 0) throw std::invalid_argument("max_value_bytes must be >= 1");
-  // NOTE [value bounds]: a fixed field's every value has its record size.
+  // See NOTE [value bounds]: a fixed field's every value has its record size.
   for (const FieldSpec& f : fields_)
     if (!f.variable && f.row_bytes > max_value_bytes_)
       throw LoaderError(ErrorKind::kSchema, "", -1, f.name,

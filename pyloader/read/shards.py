@@ -472,7 +472,7 @@ class ShardDataset(UnitDataset, IterableDataset):
         self.partition = partition
         self.epoch = 0
         self._schema = encode_schema(self.fields)
-        for f in self.fields:  # NOTE [value bounds]: before any batch buffer is sized from the schema
+        for f in self.fields:  # See NOTE [value bounds]: before any batch buffer is sized from the schema
             if not f.variable and f.row_bytes > self.max_value_bytes:
                 raise SchemaError(f"manifest {mpath!r}: field {f.name!r} makes every value {f.row_bytes} bytes, more "
                                   f"than max_value_bytes ({self.max_value_bytes}); pass a larger max_value_bytes if "

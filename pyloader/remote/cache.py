@@ -7,7 +7,7 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
     root/v1/<key>/url                   the dataset URL (key = XXH64 of the URL)
     root/v1/<key>/manifest.json         the manifest copy the shards below were checked against
     root/v1/<key>/shards/<name>         published shards; name = quote(path) + "." + manifest xxh64
-                                        (NOTE [cache paths]: a long quoted path is shortened)
+                                        (a long quoted path is shortened: see NOTE [cache paths])
     root/v1/<key>/locks/<name>.lock     flock EX: held by the process downloading <name>
     root/v1/<key>/pins.lock             OFD read lock on one byte per shard a process may have mapped
     root/v1/<key>/tmp/<name>.<owner>.<pid>.<random>.part   a download in progress

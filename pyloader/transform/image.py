@@ -253,7 +253,7 @@ class ImageDecode:
                               "(or read the encoded bytes with decode=False)") from None
         try:
             img: Any = Image.open(io.BytesIO(data))  # reads the header only
-            self._check_pixels(*img.size)  # NOTE [pixel limit]: before Pillow allocates the image
+            self._check_pixels(*img.size)  # See NOTE [pixel limit]: before Pillow allocates the image
             box = None
             if self.size is not None:
                 w, h = img.size

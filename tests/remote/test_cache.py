@@ -3,6 +3,7 @@ read-only disks."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -144,6 +145,28 @@ def test_full_disk_tmpfs(server, tmp_path):
         d = ShardCache(str(mnt)).find(server.url + "/ds")
         ents = d.entries()
         assert 0 < len(ents) < 16 and all(d.verify_entry(e) is None for e in ents)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.timeout(60)
+def test_no_inodes_left_for_a_new_datasets_metadata(server, tmp_path):
+    """A real ENOSPC while the cache writes a new dataset's directories and manifest copy (a
+    tmpfs with a handful of inodes): a CacheError naming the path and what to do, not a bare OSError."""
+    if not _can_mount():
+        pytest.skip("needs root to mount a small tmpfs; test_a_failed_metadata_write_names_the_path covers the path")
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=6", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        with pytest.raises(pyloader.CacheError) as ei:
+            pyloader.ShardDataset(server.url + "/ds", cache_dir=str(mnt))
+        e = ei.value
+        assert e.errno == errno.ENOSPC and str(mnt) in str(e) and "no space or no inodes left" in str(e), e
+        assert server.url + "/ds" in str(e), e
+        assert temp_files(str(mnt)) == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 

@@ -1240,8 +1240,9 @@ class DatasetCache:
             return None  # evicted meanwhile: nothing cached, nothing wrong
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return "a symbolic link, not a shard file (NOTE [cache paths])"
-            raise
+                return "a symbolic link, not a shard file (see NOTE [cache paths])"
+            raise _cache_error(err.errno or errno.EIO, f"cannot open cached shard {e.path}: "
+                               f"{err.strerror or err}", e.name) from None
         try:
             return self.content_problem(fd, e.bytes, i)
         finally:
@@ -1352,7 +1353,8 @@ class DatasetCache:
                 if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise _cache_error(e.errno, f"cannot remove the bad copy {path}: the cache is read-only "
                                        f"({os.strerror(e.errno)})", name) from None
-                raise
+                raise _cache_error(e.errno or errno.EIO, f"cannot remove the bad copy {path}: "
+                                   f"{e.strerror or e}", name) from None
             _fsync_dir(os.path.dirname(path))
             return True
 

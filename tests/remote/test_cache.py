@@ -3,6 +3,7 @@ read-only disks."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -124,51 +125,48 @@ def _can_mount() -> bool:
     return os.geteuid() == 0 and os.path.exists("/bin/mount")
 
 
-@pytest.mark.timeout(60)
-def test_full_disk_tmpfs(server, tmp_path):
-    """A real ENOSPC: the cache on an 40 KB tmpfs (the dataset is ~100 KB)."""
+@contextlib.contextmanager
+def _small_tmpfs(mnt, options: str, other_test: str):
+    """A tmpfs mounted at ``mnt`` with ``options`` for the test's body; skipped where it cannot be."""
     if not _can_mount():
-        pytest.skip("needs root to mount a small tmpfs; test_full_disk_rlimit covers the same path")
-    mnt = tmp_path / "small"
+        pytest.skip(f"needs root to mount a small tmpfs; {other_test} covers the same path")
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
-        ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=str(mnt), fetch_jobs=1)
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.timeout(60)
+def test_full_disk_tmpfs(server, tmp_path):
+    """A real ENOSPC: the cache on an 40 KB tmpfs (the dataset is ~100 KB)."""
+    with _small_tmpfs(tmp_path / "small", "size=40k", "test_full_disk_rlimit") as mnt:
+        ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=mnt, fetch_jobs=1)
         with pytest.raises(pyloader.ShardIOError, match="no space"):
             labels(ds)
         del ds
         gc.collect()
         time.sleep(0.2)
-        assert temp_files(str(mnt)) == []
-        d = ShardCache(str(mnt)).find(server.url + "/ds")
+        assert temp_files(mnt) == []
+        d = ShardCache(mnt).find(server.url + "/ds")
         ents = d.entries()
         assert 0 < len(ents) < 16 and all(d.verify_entry(e) is None for e in ents)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 @pytest.mark.timeout(60)
 def test_no_inodes_left_for_a_new_datasets_metadata(server, tmp_path):
     """A real ENOSPC while the cache writes a new dataset's directories and manifest copy (a
     tmpfs with a handful of inodes): a CacheError naming the path and what to do, not a bare OSError."""
-    if not _can_mount():
-        pytest.skip("needs root to mount a small tmpfs; test_a_failed_metadata_write_names_the_path covers the path")
-    mnt = tmp_path / "few-inodes"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=6", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with _small_tmpfs(tmp_path / "few-inodes", "size=4m,nr_inodes=6", "test_a_failed_metadata_write_names_the_path") as mnt:
         with pytest.raises(pyloader.CacheError) as ei:
-            pyloader.ShardDataset(server.url + "/ds", cache_dir=str(mnt))
+            pyloader.ShardDataset(server.url + "/ds", cache_dir=mnt)
         e = ei.value
-        assert e.errno == errno.ENOSPC and str(mnt) in str(e) and "no space or no inodes left" in str(e), e
+        assert e.errno == errno.ENOSPC and mnt in str(e) and "no space or no inodes left" in str(e), e
         assert server.url + "/ds" in str(e), e
-        assert temp_files(str(mnt)) == []
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+        assert temp_files(mnt) == []
 
 
 @pytest.mark.timeout(60)

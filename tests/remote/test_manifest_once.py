@@ -182,8 +182,12 @@ def test_readers_never_see_a_partial_copy(server, cache_dir, monkeypatch):
     writer = threading.Thread(target=rewrite)
     writer.start()
     try:
-        seen = set()
-        for _ in range(300):
+        seen: set[bytes] = set()
+        reads, deadline = 0, time.monotonic() + 30
+        # At least 300 reads, and on until both copies were seen: which copy a read meets
+        # depends on how the GIL switches between this thread and the writer.
+        while reads < 300 or (len(seen) < 2 and reads < 5000 and time.monotonic() < deadline):
+            reads += 1
             new_process(monkeypatch)
             data = _manifest.node_manifest(url, ShardCache(cache_dir).root, None, RetryPolicy.from_env())
             assert data in (a, b)

@@ -16,6 +16,7 @@ import atexit
 import collections
 import errno
 import heapq
+import logging
 import multiprocessing
 import multiprocessing.util
 import os
@@ -36,6 +37,7 @@ from .fs import FetchError, RetryPolicy, download_buffer_bytes
 from .manifest import node_manifest
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
+_log = logging.getLogger("pyloader.remote")
 
 
 def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
@@ -241,7 +243,9 @@ class ShardFetcher:
         self._urgent: set[int] = set()  # shards native workers wait on
         self._progress: dict[int, int] = {}  # bytes received by each running download
         self._heal: dict[int, str] = {}  # shard -> why its cached copy is fetched again
-        self._room_since: dict[int, float] = {}
+        self._room_since: dict[int, float] = {}  # shard -> when it first found the cache full
+        self._room_reported_at: float | None = None
+        self.room_reports = 0  # waits for room reported
         self.working_set_bytes = 0  # what the latest scheduled plan needs at once (set by its reader)
         self.heals = 0  # cached copies discarded and fetched again
         self.unloads = 0  # released shards unmapped and unpinned to make room
@@ -547,6 +551,8 @@ class ShardFetcher:
             with self._cv:
                 self._state[i] = _DONE
                 self._room_since.pop(i, None)
+                if not self._room_since:
+                    self._room_reported_at = None
             if self.shards is not None:
                 self.shards.mark_ready(i, path)
                 if self._stop.is_set():
@@ -588,17 +594,40 @@ class ShardFetcher:
             self._unload_idle_locked(lambda: False)
             return self.unloads - before
 
+    # A wait for room in a full cache is reported on the "pyloader.remote" logger once it is
+    # this old, then at least this often while it lasts.
+    room_report_first_s = 5.0
+    room_report_every_s = 30.0
+
     def _room_wait(self, i: int, e: BaseException) -> bool:
         """A full cache is waited out for a while (other readers release): requeues ``i``; True if so.
 
-        Released shards held by this process's other fetchers are dropped first.
+        Released shards held by this process's other fetchers are dropped first. A wait
+        that lasts is reported (``room_report_first_s``, then every ``room_report_every_s``).
         """
         if not (isinstance(e, CacheError) and e.errno == errno.ENOSPC) or self._stop.is_set():
             return False
         now = time.monotonic()
         with self._cv:
             since = self._room_since.setdefault(i, now)
-        if now - since > self.dcache.policy.deadline:
+            waited = now - min(self._room_since.values())
+            due = waited >= self.room_report_first_s and (
+                self._room_reported_at is None or now - self._room_reported_at >= self.room_report_every_s)
+            if due:
+                self._room_reported_at = now
+        deadline = self.dcache.policy.deadline
+        if due:
+            self.room_reports += 1
+            _log.warning("pyloader: the cache %s is full: %d shard(s) of %s have waited %.1f s for room, for "
+                         "other readers to release theirs; each fails once it has waited %g s "
+                         "(PYLOADER_FETCH_DEADLINE). Last: %s. Free disk space, or set a cache_limit this "
+                         "disk can hold", self.dcache.cache.base, len(self._room_since), self.dcache.url, waited,
+                         deadline, e)
+        if now - since > deadline:
+            with self._cv:
+                self._room_since.pop(i, None)
+                if not self._room_since:
+                    self._room_reported_at = None
             return False
         shed = self.shed_idle()
         for other in list(_FETCHERS):

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from remote_util import N_RECORDS, labels, published, temp_files, write_ds
 
 import pyloader
 from pyloader.remote.cache import CacheLimitError, ShardCache
-from pyloader.remote.fetch import open_remote
+from pyloader.remote.fetch import ShardFetcher, open_remote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -157,6 +158,28 @@ def test_full_disk_tmpfs(server, tmp_path, monkeypatch):
         d = ShardCache(mnt).find(server.url + "/ds")
         ents = d.entries()
         assert 0 < len(ents) < 16 and all(d.verify_entry(e) is None for e in ents)
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_for_room_in_a_full_cache_says_so(server, tmp_path, monkeypatch, caplog):
+    """A full cache is waited out until the fetch deadline (others may release): the wait is
+    reported on the "pyloader.remote" logger (at 5 s and every 30 s by default; shortened here)."""
+    monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "2")
+    monkeypatch.setattr(ShardFetcher, "room_report_first_s", 0.3)
+    monkeypatch.setattr(ShardFetcher, "room_report_every_s", 0.6)
+    with _small_tmpfs(tmp_path / "small", "size=40k", "none"):
+        ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=str(tmp_path / "small"), fetch_jobs=1)
+        with caplog.at_level(logging.WARNING, logger="pyloader.remote"):
+            with pytest.raises(pyloader.ShardIOError, match="no space"):
+                labels(ds)
+        del ds
+        gc.collect()
+    reports = [r.getMessage() for r in caplog.records if r.name == "pyloader.remote"]
+    assert 2 <= len(reports) <= 5, reports
+    first = reports[0]
+    assert str(tmp_path / "small") in first and "is full" in first and server.url + "/ds" in first, first
+    assert "fails once it has waited 2 s" in first and "PYLOADER_FETCH_DEADLINE" in first, first
+    assert "no space" in first and "cache_limit" in first, first
 
 
 @pytest.mark.timeout(60)

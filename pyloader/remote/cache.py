@@ -46,7 +46,8 @@ each into its own temp, and the second rename replaces a verified file by an ide
 one (a reader that opened the first keeps its inode). A writer removes only its own
 temp. A temp whose writer died is reclaimed by its name's owner: at once if the owner
 is this boot and pid namespace and its pid is gone (or a zombie), or an earlier boot of
-this host (``owner_gone``: See NOTE [file owners]); otherwise (another host or pid namespace, a name without an owner) once its
+this host (``owner_gone``: See NOTE [file owners]); otherwise (another host or pid
+namespace, a name without an owner) once its
 mtime is ``_STALE_TEMP_S`` (1 h) old. A live writer writes at least once per stall
 timeout (30 s) or backoff (10 s), else gives up, so an hour-old temp has no live writer
 (the hour also covers clock skew to a file server). Should its writer still be alive
@@ -190,11 +191,11 @@ def _fsync_dir(path: str) -> None:
 _LOCK_FDS: set[int] = set()
 
 
-def _open_lockfile(path: str) -> int | None:
+def open_lockfile(path: str) -> int | None:
     """An fd for flock on ``path`` (created if possible); None if it cannot exist (read-only dir).
 
     Never through a symlink (NOTE [cache paths]): a link planted at ``path`` raises CacheError.
-    Close it with ``_close_lockfile`` (NOTE [lock files across fork]).
+    Close it with ``close_lockfile`` (NOTE [lock files across fork]).
     """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
@@ -214,7 +215,8 @@ def _open_lockfile(path: str) -> int | None:
     return fd
 
 
-def _close_lockfile(fd: int) -> None:
+def close_lockfile(fd: int) -> None:
+    """Closes a descriptor from ``open_lockfile`` (NOTE [lock files across fork])."""
     _LOCK_FDS.discard(fd)
     os.close(fd)
 
@@ -238,14 +240,16 @@ def _link_error(path: str) -> CacheError:
 
 
 def _real_dir(path: str) -> None:
-    """Creates directory ``path`` if needed; raises CacheError if it (or ``v1`` above it) is a link or not a directory.
+    """Creates directory ``path`` if needed; raises CacheError if it is a link or not a directory.
 
-    NOTE [cache paths]. A missing parent is created by ``os.makedirs`` as usual.
+    See NOTE [cache paths]. Callers check each directory of the cache they write in, from
+    the layout root down.
     """
     os.makedirs(path, exist_ok=True)
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise _cache_error(errno.ENOTDIR, f"{path} is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a directory'}: "
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise _cache_error(errno.ENOTDIR, f"{path} is {what}: "
                            "pyloader keeps its cache in real directories only; remove it "
                            "(and check who can write to the cache directory: docs/security.md)")
 
@@ -315,16 +319,16 @@ def _lock_fd(path: str, op: int, timeout: float, cancel: threading.Event | None,
     check that the path still names the inode we locked, and retry if it does not.
     """
     while True:
-        fd = _open_lockfile(path)
+        fd = open_lockfile(path)
         if fd is None:
             return None
         if not _wait_flock(fd, op, timeout, cancel, poll):
-            _close_lockfile(fd)
+            close_lockfile(fd)
             what = "cancelled" if cancel is not None and cancel.is_set() else f"timed out after {timeout:.0f} s"
             raise _cache_error(errno.ETIMEDOUT, f"{what} waiting for lock {path}")
         if _same_file(path, fd):
             return fd
-        _close_lockfile(fd)
+        close_lockfile(fd)
 
 
 # -- byte-range locks on pins.lock (NOTE [cache pins]) ----------------------------------
@@ -396,7 +400,7 @@ class _PinFile:
             while True:
                 first = not self.counts
                 if first and self.fd is None:
-                    self.fd = _open_lockfile(self.path)
+                    self.fd = open_lockfile(self.path)
                 if self.fd is None:
                     break  # a read-only cache without pins.lock: nothing there can evict
                 if _byte_lock(self.fd, fcntl.F_RDLCK, offset):
@@ -430,7 +434,7 @@ class _PinFile:
 
     def _close(self) -> None:
         if self.fd is not None:
-            _close_lockfile(self.fd)
+            close_lockfile(self.fd)
             self.fd = None
 
 
@@ -528,13 +532,13 @@ def _temp_is_stale(ddir: str, path: str, now: float) -> bool:
         # The older <name>.<pid>.<random>.part form: its writer ran here and held the flock.
         if _pid_alive(int(parts[1])):
             return old
-        fd = _open_lockfile(os.path.join(ddir, "locks", parts[0] + ".lock"))
+        fd = open_lockfile(os.path.join(ddir, "locks", parts[0] + ".lock"))
         if fd is None:
             return False
         try:
             return _try_flock(fd, fcntl.LOCK_EX)
         finally:
-            _close_lockfile(fd)
+            close_lockfile(fd)
     return old
 
 
@@ -774,7 +778,7 @@ class _Flock:
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
-            _close_lockfile(self.fd)  # closing the only fd of the open file description releases the flock
+            close_lockfile(self.fd)  # closing the only fd of the open file description releases the flock
             self.fd = None
 
 
@@ -1015,8 +1019,8 @@ class DatasetCache:
 
     def evict_entry(self, e: Entry) -> bool:
         """Removes one published shard unless a reader pins it or a downloader holds it."""
-        lfd = _open_lockfile(self._lock_path(e.name))
-        pfd = _open_lockfile(self._pins_path)
+        lfd = open_lockfile(self._lock_path(e.name))
+        pfd = open_lockfile(self._pins_path)
         try:
             if lfd is None or pfd is None:
                 return False
@@ -1030,14 +1034,14 @@ class DatasetCache:
         finally:
             for fd in (lfd, pfd):
                 if fd is not None:
-                    _close_lockfile(fd)  # the only fd of its open file description: its locks go with it
+                    close_lockfile(fd)  # the only fd of its open file description: its locks go with it
 
     def remove_if_idle(self) -> int:
         """Removes this dataset's directory if it holds no shards or temp files. Returns files removed."""
         if self.entries() or (os.path.isdir(self.tmp_dir) and os.listdir(self.tmp_dir)):
             return 0
         n = 0
-        fd = _open_lockfile(self._pins_path)
+        fd = open_lockfile(self._pins_path)
         if fd is not None:
             try:
                 # All of pins.lock, write-locked: no pin is held, and none is taken before the
@@ -1049,11 +1053,11 @@ class DatasetCache:
             except FileNotFoundError:
                 pass
             finally:
-                _close_lockfile(fd)
+                close_lockfile(fd)
         for sub in ("locks", "pins"):  # pins/: one flock file per shard, as older versions pinned
             d = os.path.join(self.dir, sub)
             for name in os.listdir(d) if os.path.isdir(d) else []:
-                fd = _open_lockfile(os.path.join(d, name))
+                fd = open_lockfile(os.path.join(d, name))
                 if fd is None:
                     continue
                 try:
@@ -1063,7 +1067,7 @@ class DatasetCache:
                     else:
                         return n  # someone holds it: keep the directory
                 finally:
-                    _close_lockfile(fd)
+                    close_lockfile(fd)
         for name in (MANIFEST_NAME, "url", _DISCARD_LOG):
             try:
                 os.unlink(os.path.join(self.dir, name))

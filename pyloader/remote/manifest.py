@@ -36,10 +36,10 @@ import time
 from typing import Any
 
 from .. import _C
-from ..errors import CacheError, ManifestError
+from ..errors import ManifestError
 from ..format.encode import atomic_write
 from ..format.spec import MANIFEST_NAME, parse_manifest
-from .cache import dataset_key, normalize_url
+from .cache import close_lockfile, dataset_key, normalize_url, open_lockfile
 from .fs import RetryPolicy, read_object
 
 TTL_ENV = "PYLOADER_MANIFEST_TTL"
@@ -105,7 +105,7 @@ def node_manifest(url: str, cache_root: str, storage_options: dict[str, Any] | N
         return data
     finally:
         if fd is not None:
-            os.close(fd)  # the only fd of its open file description: the flock goes with it
+            close_lockfile(fd)  # the only fd of its open file description: the flock goes with it
 
 
 def _fetch(murl: str, storage_options: dict[str, Any] | None, policy: RetryPolicy) -> bytes:
@@ -142,14 +142,13 @@ def _lock(path: str, timeout: float) -> int | None:
     while True:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
+            fd = open_lockfile(path)  # never through a link; closed in a forked child
+        except OSError as e:  # (a CacheError from open_lockfile keeps the errno)
             if e.errno in _CANNOT_SHARE:
                 return None
-            if e.errno == errno.ELOOP:
-                raise CacheError(errno.ELOOP, f"{path} is a symbolic link: pyloader writes no file of its cache "
-                                 "through a link; remove it (docs/security.md)") from None
             raise
+        if fd is None:
+            return None
         delay = _LOCK_POLL_S
         try:
             while True:
@@ -158,7 +157,7 @@ def _lock(path: str, timeout: float) -> int | None:
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        os.close(fd)
+                        close_lockfile(fd)
                         return None
                     time.sleep(delay)
                     delay = min(delay * 1.5, 0.1)
@@ -166,13 +165,13 @@ def _lock(path: str, timeout: float) -> int | None:
             if (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
                 return fd
         except OSError as e:
-            os.close(fd)
+            close_lockfile(fd)
             if isinstance(e, FileNotFoundError):
                 continue  # removed after we locked it: lock the new one
             if e.errno in _CANNOT_SHARE:
                 return None
             raise
-        os.close(fd)
+        close_lockfile(fd)
 
 
 def _store(path: str, data: bytes) -> None:

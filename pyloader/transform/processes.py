@@ -34,8 +34,9 @@ the parent would never see its end) -- and any other child forked while a stream
 (a torch DataLoader worker, a later stream's workers) holds none of them either. The
 consumer's ``next()`` waits on the pipes *and* the workers' process sentinels, at most
 ``_LIVENESS_S`` at a time whatever ``timeout`` is, and before it returns a batch already
-here it checks them if it has not in the last ``_LIVENESS_S`` (a check costs ~10 us). When a worker's sentinel fires (or its pipe ends) the parent reads
-what it sent before it died, then, if some of the worker's batches are still missing,
+here it checks them if it has not in the last ``_LIVENESS_S`` (a check costs ~10 us).
+When a worker's sentinel fires (or its pipe ends) the parent reads what it sent before it
+died, then, if some of the worker's batches are still missing,
 closes the stream and raises ``TransformWorkerError`` naming the worker, its pid, the
 signal or exit code, and the batches and samples it held (the credited batches it had
 not returned); a worker that ends after its last batch ended normally. A credit sent to
@@ -470,7 +471,10 @@ class ProcessTransformStream(TransformStream):
         self._results[msg[1]] = msg
 
     def _pump(self, timeout: float) -> None:
-        """Reads the results that arrive within ``timeout`` s; reports a worker that died (NOTE [transform worker deaths])."""
+        """Reads the results that arrive within ``timeout`` s; reports a worker that died.
+
+        See NOTE [transform worker deaths].
+        """
         handles: dict[Any, int] = {}
         for w, conn in enumerate(self._conns):
             if w not in self._ended:
@@ -607,7 +611,9 @@ class ProcessTransformStream(TransformStream):
 def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int,
               grace: list[float]) -> None:
     if os.getpid() != parent:
-        return  # a forked child's copy of the stream: its workers and files are the parent's (see NOTE [loader across fork])
+        # A forked child's copy of the stream: its workers and files are the parent's (see
+        # NOTE [loader across fork]).
+        return
     for c in conns:
         with contextlib.suppress(Exception):
             c.send(None)

@@ -297,3 +297,21 @@ def test_fuzzed_manifests_stay_inside_the_cache(tmp_path, case):
             p = os.path.join(root, n)
             assert not os.path.islink(p) and inside(p, cache)
     assert not [f for _, _, fs_ in os.walk(cache) for f in fs_ if f.endswith(".part")]
+
+
+def test_a_linked_manifest_lock_is_refused(tmp_path):
+    """The node's manifest lock (NOTE [manifest once per node]) is opened like every lock file: never through a link."""
+    from pyloader.remote.cache import dataset_key
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    fs.pipe("/mlock/manifest.json", manifest([GOOD]))
+    locks = tmp_path / "c" / "v1" / dataset_key("memory://mlock") / "locks"
+    locks.mkdir(parents=True)
+    os.symlink(outside / "target", locks / "manifest.json.lock")
+    with pytest.raises(pyloader.CacheError, match="symbolic link") as ei:
+        open_remote("memory://mlock", cache_dir=str(tmp_path / "c"))
+    assert str(locks / "manifest.json.lock") in str(ei.value)
+    assert os.listdir(outside) == []

@@ -432,7 +432,10 @@ class ShardDataset(UnitDataset, IterableDataset):
                  storage_options: dict[str, Any] | None = None, transform: Any = None,
                  decode: Any = None, max_value_bytes: int | str = DEFAULT_MAX_VALUE_BYTES) -> None:
         super().__init__()
-        self.max_value_bytes = parse_size(max_value_bytes, minimum=1)
+        try:
+            self.max_value_bytes = parse_size(max_value_bytes, minimum=1)
+        except ValueError as e:
+            raise ValueError(f"max_value_bytes: {e}") from None
         self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
                                partition=partition)
         self.url = os.fspath(path)

@@ -407,3 +407,12 @@ def test_fuzz_forged_consistent_shards_only_raise_pyloader_errors_within_bounded
     assert sum(got["outcomes"].values()) == n, got
     assert got["outcomes"].get("ShardFormatError", 0) > n // 3, got  # the forgeries do reach the checks
     assert got["rss_growth_mb"] < 32, f"seed {SEED}: peak RSS grew {got['rss_growth_mb']:.1f} MB over the pristine read"
+
+
+@pytest.mark.parametrize("bad, why", [("lots", "invalid size 'lots'"), (0, "must be >= 1")])
+def test_a_bad_max_value_bytes_names_the_option(tmp_path, bad, why):
+    d = str(tmp_path / "ds")
+    with pyloader.ShardWriter(d, {"x": ("uint8", (4,))}) as w:
+        w.write({"x": np.zeros(4, np.uint8)})
+    with pytest.raises(ValueError, match=f"^max_value_bytes: .*{why}"):
+        pyloader.ShardDataset(d, max_value_bytes=bad)

@@ -1,6 +1,6 @@
 """The package's shape: imports run one way through the stages, with no cycles.
 
-Stages, lowest first (pyloader/README.md): errors <- format <- write | remote | transform <- read
+Stages, lowest first (pyloader/README.md): errors <- format <- contract <- write | remote | transform <- read
 <- loader <- bench <- CLI. A module may import its own package and any lower stage, never a
 higher one nor a sibling of its own stage (write, remote and transform are independent). The command-line
 modules (``_cli``, ``__main__`` and every ``<stage>/cli.py``) form the top stage, the
@@ -18,7 +18,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "pyloader"
 
-STAGES = {"errors": 0, "format": 1, "write": 2, "remote": 2, "transform": 2, "read": 3, "loader": 4, "bench": 5}
+STAGES = {"errors": 0, "format": 1, "contract": 2, "write": 3, "remote": 3, "transform": 3, "read": 4, "loader": 5,
+          "bench": 6}
 TOP = 9  # the CLI modules and the package __init__
 
 

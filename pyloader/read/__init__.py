@@ -2,7 +2,7 @@
 
 | file | what it is for |
 |---|---|
-| ``contract.py`` | the dataset contract ``PlannedDataset``; ``OrderSpec``, validated once; ``UnitDataset`` |
+| ``units.py`` | ``UnitDataset``: a ``PlannedDataset`` (``pyloader.contract``) made of units of records; rank checks |
 | ``order.py`` | the epoch plan: shuffle, rank partition, worker split, resumed epochs; pure numpy functions |
 | ``shards.py`` | ``ShardDataset`` over a manifest of shards; ``BatchIterator``, the native batch pipeline |
 | ``mixture.py`` | ``Mixture``: weighted, scheduled mixtures of ShardDatasets, one plan over their shards' union |

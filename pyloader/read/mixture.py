@@ -53,13 +53,13 @@ import numpy as np
 from torch.utils.data import IterableDataset
 
 from .. import _C
+from ..contract import OrderSpec, PipelineDataset, Plan, check_stream_args
 from ..errors import SchemaError
 from ..format.spec import Field, encode_schema
 from ..remote import fetch as _fetch
-from ..transform.image import resolve_decode as _resolve_decode
 from . import order as _order
-from .contract import OrderSpec, Plan, UnitDataset, check_batch_args
 from .shards import _MAX_OPEN, BatchIterator, ShardDataset, _readers_on_node
+from .units import UnitDataset
 
 POLICIES = ("cycle", "stop", "renormalise")
 _G = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, odd
@@ -210,7 +210,7 @@ class MixtureBatches(BatchIterator):
         return {**super().stats(), "sources": dict(self._per_source)}
 
 
-class Mixture(UnitDataset, IterableDataset):
+class Mixture(UnitDataset, PipelineDataset, IterableDataset):
     """A mixture of ``ShardDataset`` sources with weights, a schedule and an exhaustion policy.
 
     Reads through ``pyloader.DataLoader`` on the native path like a ``ShardDataset``, with
@@ -243,8 +243,6 @@ class Mixture(UnitDataset, IterableDataset):
             shape (``SchemaError`` otherwise).
         shuffle, seed, rank, world_size, partition, transform, decode: as ``ShardDataset``.
     """
-
-    pipeline_streams = True
 
     def __init__(self, sources: Sequence[ShardDataset] | Mapping[str, ShardDataset],
                  weights: Sequence[float] | None = None, *, schedule: Any = None, policy: str = "cycle",
@@ -311,11 +309,8 @@ class Mixture(UnitDataset, IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
-        if transform is not None and not callable(transform):
-            raise ValueError(f"transform must be callable, got {transform!r}")
         self.transform = transform
-        self.decode = decode
-        _resolve_decode(self.fields, decode)
+        self.decode = decode  # checked and resolved now (NOTE [decode resolved once])
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fetcher: _Fetchers | None = None
@@ -361,7 +356,7 @@ class Mixture(UnitDataset, IterableDataset):
         return any(s.is_remote for s in self.sources)
 
     @property
-    def early_streams(self) -> bool:  # type: ignore[override]
+    def early_streams(self) -> bool:
         """As ``ShardDataset``: not when a source is remote."""
         return not self.is_remote
 
@@ -586,7 +581,7 @@ class Mixture(UnitDataset, IterableDataset):
         return {n: int(c) for n, c in zip(self.names, counts, strict=True)}
 
     # -- reading -----------------------------------------------------------------------------
-    def _shard_set(self) -> _C.ShardSet:
+    def _shard_set(self, readers: int = 1) -> _C.ShardSet:
         """One set over every source's shards (NOTE [mixture plan]); remote sources' fetchers fill their part."""
         if self._shards is not None and self._shards_pid == os.getpid():
             return self._shards
@@ -620,7 +615,7 @@ class Mixture(UnitDataset, IterableDataset):
                 view = _SourceView(hub, k, off, len(s.shard_paths))
                 hub._views.append(view)
                 limit = s._remote.cache.limit
-                budget = None if limit is None else limit // _readers_on_node()
+                budget = None if limit is None else limit // _readers_on_node(readers)
                 fetchers.append(_fetch.ShardFetcher(s._remote, view, jobs=s.fetch_jobs, budget=budget,
                                                     max_open=_MAX_OPEN))
             self._fetcher = _Fetchers(fetchers)
@@ -630,14 +625,14 @@ class Mixture(UnitDataset, IterableDataset):
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
-                num_workers: int = 1, ahead: int | None = None, early: bool = False,
+                num_workers: int = 1, readers: int = 1, ahead: int | None = None, early: bool = False,
                 active_threads: int | None = None, ragged: bool = False) -> MixtureBatches:
         """The native batched iterator over ``plan``; the arguments are ``ShardDataset.batches``'."""
-        prefetch = check_batch_args(batch_size, num_threads, prefetch)
+        batch_size, num_threads, prefetch = check_stream_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         if pool is None:
             pool = _C.SlotPool(num_fields=len(self.fields))
-        shards = self._shard_set()
+        shards = self._shard_set(readers)
         if self._fetcher is not None:
             src = self._unit_source[sidx]
             for f, k in zip(self._fetcher.all, [k for k, s in enumerate(self.sources) if s.is_remote], strict=True):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _C
+from ..contract import PARTITIONS, SHUFFLE_MODES
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -26,7 +27,6 @@ _INV_M2 = np.uint64(pow(0x94D049BB133111EB, -1, 1 << 64))
 _CHUNK = 1 << 16  # elements per pass in mix64/_unmix64 (512 KiB: stays in cache)
 _STREAM_MUL = 0xD1B54A32D192ED03  # C1 in sample_keys: odd, so streams never collide
 STREAM_GLOBAL, STREAM_SHARDS, STREAM_WINDOW = 0, 1, 2
-SHUFFLE_MODES, PARTITIONS = ("global", "window"), ("pad", "drop")
 
 
 def _int_arg(name: str, value: object, lo: int, hi: int) -> int:

@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from .. import _C
+from ..contract import OrderSpec, Plan, check_count, check_stream_args
 from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
 from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
 from ..format.arrow import VarColumn, arrow_field, arrow_to_column
@@ -46,7 +47,7 @@ from ..format.spec import Field
 from ..remote import fetch as _fetch
 from ..remote.cache import DatasetCache
 from ..remote.fs import RetryPolicy, filesystem, is_remote
-from .contract import OrderSpec, Plan, UnitDataset, check_batch_args
+from .units import UnitDataset
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,13 +234,9 @@ class ParquetDataset(UnitDataset, IterableDataset):
                                partition=partition)
         if nulls not in ("error", "zero"):
             raise ValueError(f"nulls must be 'error' or 'zero', got {nulls!r}")
-        if not isinstance(fetch_jobs, int) or fetch_jobs < 1:
-            raise ValueError("fetch_jobs must be a positive int")
         self.rank, self.world_size, self.nulls = rank, world_size, nulls
-        if transform is not None and not callable(transform):
-            raise ValueError(f"transform must be callable, got {transform!r}")
-        self.transform, self.decode = transform, decode
-        self.fetch_jobs = fetch_jobs
+        self.transform = transform
+        self.fetch_jobs = check_count("fetch_jobs", fetch_jobs)
         self.epoch = 0
         self._cache: DatasetCache | None = None
         self._readiness: _Readiness | None = None
@@ -316,6 +313,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         names = [f.name for f in self.fields]
         if len(set(names)) != len(names) or any(f"{f.name}_lengths" in names for f in self.fields if f.variable):
             raise ParquetReadError(f"columns {self.columns} map to colliding field names {names}")
+        self.decode = decode  # checked and resolved now (NOTE [decode resolved once])
         self.group_file: list[int] = []
         self.group_index: list[int] = []
         self.records_per_group: list[int] = []
@@ -417,7 +415,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
             raise ParquetReadError(str(e)) from None
 
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
-                prefetch: int | None = None, pool: Any = None, epoch: int | None = None,
+                prefetch: int | None = None, pool: Any = None, readers: int = 1, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
                 num_workers: int = 1) -> ParquetBatchIterator:
         """Batches (dicts of tensors) over ``plan`` (NOTE [dataset contract]).
@@ -425,9 +423,10 @@ class ParquetDataset(UnitDataset, IterableDataset):
         Without ``plan``: this rank's plan of ``epoch`` (and optional worker split), as
         ``ShardDataset.batches``. ``pool`` is accepted for ``pyloader.DataLoader`` and
         ignored: staging buffers are this iterator's own (reused once no tensor uses them,
-        NOTE [staging reuse]).
+        NOTE [staging reuse]). ``readers``: accepted for the contract; a remote Parquet
+        dataset's fetcher pins every file its plan reads, whatever its share.
         """
-        prefetch = check_batch_args(batch_size, num_threads, prefetch)
+        batch_size, num_threads, prefetch = check_stream_args(batch_size, num_threads, prefetch)
         gidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         self._ensure_fetcher()
         if self._fetcher is not None:

@@ -16,6 +16,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 from .. import _C
+from ..contract import OrderSpec, PipelineDataset, PipelineStream, Plan, check_count, check_stream_args
 from ..errors import (
     CacheLimitError,
     LoaderStateError,
@@ -37,8 +38,7 @@ from ..format.spec import (
 )
 from ..remote import fetch as _fetch
 from ..remote.fs import is_remote
-from ..transform.image import resolve_decode as _resolve_decode
-from .contract import OrderSpec, Plan, UnitDataset, check_batch_args
+from .units import UnitDataset
 
 
 def _local_path(url: str | os.PathLike[str]) -> str:
@@ -138,6 +138,11 @@ class BatchIterator:
         self._tail: Any = None  # called once when _tail_at batches were delivered (tail_hook)
         self._tail_at = 0
 
+    @property
+    def pipeline(self) -> _C.BatchPipeline:
+        """The native pipeline this stream reads (the packer takes its documents from it)."""
+        return self._pipeline
+
     def tail_hook(self, fn: Any, at: int) -> None:
         """Calls ``fn()`` once, on the consumer's thread, right after batch number ``at`` (1-based) is delivered.
 
@@ -146,9 +151,9 @@ class BatchIterator:
         """
         self._tail, self._tail_at = fn, max(1, at)
 
-    def hand_over(self, nxt: BatchIterator) -> None:
+    def hand_over(self, nxt: PipelineStream) -> None:
         """Once this stream's batches are all claimed, ``nxt`` (made ahead) runs at full read-ahead."""
-        self._pipeline.hand_over(nxt._pipeline, nxt.ahead_target)
+        self._pipeline.hand_over(nxt.pipeline, nxt.ahead_target)
 
     def begin(self) -> None:
         """This stream was made ahead of its epoch, which starts now: full read-ahead, stats from now."""
@@ -342,10 +347,11 @@ class BatchIterator:
 _MAX_OPEN = 4096
 
 
-def _readers_on_node() -> int:
-    """Readers sharing this node's cache: ``LOCAL_WORLD_SIZE`` ranks times this rank's DataLoader workers.
+def _readers_on_node(readers: int = 1) -> int:
+    """Readers sharing this node's cache: ``LOCAL_WORLD_SIZE`` ranks times this rank's readers.
 
-    (torch's worker processes, or the transform processes of ``executor="processes"``.)
+    A rank's readers: torch's worker processes, or ``readers`` (the transform processes of
+    ``executor="processes"`` each read their own share: NOTE [process executor]).
     """
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -354,15 +360,10 @@ def _readers_on_node() -> int:
     info = torch.utils.data.get_worker_info()
     if info is not None:
         return local * info.num_workers
-    # A worker of pyloader's process executor (NOTE [process executor]) reads its own share.
-    try:
-        workers = max(1, int(os.environ.get("PYLOADER_TRANSFORM_PROCESSES", "1")))
-    except ValueError:
-        workers = 1
-    return local * workers
+    return local * readers
 
 
-class ShardDataset(UnitDataset, IterableDataset):
+class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
     """An iterable dataset over the shards listed in a manifest.
 
     With torch's ``DataLoader`` it yields samples (dicts of tensors) and splits work by
@@ -415,10 +416,8 @@ class ShardDataset(UnitDataset, IterableDataset):
             whose fixed-shape field is larger raises ``SchemaError``.
     """
 
-    pipeline_streams = True  # batches() returns a PipelineStream (tunable)
-
     @property
-    def early_streams(self) -> bool:  # type: ignore[override]
+    def early_streams(self) -> bool:
         """Whether a stream may start ahead of its epoch.
 
         Not for a remote dataset, whose fetch schedule belongs to the epoch being read.
@@ -441,10 +440,8 @@ class ShardDataset(UnitDataset, IterableDataset):
         self.url = os.fspath(path)
         self._remote: Any = None  # the node cache of a remote dataset (pyloader.remote.cache.DatasetCache)
         self._fetcher: Any = None
-        self.fetch_jobs = fetch_jobs
+        self.fetch_jobs = check_count("fetch_jobs", fetch_jobs)
         if is_remote(self.url):
-            if not isinstance(fetch_jobs, int) or fetch_jobs < 1:
-                raise ValueError("fetch_jobs must be a positive int")
             self._remote = _fetch.open_remote(self.url, cache_dir=cache_dir, cache_limit=cache_limit,
                                               storage_options=storage_options)
             mpath, data = self._remote.url + "/" + MANIFEST_NAME, self._remote.manifest_bytes
@@ -480,11 +477,8 @@ class ShardDataset(UnitDataset, IterableDataset):
                 raise SchemaError(f"manifest {mpath!r}: field {f.name!r} makes every value {f.row_bytes} bytes, more "
                                   f"than max_value_bytes ({self.max_value_bytes}); pass a larger max_value_bytes if "
                                   "values this large are intended")
-        if transform is not None and not callable(transform):
-            raise ValueError(f"transform must be callable, got {transform!r}")
         self.transform = transform
-        self.decode = decode
-        _resolve_decode(self.fields, decode)  # checks it now
+        self.decode = decode  # checked and resolved now (NOTE [decode resolved once])
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
         self._fingerprint: str | None = None
@@ -536,7 +530,7 @@ class ShardDataset(UnitDataset, IterableDataset):
             self._fingerprint = manifest_fingerprint(self.manifest)
         return self._fingerprint
 
-    def _shard_set(self) -> _C.ShardSet:
+    def _shard_set(self, readers: int = 1) -> _C.ShardSet:
         # Mappings and locks do not survive fork safely: each process opens its own set.
         if self._shards is None or self._shards_pid != os.getpid():
             remote = self._remote
@@ -547,7 +541,7 @@ class ShardDataset(UnitDataset, IterableDataset):
             self._shards_pid = os.getpid()
             if remote is not None:  # NOTE [shard readiness]: the fetcher fills the pending set
                 limit = remote.cache.limit
-                budget = None if limit is None else limit // _readers_on_node()
+                budget = None if limit is None else limit // _readers_on_node(readers)
                 self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs, budget=budget,
                                                     max_open=_MAX_OPEN)
                 weakref.finalize(self, self._fetcher.close)
@@ -565,14 +559,14 @@ class ShardDataset(UnitDataset, IterableDataset):
             self._sizes_arr = np.asarray(self.shard_bytes, dtype=np.int64)
         return self._sizes_arr
 
-    def _check_working_set(self, shard_idx: Any, horizon: int) -> tuple[int, int]:
+    def _check_working_set(self, shard_idx: Any, horizon: int, readers: int = 1) -> tuple[int, int]:
         """Raises CacheLimitError when this reader's working set exceeds its share of the cache limit."""
         assert self._remote is not None
         need, count = self.working_set(shard_idx, horizon)
         limit = self._remote.cache.limit
         if limit is None:
             return need, count
-        readers = _readers_on_node()
+        readers = _readers_on_node(readers)
         if need * readers > limit:
             o = self.order
             if o.shuffle and o.shuffle_mode == "global":
@@ -592,7 +586,7 @@ class ShardDataset(UnitDataset, IterableDataset):
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
                 prefetch: int | None = None, pool: _C.SlotPool | None = None, epoch: int | None = None,
                 shuffle: bool | None = None, seed: int | None = None, worker: int = 0,
-                num_workers: int = 1, ahead: int | None = None, early: bool = False,
+                num_workers: int = 1, readers: int = 1, ahead: int | None = None, early: bool = False,
                 active_threads: int | None = None, ragged: bool = False) -> BatchIterator:
         """The native batched iterator over ``plan`` (the contract, NOTE [dataset contract]).
 
@@ -607,14 +601,14 @@ class ShardDataset(UnitDataset, IterableDataset):
         ``ragged``: variable fields without padding, rows back to back (NOTE [ragged batches] in
         csrc/core/batch_pipeline.h; for the packer, which cuts them apart by their lengths).
         """
-        prefetch = check_batch_args(batch_size, num_threads, prefetch)
+        batch_size, num_threads, prefetch = check_stream_args(batch_size, num_threads, prefetch)
         sidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
         if pool is None:
             pool = _C.SlotPool(num_fields=len(self.fields))
-        shards = self._shard_set()
+        shards = self._shard_set(readers)
         if self._fetcher is not None:
             if self._remote.cache.limit is not None:  # (no limit: nothing to check, so no plan scan)
-                need, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size)
+                need, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size, readers)
                 self._fetcher.working_set_bytes = need
                 self._fetcher.max_open = max(_MAX_OPEN, count + 2 * self.fetch_jobs)
             self._fetcher.schedule(_fetch.first_touch_order(sidx))  # fetch ahead, in plan order

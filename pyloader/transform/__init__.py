@@ -9,7 +9,7 @@
 | ``image.py`` | ``ImageDecode``: image fields decoded by Pillow (NOTE [image decode]) |
 
 Nothing here imports the readers: the executors drive any dataset through the contract
-(``batches``, ``sample``; NOTE [dataset contract] in ``pyloader.read.contract``).
+(``batches``, ``sample``; NOTE [dataset contract] in ``pyloader.contract``).
 """
 
 from .context import SampleContext, sample_seed

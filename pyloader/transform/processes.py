@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..contract import PlannedDataset
 from ..errors import LoaderStateError, LoaderTimeoutError, SharedMemoryError, TransformWorkerError
 from ..format.owner import OWNER_PATTERN, owner, owner_gone
 from .stage import BatchWork, TransformSpec, TransformStream, run_batch
@@ -258,7 +259,7 @@ class _ParentGone(BaseException):
     """The parent's end of the pipe is closed: the worker has nobody to work for (not an error)."""
 
 
-def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
+def _worker_main(w: int, workers: int, ds: PlannedDataset, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
                  tickets: list[int],
                  batch_size: int, spec: TransformSpec, conn: Any, busy: Any, prefix: str,
                  directory: str, parent: int) -> None:
@@ -266,9 +267,6 @@ def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.n
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(1)
-    # Each worker streams its own share of a remote dataset through the node cache: the
-    # reader counts this rank's workers when it sizes its share of the cache limit.
-    os.environ["PYLOADER_TRANSFORM_PROCESSES"] = str(workers)
     worker = _Worker(w, prefix, directory, busy)
 
     def parent_gone() -> bool:
@@ -282,7 +280,10 @@ def _worker_main(w: int, workers: int, ds: Any, units: np.ndarray, records: np.n
 
     stream = None
     try:
-        stream = ds.batches(batch_size, plan=(units, records), drop_last=False, num_threads=1, prefetch=2)
+        # Each worker streams its own share of a remote dataset through the node cache: the
+        # reader sizes its share of the cache limit by this rank's workers.
+        stream = ds.batches(batch_size, plan=(units, records), drop_last=False, num_threads=1, prefetch=2,
+                            readers=workers)
         pos = 0
         for t in tickets:
             while not conn.poll(1.0):  # a credit for ticket t
@@ -354,7 +355,7 @@ class ProcessTransformStream(TransformStream):
     last one partial unless ``drop_last``). Implements the ``BatchStream`` protocol.
     """
 
-    def __init__(self, ds: Any, spec: TransformSpec, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
+    def __init__(self, ds: PlannedDataset, spec: TransformSpec, units: np.ndarray, records: np.ndarray, gidx: np.ndarray,
                  batch_size: int, drop_last: bool, *, workers: int, depth: int, context: Any = None) -> None:
         n = len(units)
         super().__init__("processes", workers, n // batch_size if drop_last else -(-n // batch_size))

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from ..contract import PlannedDataset
 from ..errors import CollateError, ImageDecodeError, LoaderStateError
 from .context import SampleContext, _splitmix64, sample_seeds
 from .image import ImageDecode
@@ -65,12 +66,9 @@ class TransformSpec:
         self.with_context = self.transform is not None and takes_context(self.transform)
 
 
-def record_name(ds: Any, unit: int, record: int) -> str:
-    """Where a sample comes from, for messages: the dataset's own words if it has them."""
-    namer = getattr(ds, "record_name", None)
-    if namer is not None:
-        return str(namer(int(unit), int(record)))
-    return f"unit {int(unit)}, record {int(record)}"
+def record_name(ds: PlannedDataset, unit: int, record: int) -> str:
+    """Where a sample comes from, for messages: the dataset's own words (``PlannedDataset.record_name``)."""
+    return str(ds.record_name(int(unit), int(record)))
 
 
 def _note(e: BaseException, text: str) -> None:
@@ -94,7 +92,7 @@ class _Stopped(Exception):
     """The executor is shutting down: the batch in progress is abandoned (between two samples)."""
 
 
-def run_batch(spec: TransformSpec, ds: Any, raw: Mapping[str, torch.Tensor], units: np.ndarray,
+def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.Tensor], units: np.ndarray,
               records: np.ndarray, gidx: np.ndarray, worker: int,
               stop: Callable[[], bool] | None = None) -> BatchWork:
     """Decodes, transforms and collates one native batch (rows ``units``/``records``, global indices ``gidx``).

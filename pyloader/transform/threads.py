@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..contract import BatchStream, PlannedDataset
 from ..errors import LoaderStateError, LoaderTimeoutError
 from .stage import TransformSpec, TransformStream, _Stopped, run_batch
 
@@ -78,7 +79,7 @@ class ThreadTransformStream(TransformStream):
     ``stats``, ``len``).
     """
 
-    def __init__(self, source: Any, ds: Any, spec: TransformSpec, units: np.ndarray, records: np.ndarray,
+    def __init__(self, source: BatchStream, ds: PlannedDataset, spec: TransformSpec, units: np.ndarray, records: np.ndarray,
                  gidx: np.ndarray, batch_size: int, *, workers: int, depth: int) -> None:
         super().__init__("threads", workers, len(source))
         self._src = source

@@ -1,4 +1,4 @@
-"""The dataset contract (pyloader.read.contract): one OrderSpec, both datasets behind one
+"""The dataset contract (pyloader.contract): one OrderSpec, both datasets behind one
 interface, the loader driving any dataset that implements it, and ParquetDataset's
 staging buffers never reused under a live view (NOTE [staging reuse])."""
 
@@ -14,7 +14,8 @@ import torch
 
 import pyloader
 from pyloader.read import order as _order
-from pyloader.read.contract import BatchStream, OrderSpec, Plan, PlannedDataset, UnitDataset
+from pyloader.contract import BatchStream, OrderSpec, Plan, PlannedDataset
+from pyloader.read.units import UnitDataset
 
 
 # -- OrderSpec ------------------------------------------------------------------------
@@ -26,7 +27,7 @@ from pyloader.read.contract import BatchStream, OrderSpec, Plan, PlannedDataset,
     ({"seed": True}, "seed must be a non-negative int"),
     ({"window": 0}, "window must be a positive int"),
     ({"window": 2.5}, "window must be a positive int"),
-    ({"shuffle": "yes"}, "shuffle must be a bool, got str"),
+    ({"shuffle": "yes"}, "shuffle must be True or False, got 'yes'"),
 ])
 def test_order_spec_validates_once(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -41,7 +42,7 @@ def test_order_spec_overrides_and_settings() -> None:
     assert (over.shuffle, over.seed, over.shuffle_mode, over.window, over.partition) == (True, 9, "window", 8, "drop")
     assert spec.settings() == {"shuffle": False, "seed": 3, "shuffle_mode": "window", "window": 8,
                                "partition": "drop"}
-    with pytest.raises(ValueError, match="shuffle must be a bool"):
+    with pytest.raises(ValueError, match="shuffle must be True or False"):
         spec.with_overrides(shuffle=1)  # type: ignore[arg-type]
 
 

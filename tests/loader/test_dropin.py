@@ -562,7 +562,7 @@ def test_staged_iterator_lists_torchs_workers():
     loader = pyloader.DataLoader(Squares(40), batch_size=2, num_workers=2, device="cpu",
                                  multiprocessing_context="fork")
     it = iter(loader)
-    assert isinstance(it, pyloader.loader.dataloader._LoaderIterator)  # staged, not torch's iterator
+    assert isinstance(it, pyloader.loader.iterators.LoaderIterator)  # staged, not torch's iterator
     workers = it._workers
     assert len(workers) == 2 and all(w.is_alive() for w in workers)
     assert flat([next(it) for _ in range(5)], "x") == list(range(10))

@@ -41,12 +41,12 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"rank": 2, "world_size": 2}, r"rank=2, world_size=2: a reader needs world_size >= 1 and 0 <= rank < world_size"),
     ({"rank": 5, "world_size": 3}, r"rank=5, world_size=3"),
     ({"rank": -1, "world_size": 2}, r"rank must be a non-negative int or None, got -1"),
-    ({"rank": 0, "world_size": 0}, r"world_size must be an int >= 1 or None, got 0"),
-    ({"rank": 0, "world_size": -4}, r"world_size must be an int >= 1 or None, got -4"),
+    ({"rank": 0, "world_size": 0}, r"world_size must be a positive int or None, got 0"),
+    ({"rank": 0, "world_size": -4}, r"world_size must be a positive int or None, got -4"),
     ({"rank": 1.0, "world_size": 2}, r"rank must be a non-negative int or None, got 1\.0"),
     ({"rank": "1", "world_size": 2}, r"rank must be a non-negative int or None, got '1'"),
     ({"rank": True, "world_size": 2}, r"rank must be a non-negative int or None, got True"),
-    ({"rank": 0, "world_size": 2.0}, r"world_size must be an int >= 1 or None, got 2\.0"),
+    ({"rank": 0, "world_size": 2.0}, r"world_size must be a positive int or None, got 2\.0"),
     ({"rank": 3}, r"rank=3, world_size=1 \(from the RANK/WORLD_SIZE environment variables\)"),
 ])
 def test_rank_or_world_size_out_of_range_fails_at_construction(make: Make, kw: dict[str, Any], match: str) -> None:

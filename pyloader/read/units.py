@@ -1,0 +1,299 @@
+"""Datasets made of units of records (shards, Parquet row groups): ``UnitDataset``.
+
+The contract it implements (NOTE [dataset contract]) lives in ``pyloader.contract``; a
+``UnitDataset`` orders and partitions its samples with ``pyloader.read.order`` over the
+records of each unit, checks its readers when it is built (NOTE [reader checks]), and
+gives torch's ``DataLoader`` per-sample iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from ..contract import Plan, PlannedDataset, check_callable, check_int
+from . import order as _order
+
+# Records per internal batch when yielding single samples to torch's DataLoader.
+_SAMPLE_MODE_BATCH = 64
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): explicit values, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1).
+
+    Raises ValueError naming both values (and where they came from) unless
+    ``0 <= rank < world_size``.
+    """
+    rank = check_int("rank", rank)
+    world_size = check_int("world_size", world_size)
+    if rank is not None and world_size is not None:
+        r, w, where = rank, world_size, ""
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        r, w, where = torch.distributed.get_rank(), torch.distributed.get_world_size(), "torch.distributed"
+    else:
+        try:
+            r = int(os.environ.get("RANK", "0"))
+            w = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ValueError("RANK and WORLD_SIZE must be integers") from None
+        where = "the RANK/WORLD_SIZE environment variables"
+    r = r if rank is None else rank
+    w = w if world_size is None else world_size
+    if w < 1 or not 0 <= r < w:
+        src = f" (from {where})" if where else ""
+        raise ValueError(f"rank={r}, world_size={w}{src}: a reader needs world_size >= 1 and 0 <= rank < world_size")
+    return r, w
+
+
+class _OrderField:
+    """``dataset.shuffle`` etc.: one setting of ``dataset.order``.
+
+    Assigning replaces the spec (validated), as assigning the attribute did before ``OrderSpec``.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.order, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.order = dataclasses.replace(obj.order, **{self.name: value})
+
+
+# NOTE [reader checks]: a dataset that cannot be read as configured fails when it is
+# built, naming the values, not at its first epoch. ``rank`` and ``world_size`` (None:
+# found at plan time by ``resolve_rank``) and ``num_records`` are checked when assigned;
+# once a constructor has assigned all three and ``order`` (in any order), every
+# assignment also runs ``UnitDataset.check_readers``: the resolved rank must lie in
+# [0, world size), and ``partition="drop"`` must leave every rank a sample (which fewer
+# records than ranks would not: floor(N / world) = 0). ``rank_and_world`` checks again
+# each time, as torch.distributed may have started since.
+_READER_KEYS = ("order", "rank", "world_size", "num_records")
+
+
+class _ReaderSetting:
+    """``dataset.rank``, ``world_size`` (an int or None) or ``num_records`` (an int): checked when assigned.
+
+    See NOTE [reader checks]. A value that fails the dataset-wide check is not kept.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        d = obj.__dict__
+        missing = object()
+        old = d.get(self.name, missing)
+        d[self.name] = check_int(self.name, value)
+        if all(k in d for k in _READER_KEYS):
+            try:
+                obj.check_readers()
+            except BaseException:
+                if old is missing:
+                    del d[self.name]
+                else:
+                    d[self.name] = old
+                raise
+
+
+class UnitDataset(PlannedDataset):
+    """A ``PlannedDataset`` made of units of records (shards, Parquet row groups).
+
+    Its samples are ordered and partitioned by ``pyloader.read.order`` over ``unit_records``
+    (records per unit).
+
+    A subclass sets ``unit_records``, ``num_records``, ``fields``, ``order``, ``rank``,
+    ``world_size`` and ``epoch``, and implements ``batches`` and ``fingerprint``. It also
+    gets the per-sample iteration torch's ``DataLoader`` uses (``__iter__``, split by
+    ``get_worker_info()``) and ``plan()`` for its own epoch.
+    """
+
+    unit_records: list[int]
+    rank = _ReaderSetting()
+    world_size = _ReaderSetting()
+    num_records = _ReaderSetting()
+    # Per-sample tensors are views of the batch unless a subclass clones them, so that one
+    # kept sample does not hold a whole reusable batch buffer (ParquetDataset's staging).
+    clone_samples = False
+    _unit_offsets: np.ndarray | None = None
+
+    # NOTE [decode resolved once]: ``decode`` and ``transform`` are checked where they are
+    # assigned (the constructor, or later by the user), and ``decode`` is resolved there into
+    # ``image_decoders`` (field name -> ``ImageDecode``) against ``fields``, which a subclass
+    # sets first; the loader, the transform stage and per-sample iteration all read that.
+    @property
+    def decode(self) -> Any:
+        """How image fields are decoded, as given (None, an ``ImageDecode``, a dict of them per field, or False)."""
+        return self.__dict__.get("_decode")
+
+    @decode.setter
+    def decode(self, value: Any) -> None:
+        from ..transform.image import resolve_decode
+
+        decoders = resolve_decode(self.fields, value)  # ValueError naming a field that is no image field
+        self.__dict__["_decode"], self.__dict__["_decoders"] = value, decoders
+
+    @property
+    def image_decoders(self) -> Mapping[str, Any]:
+        """Image field name -> its ``ImageDecode`` (NOTE [decode resolved once])."""
+        decoders = self.__dict__.get("_decoders")
+        if decoders is None:
+            self.decode = self.__dict__.get("_decode")
+            decoders = self.__dict__["_decoders"]
+        return decoders
+
+    @property
+    def transform(self) -> Any:
+        """``fn(sample)`` or ``fn(sample, ctx)`` applied to every sample (None: none)."""
+        return self.__dict__.get("_transform")
+
+    @transform.setter
+    def transform(self, value: Any) -> None:
+        self.__dict__["_transform"] = check_callable("transform", value)
+
+    def global_index(self, units: np.ndarray, records: np.ndarray) -> np.ndarray:
+        """The global record indices of plan rows (see ``PlannedDataset``): unit offset + record."""
+        offsets = self._unit_offsets
+        if offsets is None:
+            counts = np.asarray(self.unit_records, dtype=np.int64)
+            offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            self._unit_offsets = offsets
+        return offsets[np.asarray(units, dtype=np.int64)] + np.asarray(records, dtype=np.int64)
+
+    def unread_count(self, epoch: int, segments: Sequence[Sequence[int]], *, partition: str) -> int:
+        """Samples of ``epoch`` that ``segments`` left unread (see ``PlannedDataset``).
+
+        A dataset that partitions otherwise (a ``Mixture``, NOTE [mixture partition]) says so here.
+        """
+        return _order.unread_count(self.num_records, partition=partition, segments=segments)
+
+    shuffle = _OrderField()
+    seed = _OrderField()
+    shuffle_mode = _OrderField()
+    window = _OrderField()
+    partition = _OrderField()
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """(rank, world size): ``rank``/``world_size`` where set, else as ``resolve_rank`` finds them.
+
+        Checked by ``check_readers`` (ValueError).
+        """
+        return self.check_readers()
+
+    def check_readers(self) -> tuple[int, int]:
+        """(rank, world size), once this rank can read the dataset as configured (NOTE [reader checks]).
+
+        Raises:
+            ValueError: the rank is outside ``[0, world_size)``, or ``partition="drop"``
+                with fewer records than ranks would give every rank an empty epoch.
+        """
+        rank, world = resolve_rank(self.rank, self.world_size)
+        n = self.num_records
+        if self.order.partition == "drop" and 0 < n < world:
+            raise ValueError(
+                f"partition='drop' with world_size={world} and {n} records gives every rank floor({n} / {world}) "
+                "= 0 samples: use partition='pad' (which repeats samples so that each rank reads one) or fewer ranks")
+        return rank, world
+
+    def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
+                   worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,
+                   seed: int | None = None) -> Plan:
+        """The ``pyloader.read.order`` plan of ``epoch`` over the units (see ``PlannedDataset``)."""
+        o = self.order.with_overrides(shuffle=shuffle, seed=seed)
+        kw: dict[str, Any] = dict(shuffle=o.shuffle, seed=o.seed, epoch=epoch, rank=rank, world_size=world,
+                                  worker=worker, num_workers=num_workers, shuffle_mode=o.shuffle_mode,
+                                  window=o.window, partition=o.partition)
+        if segments:
+            return _order.resume_plan(self.unit_records, segments=segments, **kw)
+        return _order.plan(self.unit_records, **kw)
+
+    def plan(self, *, epoch: int | None = None, worker: int = 0, num_workers: int = 1,
+             shuffle: bool | None = None, seed: int | None = None) -> Plan:
+        """``epoch_plan`` for this dataset's rank and (default) its current epoch."""
+        rank, world = self.rank_and_world()
+        return self.epoch_plan(self.epoch if epoch is None else epoch, rank, world, worker=worker,
+                               num_workers=num_workers, shuffle=shuffle, seed=seed)
+
+    def _own_plan(self, plan: Plan | None, epoch: int | None, worker: int, num_workers: int,
+                  shuffle: bool | None, seed: int | None) -> Plan:
+        """``plan`` if given, else this rank's plan of ``epoch`` (the ``batches`` convenience)."""
+        return self.plan(epoch=epoch, worker=worker, num_workers=num_workers, shuffle=shuffle,
+                         seed=seed) if plan is None else plan
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch (after padding or dropping)."""
+        _, world = self.rank_and_world()
+        n = self.num_records
+        return -(-n // world) if self.order.partition == "pad" else n // world
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        units, records = self.plan(worker=worker, num_workers=num_workers)
+        it = self.batches(_SAMPLE_MODE_BATCH, plan=(units, records), num_threads=1, prefetch=2)
+        spec = self._sample_spec()
+        try:
+            if spec is None:
+                for batch in it:
+                    rows = next(iter(batch.values())).shape[0]
+                    for i in range(rows):
+                        yield self.sample(batch, i)
+                return
+            # The dataset's decode and transform, sample by sample, in this (torch worker) process.
+            from ..transform.stage import run_batch
+
+            gidx = self.global_index(units, records)
+            pos = 0
+            for batch in it:
+                rows = next(iter(batch.values())).shape[0]
+                sl = slice(pos, pos + rows)
+                pos += rows
+                yield from run_batch(spec, self, batch, units[sl], records[sl], gidx[sl], worker).result
+        finally:
+            it.close()
+
+    def _sample_spec(self) -> Any:
+        """The ``TransformSpec`` of this dataset's own transform and decoding (None: nothing to do)."""
+        from ..transform.stage import TransformSpec
+
+        decode = dict(self.image_decoders)
+        if self.transform is None and not decode:
+            return None
+        return TransformSpec(self.transform, decode, None, self.order.seed, self.epoch)
+
+    def sample(self, batch: Mapping[str, torch.Tensor], i: int) -> dict[str, Any]:
+        """Row ``i`` of ``batch`` per field (views unless ``clone_samples``).
+
+        Variable-length rows are cut to their length; ``bytes`` fields come as ``bytes``.
+        """
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            t = batch[f.name][i]
+            if f.variable:
+                t = t[: int(batch[f"{f.name}_lengths"][i])]
+            if f.dtype == "bytes":
+                out[f.name] = bytes(t.numpy())
+            else:
+                out[f.name] = t.clone() if self.clone_samples else t
+        return out
+
+
+__all__ = ["UnitDataset", "resolve_rank"]

@@ -222,7 +222,7 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
     ``None``. ``progress`` receives one line per stage; ``epochs`` timed rounds of at least
     ``min_seconds`` each are run per loader (the best is kept).
     """
-    auto = threads == "auto"  # NOTE [autotune]: the loader tunes its threads; stages use every CPU
+    auto = threads == "auto"  # See NOTE [autotune]: the loader tunes its threads; stages use every CPU
     n: int = autotune.cpu_budget() if auto else int(threads)
     stages: dict[str, Any] = {}
     stages["remote_fetch"] = None

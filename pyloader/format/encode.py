@@ -276,7 +276,7 @@ class ShardEncoder:
         index_bytes = index.tobytes()
         table, column_data, payload = b"", [], self._payload
         if self.version == 3:
-            # NOTE [column layout]: the columns follow the indexed values in the payload, in
+            # See NOTE [column layout]: the columns follow the indexed values in the payload, in
             # field order, without padding (a column value is copied with memcpy, which
             # needs no alignment).
             descs = []

@@ -530,7 +530,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         if self.device is None and (not self.pin_memory or in_slots or not self._staging().pinned):
             return None
-        # NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
+        # See NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
         # and nothing it was made for changed.
         kept, self._kept_stage = self._kept_stage, None
         if (kept is not None and not kept.closed and kept.device == self.device and kept.depth == self.device_prefetch
@@ -574,7 +574,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         src: BatchStream
         if (spec is None and ahead is not None and not segments
                 and ahead[0] == self._ahead_key(epoch, native_bs, rank, world)):
-            early: PipelineStream = ahead[1]  # NOTE [epoch ahead]: its first batches are collated already
+            early: PipelineStream = ahead[1]  # See NOTE [epoch ahead]: its first batches are collated already
             if self._tuner is not None:
                 early.tune(self._tuner.threads, self._tuner.prefetch)
             early.begin()
@@ -589,7 +589,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pool = self._pool  # made now, in the device current now (NOTE [lazy pinned pools])
             src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                              prefetch=self._prefetch, pool=pool, **self._tuned())
-        if self._tuner is not None:  # NOTE [autotune]: only over datasets with pipeline_streams
+        if self._tuner is not None:  # See NOTE [autotune]: only over datasets with pipeline_streams
             tuned: PipelineStream = src  # type: ignore[assignment]
             tuned.tuner = self._tuner
             tuned.ahead_target = self._tuner.prefetch

@@ -223,7 +223,7 @@ class DeviceStage:
     def end_epoch(self) -> bool:
         """Ends an epoch: True if the stage stays usable for the next one.
 
-        NOTE [stage across epochs]: an epoch whose jobs were all taken leaves the engine (its
+        See NOTE [stage across epochs]: an epoch whose jobs were all taken leaves the engine (its
         thread, stream, events and context) running, without waiting for the GPU; one
         abandoned with jobs in flight closes it.
         """
@@ -420,7 +420,7 @@ class Staged:
         if self._closed:
             return
         self._closed = True
-        self._stage.end_epoch()  # NOTE [stage across epochs]: closes it only with jobs in flight
+        self._stage.end_epoch()  # See NOTE [stage across epochs]: closes it only with jobs in flight
         self._pending.clear()
         self._unsubmitted = None
         self._source = iter(())

@@ -545,7 +545,7 @@ class ShardDataset(UnitDataset, IterableDataset):
                                        schema=self._schema, pending=remote is not None,
                                        max_value_bytes=self.max_value_bytes)
             self._shards_pid = os.getpid()
-            if remote is not None:  # NOTE [shard readiness]: the fetcher fills the pending set
+            if remote is not None:  # See NOTE [shard readiness]: the fetcher fills the pending set
                 limit = remote.cache.limit
                 budget = None if limit is None else limit // _readers_on_node()
                 self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs, budget=budget,

@@ -540,7 +540,7 @@ class ShardFetcher:
             self._add_bytes(i, n)
         try:
             if self.shards is not None:
-                if heal is not None:  # NOTE [self-healing]: drop the bad copy, then fetch it again
+                if heal is not None:  # See NOTE [self-healing]: drop the bad copy, then fetch it again
                     self.dcache.discard(i, reason=heal)
                     self.heals += 1
                 path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes)

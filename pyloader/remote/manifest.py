@@ -45,7 +45,7 @@ from .fs import RetryPolicy, read_object
 TTL_ENV = "PYLOADER_MANIFEST_TTL"
 DEFAULT_TTL_S = 60.0
 _LOCK_POLL_S = 0.01
-# The node copies this process has opened (NOTE [manifest once per node]: a copy serves a
+# The node copies this process has opened (See NOTE [manifest once per node]: a copy serves a
 # process's first open of its URL only).
 _opened: set[str] = set()
 # Errors that mean the copy cannot be written or locked here: fetch without it.

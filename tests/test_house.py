@@ -10,6 +10,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # The trees whose text is checked: sources, tests, benchmarks and docs.
 TREES = ("pyloader", "csrc", "tests", "benchmarks", "docs")
@@ -63,3 +65,57 @@ def test_each_note_has_exactly_one_definition_and_every_citation_one() -> None:
     undefined = {n: w for n, w in cites.items() if n not in defs}
     assert not undefined, "NOTEs cited but defined nowhere:\n  " + \
         "\n  ".join(f"{n}: {', '.join(w)}" for n, w in sorted(undefined.items()))
+
+
+# --- every source file in its root's README ----------------------------------------------
+
+
+def _expand(token: str) -> list[str]:
+    """``core/xxh3.{h,cpp}`` -> ``core/xxh3.h``, ``core/xxh3.cpp``."""
+    m = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", token)
+    return [m[1] + x.strip() + m[3] for x in m[2].split(",")] if m else [token]
+
+
+def readme_paths(readme: Path) -> set[str]:
+    """The paths a README names in backticks, relative to its folder.
+
+    In a table row whose first cell is a folder (`` `read/` ``), a bare file name in the row
+    is a file of that folder, and the folder's ``__init__.py`` is the row itself.
+    """
+    out: set[str] = set()
+    for line in readme.read_text().splitlines():
+        cells = line.split("|")
+        m = re.fullmatch(r"\s*`([\w./-]+/)`\s*", cells[1]) if line.startswith("|") and len(cells) > 2 else None
+        folder = m.group(1) if m else ""
+        if folder:
+            out.add(folder + "__init__.py")
+        for token in re.findall(r"`([^`\s]+)`", line):
+            for path in _expand(token):
+                out.add(path)
+                if folder and "/" not in path:
+                    out.add(folder + path)
+    return out
+
+
+def unlisted(root: str, files: list[Path]) -> list[str]:
+    listed = readme_paths(ROOT / root / "README.md")
+    return [str(p.relative_to(ROOT / root)) for p in files if str(p.relative_to(ROOT / root)) not in listed]
+
+
+def test_pyloader_readme_lists_every_python_module() -> None:
+    """Every ``.py`` under pyloader/ is named in pyloader/README.md (by path, or by file name
+    in its folder's row)."""
+    files = [p for p in sorted((ROOT / "pyloader").rglob("*.py")) if "__pycache__" not in p.parts]
+    missing = unlisted("pyloader", files)
+    assert not missing, f"pyloader/README.md does not list {missing}"
+
+
+# csrc/README.md's missing rows are being added on another branch (issue #28), which this
+# branch must not conflict with: drop the marker once they are merged (then it XPASSes).
+@pytest.mark.xfail(reason="csrc/README.md rows for bindings.h, image and order files come with another branch",
+                   strict=False)
+def test_csrc_readme_lists_every_file() -> None:
+    """Every file under csrc/ (but the README) is named in csrc/README.md's table."""
+    files = [p for p in sorted((ROOT / "csrc").rglob("*")) if p.is_file() and p.name != "README.md"]
+    missing = unlisted("csrc", files)
+    assert not missing, f"csrc/README.md does not list {missing}"

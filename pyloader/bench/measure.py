@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from ..write.writer import ShardWriter

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ShardCorruptError, ShardFormatError
 from ..format.spec import (
     CHECKSUM_NAMES,

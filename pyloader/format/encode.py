@@ -26,7 +26,8 @@ from typing import Any, Protocol
 import lz4.block
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from .spec import (
     CODEC_LZ4,
     CODEC_RAW,

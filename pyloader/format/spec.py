@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ManifestError, SchemaError, ShardFormatError
 
 MAGIC = b"PYLSHARD"

@@ -20,7 +20,8 @@ from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import LoaderStateError
 from ..read.contract import BatchStream, OrderSpec, PipelineStream, PlannedDataset, check_batch_args
 from ..transform import stage as _stage

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import DeviceError
 
 _warned_pageable = False

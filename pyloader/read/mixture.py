@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import SchemaError
 from ..format.spec import Field, encode_schema
 from ..remote import fetch as _fetch

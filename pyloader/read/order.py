@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

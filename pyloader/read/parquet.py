@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
 from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
 from ..format.arrow import VarColumn, arrow_field, arrow_to_column

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import (
     CacheLimitError,
     LoaderStateError,

@@ -103,7 +103,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
 from ..format.encode import atomic_write as _atomic_write
 from ..format.owner import owner as _owner

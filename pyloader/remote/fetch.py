@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
 from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm

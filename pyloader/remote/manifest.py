@@ -35,7 +35,8 @@ import os
 import time
 from typing import Any
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ManifestError
 from ..format.encode import atomic_write
 from ..format.spec import MANIFEST_NAME, parse_manifest

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ImageDecodeError
 
 # PYLOADER_NATIVE_JPEG=0 decodes every image with Pillow (the native decoder is used where

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import VerifyError
 from ..format.encode import DatasetStore, LocalStore
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, parse_manifest

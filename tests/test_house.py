@@ -119,3 +119,92 @@ def test_csrc_readme_lists_every_file() -> None:
     files = [p for p in sorted((ROOT / "csrc").rglob("*")) if p.is_file() and p.name != "README.md"]
     missing = unlisted("csrc", files)
     assert not missing, f"csrc/README.md does not list {missing}"
+
+
+# --- names of modules and files that exist ---------------------------------------------
+
+# `.py` names in the text that are not files of this repository, on purpose: torch's own test
+# file (benchmarks/torch_dataloader_suite.py runs it), the scripts tests write into tmp_path
+# and the hooks that suite writes into its temporary folder.
+FOREIGN_PY = {"test/test_dataloader.py", "path/to/test_dataloader.py",  # pytorch's test/test_dataloader.py
+              "usertr.py", "guard_child.py", "child.py", "loop.py", "run.py",  # written by tests into tmp_path
+              "sitecustomize.py", "_pyloader_suite_plugin.py"}  # written by benchmarks/torch_dataloader_suite.py
+PY_FILE = re.compile(r"(?<![\w/.<>-])([\w./<>-]*\w\.py)(?!\w)")
+DOTTED = re.compile(r"(?<![\w/.])pyloader(?:\.[A-Za-z_]\w*)+")
+
+
+def repo_files() -> list[str]:
+    """Every file of the working tree (relative, posix), hidden folders and caches left out."""
+    out = []
+    for p in ROOT.rglob("*"):
+        rel = p.relative_to(ROOT)
+        if p.is_file() and not any(part.startswith(".") or part == "__pycache__" or part.endswith(".egg-info")
+                                   for part in rel.parts):
+            out.append(rel.as_posix())
+    return out
+
+
+def test_every_py_file_named_exists() -> None:
+    """Every ``something.py`` in pyloader/, tests/, benchmarks/, docs/, csrc/ and README.md
+    names a file of the repository: a path with a folder must be the end of an existing path
+    (``write/writer.py``, ``pyloader/errors.py``), a bare name (or one after a placeholder
+    such as ``<stage>/``) an existing file name; FOREIGN_PY lists the deliberate exceptions."""
+    files = repo_files()
+    names = {f.rsplit("/", 1)[-1] for f in files}
+    bad = []
+    for p in text_files():
+        for no, line in lines_of(p):
+            for m in PY_FILE.finditer(line):
+                token = m.group(1)
+                if token in FOREIGN_PY:
+                    continue
+                if "/" in token and not token.startswith("/") and ">" not in token:
+                    ok = any(f == token or f.endswith("/" + token) for f in files)
+                else:
+                    ok = token.rsplit("/", 1)[-1] in names
+                if not ok:
+                    bad.append(f"{p.relative_to(ROOT)}:{no}: {token}")
+    assert not bad, "names of files that do not exist:\n  " + "\n  ".join(bad)
+
+
+def _modules() -> set[str]:
+    out = {"pyloader._C"}
+    for p in (ROOT / "pyloader").rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        out.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+def test_every_dotted_pyloader_name_resolves() -> None:
+    """Every ``pyloader.x.y`` in those trees is a module of the package, or an attribute (a
+    chain of them) of the longest module it starts with; the module is imported for that
+    (``pyloader.__main__`` never is: it runs the command line)."""
+    import importlib
+
+    mods = _modules()
+    seen: dict[str, bool] = {}
+
+    def resolves(dotted: str) -> bool:
+        parts = dotted.split(".")
+        k = max(j for j in range(1, len(parts) + 1) if ".".join(parts[:j]) in mods)
+        if k == len(parts):
+            return True
+        if parts[:k] == ["pyloader", "__main__"]:
+            return False
+        obj = importlib.import_module(".".join(parts[:k]))
+        for a in parts[k:]:
+            if not hasattr(obj, a):
+                return False
+            obj = getattr(obj, a)
+        return True
+
+    bad = []
+    for p in text_files():
+        for no, line in lines_of(p):
+            for m in DOTTED.finditer(line):
+                name = m.group(0).rstrip(".")
+                if name not in seen:
+                    seen[name] = resolves(name)
+                if not seen[name]:
+                    bad.append(f"{p.relative_to(ROOT)}:{no}: {name}")
+    assert not bad, "dotted names that are neither a pyloader module nor an attribute of one:\n  " + "\n  ".join(bad)

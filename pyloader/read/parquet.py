@@ -293,7 +293,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
                 metas.append(self._metadata(p, p))
                 with open(p, "rb") as fh:
                     footers.append(_footer_digest(fh, size, p))
-        # Fields: the same mapping as `pyloader convert` (pyloader.write.convert.arrow_field).
+        # Fields: the same mapping as `pyloader convert` (pyloader.format.arrow.arrow_field).
         schema0 = metas[0].schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema0.names)
         if not self.columns:

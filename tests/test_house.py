@@ -208,3 +208,111 @@ def test_every_dotted_pyloader_name_resolves() -> None:
                 if not seen[name]:
                     bad.append(f"{p.relative_to(ROOT)}:{no}: {name}")
     assert not bad, "dotted names that are neither a pyloader module nor an attribute of one:\n  " + "\n  ".join(bad)
+
+
+# --- __all__ and the public API -----------------------------------------------------------
+
+
+def public_modules() -> list[str]:
+    """Every module whose own name does not start with ``_`` (package ``__init__``s included)."""
+    out = []
+    for p in sorted((ROOT / "pyloader").rglob("*.py")):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        elif parts[-1].startswith("_"):
+            continue
+        out.append(".".join(parts))
+    return out
+
+
+# Public-looking names a module defines that are not API: called by name from C++.
+NOT_EXPORTED = {"pyloader.errors": {"from_native"}}  # csrc/bindings/register_errors.cpp calls it
+
+
+def defined_names(path: Path) -> list[str]:
+    """The names a module's top level defines (def, class, assignment; inside a top-level
+    ``if``/``try`` too, but not under ``if TYPE_CHECKING``) that do not start with ``_``."""
+    import ast
+
+    out: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.append(n.name)
+            elif isinstance(n, ast.Assign):
+                for t in n.targets:
+                    out.extend(e.id for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name))
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None:
+                out.append(n.target.id)
+            elif isinstance(n, ast.If) and not (isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"):
+                visit(n.body)
+                visit(n.orelse)
+            elif isinstance(n, ast.Try):
+                visit(n.body)
+                for h in n.handlers:
+                    visit(h.body)
+                visit(n.orelse)
+
+    visit(ast.parse(path.read_text()).body)
+    return [n for n in dict.fromkeys(out) if not n.startswith("_")]
+
+
+def module_path(name: str) -> Path:
+    p = ROOT.joinpath(*name.split("."))
+    return p / "__init__.py" if p.is_dir() else p.with_suffix(".py")
+
+
+def test_every_public_module_defines_all_and_its_names_exist() -> None:
+    """Each public module defines ``__all__``; every name in it is an attribute of the
+    imported module (the root's lazy names included: getattr imports them) or, in a package,
+    one of its modules, and every public name the module itself defines is in it
+    (NOT_EXPORTED lists the exceptions)."""
+    import importlib
+
+    bad = []
+    for name in public_modules():
+        mod = importlib.import_module(name)
+        names = getattr(mod, "__all__", None)
+        if names is None:
+            bad.append(f"{name}: no __all__")
+            continue
+        if len(set(names)) != len(names):
+            bad.append(f"{name}: __all__ lists a name twice")
+        bad += [f"{name}: {n} in __all__ does not exist" for n in names
+                if not hasattr(mod, n) and not module_path(f"{name}.{n}").exists()]  # a package's module
+        skip = NOT_EXPORTED.get(name, set())
+        bad += [f"{name}: defines {n}, missing from __all__" for n in defined_names(module_path(name))
+                if n not in names and n not in skip]
+    assert not bad, "\n  ".join(["__all__ problems:", *bad])
+
+
+# Test oracles and helpers: they live in tests/, never in a package's __all__.
+TEST_ONLY = {"reference_pack"}
+
+
+def test_no_test_helper_is_exported() -> None:
+    import importlib
+
+    for name in public_modules():
+        exported = set(getattr(importlib.import_module(name), "__all__", ()))
+        assert not exported & TEST_ONLY, f"{name} exports test helpers {sorted(exported & TEST_ONLY)}"
+        assert not any(n.startswith(("reference_", "fake_", "mock_")) for n in exported), (name, sorted(exported))
+
+
+def test_the_extension_point_is_exported() -> None:
+    """``PlannedDataset`` (the dataset contract a new dataset implements) is public API."""
+    import pyloader
+    from pyloader.read.contract import PlannedDataset
+
+    assert "PlannedDataset" in pyloader.__all__ and pyloader.PlannedDataset is PlannedDataset
+
+
+def test_format_docstring_names_every_shard_version() -> None:
+    import ast
+
+    from pyloader.format.spec import SHARD_VERSIONS
+
+    doc = ast.get_docstring(ast.parse((ROOT / "pyloader" / "format" / "__init__.py").read_text())) or ""
+    assert f"versions {min(SHARD_VERSIONS)} to {max(SHARD_VERSIONS)}" in doc, doc.splitlines()[0]

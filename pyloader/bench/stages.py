@@ -684,3 +684,8 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
 def au_batches(w: Workload, seconds: float) -> int:
     """Batches per AU trial: enough for ``seconds`` of simulated compute, and at least 4."""
     return max(4, math.ceil(seconds / w.compute_s))
+
+
+__all__ = ["SCHEMA_VERSION", "Workload", "WORKLOADS", "lz4_blocks", "PadCollate", "run_stages", "run_transform_stage",
+           "run_pack_stage", "BOUND_AT", "MIN_EPOCH_S", "MIN_BATCHES", "diagnose", "max_accelerators", "run_au",
+           "au_batches"]

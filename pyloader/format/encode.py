@@ -373,3 +373,7 @@ def publish_manifest(root: str, fields: Sequence[Field], shards: list[dict[str, 
     except OSError:  # the new dataset is complete; a leftover old shard harms no reader
         pass
     return body
+
+
+__all__ = ["MIN_GAIN", "atomic_write", "remove_shards", "DatasetStore", "LocalStore", "ColumnBytes", "ShardEncoder",
+           "replace_token", "publish_manifest"]

@@ -10,3 +10,6 @@
 
 Imports ``read`` through its contract (``read.contract``, ``read.order``), never a dataset class.
 """
+
+
+__all__ = ["autotune", "dataloader", "packing", "state", "transfer"]  # its modules (pdoc documents the modules named here)

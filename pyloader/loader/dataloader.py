@@ -1205,3 +1205,5 @@ class _LoaderIterator:
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
+
+__all__ = ["ConsumedCount", "DataLoader"]

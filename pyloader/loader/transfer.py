@@ -522,3 +522,6 @@ class PinnedFence:
 def _cuda_event() -> Any:
     # blocking: a synchronize() sleeps until the event completes rather than spinning.
     return torch.cuda.Event(blocking=True)
+
+
+__all__ = ["driver_error", "resolve_device", "slot_pool", "DeviceStage", "Staged", "PinnedFence"]

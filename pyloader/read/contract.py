@@ -486,4 +486,4 @@ class UnitDataset(PlannedDataset):
 
 
 __all__ = ["PARTITIONS", "SHUFFLE_MODES", "BatchStream", "OrderSpec", "Plan", "PlannedDataset", "UnitDataset",
-           "resolve_rank"]
+           "PipelineStream", "check_batch_args", "resolve_rank"]

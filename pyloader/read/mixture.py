@@ -662,3 +662,6 @@ class Mixture(UnitDataset, IterableDataset):
         state["_fetcher"] = None
         state["_cache"] = {}
         return state
+
+
+__all__ = ["POLICIES", "MixtureBatches", "Mixture"]

@@ -509,3 +509,8 @@ def resume_plan(
     )
     shard, record = locate(mine, records_per_shard)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
+
+
+__all__ = ["STREAM_GLOBAL", "STREAM_SHARDS", "STREAM_WINDOW", "SHUFFLE_MODES", "PARTITIONS", "mix64", "sample_keys",
+           "epoch_order", "partition", "split_workers", "locate", "plan", "unread_count", "resume_partition", "unread",
+           "resume_plan"]

@@ -635,3 +635,6 @@ class ShardDataset(UnitDataset, IterableDataset):
         state["_fetcher"] = None  # threads and pins are per process
         state["_sizes_arr"] = None
         return state
+
+
+__all__ = ["manifest_fingerprint", "batch_to_torch", "BatchIterator", "ShardDataset"]

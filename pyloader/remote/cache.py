@@ -1370,3 +1370,7 @@ class _Empty:
 
     def __exit__(self, *a: object) -> None:
         pass
+
+
+__all__ = ["LAYOUT", "default_cache_dir", "normalize_url", "dataset_key", "open_lockfile", "close_lockfile",
+           "shard_cache_name", "remove_temps_at_sigterm", "Entry", "ShardCache", "DatasetCache"]

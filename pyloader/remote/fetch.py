@@ -666,3 +666,6 @@ class ShardFetcher:
                 if not retired:
                     self._threads -= 1
                 self._cv.notify_all()
+
+
+__all__ = ["open_remote", "check_limit", "working_set", "first_touch_order", "ShardFetcher"]

@@ -190,3 +190,6 @@ def _store(path: str, data: bytes) -> None:
     except OSError as e:
         if e.errno not in _CANNOT_SHARE:
             raise
+
+
+__all__ = ["TTL_ENV", "DEFAULT_TTL_S", "manifest_ttl", "node_manifest"]

@@ -364,3 +364,6 @@ def resolve_decode(fields: list[Any], decode: Any) -> dict[str, ImageDecode]:
                 out[n] = ImageDecode()
         return out
     raise ValueError(f"decode must be None, False, a pyloader.ImageDecode or a dict of them, got {decode!r}")
+
+
+__all__ = ["CROPS", "LAYOUTS", "ON_ERROR", "DEFAULT_MAX_PIXELS", "ImageDecode", "random_resized_crop", "resolve_decode"]

@@ -495,3 +495,6 @@ def _drain(q: _ProgressQueue, prog: Progress) -> None:
             return
         prog.add(n, nb)
 
+
+__all__ = ["COMPRESSIONS", "ENGINES", "SIDECAR_NAME", "choose_compression", "remove_leftovers", "run_job", "Progress",
+           "ConvertResult", "convert"]

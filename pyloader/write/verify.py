@@ -229,3 +229,6 @@ def _compare(fields: list[Field], batch: dict[str, np.ndarray], at: int, part: C
                 raise VerifyError(f"{root}: record {rec0 + r} field {f.name!r} differs from the source")
         nbytes += offs[-1] - offs[0]
     return nbytes
+
+
+__all__ = ["verify_dataset"]

@@ -267,3 +267,6 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+__all__ = ["ShardWriter"]

@@ -4,7 +4,7 @@ loopback HTTP server (benchmarks/throttled_http.py), all measured in one run:
 1. for 1k, 10k and 100k shards, each step in a fresh process (imports done, not timed):
    fetching ``manifest.json`` (fsspec's HTTP import included) and parsing it; building
    ``ShardDataset(url, cache_dir=...)`` on a cold node (it fetches the manifest) and on a
-   node whose cache holds a fresh copy (NOTE [manifest once per node]: what every rank
+   node whose cache holds a fresh copy (See NOTE [manifest once per node]: what every rank
    but the first sees); then ``ds.batches(256)`` (plan, shard set, fetch schedule), and
    the peak RSS growth over it all;
 2. 8 processes opening the largest dataset at once with one cache dir: the GETs of

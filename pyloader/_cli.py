@@ -19,7 +19,7 @@ EXIT_USAGE = 2
 
 
 def _version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return __version__
 

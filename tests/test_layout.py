@@ -4,14 +4,21 @@ Stages, lowest first (pyloader/README.md): errors <- format <- contract <- write
 <- loader <- bench <- CLI. A module may import its own package and any lower stage, never a
 higher one nor a sibling of its own stage (write, remote and transform are independent). The command-line
 modules (``_cli``, ``__main__`` and every ``<stage>/cli.py``) form the top stage, the
-package ``__init__`` re-exports the public API, and the native ``_C`` sits below all.
-Every import counts, including those inside functions (a lazy import is still a
-dependency). The graph is read from the source with ``ast``, so the test needs nothing built.
+package ``__init__`` re-exports the public API, and the native ``_C`` (with ``_version``,
+which imports nothing) sits below all. Every import counts, including those inside functions
+(a lazy import is still a dependency). The graph is read from the source with ``ast``, so
+those tests need nothing built.
+
+No import runs back up: a module imports each name from the module that defines it (the
+native module as ``import pyloader._C as _C``), never from the package root, and
+``import pyloader`` itself loads only ``pyloader.errors`` (the rest on first use, PEP 562).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +28,7 @@ PKG = Path(__file__).resolve().parents[1] / "pyloader"
 STAGES = {"errors": 0, "format": 1, "contract": 2, "write": 3, "remote": 3, "transform": 3, "read": 4, "loader": 5,
           "bench": 6}
 TOP = 9  # the CLI modules and the package __init__
+BOTTOM = ("pyloader._C", "pyloader._version")  # below every stage: they import no pyloader module
 
 
 def module_name(path: Path) -> str:
@@ -38,8 +46,8 @@ def modules() -> dict[str, Path]:
 def stage(mod: str) -> tuple[int, str]:
     """(level, stage name) of a pyloader module."""
     parts = mod.split(".")
-    if mod == "pyloader._C":
-        return -1, "_C"
+    if mod in BOTTOM:
+        return -1, mod.rsplit(".", 1)[1]
     if mod in ("pyloader", "pyloader._cli", "pyloader.__main__") or parts[-1] == "cli":
         return TOP, "cli"
     if len(parts) < 2 or parts[1] not in STAGES:
@@ -72,6 +80,28 @@ def imports(mod: str, path: Path) -> set[str]:
     return {m for m in out if m in known or m == "pyloader._C"}
 
 
+def names_from_root(mod: str, path: Path) -> list[str]:
+    """``from .. import X`` / ``from pyloader import X`` in ``mod`` where X is a name of the
+    root ``__init__`` (not a subpackage or module): "X (line N)" for each."""
+    known = modules()
+    tree = ast.parse(path.read_text(), str(path))
+    base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            anchor = base[: len(base) - (node.level - 1)]
+            target = ".".join(anchor + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        if target != "pyloader":
+            continue
+        out += [f"{a.name} (line {node.lineno})" for a in node.names
+                if f"pyloader.{a.name}" not in known and f"pyloader.{a.name}" != "pyloader._C"]
+    return out
+
+
 def graph() -> dict[str, set[str]]:
     return {m: imports(m, p) for m, p in modules().items()}
 
@@ -92,6 +122,47 @@ def test_imports_run_one_way() -> None:
             if ld >= lm:
                 bad.append(f"{m} ({sm}) imports {d} ({sd})")
     assert not bad, "imports against the stage order:\n  " + "\n  ".join(sorted(bad))
+
+
+def test_no_module_imports_names_from_the_package_root() -> None:
+    """The root ``__init__`` only re-exports; every other module imports a name from the
+    module that defines it (``from .. import _C`` still counts as a module, but the house
+    style is ``import pyloader._C as _C``: see test_native_module_is_imported_directly)."""
+    bad = [f"{m}: {n}" for m, p in modules().items() if m != "pyloader" for n in names_from_root(m, p)]
+    assert not bad, "names imported from the package root (import them from their module):\n  " + "\n  ".join(bad)
+
+
+def test_native_module_is_imported_directly() -> None:
+    """One style for the native module: ``import pyloader._C as _C``, not through the root."""
+    bad = []
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "_C" for a in node.names):
+                bad.append(f"{m} (line {node.lineno})")
+    assert not bad, "write `import pyloader._C as _C` in:\n  " + "\n  ".join(bad)
+
+
+def test_import_pyloader_loads_only_the_errors() -> None:
+    """``import pyloader`` loads the root and ``pyloader.errors``, nothing else (not even the
+    native module); every other public name is imported on first use."""
+    code = 'import pyloader, sys; print(sorted(m for m in sys.modules if m.startswith("pyloader")))'
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent).stdout
+    assert out.strip() == "['pyloader', 'pyloader.errors']", out
+
+
+def test_lazy_names_resolve() -> None:
+    """Every name in the root's ``_LAZY`` table is in ``__all__`` (or is ``__version__``) and
+    resolves to the object its module defines."""
+    import importlib
+
+    import pyloader
+
+    for name, spec in pyloader._LAZY.items():
+        mod, _, attr = spec.partition(":")
+        assert name in pyloader.__all__ or name == "__version__", f"{name} is lazy but not in pyloader.__all__"
+        want = getattr(importlib.import_module(mod, "pyloader"), attr or name)
+        assert getattr(pyloader, name) is want, name
 
 
 def test_no_import_cycles() -> None:

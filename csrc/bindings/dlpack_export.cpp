@@ -16,7 +16,7 @@ struct Context {
 };
 
 void delete_context(dl::ManagedTensor* self) {
-  delete static_cast<Context*>(self->manager_ctx);  // NOTE [DLPack lifetime]: no GIL needed
+  delete static_cast<Context*>(self->manager_ctx);  // See NOTE [DLPack lifetime]: no GIL needed
 }
 
 void capsule_destructor(PyObject* capsule) {

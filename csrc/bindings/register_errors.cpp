@@ -1,5 +1,5 @@
 // Maps native LoaderError to pyloader's Python exception classes. The classes live in
-// pyloader/_errors.py (so `except ValueError` keeps working); from_native() builds the
+// pyloader/errors.py (so `except ValueError` keeps working); from_native() builds the
 // instance with shard/record/field attributes attached.
 #include <pybind11/pybind11.h>
 

@@ -84,7 +84,7 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   size_t n = shard_idx_.size();
   num_batches_ = cfg_.drop_last ? n / cfg_.batch_size : (n + cfg_.batch_size - 1) / cfg_.batch_size;
   ring_.resize(size_t(cfg_.prefetch));
-  // NOTE [working set]: every planned batch holds its shards until it is collated.
+  // See NOTE [working set]: every planned batch holds its shards until it is collated.
   {
     std::vector<uint32_t> all, mark(shards_->size(), kNoBatch);
     all.reserve(std::min(n, size_t(1) << 20));
@@ -307,7 +307,7 @@ void BatchPipeline::worker_loop(size_t index) {
       try {
         fill(b, &done.batch);
       } catch (const RetryBatch&) {
-        continue;  // NOTE [self-healing]: the shard is being fetched again; get() waits for it
+        continue;  // See NOTE [self-healing]: the shard is being fetched again; get() waits for it
       } catch (...) {
         done.batch = Batch();
         done.error = std::current_exception();
@@ -348,7 +348,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
   std::vector<std::shared_ptr<const Shard>> held;
   std::vector<const Shard*> shard_of(rows);
   std::vector<uint32_t> max_len(nf, 0);
-  // NOTE [ragged batches]: each variable field's row offsets (in rows of the field), row order.
+  // See NOTE [ragged batches]: each variable field's row offsets (in rows of the field), row order.
   std::vector<std::vector<uint64_t>> row_off(cfg_.ragged ? nf : 0);
   for (auto& o : row_off) o.assign(rows + 1, 0);
   int32_t last = -1;
@@ -462,7 +462,7 @@ void BatchPipeline::fill(size_t b, Batch* out) {
       const bool ragged = cfg_.ragged && fields[f].variable;
       uint8_t* dst = out->fields[f].data + (ragged ? row_off[f][i] * fields[f].row_bytes : i * stride[f]);
       if (const int32_t c = sh.column_of(f); c >= 0) {
-        // NOTE [column layout]: the value's block is checked once, then the value is copied.
+        // See NOTE [column layout]: the value's block is checked once, then the value is copied.
         const ColumnSpec& col = sh.column(size_t(c));
         const uint64_t block = rec >> col.block_shift;
         if (!sh.block_verified(col.first_block + block)) {

@@ -160,7 +160,7 @@ CopyEngine::CopyEngine(std::unique_ptr<CopyBackend> backend, std::shared_ptr<Slo
 CopyEngine::~CopyEngine() {
   close();
   if (::getpid() != pid_) {
-    (void)cv_engine_.release();  // NOTE [copy engine shutdown]: leaked in a forked child
+    (void)cv_engine_.release();  // See NOTE [copy engine shutdown]: leaked in a forked child
     (void)cv_consumer_.release();
   }
 }
@@ -310,7 +310,7 @@ bool CopyEngine::start_thread() {
 void CopyEngine::thread_loop() {
   const bool ok = start_thread();
   std::unique_lock<std::mutex> lk(mu_);
-  // NOTE [copy engine threads]: this thread only issues; it never waits for the GPU.
+  // See NOTE [copy engine threads]: this thread only issues; it never waits for the GPU.
   while (ok) {
     cv_engine_->wait(lk, [&] { return stop_ || issued_ < submitted_; });
     if (stop_) break;  // jobs submitted and not issued are dropped (their copies never run)
@@ -353,7 +353,7 @@ void CopyEngine::complete_loop() {
   }
   for (;;) {
     cv_engine_->wait(lk, [&] { return completed_ < issued_ || (stop_ && issuer_done_); });
-    if (completed_ == issued_) return;  // NOTE [copy engine shutdown]: all issued jobs have completed
+    if (completed_ == issued_) return;  // See NOTE [copy engine shutdown]: all issued jobs have completed
     const uint64_t t = completed_;
     const size_t m = size_t(t % ring_.size());
     Entry& e = ring_[m];
@@ -373,7 +373,7 @@ void CopyEngine::complete_loop() {
     counters_.complete_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     lk.lock();
     if (err && !async_error_) async_error_ = err;
-    e.job = CopyJob();  // NOTE [copy ordering]: the source slot returns only now
+    e.job = CopyJob();  // See NOTE [copy ordering]: the source slot returns only now
     if (failed) e.result = CopyResult();
     ++completed_;
     cv_consumer_->notify_all();

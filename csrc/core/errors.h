@@ -1,5 +1,5 @@
 // Native error type. Workers capture it into the batch slot; the bindings map its
-// kind to a pyloader Python exception on the consuming thread (see pyloader/_errors.py).
+// kind to a pyloader Python exception on the consuming thread (see pyloader/errors.py).
 #pragma once
 
 #include <cerrno>

@@ -162,7 +162,7 @@ void* PinnedAllocator::allocate(size_t bytes, size_t align) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = free_.find(bytes);
-    if (it != free_.end() && !it->second.empty()) {  // NOTE [pinned cache]: no driver call
+    if (it != free_.end() && !it->second.empty()) {  // See NOTE [pinned cache]: no driver call
       void* p = it->second.back();
       it->second.pop_back();
       cached_.fetch_sub(bytes, std::memory_order_relaxed);

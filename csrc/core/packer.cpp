@@ -143,7 +143,7 @@ bool Packer::next_piece(Piece* out) {
                             std::to_string(pos_.size()));
     const FieldView& v = doc_batch_.fields[field_];
     const int64_t n = v.lengths[doc_row_];
-    // NOTE [ragged batches]: rows back to back; a padded batch: rows of the longest length.
+    // See NOTE [ragged batches]: rows back to back; a padded batch: rows of the longest length.
     const uint8_t* data = docs_->ragged() ? v.data + doc_off_ * itemsize_
                                           : v.data + doc_row_ * size_t(v.shape[1]) * itemsize_;
     doc_off_ += size_t(n);

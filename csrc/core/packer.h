@@ -56,7 +56,7 @@ struct PackConfig {
   int64_t pad_id = 0;      // token value of padding
 };
 
-// NOTE [packing state]: pieces are (position, start, length) triples.
+// See NOTE [packing state]: pieces are (position, start, length) triples.
 struct PackState {
   int64_t cursor_pos = -1;  // position of the next item to split; -1: the stream is exhausted
   int64_t cursor_tok = 0;   // the token it resumes at

@@ -260,7 +260,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     slot_.assign(num_fields_, 0);
     uint64_t total_blocks = 0;
     if (v3) {
-      // NOTE [column layout]: the table is u32 num_columns, u32 reserved, num_columns
+      // See NOTE [column layout]: the table is u32 num_columns, u32 reserved, num_columns
       // descriptors, then each column's block checksums in descriptor order.
       const uint32_t ncols = load_le<uint32_t>(ct);
       auto bad_table = [&](const std::string& what) { format_error(path_, "column table: " + what); };
@@ -405,7 +405,7 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
                         "the schema makes every value " + size_text(f.row_bytes) +
                             ", more than the per-value limit of " + size_text(max_value_bytes_) +
                             " (pass a larger max_value_bytes to the dataset if values this large are intended)");
-  // NOTE [renamed schemas]: each alternative schema must match the set's but for names.
+  // See NOTE [renamed schemas]: each alternative schema must match the set's but for names.
   if (!schema_of_.empty() && schema_of_.size() != paths_.size())
     throw std::invalid_argument("schema_of must have one entry per shard");
   for (uint32_t k : schema_of_)
@@ -448,7 +448,7 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
       std::unique_lock<std::mutex> lk(mu_);
       if (open_[i]) return open_[i];
       if (state_[i] == 1) {
-        // NOTE [shard readiness]: wait for the fetcher, in slices, so a cancel is seen; the
+        // See NOTE [shard readiness]: wait for the fetcher, in slices, so a cancel is seen; the
         // pilot learns what is waited on (NOTE [working set]).
         ++waiters_[i];
         ++wait_gen_;
@@ -476,7 +476,7 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
       const std::string& blob = schema_of_.empty() ? schema_blob_ : shard_schemas_[schema_of_[i]];
       sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_);
     } catch (const LoaderError& e) {
-      // NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
+      // See NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||
                             e.kind() == ErrorKind::kSchema || (e.kind() == ErrorKind::kIO && e.sys_errno() == ENOENT);
       std::string earlier;

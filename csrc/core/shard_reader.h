@@ -80,7 +80,7 @@ struct IndexEntry {
   uint64_t checksum;  // shard_checksum() of the stored bytes
 };
 
-// NOTE [column layout]: a version 3 shard may store a fixed field as a *column*: its values
+// See NOTE [column layout]: a version 3 shard may store a fixed field as a *column*: its values
 // for every record back to back in record order (record r at data + r * row_bytes), raw,
 // cut into blocks of 2^block_shift rows, each block with one checksum in the column table.
 // Such a field has no index entries; the index holds only the other (*indexed*) fields, in
@@ -119,7 +119,7 @@ class Shard {
     return base_ + index_offset_ + (record * num_indexed_ + slot_[field]) * kIndexEntrySize;
   }
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
-  // NOTE [column layout]: the column that stores `field`, or -1 if the field is indexed.
+  // See NOTE [column layout]: the column that stores `field`, or -1 if the field is indexed.
   int32_t column_of(size_t field) const noexcept { return column_of_[field]; }
   const ColumnSpec& column(size_t c) const noexcept { return columns_[c]; }
   // The first indexed field, or -1 when every field is a column.
@@ -233,7 +233,7 @@ class ShardSet {
   // `force` one that planned batches still need but no worker holds now (the fetcher
   // brings it back before they run). False (and nothing changes) otherwise.
   bool unload(size_t i, bool force = false);
-  // NOTE [self-healing]: true if the caller should retry (a re-fetch was requested or is
+  // See NOTE [self-healing]: true if the caller should retry (a re-fetch was requested or is
   // under way, or `bad` is no longer the shard's current mapping); false if the error is final.
   // On false, *earlier is the first failure's message.
   bool report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier);

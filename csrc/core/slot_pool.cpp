@@ -180,7 +180,7 @@ std::unique_ptr<Slot> SlotPool::new_slot() {
 }
 
 std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const std::atomic<bool>* cancel) {
-  // NOTE [prepared slots]: batches are being collated; the preparing thread stops after the
+  // See NOTE [prepared slots]: batches are being collated; the preparing thread stops after the
   // slot it is making.
   if (preparing_.load(std::memory_order_relaxed)) stop_preparing_.store(true, std::memory_order_release);
   Slot* s = nullptr;
@@ -193,7 +193,7 @@ std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const 
         break;
       }
       const bool held = no_grow && no_grow->load(std::memory_order_acquire);
-      // NOTE [prepared slots]: a slot in the making that no other worker waits for.
+      // See NOTE [prepared slots]: a slot in the making that no other worker waits for.
       const bool coming = making_ > awaiting_;
       if (!held && !coming) break;
       if (cancel && cancel->load(std::memory_order_acquire)) return nullptr;

@@ -390,7 +390,7 @@ LongFn auto_long_fn() noexcept {
   return fn;
 }
 
-// NOTE [streaming copy]: values of at least this many bytes, into a 16-byte aligned
+// See NOTE [streaming copy]: values of at least this many bytes, into a 16-byte aligned
 // destination, are copied with non-temporal stores.
 constexpr size_t kStreamMin = 4096;
 

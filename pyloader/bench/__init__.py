@@ -8,3 +8,6 @@
 
 Imports from every lower stage (read, loader, write); nothing but the CLI imports it.
 """
+
+
+__all__ = ["cli", "measure", "stages"]  # its modules (pdoc documents the modules named here)

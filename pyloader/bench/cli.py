@@ -464,3 +464,6 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"pyloader bench: error: the plot was not written: {e}", file=sys.stderr)
             return 1
     return 0
+
+
+__all__ = ["DEFAULT_RECORDS", "add_bench_parser", "run_bench"]

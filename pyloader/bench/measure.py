@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from ..write.writer import ShardWriter
@@ -363,3 +364,9 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
     }
+
+
+__all__ = ["Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "best_of", "interleaved",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "loader_epoch", "pyloader_loader",
+           "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
+           "native_decode_gbps", "environment"]

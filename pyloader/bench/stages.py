@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ShardCorruptError, ShardFormatError
 from ..format.spec import (
     CHECKSUM_NAMES,
@@ -222,7 +223,7 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
     ``None``. ``progress`` receives one line per stage; ``epochs`` timed rounds of at least
     ``min_seconds`` each are run per loader (the best is kept).
     """
-    auto = threads == "auto"  # NOTE [autotune]: the loader tunes its threads; stages use every CPU
+    auto = threads == "auto"  # See NOTE [autotune]: the loader tunes its threads; stages use every CPU
     n: int = autotune.cpu_budget() if auto else int(threads)
     stages: dict[str, Any] = {}
     stages["remote_fetch"] = None
@@ -683,3 +684,8 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
 def au_batches(w: Workload, seconds: float) -> int:
     """Batches per AU trial: enough for ``seconds`` of simulated compute, and at least 4."""
     return max(4, math.ceil(seconds / w.compute_s))
+
+
+__all__ = ["SCHEMA_VERSION", "Workload", "WORKLOADS", "lz4_blocks", "PadCollate", "run_stages", "run_transform_stage",
+           "run_pack_stage", "BOUND_AT", "MIN_EPOCH_S", "MIN_BATCHES", "diagnose", "max_accelerators", "run_au",
+           "au_batches"]

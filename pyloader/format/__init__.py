@@ -1,4 +1,4 @@
-"""Stage ``format``: the shard format (versions 1 and 2) and the manifest, shared by every stage above it.
+"""Stage ``format``: the shard format (versions 1 to 3) and the manifest, shared by every stage above it.
 
 | file | what it is for |
 |---|---|
@@ -10,3 +10,6 @@
 
 Imports only ``pyloader.errors`` and ``pyloader._C``; pyarrow is imported on first use.
 """
+
+
+__all__ = ["arrow", "encode", "owner", "sizes", "spec"]  # its modules (pdoc documents the modules named here)

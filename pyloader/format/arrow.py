@@ -245,3 +245,7 @@ def _leaf_numpy(arr: Any, f: Field, col: str, where: str, nulls: str,
     if out.dtype != f.np_dtype:
         out = out.astype(f.np_dtype)  # bool/float16 representations only; casts were checked above
     return out
+
+
+__all__ = ["PARQUET_EXT", "ARROW_EXT", "VarColumn", "var_from_bytes", "field_name", "pyarrow_module", "arrow_field",
+           "arrow_to_column"]

@@ -26,7 +26,8 @@ from typing import Any, Protocol
 import lz4.block
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from .spec import (
     CODEC_LZ4,
     CODEC_RAW,
@@ -276,7 +277,7 @@ class ShardEncoder:
         index_bytes = index.tobytes()
         table, column_data, payload = b"", [], self._payload
         if self.version == 3:
-            # NOTE [column layout]: the columns follow the indexed values in the payload, in
+            # See NOTE [column layout]: the columns follow the indexed values in the payload, in
             # field order, without padding (a column value is copied with memcpy, which
             # needs no alignment).
             descs = []
@@ -372,3 +373,7 @@ def publish_manifest(root: str, fields: Sequence[Field], shards: list[dict[str, 
     except OSError:  # the new dataset is complete; a leftover old shard harms no reader
         pass
     return body
+
+
+__all__ = ["MIN_GAIN", "atomic_write", "remove_shards", "DatasetStore", "LocalStore", "ColumnBytes", "ShardEncoder",
+           "replace_token", "publish_manifest"]

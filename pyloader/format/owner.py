@@ -87,3 +87,6 @@ def owner_gone(name_owner: str, pid: int) -> bool | None:
     if boot != "0" and my_boot != "0" and host == my_host:
         return True  # an earlier boot of this host: every process of it is gone
     return None
+
+
+__all__ = ["OWNER_PATTERN", "boot_id", "owner", "pid_alive", "owner_gone"]

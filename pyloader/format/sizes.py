@@ -33,3 +33,6 @@ def parse_size(s: str | int, *, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"size {s!r} must be >= {minimum} bytes")
     return value
+
+
+__all__ = ["parse_size"]

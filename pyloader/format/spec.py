@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ManifestError, SchemaError, ShardFormatError
 
 MAGIC = b"PYLSHARD"
@@ -618,3 +619,13 @@ def manifest_path(path: str | os.PathLike[str]) -> str:
     """The manifest file of a dataset given as its folder or as the manifest (a ``.json`` path) itself."""
     p = os.fspath(path)
     return p if p.endswith(".json") else os.path.join(p, MANIFEST_NAME)
+
+
+__all__ = ["MAGIC", "VERSION", "SHARD_VERSIONS", "CHECKSUM_NAMES", "MANIFEST_VERSION", "HEADER_SIZE",
+           "INDEX_ENTRY_SIZE", "COLUMN_MAX_ROW_BYTES", "COLUMN_BLOCK_BYTES", "COLUMN_TABLE_HEAD", "COLUMN_DESC",
+           "CODEC_RAW", "CODEC_LZ4", "MANIFEST_NAME", "MANIFEST_FORMAT", "DTYPES", "IMAGE_ENCODINGS", "INDEX_DTYPE",
+           "MAX_FIELD_BYTES", "DEFAULT_MAX_VALUE_BYTES", "Hasher", "shard_checksum", "normalize_dtype", "Field",
+           "make_field", "make_fields", "encode_schema", "pack_header", "is_column_field", "column_block_rows",
+           "ColumnDesc", "encode_column_table", "decode_column_table", "ShardHeader", "unpack_header", "shard_columns",
+           "dump_manifest", "manifest_body", "parse_manifest", "NAME_MAX_BYTES", "PATH_MAX_BYTES", "MAX_SHARD_BYTES",
+           "MAX_RECORDS", "fields_from_manifest", "manifest_path"]

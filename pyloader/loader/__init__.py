@@ -18,3 +18,7 @@
 
 Drives datasets through ``pyloader.contract`` (NOTE [dataset contract]), never a dataset class.
 """
+
+
+__all__ = ["autotune", "buffers", "core", "dataloader", "iterators", "native_epoch", "options", "packed_epoch", "packing",
+           "state", "torch_compat", "transfer", "transform_epoch"]  # its modules (pdoc documents the modules named here)

@@ -326,3 +326,8 @@ class AutoTune:
                 "max_threads": self.max_threads,
                 "memory_budget": self.memory_budget, "slot_bytes": self.slot_bytes,
                 "memory_bytes": self.memory_bytes(), "decisions": list(self.decisions)}
+
+
+__all__ = ["INTERVAL", "MIN_BATCHES", "LONG_INTERVAL", "WAIT_HIGH", "BUSY_HIGH", "IDLE_BUSY", "IDLE_STEPS",
+           "MAX_PREFETCH", "MAX_FETCH_JOBS", "FETCH_GAIN", "FETCH_RETRY_S", "cpu_budget", "default_memory_budget",
+           "AutoTune"]

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import PipelineDataset, check_stream_args
 from . import transfer as _transfer
 from .core import LoaderCore
@@ -85,7 +86,7 @@ class HostBuffers(LoaderCore):
         """
         if self.device is None and (not self.pin_memory or in_slots or not self._staging().pinned):
             return None
-        # NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
+        # See NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
         # and nothing it was made for changed.
         kept, self._kept_stage = self._kept_stage, None
         if (kept is not None and not kept.closed and kept.device == self.device and kept.depth == self.device_prefetch

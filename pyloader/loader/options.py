@@ -70,7 +70,7 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        if self.num_workers != "auto":  # NOTE [autotune]: "auto" is checked with the dataset
+        if self.num_workers != "auto":  # See NOTE [autotune]: "auto" is checked with the dataset
             put(self, "num_workers", check_count("num_workers", self.num_workers))
         workers = 1 if self.num_workers == "auto" else self.num_workers
         bs = self.batch_size

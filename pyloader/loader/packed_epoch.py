@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import PipelineDataset, default_prefetch
 from . import iterators as _it
 from . import packing as _packing

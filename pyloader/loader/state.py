@@ -135,3 +135,6 @@ def check_state(state: object, *, fingerprint: str, records: int, settings: Mapp
                               f"got {s!r}")
         out.append([int(x) for x in s])
     return epoch, out
+
+
+__all__ = ["STATE_VERSION", "make_state", "add_segment", "check_state"]

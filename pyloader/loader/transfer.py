@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import DeviceError
 
 _warned_pageable = False
@@ -223,7 +224,7 @@ class DeviceStage:
     def end_epoch(self) -> bool:
         """Ends an epoch: True if the stage stays usable for the next one.
 
-        NOTE [stage across epochs]: an epoch whose jobs were all taken leaves the engine (its
+        See NOTE [stage across epochs]: an epoch whose jobs were all taken leaves the engine (its
         thread, stream, events and context) running, without waiting for the GPU; one
         abandoned with jobs in flight closes it.
         """
@@ -420,7 +421,7 @@ class Staged:
         if self._closed:
             return
         self._closed = True
-        self._stage.end_epoch()  # NOTE [stage across epochs]: closes it only with jobs in flight
+        self._stage.end_epoch()  # See NOTE [stage across epochs]: closes it only with jobs in flight
         self._pending.clear()
         self._unsubmitted = None
         self._source = iter(())
@@ -521,3 +522,6 @@ class PinnedFence:
 def _cuda_event() -> Any:
     # blocking: a synchronize() sleeps until the event completes rather than spinning.
     return torch.cuda.Event(blocking=True)
+
+
+__all__ = ["driver_error", "resolve_device", "slot_pool", "DeviceStage", "Staged", "PinnedFence"]

@@ -10,3 +10,6 @@
 
 Imports ``pyloader.errors``, ``format``, ``remote`` (the node cache) and ``_C``; never loader or bench.
 """
+
+
+__all__ = ["mixture", "order", "parquet", "shards", "units"]  # its modules (pdoc documents the modules named here)

@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import OrderSpec, PipelineDataset, Plan, check_stream_args
 from ..errors import SchemaError
 from ..format.spec import Field, encode_schema
@@ -592,7 +593,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             paths += s.shard_paths if s._remote is None else s._remote.shard_files()
             sizes += s.shard_bytes
             schema_of += [k] * len(s.shard_paths)
-        # NOTE [renamed schemas]: each source's shards keep their own names.
+        # See NOTE [renamed schemas]: each source's shards keep their own names.
         renamed = any(b != self._schema for b in self._source_schemas)
         remote = self.is_remote
         shards = _C.ShardSet(paths=paths, bytes=sizes, records=list(self.unit_records), schema=self._schema,
@@ -608,7 +609,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             fetchers = []
             for k, s in enumerate(self.sources):
                 off = int(self._unit_offset[k])
-                if s._remote is None:  # NOTE [shard readiness]: a local source's shards are ready now
+                if s._remote is None:  # See NOTE [shard readiness]: a local source's shards are ready now
                     for i, p in enumerate(s.shard_paths):
                         shards.mark_ready(off + i, p)
                     continue
@@ -656,3 +657,6 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         state["_fetcher"] = None
         state["_cache"] = {}
         return state
+
+
+__all__ = ["POLICIES", "MixtureBatches", "Mixture"]

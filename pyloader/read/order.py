@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import PARTITIONS, SHUFFLE_MODES
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -509,3 +510,8 @@ def resume_plan(
     )
     shard, record = locate(mine, records_per_shard)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
+
+
+__all__ = ["STREAM_GLOBAL", "STREAM_SHARDS", "STREAM_WINDOW", "SHUFFLE_MODES", "PARTITIONS", "mix64", "sample_keys",
+           "epoch_order", "partition", "split_workers", "locate", "plan", "unread_count", "resume_partition", "unread",
+           "resume_plan"]

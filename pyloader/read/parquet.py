@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import OrderSpec, Plan, check_count, check_stream_args
 from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
 from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
@@ -289,7 +290,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
                 metas.append(self._metadata(p, p))
                 with open(p, "rb") as fh:
                     footers.append(_footer_digest(fh, size, p))
-        # Fields: the same mapping as `pyloader convert` (pyloader.write.convert.arrow_field).
+        # Fields: the same mapping as `pyloader convert` (pyloader.format.arrow.arrow_field).
         schema0 = metas[0].schema.to_arrow_schema()
         self.columns = list(columns) if columns is not None else list(schema0.names)
         if not self.columns:

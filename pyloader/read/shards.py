@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.dlpack import from_dlpack as _from_dlpack
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import OrderSpec, PipelineDataset, PipelineStream, Plan, check_count, check_stream_args
 from ..errors import (
     CacheLimitError,
@@ -539,7 +540,7 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
                                        schema=self._schema, pending=remote is not None,
                                        max_value_bytes=self.max_value_bytes)
             self._shards_pid = os.getpid()
-            if remote is not None:  # NOTE [shard readiness]: the fetcher fills the pending set
+            if remote is not None:  # See NOTE [shard readiness]: the fetcher fills the pending set
                 limit = remote.cache.limit
                 budget = None if limit is None else limit // _readers_on_node(readers)
                 self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs, budget=budget,
@@ -628,3 +629,6 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         state["_fetcher"] = None  # threads and pins are per process
         state["_sizes_arr"] = None
         return state
+
+
+__all__ = ["manifest_fingerprint", "batch_to_torch", "BatchIterator", "ShardDataset"]

@@ -10,3 +10,6 @@
 
 Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli.py``, a command, also the planner).
 """
+
+
+__all__ = ["cache", "cli", "fetch", "fs", "manifest"]  # its modules (pdoc documents the modules named here)

@@ -103,7 +103,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
 from ..format.encode import atomic_write as _atomic_write
 from ..format.owner import owner as _owner
@@ -1369,3 +1370,7 @@ class _Empty:
 
     def __exit__(self, *a: object) -> None:
         pass
+
+
+__all__ = ["LAYOUT", "default_cache_dir", "normalize_url", "dataset_key", "open_lockfile", "close_lockfile",
+           "shard_cache_name", "remove_temps_at_sigterm", "Entry", "ShardCache", "DatasetCache"]

@@ -393,3 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = ["EXIT_OK", "EXIT_PARTIAL", "EXIT_USAGE", "EXIT_CACHE", "EXIT_UNREACHABLE", "EXIT_INTERRUPTED", "EXIT_HELP",
+           "QUIET_S", "add_cache_parser", "run_cache", "select_shards", "main"]

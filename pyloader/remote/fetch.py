@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
 from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm
@@ -540,7 +541,7 @@ class ShardFetcher:
             self._add_bytes(i, n)
         try:
             if self.shards is not None:
-                if heal is not None:  # NOTE [self-healing]: drop the bad copy, then fetch it again
+                if heal is not None:  # See NOTE [self-healing]: drop the bad copy, then fetch it again
                     self.dcache.discard(i, reason=heal)
                     self.heals += 1
                 path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes)
@@ -665,3 +666,6 @@ class ShardFetcher:
                 if not retired:
                     self._threads -= 1
                 self._cv.notify_all()
+
+
+__all__ = ["open_remote", "check_limit", "working_set", "first_touch_order", "ShardFetcher"]

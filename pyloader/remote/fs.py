@@ -794,3 +794,7 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
         stream.close()
     if got < size:
         raise _ShortBody(f"the body ended after {got} of {size} bytes")
+
+
+__all__ = ["is_remote", "filesystem", "RetryPolicy", "HostLimiter", "host_limiter", "classify", "is_throttle",
+           "with_retries", "read_object", "download_buffer_bytes", "download_into"]

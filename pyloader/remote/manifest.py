@@ -35,7 +35,8 @@ import os
 import time
 from typing import Any
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ManifestError
 from ..format.encode import atomic_write
 from ..format.spec import MANIFEST_NAME, parse_manifest
@@ -45,7 +46,7 @@ from .fs import RetryPolicy, read_object
 TTL_ENV = "PYLOADER_MANIFEST_TTL"
 DEFAULT_TTL_S = 60.0
 _LOCK_POLL_S = 0.01
-# The node copies this process has opened (NOTE [manifest once per node]: a copy serves a
+# The node copies this process has opened (See NOTE [manifest once per node]: a copy serves a
 # process's first open of its URL only).
 _opened: set[str] = set()
 # Errors that mean the copy cannot be written or locked here: fetch without it.
@@ -189,3 +190,6 @@ def _store(path: str, data: bytes) -> None:
     except OSError as e:
         if e.errno not in _CANNOT_SHARE:
             raise
+
+
+__all__ = ["TTL_ENV", "DEFAULT_TTL_S", "manifest_ttl", "node_manifest"]

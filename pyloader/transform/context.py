@@ -93,3 +93,6 @@ class SampleContext:
     def __repr__(self) -> str:
         return (f"SampleContext(epoch={self.epoch}, index={self.index}, shard={self.shard!r}, record={self.record}, "
                 f"worker={self.worker}, seed={self.seed})")
+
+
+__all__ = ["sample_seeds", "sample_seed", "SampleContext"]

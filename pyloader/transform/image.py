@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import ImageDecodeError
 
 # PYLOADER_NATIVE_JPEG=0 decodes every image with Pillow (the native decoder is used where
@@ -363,3 +364,6 @@ def resolve_decode(fields: list[Any], decode: Any) -> dict[str, ImageDecode]:
                 out[n] = ImageDecode()
         return out
     raise ValueError(f"decode must be None, False, a pyloader.ImageDecode or a dict of them, got {decode!r}")
+
+
+__all__ = ["CROPS", "LAYOUTS", "ON_ERROR", "DEFAULT_MAX_PIXELS", "ImageDecode", "random_resized_crop", "resolve_decode"]

@@ -637,3 +637,6 @@ def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, p
     for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "-*")):
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+__all__ = ["MAX_SLOTS", "shm_dir", "slot_prefix", "clean_stale", "ProcessTransformStream"]

@@ -376,3 +376,7 @@ def _stack(name: str, values: list[Any]) -> torch.Tensor:
                 f"transform return one shape (for images, ImageDecode(size=...); for sequences, pad or cut to a "
                 f"fixed length), or pass a collate_fn")
     return torch.stack(ts)
+
+
+__all__ = ["EXECUTORS", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
+           "TransformStream", "collate_samples"]

@@ -222,3 +222,6 @@ class ThreadTransformStream(TransformStream):
         s["native_wait_s"] = s.get("consumer_wait_s", 0.0)
         s.update(self._stats.as_dict())
         return s
+
+
+__all__ = ["ThreadTransformStream"]

@@ -12,3 +12,6 @@
 
 Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C``: never read, loader, remote or bench.
 """
+
+
+__all__ = ["cli", "cluster", "convert", "sources", "store", "verify", "writer"]  # its modules (pdoc documents the modules named here)

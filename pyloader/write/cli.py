@@ -179,3 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_MISMATCH", "EXIT_INTERRUPTED", "cli_words", "parse_fields",
+           "add_convert_parser", "run_convert", "main"]

@@ -172,3 +172,6 @@ def run_tasks(run_job: RunJob, source: Source, store: DatasetStore, compress: li
         if error is not None:
             raise error
         return [r for r in done if r is not None], workers
+
+
+__all__ = ["RunJob", "plan_tasks", "describe_units", "run_tasks"]

@@ -405,7 +405,7 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
     if isinstance(store, LocalStore):
         os.makedirs(root, exist_ok=True)
     token, old = replace_token(root, overwrite=overwrite, hint="pass overwrite=True / --overwrite", store=store)
-    remove_leftovers(store, keep=old)  # NOTE [convert leftovers]: a killed run's files
+    remove_leftovers(store, keep=old)  # See NOTE [convert leftovers]: a killed run's files
     compress = [comp[f.name] == "lz4" for f in source.fields]
     ranges = _split_units(source.unit_bytes, jobs) if engine == "local" else plan_tasks(source.unit_bytes, task_bytes)
     prog = Progress(source.num_records, int(sum(source.unit_bytes)), progress)
@@ -431,7 +431,7 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
     prog.show(final=True)
     shards = [s for r in results for s in r["shards"]]
     records = sum(r["records"] for r in results)
-    # NOTE [parallel convert]: the manifest is the commit point; old shards go after it.
+    # See NOTE [parallel convert]: the manifest is the commit point; old shards go after it.
     body = publish_manifest(root, source.fields, shards, old, store=store)
     remove_leftovers(store, keep=[s["path"] for s in shards])
     sidecar = {"source": source.describe(), "compression": comp, "nulls": getattr(source, "nulls", nulls),
@@ -495,3 +495,6 @@ def _drain(q: _ProgressQueue, prog: Progress) -> None:
             return
         prog.add(n, nb)
 
+
+__all__ = ["COMPRESSIONS", "ENGINES", "SIDECAR_NAME", "choose_compression", "remove_leftovers", "run_job", "Progress",
+           "ConvertResult", "convert"]

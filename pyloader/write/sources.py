@@ -751,3 +751,7 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
                 return NumpySource({k: z[k] for k in z.files}, fields, nulls)
         return NumpySource({os.path.basename(p)[: -len(".npy")]: p for p in paths}, fields, nulls)
     raise ConvertError(f"kind {kind!r} takes a folder, not {paths[0]!r}")
+
+
+__all__ = ["KINDS", "NULL_POLICIES", "image_encoding", "Chunk", "Source", "ArrowSource", "NumpySource", "FilesSource",
+           "TarSource", "expand_paths", "open_source"]

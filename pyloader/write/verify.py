@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _C
+import pyloader._C as _C
+
 from ..errors import VerifyError
 from ..format.encode import DatasetStore, LocalStore
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, parse_manifest
@@ -228,3 +229,6 @@ def _compare(fields: list[Field], batch: dict[str, np.ndarray], at: int, part: C
                 raise VerifyError(f"{root}: record {rec0 + r} field {f.name!r} differs from the source")
         nbytes += offs[-1] - offs[0]
     return nbytes
+
+
+__all__ = ["verify_dataset"]

@@ -241,7 +241,7 @@ class ShardWriter:
         """Flushes the last shard and writes the manifest. Idempotent."""
         if self._closed:
             return
-        self._finalizer.detach()  # NOTE [unclosed writer]: a failed close warns through its exception
+        self._finalizer.detach()  # See NOTE [unclosed writer]: a failed close warns through its exception
         shards = self._encoder.close()
         publish_manifest(self._dir, self.fields, shards, self._replaced)  # NOTE [overwrite]
         self._closed = True
@@ -267,3 +267,6 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+__all__ = ["ShardWriter"]

@@ -347,7 +347,7 @@ def test_no_warning_emitted(wide_dataset: str) -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["shard-dataset", "map-dataset"])
 def test_loop_own_non_blocking_copies_read_the_right_batch(wide_dataset: str, native: bool) -> None:
-    """NOTE [pinned batch fence]: with pin_memory=True (no device=) the loop queues its own
+    """See NOTE [pinned batch fence]: with pin_memory=True (no device=) the loop queues its own
     non_blocking copies behind busy GPU work and drops each batch at once; the copies must
     still read the batch they were queued from, not the next batch collated into a reused
     slot."""

@@ -1,6 +1,6 @@
 """A packing loader's state_dict() under torch.distributed (gloo, 2 processes on loopback).
 
-NOTE [packing resume]: each rank's packer stands at its own place, so the state of one rank
+See NOTE [packing resume]: each rank's packer stands at its own place, so the state of one rank
 says nothing about the other's; under an initialised process group state_dict() gathers
 every rank's packing entry, and that one state (rank 0's, as a job saves it) resumes the
 epoch at another world size with every token delivered once.

@@ -1,5 +1,5 @@
 """pyloader.read.order's resumption functions against a plain-Python model and the laws of
-NOTE [resume segments]: same world size -> the uninterrupted epoch; any world sizes ->
+See NOTE [resume segments]: same world size -> the uninterrupted epoch; any world sizes ->
 every sample read once, plus fillers drawn from the filler stream."""
 
 from __future__ import annotations

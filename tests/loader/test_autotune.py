@@ -1,4 +1,4 @@
-"""NOTE [autotune]: DataLoader(num_workers="auto", memory_budget=) tunes the native threads
+"""See NOTE [autotune]: DataLoader(num_workers="auto", memory_budget=) tunes the native threads
 and read-ahead online, never past the memory budget, and leaves the data unchanged."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_auto_is_refused_where_it_cannot_tune(ds_path) -> None:
 
 @pytest.mark.timeout(120)
 def test_epoch_hand_overs_never_grow_the_pool_past_the_budget(tmp_path) -> None:
-    """NOTE [epoch ahead]: the next epoch's pipeline takes only slots the current one frees,
+    """See NOTE [epoch ahead]: the next epoch's pipeline takes only slots the current one frees,
     and only once the current one has collated everything. Many short epochs, each a
     hand-over with workers asleep for room when the last batch is claimed: every record
     once per epoch, and the pool within the budget after all of them."""

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import pyloader
-from pyloader.read import order as _order
 from pyloader.contract import BatchStream, OrderSpec, Plan, PlannedDataset
+from pyloader.read import order as _order
 from pyloader.read.units import UnitDataset
 
 

@@ -1,4 +1,4 @@
-"""NOTE [epoch ahead]: the next epoch's pipeline starts during the current epoch's tail,
+"""See NOTE [epoch ahead]: the next epoch's pipeline starts during the current epoch's tail,
 and is adopted only when the epoch it planned is the one the next iter() reads."""
 
 from __future__ import annotations

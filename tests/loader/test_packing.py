@@ -2,7 +2,7 @@
 
 Every token encodes where it comes from: ``token = doc * SCALE + offset`` (for a Mixture,
 ``doc = source * 1000 + record``), so a packed row can be checked exactly: against
-``reference_pack`` (NOTE [packing rule] written plainly in Python) over the dataset's plan
+``reference_pack`` (pack_oracle.py: NOTE [packing rule] written plainly in Python) over the dataset's plan
 order, and, over an epoch, for tokens lost or read twice. Resume is checked bit for bit at
 the same world size and as exactly-once at another world size (NOTE [packing resume]).
 """
@@ -23,9 +23,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pack_oracle import reference_pack
 
 import pyloader
-from pyloader.loader.packing import reference_pack
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "remote"))
 

@@ -166,7 +166,7 @@ def test_pinned_fence_holds_each_batch_until_the_event_after_it_completed() -> N
 
 
 def test_pinned_fence_reuses_a_small_pool_of_events() -> None:
-    # NOTE [pinned batch fence]: no event per batch; at most one per held batch, reused.
+    # See NOTE [pinned batch fence]: no event per batch; at most one per held batch, reused.
     log: list[str] = []
     events: list[_Event] = []
     fence = _fence(4, events, log)
@@ -205,7 +205,7 @@ def test_no_fence_without_a_gpu(write_dataset) -> None:
 
 
 def test_the_copy_engine_is_kept_across_epochs(write_dataset) -> None:
-    # NOTE [stage across epochs]: one engine (thread, stream, events, context) for every epoch
+    # See NOTE [stage across epochs]: one engine (thread, stream, events, context) for every epoch
     # that ends with all its jobs taken, not closed (a host wait for the GPU) at each epoch's end.
     path = write_dataset(40, {"y": ("int64", ())}, lambda i: {"y": i})
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=4, device="cpu", device_prefetch=3)

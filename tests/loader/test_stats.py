@@ -67,7 +67,7 @@ def test_host_memory_reports_the_new_batch_memory_and_its_cost(tmp_path) -> None
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=40, num_workers=2)  # x: 2.5 MiB a batch
     pool = loader._batch_pool
     assert pool is not None
-    while pool.preparing:  # NOTE [prepared slots]: the constructor's thread makes prefetch + 1 slots
+    while pool.preparing:  # See NOTE [prepared slots]: the constructor's thread makes prefetch + 1 slots
         time.sleep(0.005)
     prepared = loader.host_memory()
     assert pool.created == 2 * 2 + 1 and prepared["driver_allocs"] == 2 * 5  # two fields in five slots

@@ -412,7 +412,7 @@ def test_a_staging_pool_without_buffers_is_rejected(which: str) -> None:
     assert "REJECTED" in res.stdout, report
 
 
-# --- HostBatch sources (NOTE [copy ordering]: the slot returns only after its copies) ----------
+# --- HostBatch sources (See NOTE [copy ordering]: the slot returns only after its copies) ----------
 
 
 def _one_host_batch(ds: pyloader.ShardDataset, pool: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -509,7 +509,7 @@ def test_dataloader_device_cpu_returns_slots_after_each_copy(write_dataset) -> N
             assert np.array_equal(b["img"][r].numpy(), expected_img(i))
     pool = loader._pool
     # The ring, the workers, the device queue, the loop, and the next epoch's first batches
-    # (NOTE [epoch ahead]: at most num_workers of them, held in that pipeline's ring).
+    # (See NOTE [epoch ahead]: at most num_workers of them, held in that pipeline's ring).
     assert pool.created <= 2 + 2 + 3 + 2 + 2, f"{pool.created} slots for a bounded pipeline"
     assert loader._ahead is not None
     early = loader._ahead[1]

@@ -190,7 +190,7 @@ def grow_sample(i: int) -> dict[str, Any]:
 
 
 def test_fake_driver_pinned_cache_no_driver_calls_after_the_first_epoch(fake_cuda, write_dataset) -> None:
-    # NOTE [pinned cache]: growth by size classes, released blocks cached, none freed mid-training.
+    # See NOTE [pinned cache]: growth by size classes, released blocks cached, none freed mid-training.
     path = write_dataset(96, GROW_FIELDS, grow_sample, shard_bytes=1 << 16)
     _, rep = run_fake(fake_cuda, "pinned_cache_across_epochs", path)
     epochs = rep["per_epoch"]
@@ -231,7 +231,7 @@ def test_fake_driver_stream_of_another_context_is_rejected(fake_cuda) -> None:
 
 
 def test_fake_driver_staging_overlaps_the_copies_of_the_job_before(fake_cuda) -> None:
-    # NOTE [copy engine threads]: the engine thread never waits for the GPU, so the staging of
+    # See NOTE [copy engine threads]: the engine thread never waits for the GPU, so the staging of
     # job t+1 runs while job t's copies do. Measured side by side in one process: with the
     # staging (S) and the copies (C) of each job about equal, overlapped N jobs take about
     # N * max(S, C), half the serial N * (S + C); a waiting engine thread took the whole sum.

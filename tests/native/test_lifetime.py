@@ -205,7 +205,7 @@ def test_close_mid_epoch_joins_threads_and_later_next_raises(write_dataset) -> N
 
 @pytest.mark.timeout(120)
 def test_dataloader_abandoned_epoch_stops_threads(write_dataset) -> None:
-    # BUG (pyloader/_loader.py:57, DataLoader.__iter__: ``self._active = it``): the loader
+    # BUG (pyloader/loader/dataloader.py, DataLoader.__iter__: ``self._active = it``): the loader
     # keeps a strong reference to the iterator it returned, so ``for b in loader: break``
     # followed by ``del``/gc.collect() leaves the epoch's native threads (and its prefetched
     # slots) alive until the loader is iterated again or deleted. torch's (non-persistent)

@@ -1,4 +1,4 @@
-"""NOTE [ragged batches]: variable fields collated back to back, without padding.
+"""See NOTE [ragged batches]: variable fields collated back to back, without padding.
 
 The packer's input: each variable field of a ragged batch is [sum of lengths, ...], row i
 starting at the sum of the lengths before it. Checked against the padded batches of the

@@ -716,7 +716,7 @@ def test_manifest_bit_flips(sess):
 
 
 def test_manifest_checksum_must_be_lowercase_hex(sess):
-    # BUG (pyloader/_format.py, parse_manifest: `int(data[...].decode("ascii"), 16)`):
+    # BUG (pyloader/format/spec.py, parse_manifest: `int(data[...].decode("ascii"), 16)`):
     # docs/format.md specifies the checksum as 16 *lowercase* hex digits, but int(..., 16)
     # also accepts uppercase digits, surrounding spaces and "_" separators. So a bit flip
     # that turns "a" into "A" (bit 5), or a leading "0" into " " (bit 4), goes unnoticed.

@@ -297,7 +297,7 @@ def test_locate_large_and_sparse(counts: list[int]) -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 1000, (1 << 16) + 1, 300_001])
 def test_a_share_of_the_global_order_is_that_slice_of_the_sorted_keys(n: int) -> None:
-    """NOTE [native global order]: positions [lo, hi) computed from the buckets that overlap
+    """See NOTE [native global order]: positions [lo, hi) computed from the buckets that overlap
     them alone equal the same slice of argsort(keys), at every size class of the bucket
     count, at bucket edges and across the whole order."""
     from pyloader import _C

@@ -336,7 +336,7 @@ def test_transform_processes_stream_through_a_small_cache(server, big, cache_dir
 
 
 def test_remote_epochs_start_at_iter_not_ahead(server, cache_dir) -> None:
-    # NOTE [epoch ahead]: a remote dataset's fetch schedule belongs to the epoch being read.
+    # See NOTE [epoch ahead]: a remote dataset's fetch schedule belongs to the epoch being read.
     ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir, shuffle=True)
     assert ds.is_remote
     loader = pyloader.DataLoader(ds, batch_size=4, num_workers=2)

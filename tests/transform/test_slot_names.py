@@ -1,6 +1,6 @@
 """The process executor's slot files name their owner; cleanup removes only files it can prove dead.
 
-NOTE [file owners]: ``/dev/shm`` is shared by containers run with ``--ipc=host``, each
+See NOTE [file owners]: ``/dev/shm`` is shared by containers run with ``--ipc=host``, each
 with its own pid namespace, so a pid that is gone here says nothing about a file another
 namespace made. Files are planted under names of another namespace, another host, an
 earlier boot, the older pid-only form, a live process and a dead one of this namespace.

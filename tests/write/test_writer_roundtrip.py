@@ -209,7 +209,7 @@ def test_empty_rows_and_all_empty_batch(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["uint8", "int32", "float32", "bfloat16"])
 def test_empty_rows_multidim(tmp_path, dtype):
-    # BUG (pyloader/_writer.py, ShardWriter.write: `memoryview(np.ascontiguousarray(arr)).cast("B")`):
+    # BUG (pyloader/write/writer.py, ShardWriter.write: `memoryview(np.ascontiguousarray(arr)).cast("B")`):
     # an empty row of a variable field with trailing dims, e.g. shape (0, 3) for a
     # (None, 3) field, makes write() raise TypeError("memoryview: cannot cast view with
     # zeros in shape or strides"). Empty rows must be writable for every variable field.

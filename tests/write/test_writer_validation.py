@@ -86,7 +86,7 @@ def test_writer_rejects_bad_value(tmp_path, field, value, match):
     ("i64", np.array([2**63], np.uint64)),       # uint64 ndarray -> int64 field
 ])
 def test_writer_rejects_out_of_range_arrays(tmp_path, field, value):
-    # BUG (pyloader/_writer.py, ShardWriter._to_array, the `isinstance(value, np.ndarray)`
+    # BUG (pyloader/write/writer.py, ShardWriter._to_array, the `isinstance(value, np.ndarray)`
     # branch): an ndarray (or tensor) of a wider integer dtype of the same kind passes
     # np.can_cast(..., casting="same_kind") and is narrowed with astype(), which wraps
     # silently: np.array([2**40], np.uint64) into a uint8 field is stored as 0. Only Python
@@ -108,7 +108,7 @@ def test_writer_accepts_in_range_narrowing_arrays(tmp_path):
 
 
 def test_writer_bool_field_rejects_non_boolean_ints(tmp_path):
-    # BUG (pyloader/_writer.py, ShardWriter._to_array): a Python int other than 0/1 written
+    # BUG (pyloader/write/writer.py, ShardWriter._to_array): a Python int other than 0/1 written
     # to a bool field is silently stored as True (np.asarray(5).astype(bool)); the range
     # check only covers integer targets. 5 is out of range for bool and must raise.
     with pyloader.ShardWriter(str(tmp_path / "ds"), {"flag": ("bool", ())}) as w:
@@ -221,7 +221,7 @@ def test_existing_dataset_needs_overwrite(tmp_path):
 
 
 def test_failed_overwrite_does_not_leave_a_broken_dataset(tmp_path):
-    # BUG (pyloader/_writer.py, ShardWriter._flush/abort with overwrite=True): the new
+    # BUG (pyloader/write/writer.py, ShardWriter._flush/abort with overwrite=True): the new
     # shards are written under the same names as the old ones (shard-000000.pyl, ...) and
     # abort() deletes them, while the old manifest.json stays. After a failed overwrite
     # the directory holds a manifest naming shards that were replaced or deleted: the old

@@ -340,7 +340,7 @@ def close_in_flight(path: str) -> None:
         time.sleep(0.001)
     in_flight = FAKE.fake_cuda_pending(0)
     t0 = time.monotonic()
-    e.close()  # NOTE [copy engine shutdown]: waits for the copies already issued
+    e.close()  # See NOTE [copy engine shutdown]: waits for the copies already issued
     took = time.monotonic() - t0
     pending = FAKE.fake_cuda_pending(0)
     issued = e.counters()["jobs"]
@@ -505,7 +505,7 @@ def pinned_pool_grows_in_forked_child(path: str, child_log: str) -> None:
 
 
 def pinned_loader_is_lazy(path: str) -> None:
-    """NOTE [lazy pinned pools]: building a pin_memory loader (native or generic path) calls the
+    """See NOTE [lazy pinned pools]: building a pin_memory loader (native or generic path) calls the
     driver not at all -- not even cuInit; its first iter() pins. Run without main()'s driver probe."""
     before = stats()
     ds = open_ds(path)
@@ -601,7 +601,7 @@ def cuda_engine_needs_a_stream() -> None:
 
 
 def pinned_cache_across_epochs(path: str) -> None:
-    """NOTE [pinned cache]: a pin_memory loader over a variable-length field whose lengths rise
+    """See NOTE [pinned cache]: a pin_memory loader over a variable-length field whose lengths rise
     through the epoch. Growing buffers leave their smaller blocks in the cache, never freed
     through the driver; after the first epoch no cuMemHostAlloc or cuMemFreeHost is made at
     all (each would synchronise the device); the pinned bytes the loader reports are the
@@ -769,7 +769,7 @@ def foreign_context_stream() -> None:
 
 
 def staging_overlaps_copies() -> None:
-    """NOTE [copy engine threads]: the engine stages job t+1 while job t's copies run, so N
+    """See NOTE [copy engine threads]: the engine stages job t+1 while job t's copies run, so N
     jobs of staging time S and copy time C take about N * max(S, C), not N * (S + C).
 
     Runs of N jobs on one engine, side by side: staging only (a large pageable source packed

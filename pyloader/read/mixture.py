@@ -59,7 +59,7 @@ from ..errors import SchemaError
 from ..format.spec import Field, encode_schema
 from ..remote import fetch as _fetch
 from . import order as _order
-from .shards import _MAX_OPEN, BatchIterator, ShardDataset, _readers_on_node
+from .shards import BatchIterator, ShardDataset, start_pipeline
 from .units import UnitDataset
 
 POLICIES = ("cycle", "stop", "renormalise")
@@ -211,6 +211,89 @@ class MixtureBatches(BatchIterator):
         return {**super().stats(), "sources": dict(self._per_source)}
 
 
+class WeightSchedule:
+    """A ``Mixture``'s weights over its epochs: base ``weights``, then a ``schedule`` by step (NOTE [mixture plan]).
+
+    ``schedule``: ``[(step, weights), ...]`` with increasing steps, or ``fn(step) -> weights``;
+    a step is ``samples_per_step`` positions of the mixture's order. Checked when built.
+    """
+
+    def __init__(self, names: list[str], weights: np.ndarray, schedule: Any, samples_per_step: int,
+                 policy: str) -> None:
+        k = len(names)
+        self.names, self.policy = names, policy
+        self.weights = weights
+        self.fn: Callable[[int], Any] | None = None
+        self.steps: list[tuple[int, np.ndarray]] = []
+        if callable(schedule):
+            self.fn = schedule
+        elif schedule is not None:
+            prev = -1
+            for i, item in enumerate(schedule):
+                if not isinstance(item, (tuple, list)) or len(item) != 2:
+                    raise ValueError(f"schedule entry {i} must be (step, weights), got {item!r}")
+                step = _order._int_arg(f"schedule entry {i} step", item[0], 0, 1 << 62)
+                if step <= prev:
+                    raise ValueError(f"schedule steps must increase, got {step} after {prev}")
+                prev = step
+                self.steps.append((step, _check_weights(f"schedule entry {i} weights", item[1], k)))
+        self.samples_per_step = _order._int_arg("samples_per_step", samples_per_step, 1, 1 << 62)
+
+    def describe(self) -> Any:
+        """The schedule as the fingerprint names it (a callable by its qualified name)."""
+        if self.fn is not None:
+            fn = self.fn
+            return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        return [[s, w.tolist()] for s, w in self.steps]
+
+    def segments(self, epoch: int, n: int, epoch_records: int) -> list[tuple[int, int, np.ndarray]]:
+        """[(lo, hi, weights)]: the positions of epoch ``epoch`` (of ``n``; ``epoch_records`` a full one) by the weights in effect."""
+        base, sps = epoch * epoch_records, self.samples_per_step
+        out: list[tuple[int, int, np.ndarray]] = []
+
+        def add(lo: int, hi: int, w: np.ndarray) -> None:
+            lo, hi = max(lo, 0), min(hi, n)
+            if hi <= lo:
+                return
+            if out and out[-1][1] == lo and np.array_equal(out[-1][2], w):
+                out[-1] = (out[-1][0], hi, w)
+            else:
+                out.append((lo, hi, w))
+        if self.fn is not None:
+            first, last = base // sps, (base + n - 1) // sps
+            if last - first + 1 > _MAX_SCHEDULE_CALLS:
+                raise ValueError(f"a callable schedule is called once per step: {last - first + 1} steps in epoch "
+                                 f"{epoch} is too many; give a larger samples_per_step or a list schedule")
+            for step in range(first, last + 1):
+                w = _check_weights(f"schedule({step})", self.fn(step), len(self.names))
+                add(step * sps - base, (step + 1) * sps - base, w)
+            return out
+        starts = [(0, self.weights)] + [(s * sps - base, w) for s, w in self.steps]
+        for i, (lo, w) in enumerate(starts):
+            hi = starts[i + 1][0] if i + 1 < len(starts) else n
+            add(lo if i else -(1 << 62), hi, w)
+        return out
+
+    def choices(self, seed: int, epoch: int, lo: int, hi: int, segs: list[tuple[int, int, np.ndarray]],
+                 active: np.ndarray) -> np.ndarray:
+        """The source of positions [lo, hi) with the weights of ``segs`` restricted to ``active`` sources."""
+        out = np.empty(hi - lo, dtype=np.int16)
+        for a, b, w in segs:
+            a, b = max(a, lo), min(b, hi)
+            if b <= a:
+                continue
+            wa = w * active
+            if wa.sum() <= 0:
+                left = ", ".join(n for n, on in zip(self.names, active, strict=True) if on)
+                raise ValueError(f"epoch {epoch}, position {a}: every source with records left ({left}) has weight "
+                                 f"0 in the weights in effect ({w.tolist()}), so policy={self.policy!r} cannot go on")
+            thr = _thresholds(wa / wa.sum())
+            for c in range(a, b, _CHUNK):
+                d = min(b, c + _CHUNK)
+                out[c - lo:d - lo] = np.searchsorted(thr, _weyl(seed, epoch, c, d), side="right")
+        return out
+
+
 class Mixture(UnitDataset, PipelineDataset, IterableDataset):
     """A mixture of ``ShardDataset`` sources with weights, a schedule and an exhaustion policy.
 
@@ -272,20 +355,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         total = int(self.source_records.sum())
         k = len(srcs)
         self.weights = _check_weights("weights", self.source_records if weights is None else weights, k)
-        self._schedule_fn: Callable[[int], Any] | None = None
-        self._schedule_list: list[tuple[int, np.ndarray]] = []
-        if callable(schedule):
-            self._schedule_fn = schedule
-        elif schedule is not None:
-            prev = -1
-            for i, item in enumerate(schedule):
-                if not isinstance(item, (tuple, list)) or len(item) != 2:
-                    raise ValueError(f"schedule entry {i} must be (step, weights), got {item!r}")
-                step = _order._int_arg(f"schedule entry {i} step", item[0], 0, 1 << 62)
-                if step <= prev:
-                    raise ValueError(f"schedule steps must increase, got {step} after {prev}")
-                prev = step
-                self._schedule_list.append((step, _check_weights(f"schedule entry {i} weights", item[1], k)))
+        self._weights = WeightSchedule(names, self.weights, schedule, samples_per_step, policy)
         self.schedule = schedule
         if samples_per_epoch is None:
             samples_per_epoch = total
@@ -293,11 +363,12 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         if policy == "renormalise" and samples_per_epoch != total:
             raise ValueError(f"policy='renormalise' reads every record once: samples_per_epoch is the sources' "
                              f"{total} records, got {samples_per_epoch}")
-        self.samples_per_step = _order._int_arg("samples_per_step", samples_per_step, 1, 1 << 62)
+        self.samples_per_step = self._weights.samples_per_step
         self.fields = self._mapped_fields(field_map)
         self._schema = encode_schema(self.fields)
         self._source_schemas = [encode_schema(s.fields) for s in srcs]
-        self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, partition=partition)
+        self._configure(shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, partition=partition,
+                        transform=transform)
         units: list[int] = []
         self._unit_source = np.zeros(sum(len(s.records_per_shard) for s in srcs), dtype=np.int64)
         self._unit_offset = np.zeros(k + 1, dtype=np.int64)
@@ -307,10 +378,6 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             units += s.records_per_shard
         self.unit_records = units
         self.num_records = samples_per_epoch
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-        self.transform = transform
         self.decode = decode  # checked and resolved now (NOTE [decode resolved once])
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
@@ -375,12 +442,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         ``sources``: each one's fingerprint and order settings, and the field names;
         ``weights``: weights and schedule; ``policy``: policy, epoch and step lengths.
         """
-        sched: Any
-        if self._schedule_fn is not None:
-            fn = self._schedule_fn
-            sched = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
-        else:
-            sched = [[s, w.tolist()] for s, w in self._schedule_list]
+        sched = self._weights.describe()
         parts = {
             "sources": [[n, s.fingerprint, s.order.shuffle_mode, s.order.window] for n, s in
                         zip(self.names, self.sources, strict=True)] + [[f.name for f in self.fields]],
@@ -396,53 +458,6 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         return f"{_C.xxh64(raw):016x}"
 
     # -- planning (NOTE [mixture plan]) -------------------------------------------------------
-    def _segments_of_weights(self, epoch: int, n: int) -> list[tuple[int, int, np.ndarray]]:
-        """[(lo, hi, weights)]: the positions of epoch ``epoch`` (of ``n``) by the weights in effect."""
-        base, sps = epoch * self.num_records, self.samples_per_step
-        out: list[tuple[int, int, np.ndarray]] = []
-
-        def add(lo: int, hi: int, w: np.ndarray) -> None:
-            lo, hi = max(lo, 0), min(hi, n)
-            if hi <= lo:
-                return
-            if out and out[-1][1] == lo and np.array_equal(out[-1][2], w):
-                out[-1] = (out[-1][0], hi, w)
-            else:
-                out.append((lo, hi, w))
-        if self._schedule_fn is not None:
-            first, last = base // sps, (base + n - 1) // sps
-            if last - first + 1 > _MAX_SCHEDULE_CALLS:
-                raise ValueError(f"a callable schedule is called once per step: {last - first + 1} steps in epoch "
-                                 f"{epoch} is too many; give a larger samples_per_step or a list schedule")
-            for step in range(first, last + 1):
-                w = _check_weights(f"schedule({step})", self._schedule_fn(step), len(self.sources))
-                add(step * sps - base, (step + 1) * sps - base, w)
-            return out
-        starts = [(0, self.weights)] + [(s * sps - base, w) for s, w in self._schedule_list]
-        for i, (lo, w) in enumerate(starts):
-            hi = starts[i + 1][0] if i + 1 < len(starts) else n
-            add(lo if i else -(1 << 62), hi, w)
-        return out
-
-    def _choices(self, seed: int, epoch: int, lo: int, hi: int, segs: list[tuple[int, int, np.ndarray]],
-                 active: np.ndarray) -> np.ndarray:
-        """The source of positions [lo, hi) with the weights of ``segs`` restricted to ``active`` sources."""
-        out = np.empty(hi - lo, dtype=np.int16)
-        for a, b, w in segs:
-            a, b = max(a, lo), min(b, hi)
-            if b <= a:
-                continue
-            wa = w * active
-            if wa.sum() <= 0:
-                left = ", ".join(n for n, on in zip(self.names, active, strict=True) if on)
-                raise ValueError(f"epoch {epoch}, position {a}: every source with records left ({left}) has weight "
-                                 f"0 in the weights in effect ({w.tolist()}), so policy={self.policy!r} cannot go on")
-            thr = _thresholds(wa / wa.sum())
-            for c in range(a, b, _CHUNK):
-                d = min(b, c + _CHUNK)
-                out[c - lo:d - lo] = np.searchsorted(thr, _weyl(seed, epoch, c, d), side="right")
-        return out
-
     def epoch_sources(self, epoch: int, *, shuffle: bool | None = None, seed: int | None = None) -> np.ndarray:
         """The source (int16) of every position of ``epoch``; its length is the epoch's."""
         o = self.order.with_overrides(shuffle=shuffle, seed=seed)
@@ -455,12 +470,12 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             return hit
         seed = o.seed if o.shuffle else 0  # unshuffled: the state does not compare seeds (NOTE [resume state])
         k, cap = len(self.sources), self.num_records
-        segs = self._segments_of_weights(epoch, cap)
+        segs = self._weights.segments(epoch, cap, self.num_records)
         active = np.ones(k, dtype=np.float64)
         if self.policy == "cycle":
-            ch = self._choices(seed, epoch, 0, cap, segs, active)
+            ch = self._weights.choices(seed, epoch, 0, cap, segs, active)
         elif self.policy == "stop":
-            ch = self._choices(seed, epoch, 0, cap, segs, active)
+            ch = self._weights.choices(seed, epoch, 0, cap, segs, active)
             end = cap
             for i in range(k):
                 idx = np.flatnonzero(ch == i)
@@ -472,7 +487,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             left = self.source_records.copy()
             pos = 0
             while pos < cap:
-                part = self._choices(seed, epoch, pos, cap, segs, active)
+                part = self._weights.choices(seed, epoch, pos, cap, segs, active)
                 end = cap
                 for i in np.flatnonzero(active).tolist():
                     idx = np.flatnonzero(part == i)
@@ -590,7 +605,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         sizes: list[int] = []
         schema_of: list[int] = []
         for k, s in enumerate(self.sources):
-            paths += s.shard_paths if s._remote is None else s._remote.shard_files()
+            paths += s.local_files()
             sizes += s.shard_bytes
             schema_of += [k] * len(s.shard_paths)
         # See NOTE [renamed schemas]: each source's shards keep their own names.
@@ -609,16 +624,13 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             fetchers = []
             for k, s in enumerate(self.sources):
                 off = int(self._unit_offset[k])
-                if s._remote is None:  # See NOTE [shard readiness]: a local source's shards are ready now
+                if not s.is_remote:  # See NOTE [shard readiness]: a local source's shards are ready now
                     for i, p in enumerate(s.shard_paths):
                         shards.mark_ready(off + i, p)
                     continue
                 view = _SourceView(hub, k, off, len(s.shard_paths))
                 hub._views.append(view)
-                limit = s._remote.cache.limit
-                budget = None if limit is None else limit // _readers_on_node(readers)
-                fetchers.append(_fetch.ShardFetcher(s._remote, view, jobs=s.fetch_jobs, budget=budget,
-                                                    max_open=_MAX_OPEN))
+                fetchers.append(s.fetcher(view, readers))
             self._fetcher = _Fetchers(fetchers)
             weakref.finalize(self, self._fetcher.close)
         return shards
@@ -639,13 +651,9 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
             for f, k in zip(self._fetcher.all, [k for k, s in enumerate(self.sources) if s.is_remote], strict=True):
                 local = sidx[src == k] - self._unit_offset[k]
                 f.schedule(_fetch.first_touch_order(local))
-        pipeline = _C.BatchPipeline(
-            shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
-            drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
-            ahead=-1 if ahead is None else max(0, min(ahead, prefetch)), early=early,
-            active_threads=0 if active_threads is None else max(1, min(active_threads, num_threads)),
-            ragged=ragged,
-        )
+        pipeline = start_pipeline(shards, pool, (sidx, ridx), batch_size=batch_size, drop_last=drop_last,
+                                  num_threads=num_threads, prefetch=prefetch, ahead=ahead, early=early,
+                                  active_threads=active_threads, ragged=ragged)
         counts = np.bincount(self._unit_source[sidx], minlength=len(self.sources))
         per_source = {n: int(c) for n, c in zip(self.names, counts, strict=True)}
         return MixtureBatches(self, pipeline, num_threads, prefetch, per_source)
@@ -659,4 +667,4 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         return state
 
 
-__all__ = ["POLICIES", "MixtureBatches", "Mixture"]
+__all__ = ["POLICIES", "Mixture", "MixtureBatches", "WeightSchedule"]

@@ -39,16 +39,17 @@ from torch.utils.data import IterableDataset
 
 import pyloader._C as _C
 
-from ..contract import OrderSpec, Plan, check_count, check_stream_args
+from ..contract import Plan, check_choice, check_stream_args
 from ..errors import ConvertError, LoaderTimeoutError, ParquetReadError, PyloaderError
 from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
 from ..format.arrow import VarColumn, arrow_field, arrow_to_column
 from ..format.arrow import pyarrow_module as _pa
 from ..format.spec import Field
 from ..remote import fetch as _fetch
+from ..remote.budget import check_share
 from ..remote.cache import DatasetCache
 from ..remote.fs import RetryPolicy, filesystem, is_remote
-from .units import UnitDataset
+from .units import RemoteOptions, UnitDataset, node_readers
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,14 +232,12 @@ class ParquetDataset(UnitDataset, IterableDataset):
         pa = _pa()
         import pyarrow.parquet as pq
 
-        self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
-                               partition=partition)
-        if nulls not in ("error", "zero"):
-            raise ValueError(f"nulls must be 'error' or 'zero', got {nulls!r}")
-        self.rank, self.world_size, self.nulls = rank, world_size, nulls
-        self.transform = transform
-        self.fetch_jobs = check_count("fetch_jobs", fetch_jobs)
-        self.epoch = 0
+        self._configure(shuffle=shuffle, seed=seed, shuffle_mode=shuffle_mode, window=window, rank=rank,
+                        world_size=world_size, partition=partition, transform=transform)
+        remote_options = RemoteOptions(cache_dir=cache_dir, cache_limit=cache_limit, fetch_jobs=fetch_jobs,
+                                       storage_options=storage_options)
+        self.nulls = check_choice("nulls", nulls, ("error", "zero"))
+        self.fetch_jobs = remote_options.fetch_jobs
         self._cache: DatasetCache | None = None
         self._readiness: _Readiness | None = None
         self._fetcher: Any = None
@@ -252,11 +251,10 @@ class ParquetDataset(UnitDataset, IterableDataset):
         if any(remote):
             if len(urls) != 1:
                 raise ValueError("a remote ParquetDataset takes one URL (a file or a folder)")
-            fs, root, root_url, files = _list_remote(urls[0], storage_options)
+            fs, root, root_url, files = _list_remote(urls[0], remote_options.storage_options)
             if not files:
                 raise ParquetReadError(f"{urls[0]}: holds no Parquet files")
-            self._cache = _fetch.open_remote(root_url, listing=files, flavour=_ParquetFileCache, cache_dir=cache_dir,
-                                             cache_limit=cache_limit, storage_options=storage_options)
+            self._cache = remote_options.open(root_url, listing=files, flavour=_ParquetFileCache)
             self.files = [self._cache.shard_url(i) for i in range(len(files))]
             for i, (rel, size, _) in enumerate(files):
                 if self._cache.is_published(i):
@@ -335,8 +333,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         self._fingerprint_parts = _parquet_fingerprint_parts(self.columns, self.fields, named, footers, metas)
         self._fingerprint = _xxh64_json(self._fingerprint_parts)
         del pa, pq
-        if self._cache is not None:  # the fetcher pins every file the plan reads, until closed
-            _fetch.check_limit(self._cache, self._plan_files(self.plan()[0]))
+        self._check_share(self.plan()[0], 1)
 
     @property
     def fingerprint(self) -> str:
@@ -365,6 +362,18 @@ class ParquetDataset(UnitDataset, IterableDataset):
             raise ParquetReadError(f"{name}: not a readable Parquet file: {e}") from None
 
     # -- reading -------------------------------------------------------------------------
+    def _check_share(self, groups: np.ndarray, readers: int) -> None:
+        """A remote dataset's files that ``groups`` read must fit this reader's share of the cache (NOTE [cache shares]).
+
+        The fetcher pins every file the plan reads until it is closed: all of them are the need.
+        """
+        if self._cache is None or self._cache.cache.limit is None:
+            return
+        files = sorted({int(i) for i in self._plan_files(groups)})
+        need = sum(int(self._cache.shards[i]["bytes"]) for i in files)
+        check_share(self._cache.url, self._cache.cache.limit, need, node_readers(readers),
+                    f"{len(files)} files: it keeps every file its plan reads open", "or None for no limit")
+
     def _ensure_fetcher(self) -> None:
         if self._cache is None or self._fetch_pid == os.getpid():
             return
@@ -429,6 +438,8 @@ class ParquetDataset(UnitDataset, IterableDataset):
         """
         batch_size, num_threads, prefetch = check_stream_args(batch_size, num_threads, prefetch)
         gidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
+        if plan is not None and readers > 1:
+            self._check_share(gidx, readers)
         self._ensure_fetcher()
         if self._fetcher is not None:
             self._fetcher.schedule(_fetch.first_touch_order(self._plan_files(gidx)))

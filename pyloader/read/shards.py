@@ -17,9 +17,8 @@ from torch.utils.dlpack import from_dlpack as _from_dlpack
 
 import pyloader._C as _C
 
-from ..contract import OrderSpec, PipelineDataset, PipelineStream, Plan, check_count, check_stream_args
+from ..contract import PipelineDataset, PipelineStream, Plan, check_stream_args
 from ..errors import (
-    CacheLimitError,
     LoaderStateError,
     LoaderTimeoutError,
     ManifestError,
@@ -38,8 +37,9 @@ from ..format.spec import (
     parse_manifest,
 )
 from ..remote import fetch as _fetch
+from ..remote.budget import MAX_OPEN, check_share, reader_share
 from ..remote.fs import is_remote
-from .units import UnitDataset
+from .units import RemoteOptions, UnitDataset, node_readers
 
 
 def _local_path(url: str | os.PathLike[str]) -> str:
@@ -344,24 +344,21 @@ class BatchIterator:
         return out
 
 
-# Shards a remote reader keeps open (mapped and pinned) at most, beyond its working set.
-_MAX_OPEN = 4096
+def start_pipeline(shards: _C.ShardSet, pool: _C.SlotPool, plan: Plan, *, batch_size: int, drop_last: bool,
+                   num_threads: int, prefetch: int, ahead: int | None, early: bool, active_threads: int | None,
+                   ragged: bool) -> _C.BatchPipeline:
+    """The native pipeline over ``plan`` (the one native batch call of ``ShardDataset`` and ``Mixture``).
 
-
-def _readers_on_node(readers: int = 1) -> int:
-    """Readers sharing this node's cache: ``LOCAL_WORLD_SIZE`` ranks times this rank's readers.
-
-    A rank's readers: torch's worker processes, or ``readers`` (the transform processes of
-    ``executor="processes"`` each read their own share: NOTE [process executor]).
+    The arguments are ``ShardDataset.batches``', checked already (``check_stream_args``).
     """
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    info = torch.utils.data.get_worker_info()
-    if info is not None:
-        return local * info.num_workers
-    return local * readers
+    sidx, ridx = plan
+    return _C.BatchPipeline(
+        shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
+        drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
+        ahead=-1 if ahead is None else max(0, min(ahead, prefetch)), early=early,
+        active_threads=0 if active_threads is None else max(1, min(active_threads, num_threads)),
+        ragged=ragged,
+    )
 
 
 class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
@@ -436,15 +433,16 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
             self.max_value_bytes = parse_size(max_value_bytes, minimum=1)
         except ValueError as e:
             raise ValueError(f"max_value_bytes: {e}") from None
-        self.order = OrderSpec(shuffle=bool(shuffle), seed=seed, shuffle_mode=shuffle_mode, window=window,
-                               partition=partition)
+        self._configure(shuffle=shuffle, seed=seed, shuffle_mode=shuffle_mode, window=window, rank=rank,
+                        world_size=world_size, partition=partition, transform=transform)
+        remote = RemoteOptions(cache_dir=cache_dir, cache_limit=cache_limit, fetch_jobs=fetch_jobs,
+                               storage_options=storage_options)
         self.url = os.fspath(path)
         self._remote: Any = None  # the node cache of a remote dataset (pyloader.remote.cache.DatasetCache)
         self._fetcher: Any = None
-        self.fetch_jobs = check_count("fetch_jobs", fetch_jobs)
+        self.fetch_jobs = remote.fetch_jobs
         if is_remote(self.url):
-            self._remote = _fetch.open_remote(self.url, cache_dir=cache_dir, cache_limit=cache_limit,
-                                              storage_options=storage_options)
+            self._remote = remote.open(self.url)
             mpath, data = self._remote.url + "/" + MANIFEST_NAME, self._remote.manifest_bytes
         else:
             local = _local_path(path)
@@ -468,17 +466,12 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         self.num_records = int(self.manifest["records"])
         if self.num_records == 0:
             raise ManifestError(f"manifest {mpath!r}: the dataset holds no records")
-        self.rank = rank
-        self.world_size = world_size
-        self.partition = partition
-        self.epoch = 0
         self._schema = encode_schema(self.fields)
         for f in self.fields:  # See NOTE [value bounds]: before any batch buffer is sized from the schema
             if not f.variable and f.row_bytes > self.max_value_bytes:
                 raise SchemaError(f"manifest {mpath!r}: field {f.name!r} makes every value {f.row_bytes} bytes, more "
                                   f"than max_value_bytes ({self.max_value_bytes}); pass a larger max_value_bytes if "
                                   "values this large are intended")
-        self.transform = transform
         self.decode = decode  # checked and resolved now (NOTE [decode resolved once])
         self._shards: _C.ShardSet | None = None
         self._shards_pid = -1
@@ -541,12 +534,25 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
                                        max_value_bytes=self.max_value_bytes)
             self._shards_pid = os.getpid()
             if remote is not None:  # See NOTE [shard readiness]: the fetcher fills the pending set
-                limit = remote.cache.limit
-                budget = None if limit is None else limit // _readers_on_node(readers)
-                self._fetcher = _fetch.ShardFetcher(remote, self._shards, jobs=self.fetch_jobs, budget=budget,
-                                                    max_open=_MAX_OPEN)
+                self._fetcher = self.fetcher(self._shards, readers)
                 weakref.finalize(self, self._fetcher.close)
         return self._shards
+
+    @property
+    def cache_limit(self) -> int | None:
+        """The node cache's size limit in bytes for a remote dataset (None: local, or no limit)."""
+        return None if self._remote is None else self._remote.cache.limit
+
+    def fetcher(self, target: Any, readers: int = 1) -> _fetch.ShardFetcher:
+        """A fetcher of this remote dataset's shards into ``target`` (a shard set, or a view of one).
+
+        Held to this reader's share of the cache (NOTE [cache shares]) among ``readers``
+        processes of its rank. ``ValueError`` for a local dataset.
+        """
+        if self._remote is None:
+            raise ValueError(f"{self.url}: a local dataset has no fetcher")
+        budget = reader_share(self.cache_limit, node_readers(readers))
+        return _fetch.ShardFetcher(self._remote, target, jobs=self.fetch_jobs, budget=budget, max_open=MAX_OPEN)
 
     def working_set(self, shard_idx: Any, horizon: int) -> tuple[int, int]:
         """(bytes, shards) a reader of the plan ``shard_idx`` holds at once, at its worst.
@@ -564,24 +570,19 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         """Raises CacheLimitError when this reader's working set exceeds its share of the cache limit."""
         assert self._remote is not None
         need, count = self.working_set(shard_idx, horizon)
-        limit = self._remote.cache.limit
+        limit = self.cache_limit
         if limit is None:
             return need, count
-        readers = _readers_on_node(readers)
-        if need * readers > limit:
-            o = self.order
-            if o.shuffle and o.shuffle_mode == "global":
-                hint = ("with shuffle_mode='global' every shard is read until the end of the epoch, so the cache "
-                        "must hold the whole plan; to stream a dataset larger than the cache use "
-                        "shuffle_mode='window' (a smaller window= needs fewer shards at once)")
-            else:
-                hint = (f"or a smaller window= (now {o.window}), a smaller batch_size or prefetch"
-                        if o.shuffle else "or a smaller batch_size or prefetch")
-            who = f" x {readers} readers on this node (LOCAL_WORLD_SIZE, DataLoader workers)" if readers > 1 else ""
-            raise CacheLimitError(
-                f"{self._remote.url}: the cache limit of {limit} bytes is below what this reader needs at once: "
-                f"{need} bytes ({count} shards: those overlapping its shuffle window plus the batches read ahead)"
-                f"{who}; set cache_limit >= {need * readers}, {hint}")
+        o = self.order
+        if o.shuffle and o.shuffle_mode == "global":
+            hint = ("with shuffle_mode='global' every shard is read until the end of the epoch, so the cache "
+                    "must hold the whole plan; to stream a dataset larger than the cache use "
+                    "shuffle_mode='window' (a smaller window= needs fewer shards at once)")
+        else:
+            hint = (f"or a smaller window= (now {o.window}), a smaller batch_size or prefetch"
+                    if o.shuffle else "or a smaller batch_size or prefetch")
+        check_share(self._remote.url, limit, need, node_readers(readers),
+                    f"{count} shards: those overlapping its shuffle window plus the batches read ahead", hint)
         return need, count
 
     def batches(self, batch_size: int, *, plan: Plan | None = None, drop_last: bool = False, num_threads: int = 2,
@@ -611,15 +612,11 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
             if self._remote.cache.limit is not None:  # (no limit: nothing to check, so no plan scan)
                 need, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size, readers)
                 self._fetcher.working_set_bytes = need
-                self._fetcher.max_open = max(_MAX_OPEN, count + 2 * self.fetch_jobs)
+                self._fetcher.max_open = max(MAX_OPEN, count + 2 * self.fetch_jobs)
             self._fetcher.schedule(_fetch.first_touch_order(sidx))  # fetch ahead, in plan order
-        pipeline = _C.BatchPipeline(
-            shards=shards, pool=pool, shard_idx=sidx, record_idx=ridx, batch_size=batch_size,
-            drop_last=drop_last, num_threads=num_threads, prefetch=prefetch,
-            ahead=-1 if ahead is None else max(0, min(ahead, prefetch)), early=early,
-            active_threads=0 if active_threads is None else max(1, min(active_threads, num_threads)),
-            ragged=ragged,
-        )
+        pipeline = start_pipeline(shards, pool, (sidx, ridx), batch_size=batch_size, drop_last=drop_last,
+                                  num_threads=num_threads, prefetch=prefetch, ahead=ahead, early=early,
+                                  active_threads=active_threads, ragged=ragged)
         return BatchIterator(self, pipeline, num_threads, prefetch)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -631,4 +628,4 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         return state
 
 
-__all__ = ["manifest_fingerprint", "batch_to_torch", "BatchIterator", "ShardDataset"]
+__all__ = ["manifest_fingerprint", "batch_to_torch", "BatchIterator", "ShardDataset", "start_pipeline"]

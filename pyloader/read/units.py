@@ -17,11 +17,64 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from ..contract import Plan, PlannedDataset, check_callable, check_int
+from ..contract import DEFAULTS, OrderSpec, Plan, PlannedDataset, check_callable, check_count, check_int
+from ..format.sizes import parse_size
+from ..remote.budget import readers_on_node
+from ..remote.cache import DatasetCache
+from ..remote.fetch import open_remote
 from . import order as _order
 
 # Records per internal batch when yielding single samples to torch's DataLoader.
 _SAMPLE_MODE_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteOptions:
+    """The node-cache keywords of ``ShardDataset`` and ``ParquetDataset``, checked once (NOTE [one rule per setting]).
+
+    ``cache_dir`` (default ``$PYLOADER_CACHE_DIR``, else the user's cache dir),
+    ``cache_limit`` (bytes, or a size such as ``"20G"``), ``fetch_jobs`` (downloads at once)
+    and ``storage_options`` (for fsspec). Checked for local data too: a bad value fails
+    whichever dataset gets it.
+    """
+
+    cache_dir: str | os.PathLike[str] | None = None
+    cache_limit: int | str | None = None
+    fetch_jobs: int = DEFAULTS["fetch_jobs"]
+    storage_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        if self.cache_dir is not None:
+            try:
+                put(self, "cache_dir", os.fspath(self.cache_dir))
+            except TypeError:
+                raise ValueError(f"cache_dir must be a path or None, got {self.cache_dir!r}") from None
+        if self.cache_limit is not None:
+            try:
+                put(self, "cache_limit", parse_size(self.cache_limit))
+            except ValueError as e:
+                raise ValueError(f"cache_limit: {e}") from None
+        put(self, "fetch_jobs", check_count("fetch_jobs", self.fetch_jobs))
+        if self.storage_options is not None:
+            if not isinstance(self.storage_options, Mapping):
+                raise ValueError(f"storage_options must be a dict or None, got {self.storage_options!r}")
+            put(self, "storage_options", dict(self.storage_options))
+
+    def open(self, url: str, **kwargs: Any) -> DatasetCache:
+        """``url`` bound to the node cache with these options (``pyloader.remote.fetch.open_remote``)."""
+        return open_remote(url, cache_dir=self.cache_dir, cache_limit=self.cache_limit,
+                           storage_options=self.storage_options, **kwargs)
+
+
+def node_readers(readers: int = 1) -> int:
+    """Readers sharing the node cache (NOTE [cache shares]): this rank's reading processes on every local rank.
+
+    A rank's reading processes: torch's DataLoader workers when iterated by one, else
+    ``readers`` (the transform processes of ``executor="processes"``).
+    """
+    info = get_worker_info()
+    return readers_on_node(info.num_workers if info is not None else readers)
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -168,6 +221,20 @@ class UnitDataset(PlannedDataset):
     def transform(self, value: Any) -> None:
         self.__dict__["_transform"] = check_callable("transform", value)
 
+    def _configure(self, *, shuffle: bool, seed: int, rank: int | None, world_size: int | None, partition: str,
+                   transform: Any, shuffle_mode: str = DEFAULTS["shuffle_mode"],
+                   window: int = DEFAULTS["window"]) -> None:
+        """The keywords every dataset takes, checked in this one place (NOTE [one rule per setting]).
+
+        ``decode`` is set by the subclass once its ``fields`` are known (NOTE [decode resolved once]).
+        """
+        self.order = OrderSpec(shuffle=shuffle, seed=seed, shuffle_mode=shuffle_mode, window=window,
+                               partition=partition)
+        self.rank = rank
+        self.world_size = world_size
+        self.transform = transform
+        self.epoch = 0
+
     def global_index(self, units: np.ndarray, records: np.ndarray) -> np.ndarray:
         """The global record indices of plan rows (see ``PlannedDataset``): unit offset + record."""
         offsets = self._unit_offsets
@@ -296,4 +363,4 @@ class UnitDataset(PlannedDataset):
         return out
 
 
-__all__ = ["UnitDataset", "resolve_rank"]
+__all__ = ["RemoteOptions", "UnitDataset", "node_readers", "resolve_rank"]

@@ -2,7 +2,8 @@
 
 ``open_remote`` binds a remote dataset to the node cache: a pyloader dataset by its
 manifest (read and checked), any other (Parquet files) by a listing of its objects.
-``check_limit`` is the cache limit check a reader runs once it knows its plan.
+A reader checks its need against its share of the cache limit once it knows its plan
+(NOTE [cache shares] in ``pyloader.remote.budget``).
 ``ShardFetcher`` runs at most ``jobs`` downloads at once, in the order the plan first
 touches each shard, and tells a pending ``_C.ShardSet`` (NOTE [shard readiness] in
 csrc/core/shard_reader.h) when each shard is in place, or why it failed. Shards already
@@ -33,7 +34,7 @@ import pyloader._C as _C
 
 from ..errors import ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
-from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm
+from .cache import CacheError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm
 from .fs import FetchError, RetryPolicy, download_buffer_bytes
 from .manifest import node_manifest
 
@@ -51,8 +52,8 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
     object under ``url`` -- the cache manifest names each object by its identity instead
     of a checksum of its bytes (``"content_hash": false``; see
     ``DatasetCache.content_problem``). ``flavour`` is the ``DatasetCache`` class, which
-    decides the content check's error and retry. The reader then runs ``check_limit`` on
-    the objects its plan keeps open.
+    decides the content check's error and retry. The reader then checks its plan's need
+    against its share of the cache (``pyloader.remote.budget``).
     """
     policy = RetryPolicy.from_env()
     cache = ShardCache(cache_dir, limit=cache_limit)
@@ -74,24 +75,6 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
         raise
     # Parsed and checked once, by the DatasetCache (a ManifestError names murl).
     return cache.dataset(root, data, storage_options=storage_options, policy=policy, flavour=flavour)
-
-
-def check_limit(dcache: DatasetCache, order: Iterable[int]) -> None:
-    """Raises CacheLimitError if ``dcache``'s cache limit cannot hold the files in ``order`` at once.
-
-    For readers that keep every file they read until closed (``ParquetDataset``); a
-    ``ShardDataset`` streams instead and checks its working set (``working_set``).
-    """
-    limit = dcache.cache.limit
-    if limit is None:
-        return
-    idx = sorted({int(i) for i in order})
-    need = sum(int(dcache.shards[i]["bytes"]) for i in idx)
-    if need > limit:
-        raise CacheLimitError(
-            f"{dcache.url}: the cache limit of {limit} bytes cannot hold the {len(idx)} files ({need} bytes) "
-            f"this reader keeps open at once (it keeps every file its plan reads); set cache_limit >= {need}, "
-            "or None for no limit")
 
 
 def working_set(shard_idx: np.ndarray | Sequence[int], sizes: np.ndarray, horizon: int) -> tuple[int, int]:
@@ -668,4 +651,4 @@ class ShardFetcher:
                 self._cv.notify_all()
 
 
-__all__ = ["open_remote", "check_limit", "working_set", "first_touch_order", "ShardFetcher"]
+__all__ = ["open_remote", "working_set", "first_touch_order", "ShardFetcher"]

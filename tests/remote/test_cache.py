@@ -264,7 +264,7 @@ def test_parquet_dataset_goes_through_the_same_limit_check(tmp_path):
         sizes.append(len(buf.getvalue()))
     try:
         cache = str(tmp_path / "cache")
-        with pytest.raises(CacheLimitError, match="cannot hold the 2 files"):
+        with pytest.raises(CacheLimitError, match="2 files: it keeps every file its plan reads open"):
             pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes) - 1,
                                     rank=0, world_size=1)
         ds = pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes),

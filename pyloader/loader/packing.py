@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..contract import check_int
 from ..errors import LoaderStateError, LoaderTimeoutError
 from ..format.spec import Field
 from .state import ResumeError
@@ -77,23 +78,25 @@ class PackSpec:
     doc_batch: int = 256
 
     def __post_init__(self) -> None:
-        def positive(name: str, v: object) -> None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"PackSpec {name} must be a positive int, got {v!r}")
+        def rule(name: str) -> None:  # See NOTE [one rule per setting]
+            try:
+                object.__setattr__(self, name, check_int(name, getattr(self, name)))
+            except ValueError as e:
+                raise ValueError(f"PackSpec {e}") from None
 
-        positive("seq_len", self.seq_len)
-        positive("doc_batch", self.doc_batch)
+        rule("seq_len")
+        rule("doc_batch")
         if self.mode not in PACK_MODES:
             raise ValueError(f"PackSpec mode must be one of {PACK_MODES}, got {self.mode!r}")
         if self.lookahead is not None:
-            positive("lookahead", self.lookahead)
+            rule("lookahead")
             if self.mode == "greedy" and self.lookahead != 1:
                 raise ValueError("PackSpec lookahead is the first-fit window; mode='greedy' packs in plan order "
                                  "(lookahead 1): use mode='first_fit'")
-        if not isinstance(self.split, bool):
-            raise ValueError(f"PackSpec split must be a bool, got {self.split!r}")
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int):
-            raise ValueError(f"PackSpec pad_id must be an int, got {self.pad_id!r}")
+        if not isinstance(self.split, (bool, np.bool_)):
+            raise ValueError(f"PackSpec split must be True or False, got {self.split!r}")
+        object.__setattr__(self, "split", bool(self.split))
+        rule("pad_id")
         if self.field is not None and not isinstance(self.field, str):
             raise ValueError(f"PackSpec field must be a field name, got {self.field!r}")
 

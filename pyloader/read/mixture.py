@@ -54,7 +54,7 @@ from torch.utils.data import IterableDataset
 
 import pyloader._C as _C
 
-from ..contract import OrderSpec, PipelineDataset, Plan, check_stream_args
+from ..contract import OrderSpec, PipelineDataset, Plan, check_count, check_stream_args
 from ..errors import SchemaError
 from ..format.spec import Field, encode_schema
 from ..remote import fetch as _fetch
@@ -237,7 +237,7 @@ class WeightSchedule:
                     raise ValueError(f"schedule steps must increase, got {step} after {prev}")
                 prev = step
                 self.steps.append((step, _check_weights(f"schedule entry {i} weights", item[1], k)))
-        self.samples_per_step = _order._int_arg("samples_per_step", samples_per_step, 1, 1 << 62)
+        self.samples_per_step = check_count("samples_per_step", samples_per_step)
 
     def describe(self) -> Any:
         """The schedule as the fingerprint names it (a callable by its qualified name)."""
@@ -359,7 +359,7 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
         self.schedule = schedule
         if samples_per_epoch is None:
             samples_per_epoch = total
-        samples_per_epoch = _order._int_arg("samples_per_epoch", samples_per_epoch, 1, 1 << 62)
+        samples_per_epoch = check_count("samples_per_epoch", samples_per_epoch)
         if policy == "renormalise" and samples_per_epoch != total:
             raise ValueError(f"policy='renormalise' reads every record once: samples_per_epoch is the sources' "
                              f"{total} records, got {samples_per_epoch}")

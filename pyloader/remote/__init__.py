@@ -3,7 +3,11 @@
 | file | what it is for |
 |---|---|
 | ``fs.py`` | fsspec access: filesystems with timeouts, retries, per-host throttling (``HostLimiter``), whole-object reads, cancellable downloads into a file |
-| ``cache.py`` | the node cache: publish, pins, LRU eviction, limits (NOTE [cache publish], NOTE [cache pins]) |
+| ``locks.py`` | lock files: ``open_lockfile`` / ``close_lockfile`` (closed in a forked child: NOTE [lock files across fork]), flock with a timeout (``Flock``), OFD byte locks, the node-wide ``SpaceLock`` |
+| ``pins.py`` | pins: one byte of a dataset's ``pins.lock`` per shard a process may have mapped (``DatasetPins``; NOTE [cache pins]) |
+| ``temps.py`` | temp files of downloads: their names and owners, which writers are gone, reclaiming them, removal at SIGTERM (NOTE [temps at SIGTERM]) |
+| ``cache.py`` | the node cache: paths (NOTE [cache paths]), publish (NOTE [cache publish]), limits and LRU eviction |
+| ``bad_copies.py`` | cached copies that fail their check: ``verify_entry``, ``remove_entry``, ``discard`` |
 | ``manifest.py`` | ``node_manifest``: a manifest fetched once per node, not per rank (NOTE [manifest once per node]) |
 | ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``working_set`` / ``check_limit``, ``ShardFetcher`` (prefetch in plan order within a byte budget, releases, self-healing: NOTE [streaming]) |
 | ``cli.py`` | the ``pyloader cache`` command: warm, ls, stats, verify, evict, clear |

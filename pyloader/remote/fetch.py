@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 
 from .. import _C
-from ..errors import ManifestNotFoundError
+from ..errors import CacheError, CacheLimitError, ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
-from .cache import CacheError, CacheLimitError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm
+from .bad_copies import discard
+from .cache import DatasetCache, ShardCache, normalize_url
 from .fs import FetchError, RetryPolicy, download_buffer_bytes
 from .manifest import node_manifest
+from .temps import remove_temps_at_sigterm
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
 _log = logging.getLogger("pyloader.remote")
@@ -541,7 +543,7 @@ class ShardFetcher:
         try:
             if self.shards is not None:
                 if heal is not None:  # NOTE [self-healing]: drop the bad copy, then fetch it again
-                    self.dcache.discard(i, reason=heal)
+                    discard(self.dcache, i, reason=heal)
                     self.heals += 1
                 path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes)
             else:

@@ -19,7 +19,9 @@ from remote_servers import Fault, FaultServer
 from remote_util import N_RECORDS, labels, published, temp_files, write_ds
 
 import pyloader
-from pyloader.remote.cache import CacheLimitError, ShardCache
+from pyloader.errors import CacheLimitError
+from pyloader.remote.bad_copies import verify_entry
+from pyloader.remote.cache import ShardCache
 from pyloader.remote.fetch import ShardFetcher, open_remote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,7 +71,7 @@ def test_kill_9_of_a_downloader_mid_shard_blocks_nobody(server, cache_dir):
     assert temp_files(cache_dir) == []  # and the next lock holder removed the partial file
     assert server.count(shard0) == 2
     d = ShardCache(cache_dir).find(server.url + "/ds")
-    assert all(d.verify_entry(e) is None for e in d.entries())
+    assert all(verify_entry(d, e) is None for e in d.entries())
 
 
 @pytest.mark.timeout(60)
@@ -157,7 +159,7 @@ def test_full_disk_tmpfs(server, tmp_path, monkeypatch):
         assert temp_files(mnt) == []
         d = ShardCache(mnt).find(server.url + "/ds")
         ents = d.entries()
-        assert 0 < len(ents) < 16 and all(d.verify_entry(e) is None for e in ents)
+        assert 0 < len(ents) < 16 and all(verify_entry(d, e) is None for e in ents)
 
 
 @pytest.mark.timeout(60)
@@ -215,7 +217,7 @@ except pyloader.ShardIOError as e:
     assert "no space" in r.stdout and "shard-0000" in r.stdout and "File too large" in r.stdout
     assert temp_files(cache_dir) == []
     d = ShardCache(cache_dir).find(server.url + "/ds")
-    assert all(e.bytes <= 5000 and d.verify_entry(e) is None for e in d.entries())
+    assert all(e.bytes <= 5000 and verify_entry(d, e) is None for e in d.entries())
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,8 @@
 | ``bad_copies.py`` | cached copies that fail their check: ``verify_entry``, ``remove_entry``, ``discard`` |
 | ``manifest.py`` | ``node_manifest``: a manifest fetched once per node, not per rank (NOTE [manifest once per node]) |
 | ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``working_set`` / ``check_limit``, ``ShardFetcher`` (prefetch in plan order within a byte budget, releases, self-healing: NOTE [streaming]) |
+| ``room.py`` | room for a fetcher's shards: ``HeldShards`` (what it pins, against its budget) and ``RoomWaits`` (shards waiting out a full cache, and the warning while they do) |
+| ``download_threads.py`` | ``DownloadThreads``: a fetcher's up to ``jobs`` download threads |
 | ``cli.py`` | the ``pyloader cache`` command: warm, ls, stats, verify, evict, clear |
 
 Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli.py``, a command, also the planner).

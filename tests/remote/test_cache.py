@@ -22,7 +22,8 @@ import pyloader
 from pyloader.errors import CacheLimitError
 from pyloader.remote.bad_copies import verify_entry
 from pyloader.remote.cache import ShardCache
-from pyloader.remote.fetch import ShardFetcher, open_remote
+from pyloader.remote.fetch import open_remote
+from pyloader.remote.room import RoomWaits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -167,8 +168,8 @@ def test_a_wait_for_room_in_a_full_cache_says_so(server, tmp_path, monkeypatch, 
     """A full cache is waited out until the fetch deadline (others may release): the wait is
     reported on the "pyloader.remote" logger (at 5 s and every 30 s by default; shortened here)."""
     monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "2")
-    monkeypatch.setattr(ShardFetcher, "room_report_first_s", 0.3)
-    monkeypatch.setattr(ShardFetcher, "room_report_every_s", 0.6)
+    monkeypatch.setattr(RoomWaits, "first_report_s", 0.3)
+    monkeypatch.setattr(RoomWaits, "report_every_s", 0.6)
     with _small_tmpfs(tmp_path / "small", "size=40k", "none"):
         ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=str(tmp_path / "small"), fetch_jobs=1)
         with caplog.at_level(logging.WARNING, logger="pyloader.remote"):

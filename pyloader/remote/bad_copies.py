@@ -4,10 +4,10 @@ A reader that meets a corrupt cached shard (a checksum that does not match on re
 ``discard``s that copy and fetches it again (See NOTE [self-healing] in
 csrc/core/shard_reader.h); ``pyloader cache verify`` checks every copy (``verify_entry``)
 and removes the bad ones (``remove_entry``). The check itself is the dataset's
-``DatasetCache.content_problem``, the one behind publishing a download (See NOTE [cache
-publish] in pyloader/remote/cache.py). A bad copy is removed even while pinned: a
-process that has it mapped keeps its inode (See NOTE [cache pins] in
-pyloader/remote/pins.py).
+``DatasetCache.content_problem``, the one behind publishing a download
+(See NOTE [cache publish] in pyloader/remote/cache.py). A bad copy is removed even while
+pinned: a process that has it mapped keeps its inode
+(See NOTE [cache pins] in pyloader/remote/pins.py).
 """
 
 from __future__ import annotations

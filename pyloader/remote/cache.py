@@ -60,15 +60,14 @@ on an old kernel) is treated as one whose locks do nothing.
 
 A published file may still vanish between a reader's check and its open: evicted where
 pins do not work (NOTE [cache pins] in pyloader/remote/pins.py), or removed by ``discard``
-(pyloader/remote/bad_copies.py) because it failed a check. A reader
-that finds it gone calls ``ensure`` again, which downloads it again.
+(pyloader/remote/bad_copies.py) because it failed a check. A reader that finds it gone
+calls ``ensure`` again, which downloads it again.
 
-The pieces this module builds on: lock files and the space lock (``locks.py``, NOTE [lock
-files across fork]), pins (``pins.py``, NOTE [cache pins]), temp files and their owners
-(``temps.py``, NOTE [temps at SIGTERM]); bad copies are checked and removed by
-``bad_copies.py``.
+The pieces this module builds on: lock files and the space lock (``locks.py``,
+NOTE [lock files across fork]), pins (``pins.py``, NOTE [cache pins]), temp files and
+their owners (``temps.py``, NOTE [temps at SIGTERM]); bad copies are checked and removed
+by ``bad_copies.py``.
 """
-
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 A thread starts for each queued shard up to ``jobs`` (``spawn_locked``) and runs shards
 until nothing is queued, the fetcher stops, or ``jobs`` was lowered below the threads
 running (then it leaves after its current download: none is cut short). Threads are
-daemons; the fetcher cancels them before the process exits (See NOTE [downloads at
-exit] in pyloader/remote/fetch.py).
+daemons; the fetcher cancels them before the process exits
+(See NOTE [downloads at exit] in pyloader/remote/fetch.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A download writes into ``<dataset>/tmp/<name>.<owner>.<pid>.<random>.part``, a name only
 its writer uses, and publishes it by rename (See NOTE [cache publish] in
-pyloader/remote/cache.py, which also says when a temp's writer is gone; See NOTE [file
-owners] in pyloader/format/owner.py). This module names temps, tells whose writer is
+pyloader/remote/cache.py, which also says when a temp's writer is gone;
+See NOTE [file owners] in pyloader/format/owner.py). This module names temps, tells whose writer is
 gone (``temp_is_stale``), removes those (``reclaim_temps``, ``clean_stale``), and removes
 this process's own at SIGTERM (NOTE [temps at SIGTERM]).
 """

@@ -80,13 +80,13 @@ class IntRule:
     kind: str = ""  # the rule in words where "a positive int" would say less (e.g. "a positive number of bytes")
 
     def describe(self) -> str:
-        """``"a positive int <= 4096 or None"``: the rule in words, as messages give it."""
+        """``"a positive int or None"``: the rule in words, as messages give it (the upper bound apart)."""
         kind = self.kind or {0: "a non-negative int", 1: "a positive int"}.get(self.lo, f"an int >= {self.lo}")
-        if self.hi == 2**64 - 1:
-            kind += " below 2**64"
-        elif self.hi != _I64:
-            kind += f" <= {self.hi}"
         return kind + (" or None" if self.optional else "")
+
+    def top(self) -> str:
+        """The upper bound in words."""
+        return "2**64 - 1" if self.hi == 2**64 - 1 else str(self.hi)
 
 
 INT_SETTINGS: dict[str, IntRule] = {
@@ -129,11 +129,12 @@ def check_int(name: str, value: object) -> int | None:
     rule = INT_SETTINGS[name]
     if value is None and rule.optional:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or not (
-            rule.lo <= int(value) <= rule.hi):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or int(value) < rule.lo:
         if rule.message:
             raise ValueError(rule.message.format(value=value))
         raise ValueError(f"{name} must be {rule.describe()}, got {value!r}")
+    if int(value) > rule.hi:
+        raise ValueError(f"{name} must be at most {rule.top()}, got {value!r}")
     return int(value)
 
 

@@ -3,14 +3,21 @@
 | file | what it is for |
 |---|---|
 | ``fs.py`` | fsspec access: filesystems with timeouts, retries, per-host throttling (``HostLimiter``), whole-object reads, cancellable downloads into a file |
-| ``cache.py`` | the node cache: publish, pins, LRU eviction, limits (NOTE [cache publish], NOTE [cache pins]) |
+| ``locks.py`` | lock files: ``open_lockfile`` / ``close_lockfile`` (closed in a forked child: NOTE [lock files across fork]), flock with a timeout (``Flock``), OFD byte locks, the node-wide ``SpaceLock`` |
+| ``pins.py`` | pins: one byte of a dataset's ``pins.lock`` per shard a process may have mapped (``DatasetPins``; NOTE [cache pins]) |
+| ``temps.py`` | temp files of downloads: their names and owners, which writers are gone, reclaiming them, removal at SIGTERM (NOTE [temps at SIGTERM]) |
+| ``cache.py`` | the node cache: paths (NOTE [cache paths]), publish (NOTE [cache publish]), limits and LRU eviction |
+| ``bad_copies.py`` | cached copies that fail their check: ``verify_entry``, ``remove_entry``, ``discard`` |
 | ``manifest.py`` | ``node_manifest``: a manifest fetched once per node, not per rank (NOTE [manifest once per node]) |
 | ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``working_set``, ``ShardFetcher`` (prefetch in plan order within a byte budget, releases, self-healing: NOTE [streaming]) |
 | ``budget.py`` | the cache-budget policy every remote reader follows: its share of the node cache, the check of its need (NOTE [cache shares]) |
+| ``room.py`` | room for a fetcher's shards: ``HeldShards`` (what it pins, against its budget) and ``RoomWaits`` (shards waiting out a full cache, and the warning while they do) |
+| ``download_threads.py`` | ``DownloadThreads``: a fetcher's up to ``jobs`` download threads |
 | ``cli.py`` | the ``pyloader cache`` command: warm, ls, stats, verify, evict, clear |
 
 Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli.py``, a command, also the planner).
 """
 
 
-__all__ = ["budget", "cache", "cli", "fetch", "fs", "manifest"]  # its modules (pdoc documents the modules named here)
+__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "locks", "manifest", "pins", "room",
+           "temps"]  # its modules (pdoc documents the modules named here)

@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ManifestError, PyloaderError
+from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
 from ..format.sizes import parse_size
 from ..read import order as _plan
-from .cache import CacheError, CacheLimitError, ShardCache, dataset_key
+from .bad_copies import remove_entry, verify_entry
+from .cache import ShardCache, dataset_key
 from .fetch import ShardFetcher, first_touch_order, open_remote
 from .fs import FetchError, RemoteChangedError, RetryPolicy, is_remote
 
@@ -350,10 +351,10 @@ def _verify(args: argparse.Namespace) -> int:
         if args.url is not None and d.key != dataset_key(args.url):
             continue
         for e in d.entries():
-            problem = d.verify_entry(e)
+            problem = verify_entry(d, e)
             checked += 1
             if problem is not None:
-                d.remove_entry(e)
+                remove_entry(d, e)
                 bad.append({"url": d.url, "file": e.path, "problem": problem})
     text = f"verified {checked} cached shards: {len(bad)} bad (removed); {stale} stale temp files removed"
     for b in bad:

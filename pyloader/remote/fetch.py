@@ -9,6 +9,9 @@ touches each shard, and tells a pending ``_C.ShardSet`` (NOTE [shard readiness] 
 csrc/core/shard_reader.h) when each shard is in place, or why it failed. Shards already
 in the cache are marked ready at once, on the scheduling thread, so a warm epoch never
 waits on the fetcher. Native workers never call into Python: they wait on the ShardSet.
+A fetcher's download threads are ``DownloadThreads`` (``download_threads.py``); what it pins
+against its budget and its waits for room in a full cache are ``HeldShards`` and
+``RoomWaits`` (``room.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import atexit
 import collections
 import errno
 import heapq
-import logging
 import multiprocessing
 import multiprocessing.util
 import os
@@ -32,14 +34,19 @@ import numpy as np
 
 import pyloader._C as _C
 
-from ..errors import ManifestNotFoundError
+from ..errors import CacheError, ManifestNotFoundError
 from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump_manifest
-from .cache import CacheError, DatasetCache, ShardCache, normalize_url, remove_temps_at_sigterm
+from .bad_copies import discard
+from .cache import DatasetCache, ShardCache, normalize_url
+from .download_threads import DownloadThreads
 from .fs import FetchError, RetryPolicy, download_buffer_bytes
 from .manifest import node_manifest
+from .room import HeldShards, RoomWaits
+from .temps import remove_temps_at_sigterm
+
+__all__ = ["ShardFetcher", "first_touch_order", "open_remote", "working_set"]
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
-_log = logging.getLogger("pyloader.remote")
 
 
 def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str | None = None,
@@ -165,6 +172,25 @@ def _fds_per_job() -> int:
     return 4
 
 
+def _failure_message(dcache: DatasetCache, i: int, e: BaseException, jobs: int, heal: str | None) -> str:
+    """What the readers waiting on shard ``i`` are told when its fetch failed with ``e``.
+
+    ``jobs``: the fetcher's download threads; ``heal``: why its cached copy was being
+    fetched again, if it was (NOTE [self-healing]).
+    """
+    msg = str(e)
+    url = dcache.shard_url(i)
+    if url not in msg:
+        msg = f"{url}: shard {dcache.shards[i]['path']!r}: {msg}"
+    if isinstance(e, OSError) and e.errno == errno.EMFILE:
+        msg += (f" (this process reached its open-file limit, `ulimit -n` = {_nofile_limit()}; a reader "
+                f"needs about {_fds_per_job() * jobs} for its {jobs} fetch jobs, plus what "
+                "the rest of the program keeps open)")
+    if heal is not None:
+        msg = f"{msg} (fetching it again after its cached copy failed: {heal})"
+    return msg
+
+
 # Shards a schedule() call pins on the calling thread when already cached (the rest go
 # through the download threads, so scheduling a 100k-shard plan returns at once).
 _SYNC_READY = 256
@@ -200,7 +226,6 @@ class ShardFetcher:
             raise ValueError("jobs must be a positive int")
         self.dcache = dcache
         self.shards = shards
-        self.jobs = jobs
         self.on_done = on_done
         self.budget = budget
         self.max_open = max_open
@@ -215,21 +240,18 @@ class ShardFetcher:
         self._min_rank = 0
         self._nqueued = 0
         self._cv = threading.Condition()
-        self._threads = 0
         self._stop = threading.Event()
+        self._threads = DownloadThreads(self._cv, self._stop, jobs, self._next_job_locked, lambda: self._nqueued,
+                                        self._run_one)
         self.downloaded = 0  # shards this fetcher downloaded (not found in the cache)
         self.bytes = 0  # bytes received so far
         # NOTE [streaming] bookkeeping, under _cv.
-        self._held: dict[int, int] = {}  # shard -> bytes pinned by this fetcher (running, ready or idle)
-        self._held_bytes = 0
-        self.peak_held_bytes = 0
+        self._held = HeldShards(self._sizes)  # the shards this fetcher pins (running, ready or idle)
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # released, LRU first
         self._urgent: set[int] = set()  # shards native workers wait on
         self._progress: dict[int, int] = {}  # bytes received by each running download
         self._heal: dict[int, str] = {}  # shard -> why its cached copy is fetched again
-        self._room_since: dict[int, float] = {}  # shard -> when it first found the cache full
-        self._room_reported_at: float | None = None
-        self.room_reports = 0  # waits for room reported
+        self._room = RoomWaits()  # shards waiting for room in a full cache
         self.working_set_bytes = 0  # what the latest scheduled plan needs at once (set by its reader)
         self.heals = 0  # cached copies discarded and fetched again
         self.unloads = 0  # released shards unmapped and unpinned to make room
@@ -242,6 +264,11 @@ class ShardFetcher:
         if multiprocessing.parent_process() is not None:
             multiprocessing.util.Finalize(None, _close_at_exit, args=(ref,), exitpriority=100)
             remove_temps_at_sigterm()
+
+    @property
+    def jobs(self) -> int:
+        """Downloads run at once at most (``set_jobs`` changes it)."""
+        return self._threads.jobs
 
     @property
     def streaming(self) -> bool:
@@ -282,7 +309,7 @@ class ShardFetcher:
             for i in order:
                 if self._state[i] in (_IDLE, _QUEUED):
                     self._enqueue_locked(i)
-            self._spawn_locked()
+            self._threads.spawn_locked()
             if self.streaming and self._pilot is None:
                 self._pilot = threading.Thread(target=self._pilot_loop, name="pyloader-fetch-pilot", daemon=True)
                 self._pilot.start()
@@ -296,8 +323,8 @@ class ShardFetcher:
         if not isinstance(jobs, int) or jobs < 1:
             raise ValueError("jobs must be a positive int")
         with self._cv:
-            self.jobs = jobs
-            self._spawn_locked()
+            self._threads.jobs = jobs
+            self._threads.spawn_locked()
             self._cv.notify_all()
 
     @property
@@ -314,7 +341,7 @@ class ShardFetcher:
         """Blocks until nothing is queued or running. True if done."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._nqueued or self._threads:
+            while self._nqueued or self._threads.count:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -358,9 +385,9 @@ class ShardFetcher:
     def stats(self) -> dict[str, Any]:
         """What this fetcher holds and did: pinned bytes now and at peak, heals, unloads."""
         with self._cv:
-            return {"held_shards": len(self._held), "held_bytes": self._held_bytes,
+            return {"held_shards": len(self._held), "held_bytes": self._held.bytes,
                     "working_set_bytes": self.working_set_bytes,
-                    "peak_held_bytes": self.peak_held_bytes, "budget_bytes": self.budget,
+                    "peak_held_bytes": self._held.peak_bytes, "budget_bytes": self.budget,
                     "downloaded": self.downloaded, "bytes_fetched": self.bytes,
                     "healed_shards": self.heals, "unloaded_shards": self.unloads}
 
@@ -382,11 +409,7 @@ class ShardFetcher:
 
     # -- NOTE [streaming] ----------------------------------------------------------------
     def _fits_locked(self, i: int) -> bool:
-        if i in self._held:
-            return True
-        if self.max_open is not None and len(self._held) >= self.max_open:
-            return False
-        return self.budget is None or self._held_bytes + self._sizes[i] <= self.budget
+        return self._held.fits(i, self.budget, self.max_open)
 
     def _make_room_locked(self, i: int) -> bool:
         """Unloads shards until shard ``i`` fits; True if it does.
@@ -406,7 +429,7 @@ class ShardFetcher:
             if not self.shards.unload(j, True):
                 continue  # a worker reads it now
             self.dcache.unpin(j)
-            self._drop_held_locked(j)
+            self._held.drop(j)
             self._state[j] = _IDLE
             self._idle.pop(j, None)
             self._enqueue_locked(j)
@@ -421,14 +444,9 @@ class ShardFetcher:
             if not self.shards.unload(j):
                 continue  # a batch needs it again: no longer idle
             self.dcache.unpin(j)
-            self._drop_held_locked(j)
+            self._held.drop(j)
             self._state[j] = _IDLE
             self.unloads += 1
-
-    def _drop_held_locked(self, i: int) -> None:
-        size = self._held.pop(i, None)
-        if size is not None:
-            self._held_bytes -= size
 
     def _take_locked(self, i: int) -> int | None:
         """Marks shard ``i`` running and counts it held, if it fits (or is waited on); else None."""
@@ -436,9 +454,7 @@ class ShardFetcher:
             if not self._fits_locked(i) and not (self.streaming and self._make_room_locked(i)):
                 if i not in self._urgent:
                     return None
-            self._held[i] = self._sizes[i]
-            self._held_bytes += self._sizes[i]
-            self.peak_held_bytes = max(self.peak_held_bytes, self._held_bytes)
+            self._held.add(i)
         self._state[i] = _RUNNING
         return i
 
@@ -475,12 +491,6 @@ class ShardFetcher:
         self._nqueued -= 1  # its heap entry is stale now
         return i
 
-    def _spawn_locked(self) -> None:
-        want = min(self.jobs, self._nqueued) - self._threads
-        for _ in range(max(0, want)):
-            self._threads += 1
-            threading.Thread(target=self._worker, name="pyloader-fetch", daemon=True).start()
-
     def _pilot_loop(self) -> None:
         shards = self.shards
         while not self._stop.is_set():
@@ -507,7 +517,7 @@ class ShardFetcher:
                         front.append(i)
                 for i in reversed(front):
                     self._enqueue_first_locked(i)
-                self._spawn_locked()
+                self._threads.spawn_locked()
                 self._cv.notify_all()
 
     # -- work --------------------------------------------------------------------------
@@ -525,7 +535,7 @@ class ShardFetcher:
         try:
             if self.shards is not None:
                 if heal is not None:  # See NOTE [self-healing]: drop the bad copy, then fetch it again
-                    self.dcache.discard(i, reason=heal)
+                    discard(self.dcache, i, reason=heal)
                     self.heals += 1
                 path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes)
             else:
@@ -534,9 +544,7 @@ class ShardFetcher:
                 self.downloaded += 1
             with self._cv:
                 self._state[i] = _DONE
-                self._room_since.pop(i, None)
-                if not self._room_since:
-                    self._room_reported_at = None
+            self._room.done(i)
             if self.shards is not None:
                 self.shards.mark_ready(i, path)
                 if self._stop.is_set():
@@ -547,21 +555,11 @@ class ShardFetcher:
             err = e
             with self._cv:
                 self._state[i] = _FAILED
-                self._drop_held_locked(i)
+                self._held.drop(i)
             self._errors[i] = e
             if self.shards is not None:
-                msg = str(e)
-                url = self.dcache.shard_url(i)
-                if url not in msg:
-                    msg = f"{url}: shard {self.dcache.shards[i]['path']!r}: {msg}"
-                if isinstance(e, OSError) and e.errno == errno.EMFILE:
-                    msg += (f" (this process reached its open-file limit, `ulimit -n` = {_nofile_limit()}; a reader "
-                            f"needs about {_fds_per_job() * self.jobs} for its {self.jobs} fetch jobs, plus what "
-                            "the rest of the program keeps open)")
-                if heal is not None:
-                    msg = f"{msg} (fetching it again after its cached copy failed: {heal})"
                 err_no = e.errno if isinstance(e, OSError) and isinstance(e.errno, int) else 0
-                self.shards.mark_failed(i, msg, errno=err_no)
+                self.shards.mark_failed(i, _failure_message(self.dcache, i, e, self.jobs, heal), errno=err_no)
             if not isinstance(e, Exception):
                 raise
         finally:
@@ -578,77 +576,25 @@ class ShardFetcher:
             self._unload_idle_locked(lambda: False)
             return self.unloads - before
 
-    # A wait for room in a full cache is reported on the "pyloader.remote" logger once it is
-    # this old, then at least this often while it lasts.
-    room_report_first_s = 5.0
-    room_report_every_s = 30.0
-
     def _room_wait(self, i: int, e: BaseException) -> bool:
         """A full cache is waited out for a while (other readers release): requeues ``i``; True if so.
 
         Released shards held by this process's other fetchers are dropped first. A wait
-        that lasts is reported (``room_report_first_s``, then every ``room_report_every_s``).
+        that lasts is reported, and one past the fetch deadline fails (``RoomWaits``).
         """
         if not (isinstance(e, CacheError) and e.errno == errno.ENOSPC) or self._stop.is_set():
             return False
-        now = time.monotonic()
-        with self._cv:
-            since = self._room_since.setdefault(i, now)
-            waited = now - min(self._room_since.values())
-            due = waited >= self.room_report_first_s and (
-                self._room_reported_at is None or now - self._room_reported_at >= self.room_report_every_s)
-            if due:
-                self._room_reported_at = now
-        deadline = self.dcache.policy.deadline
-        if due:
-            self.room_reports += 1
-            _log.warning("pyloader: the cache %s is full: %d shard(s) of %s have waited %.1f s for room, for "
-                         "other readers to release theirs; each fails once it has waited %g s "
-                         "(PYLOADER_FETCH_DEADLINE). Last: %s. Free disk space, or set a cache_limit this "
-                         "disk can hold", self.dcache.cache.base, len(self._room_since), self.dcache.url, waited,
-                         deadline, e)
-        if now - since > deadline:
-            with self._cv:
-                self._room_since.pop(i, None)
-                if not self._room_since:
-                    self._room_reported_at = None
+        if not self._room.wait(i, e, deadline=self.dcache.policy.deadline, cache_dir=self.dcache.cache.base,
+                               url=self.dcache.url):
             return False
         shed = self.shed_idle()
         for other in list(_FETCHERS):
             if other is not self and other.dcache.cache.root == self.dcache.cache.root:
                 shed += other.shed_idle()
         with self._cv:
-            self._drop_held_locked(i)
+            self._held.drop(i)
             self._state[i] = _IDLE
             self._enqueue_locked(i)
         if not shed:
             self._stop.wait(0.2)
         return True
-
-    def _worker(self) -> None:
-        retired = False
-        try:
-            while True:
-                with self._cv:
-                    while True:
-                        if self._stop.is_set() or not self._nqueued:
-                            return
-                        if self._threads > self.jobs:  # set_jobs lowered the count: this one leaves
-                            self._threads -= 1
-                            retired = True
-                            return
-                        i = self._next_job_locked()
-                        if i is not None:
-                            break
-                        self._cv.wait(0.1)  # over budget: wait for a release
-                self._run_one(i)
-                with self._cv:
-                    self._cv.notify_all()
-        finally:
-            with self._cv:
-                if not retired:
-                    self._threads -= 1
-                self._cv.notify_all()
-
-
-__all__ = ["open_remote", "working_set", "first_touch_order", "ShardFetcher"]

@@ -40,8 +40,9 @@ import pyloader._C as _C
 from ..errors import ManifestError
 from ..format.encode import atomic_write
 from ..format.spec import MANIFEST_NAME, parse_manifest
-from .cache import close_lockfile, dataset_key, normalize_url, open_lockfile
+from .cache import dataset_key, normalize_url
 from .fs import RetryPolicy, read_object
+from .locks import close_lockfile, open_lockfile
 
 TTL_ENV = "PYLOADER_MANIFEST_TTL"
 DEFAULT_TTL_S = 60.0

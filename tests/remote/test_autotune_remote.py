@@ -113,14 +113,14 @@ def test_the_fetcher_follows_a_lowered_and_a_raised_job_count(tmp_path, cache_di
         f = ShardFetcher(dcache, None, jobs=8)
         f.schedule(range(len(dcache.shards)))
         time.sleep(0.2)
-        assert f._threads == 8
+        assert f._threads.count == 8
         f.set_jobs(2)
         deadline = time.monotonic() + 5
-        while f._threads > 2 and time.monotonic() < deadline:
+        while f._threads.count > 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert f._threads == 2  # running downloads finished, then their threads left
+        assert f._threads.count == 2  # running downloads finished, then their threads left
         f.set_jobs(5)
-        assert f._threads == 5
+        assert f._threads.count == 5
         assert f.wait(60)
         f.close()
     assert f.errors == {} and all(dcache.is_published(i) for i in range(len(dcache.shards)))

@@ -19,8 +19,11 @@ from remote_servers import Fault, FaultServer
 from remote_util import N_RECORDS, labels, published, temp_files, write_ds
 
 import pyloader
-from pyloader.remote.cache import CacheLimitError, ShardCache
-from pyloader.remote.fetch import ShardFetcher, open_remote
+from pyloader.errors import CacheLimitError
+from pyloader.remote.bad_copies import verify_entry
+from pyloader.remote.cache import ShardCache
+from pyloader.remote.fetch import open_remote
+from pyloader.remote.room import RoomWaits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -69,7 +72,7 @@ def test_kill_9_of_a_downloader_mid_shard_blocks_nobody(server, cache_dir):
     assert temp_files(cache_dir) == []  # and the next lock holder removed the partial file
     assert server.count(shard0) == 2
     d = ShardCache(cache_dir).find(server.url + "/ds")
-    assert all(d.verify_entry(e) is None for e in d.entries())
+    assert all(verify_entry(d, e) is None for e in d.entries())
 
 
 @pytest.mark.timeout(60)
@@ -157,7 +160,7 @@ def test_full_disk_tmpfs(server, tmp_path, monkeypatch):
         assert temp_files(mnt) == []
         d = ShardCache(mnt).find(server.url + "/ds")
         ents = d.entries()
-        assert 0 < len(ents) < 16 and all(d.verify_entry(e) is None for e in ents)
+        assert 0 < len(ents) < 16 and all(verify_entry(d, e) is None for e in ents)
 
 
 @pytest.mark.timeout(60)
@@ -165,8 +168,8 @@ def test_a_wait_for_room_in_a_full_cache_says_so(server, tmp_path, monkeypatch, 
     """A full cache is waited out until the fetch deadline (others may release): the wait is
     reported on the "pyloader.remote" logger (at 5 s and every 30 s by default; shortened here)."""
     monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "2")
-    monkeypatch.setattr(ShardFetcher, "room_report_first_s", 0.3)
-    monkeypatch.setattr(ShardFetcher, "room_report_every_s", 0.6)
+    monkeypatch.setattr(RoomWaits, "first_report_s", 0.3)
+    monkeypatch.setattr(RoomWaits, "report_every_s", 0.6)
     with _small_tmpfs(tmp_path / "small", "size=40k", "none"):
         ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=str(tmp_path / "small"), fetch_jobs=1)
         with caplog.at_level(logging.WARNING, logger="pyloader.remote"):
@@ -215,7 +218,7 @@ except pyloader.ShardIOError as e:
     assert "no space" in r.stdout and "shard-0000" in r.stdout and "File too large" in r.stdout
     assert temp_files(cache_dir) == []
     d = ShardCache(cache_dir).find(server.url + "/ds")
-    assert all(e.bytes <= 5000 and d.verify_entry(e) is None for e in d.entries())
+    assert all(e.bytes <= 5000 and verify_entry(d, e) is None for e in d.entries())
 
 
 @pytest.mark.timeout(60)

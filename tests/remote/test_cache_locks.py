@@ -20,7 +20,10 @@ from remote_servers import FaultServer
 from remote_util import N_RECORDS, child_env, labels, temp_files
 
 import pyloader
+from pyloader.format.owner import owner
 from pyloader.remote import cache as cache_mod
+from pyloader.remote import locks, temps
+from pyloader.remote.bad_copies import discard, verify_entry
 from pyloader.remote.cache import ShardCache
 from pyloader.remote.fetch import open_remote
 
@@ -163,7 +166,7 @@ def test_readers_without_working_locks(srv_root, cache_dir, tmp_path, broken):
     assert temp_files(cache_dir) == []
     assert max(gets.values()) > 1, gets  # the locks really did nothing: shards were downloaded in parallel
     d = ShardCache(cache_dir).find(url)
-    assert all(d.verify_entry(e) is None for e in d.entries())
+    assert all(verify_entry(d, e) is None for e in d.entries())
     if broken == "flock":
         assert evicted > 0  # its last pass, at least, once the readers were gone
 
@@ -176,7 +179,7 @@ def test_filesystem_without_locks_reads(server, cache_dir, monkeypatch):
     real = fcntl.fcntl
 
     def no_ofd(fd, cmd, arg=0, *rest):
-        if cmd in (cache_mod._F_OFD_SETLK, cache_mod._F_OFD_GETLK):
+        if cmd in (locks._F_OFD_SETLK, locks._F_OFD_GETLK):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, cmd, arg, *rest)
 
@@ -191,8 +194,8 @@ def test_filesystem_without_locks_reads(server, cache_dir, monkeypatch):
 # -- temp files of dead and live writers -----------------------------------------------------
 _MAKE_TEMP = """
 import os, sys
-from pyloader.remote.cache import _new_temp_name
-path = os.path.join(sys.argv[1], _new_temp_name(sys.argv[2]))
+from pyloader.remote.temps import new_temp_name
+path = os.path.join(sys.argv[1], new_temp_name(sys.argv[2]))
 with open(path, "wb") as f:
     f.write(b"partial")
 print(path, flush=True)
@@ -215,10 +218,10 @@ def _temp_by_child(tmp_dir: str, name: str, wait: bool) -> tuple[str, subprocess
 def test_temps_are_reclaimed_by_their_writers_liveness(server, cache_dir):
     d = open_remote(server.url + "/ds", cache_dir=cache_dir)
     name = d.names[2]
-    host, boot, ns = cache_mod._owner().split("-")
+    host, boot, ns = owner().split("-")
     dead, _ = _temp_by_child(d.tmp_dir, name, wait=False)
     live, live_proc = _temp_by_child(d.tmp_dir, d.names[3], wait=True)
-    old = time.time() - 2 * cache_mod._STALE_TEMP_S
+    old = time.time() - 2 * temps.STALE_TEMP_S
 
     def fake(owner: str, pid: int, tag: str, mtime: float | None = None) -> str:
         p = os.path.join(d.tmp_dir, f"{name}.{owner}.{pid}.{tag}.part")
@@ -230,7 +233,7 @@ def test_temps_are_reclaimed_by_their_writers_liveness(server, cache_dir):
 
     kept = {
         live,
-        fake(cache_mod._owner(), os.getpid(), "00000001"),  # this process: alive
+        fake(owner(), os.getpid(), "00000001"),  # this process: alive
         fake(f"otherhost-0123456789abcdef-{ns}", 4242, "00000002"),  # another host: too young to judge
         fake(f"{host}-{boot}-{int(ns) + 1}", 999999, "00000003"),  # another pid namespace here: cannot check
         os.path.join(d.tmp_dir, "unrecognised.part"),
@@ -241,7 +244,7 @@ def test_temps_are_reclaimed_by_their_writers_liveness(server, cache_dir):
         dead,
         fake(f"otherhost-0123456789abcdef-{ns}", 4242, "00000004", old),  # another host, an hour idle
         fake(f"{host}-{other_boot}-{ns}", os.getpid(), "00000005"),  # an earlier boot of this host
-        fake(cache_mod._owner(), 999999, "00000006"),  # this boot and namespace, no such pid
+        fake(owner(), 999999, "00000006"),  # this boot and namespace, no such pid
     }
     assert ShardCache(cache_dir).stats()["temp_files"] == len(kept) + len(gone)
     assert ShardCache(cache_dir).clean_stale() == len(gone)
@@ -268,7 +271,7 @@ def test_a_writer_whose_temp_is_removed_downloads_again(server, cache_dir, monke
 
     monkeypatch.setattr(cache_mod, "download_into", download_then_lose_the_temp)
     assert d.ensure(5) == (d.shard_file(5), True)
-    assert len(calls) == 2 and d.verify_entry(next(e for e in d.entries() if e.name == d.names[5])) is None
+    assert len(calls) == 2 and verify_entry(d, next(e for e in d.entries() if e.name == d.names[5])) is None
     assert temp_files(cache_dir) == []
 
 
@@ -290,11 +293,11 @@ def test_discard_a_corrupt_copy_then_fetch_it_again(server, cache_dir):
     assert d.is_published(4)  # the right size: only its checksum tells
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         before = bytes(mm)
-        assert d.discard(4, reason="xxh64 mismatch in record 0", expect=os.fstat(f.fileno()))
+        assert discard(d, 4, reason="xxh64 mismatch in record 0", expect=os.fstat(f.fileno()))
         assert not d.is_published(4)
         assert bytes(mm) == before  # a mapper keeps its inode
     assert d.ensure(4) == (path, True)
-    assert d.verify_entry(next(e for e in d.entries() if e.name == d.names[4])) is None
+    assert verify_entry(d, next(e for e in d.entries() if e.name == d.names[4])) is None
     assert server.count("ds/" + d.shards[4]["path"]) == 2
     with open(os.path.join(d.dir, "discarded.log")) as f:
         log = f.read().splitlines()
@@ -309,18 +312,18 @@ def test_discard_leaves_a_copy_published_since(server, cache_dir):
     fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
-        assert d.discard(6, reason="bad", expect=fd)  # removed by one reader...
+        assert discard(d, 6, reason="bad", expect=fd)  # removed by one reader...
         assert d.ensure(6)[1]  # ...and published again
         # A second reader that saw the same bad copy: the good new one stays.
-        assert not d.discard(6, reason="bad", expect=fd)
-        assert not d.discard(6, reason="bad", expect=st)
-        assert not d.discard(6, reason="bad", expect=(st.st_dev, st.st_ino))
+        assert not discard(d, 6, reason="bad", expect=fd)
+        assert not discard(d, 6, reason="bad", expect=st)
+        assert not discard(d, 6, reason="bad", expect=(st.st_dev, st.st_ino))
         assert d.is_published(6)
     finally:
         os.close(fd)
     # Without expect the copy is checked first: a good one stays, a bad one goes.
-    assert not d.discard(6, reason="suspect")
+    assert not discard(d, 6, reason="suspect")
     _corrupt(path)
-    assert d.discard(6, reason="suspect") and not d.is_published(6)
-    assert not d.discard(6, reason="gone already")
+    assert discard(d, 6, reason="suspect") and not d.is_published(6)
+    assert not discard(d, 6, reason="gone already")
     assert d.ensure(6)[1]

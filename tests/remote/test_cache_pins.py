@@ -1,4 +1,4 @@
-"""Pins of the node cache (NOTE [cache pins] in pyloader/remote/cache.py): one pin file
+"""Pins of the node cache (NOTE [cache pins] in pyloader/remote/pins.py): one pin file
 per dataset, no file descriptor per pinned shard, seen by evictors in other processes
 and in the pinning process itself, not inherited across fork."""
 
@@ -13,8 +13,9 @@ import pytest
 from remote_util import N_RECORDS, child_env, labels, published, write_ds, write_one_record_shards
 
 import pyloader
-from pyloader.remote import cache as cache_mod
-from pyloader.remote.cache import CacheError, ShardCache
+from pyloader.errors import CacheError
+from pyloader.remote import pins
+from pyloader.remote.cache import ShardCache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -186,7 +187,7 @@ def test_two_objects_of_one_dataset_share_the_pin_file(tmp_path, cache_dir):
 def test_a_hash_collision_only_keeps_a_shard(tmp_path, cache_dir, monkeypatch):
     """Two names on one byte: the unpinned one looks pinned (kept), and both go once unpinned."""
     d = _local_dataset_cache(tmp_path, cache_dir)
-    monkeypatch.setattr(cache_mod, "_pin_offset", lambda name: 12345)
+    monkeypatch.setattr(pins, "pin_offset", lambda name: 12345)
     d.pin(0)
     assert d.is_pinned(d.names[1])
     evicted, _ = ShardCache(cache_dir).evict(to_bytes=0)

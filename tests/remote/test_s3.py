@@ -9,6 +9,7 @@ from remote_servers import S3Server
 from remote_util import N_RECORDS, labels
 
 import pyloader
+from pyloader.remote.bad_copies import verify_entry
 from pyloader.remote.cli import EXIT_OK, main
 
 pytest.importorskip("s3fs")
@@ -40,7 +41,7 @@ def test_s3_dataset_reads_through_the_cache(s3, cache_dir):
     assert labels(ds) == list(range(N_RECORDS))
     d = ds._remote
     assert all(d.is_published(i) for i in range(len(ds.shard_paths)))
-    assert all(d.verify_entry(e) is None for e in d.entries())
+    assert all(verify_entry(d, e) is None for e in d.entries())
 
 
 @pytest.mark.timeout(90)

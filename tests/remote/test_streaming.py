@@ -20,6 +20,7 @@ from remote_servers import Fault, S3Server
 from remote_util import sample, write_ds
 
 import pyloader
+from pyloader.remote.bad_copies import verify_entry
 from pyloader.remote.fetch import working_set
 
 N = 2400  # about 126 shards of 4 KB
@@ -228,7 +229,7 @@ def test_a_corrupt_cached_shard_is_discarded_fetched_again_and_read_correctly(se
     name = "/ds/" + ds.manifest["shards"][victim]["path"]
     assert after[name] == before.get(name, 0) + 1  # fetched once more, nothing else
     assert sum(after.values()) == sum(before.values()) + 1
-    assert ds._remote.verify_entry(next(e for e in ds._remote.entries() if e.name == ds._remote.names[victim])) is None
+    assert verify_entry(ds._remote, next(e for e in ds._remote.entries() if e.name == ds._remote.names[victim])) is None
     with open(os.path.join(ds._remote.dir, "discarded.log")) as f:
         # The shards are format version 2: their values' checksum is XXH3-64.
         assert "column block checksum mismatch (corrupt data): XXH3-64 " in f.read()

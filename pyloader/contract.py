@@ -38,14 +38,15 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
-import torch
 
 from .format.spec import Field
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is not imported at run time: the write stage checks its settings here too
+    import torch
+
     from ._C import BatchPipeline, HostBatch, SlotPool
 
 SHUFFLE_MODES = ("global", "window")
@@ -54,7 +55,7 @@ PARTITIONS = ("pad", "drop")
 Plan = tuple[np.ndarray, np.ndarray]
 """(unit index int32, record index int64), C-contiguous, in read order."""
 
-Batch = dict[str, torch.Tensor]
+Batch: TypeAlias = "dict[str, torch.Tensor]"
 """A collated batch: one tensor per field (``<name>_lengths`` beside a variable-length one)."""
 
 

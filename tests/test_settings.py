@@ -224,3 +224,14 @@ def test_an_option_assigned_later_is_checked_by_its_rule(write_dataset) -> None:
     assert loader.num_workers == 2 and type(loader.num_workers) is int
     with pytest.raises(ValueError, match="batch_size attribute should not be set after"):
         loader.batch_size = 8  # torch's frozen attribute
+
+
+def test_the_contract_imports_no_torch() -> None:
+    """The write stage checks its settings by the contract's rules too, and its workers run without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pyloader.contract, pyloader.write.verify, pyloader.write.convert; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -45,6 +45,8 @@ import os
 import time
 from typing import Any
 
+from ..contract import default_prefetch
+
 INTERVAL = 0.2  # seconds between decisions
 MIN_BATCHES = 4  # and at least this many batches
 LONG_INTERVAL = 0.5  # or this long, whatever the batches (a loop waiting on downloads)
@@ -84,7 +86,7 @@ class AutoTune:
         self.max_threads = max_threads or cpu_budget()
         self.memory_budget = default_memory_budget() if memory_budget is None else int(memory_budget)
         self.threads = max(1, min(self.max_threads, threads or self.max_threads))
-        self.prefetch = max(1, min(MAX_PREFETCH, prefetch or 2 * self.threads))
+        self.prefetch = max(1, min(MAX_PREFETCH, prefetch or default_prefetch(self.threads)))
         self.staging_slots = staging_slots
         self.slot_bytes = 0
         self.fetch_jobs: int | None = None  # remote data only: concurrent downloads

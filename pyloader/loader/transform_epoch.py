@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..contract import PlannedDataset
+from ..contract import PlannedDataset, default_prefetch
 from ..transform import stage as _stage
 from . import iterators as _it
 from . import transfer as _transfer
@@ -39,7 +39,7 @@ class TransformEpochs(LoaderCore):
         units, records = plan
         gidx = ds.global_index(units, records)
         workers = self._threads
-        depth = self._prefetch if self._prefetch is not None else 2 * workers
+        depth = self._prefetch if self._prefetch is not None else default_prefetch(workers)
         src: Any
         if self.executor == "processes":
             src = ProcessTransformStream(ds, spec, units, records, gidx, native_bs, self.drop_last, workers=workers,

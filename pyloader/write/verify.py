@@ -21,6 +21,7 @@ import numpy as np
 
 import pyloader._C as _C
 
+from ..contract import check_count, default_prefetch
 from ..errors import VerifyError
 from ..format.encode import DatasetStore, LocalStore
 from ..format.spec import MANIFEST_NAME, Field, encode_schema, parse_manifest
@@ -68,7 +69,7 @@ def _read_in_order(root: str, shards: list[dict[str, Any]], fields: list[Field],
     record_idx = np.concatenate([np.arange(n, dtype=np.int64) for n in records])
     return _C.BatchPipeline(shards=shard_set, pool=_C.SlotPool(num_fields=len(fields)), shard_idx=shard_idx,
                             record_idx=record_idx, batch_size=batch_size, drop_last=False,
-                            num_threads=num_threads, prefetch=2 * num_threads)
+                            num_threads=num_threads, prefetch=default_prefetch(num_threads))
 
 
 def _batch_arrays(fields: list[Field], item: Any) -> dict[str, np.ndarray]:
@@ -128,10 +129,7 @@ def verify_dataset(src: Any, dst: str | os.PathLike[str], *, kind: str | None = 
     ``{"records", "fields", "bytes", "seconds"}``; raises VerifyError naming the first
     record and field that differ.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError("batch_size must be a positive int")
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError("num_threads must be a positive int")
+    batch_size, num_threads = check_count("batch_size", batch_size), check_count("num_threads", num_threads)
     t0 = time.perf_counter()
     source = src if isinstance(src, Source) else open_source(src, kind=kind, fields=fields, nulls=nulls,
                                                              labels=labels)

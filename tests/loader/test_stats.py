@@ -106,7 +106,7 @@ def test_fixed_shape_batch_buffers_are_sized_exactly(tmp_path) -> None:
             assert b["x"].shape[1:] == (64 << 10,)
             del b
     mem, slots = pool.memory(), pool.created
-    assert slots >= 2
+    assert slots >= 1  # how many the two threads hold at once depends on scheduling (one on a loaded machine)
     # Per slot: x in one 2 MiB mapping (with 1/8 headroom it would take two), y in one page.
     assert mem["live_bytes"] == slots * ((2 << 20) + 4096), (mem, slots)
     assert mem["driver_frees"] == 0  # nothing was regrown

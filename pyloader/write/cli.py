@@ -182,11 +182,11 @@ def _plural(n: int, word: str) -> str:
 
 
 def _mb(nbytes: float) -> str:
-    """Bytes as MB with two significant digits below 1 MB (``0.031 MB``, not ``0.0 MB``)."""
-    mb = nbytes / 1e6
-    if mb == 0 or mb >= 1:
-        return f"{mb:.1f} MB"
-    return f"{mb:.2g} MB"
+    """Bytes in the unit that shows them (``380 B``, ``31.2 KB``, ``12.5 MB``; 1 KB = 1000 B), never ``0.0 MB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _overhead(out: dict[str, Any]) -> str:

@@ -789,7 +789,8 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
             got += len(data)
             if got > size:
                 raise _fetch_error(RemoteChangedError, f"{url}: shard {shard!r} is larger than the manifest's "
-                                   f"{size} bytes: the object changed after the manifest was read", url, shard)
+                                   f"{size} bytes: the object changed after the manifest was read; re-open the "
+                                   "dataset to read the new manifest", url, shard)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)

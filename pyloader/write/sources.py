@@ -787,4 +787,4 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
 
 
 __all__ = ["KINDS", "NULL_POLICIES", "image_encoding", "Chunk", "Source", "ArrowSource", "NumpySource", "FilesSource",
-           "TarSource", "expand_paths", "open_source"]
+           "TarSource", "expand_paths", "open_source", "sniff_kind"]

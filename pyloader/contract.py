@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
+from .format.sizes import parse_size
 from .format.spec import Field
 
 if TYPE_CHECKING:  # torch is not imported at run time: the write stage checks its settings here too
@@ -111,7 +112,7 @@ INT_SETTINGS: dict[str, IntRule] = {
                                             "disable multiprocessing."),
     "prefetch_factor": IntRule(0, 1 << 20, optional=True, message="prefetch_factor option should be non-negative"),
     "device_prefetch": IntRule(1, 1 << 20),
-    "memory_budget": IntRule(1, optional=True, kind="a positive number of bytes"),
+    "memory_budget": IntRule(1, optional=True, kind="a positive number of bytes (an int, or a size such as '8G')"),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -137,6 +138,23 @@ def check_int(name: str, value: object) -> int | None:
     if int(value) > rule.hi:
         raise ValueError(f"{name} must be at most {rule.top()}, got {value!r}")
     return int(value)
+
+
+def check_size(name: str, value: object) -> int | None:
+    """``check_int`` for a setting of bytes that also takes a size string (``"1G"``, ``"512MiB"``: ``parse_size``).
+
+    A string that is no size gets the rule's message, as a bad int does.
+    """
+    if isinstance(value, str):
+        rule = INT_SETTINGS[name]
+        try:
+            parsed = parse_size(value)
+        except ValueError:
+            parsed = rule.lo - 1
+        if not rule.lo <= parsed <= rule.hi:
+            raise ValueError(f"{name} must be {rule.describe()}, got {value!r}")
+        return parsed
+    return check_int(name, value)
 
 
 def check_count(name: str, value: object) -> int:
@@ -409,5 +427,5 @@ def check_stream_args(batch_size: object, num_threads: object, prefetch: object)
 __all__ = [
     "DEFAULTS", "INT_SETTINGS", "PARTITIONS", "SHUFFLE_MODES", "Batch", "BatchStream", "IntRule", "OrderSpec",
     "PipelineDataset", "PipelineStream", "Plan", "PlannedDataset", "Tuner", "check_bool", "check_callable",
-    "check_choice", "check_count", "check_int", "check_seconds", "check_stream_args", "default_prefetch",
+    "check_choice", "check_count", "check_int", "check_seconds", "check_size", "check_stream_args", "default_prefetch",
 ]

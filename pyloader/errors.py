@@ -135,7 +135,15 @@ class FetchPermissionError(FetchError, PermissionError):
 
 
 class RemoteChangedError(FetchError):
-    """A remote shard no longer matches the manifest (size or checksum): re-read the manifest."""
+    """A remote object changed since its manifest was read (its size or identity differs): re-open the dataset."""
+
+
+class RemoteCorruptError(FetchError):
+    """A remote shard's bytes do not match the manifest's checksum, downloaded twice with the same result.
+
+    The object is corrupt at the source or the manifest that lists it is stale: re-opening the
+    dataset does not help; re-writing and re-uploading that shard (or its manifest) does.
+    """
 
 
 class CacheError(_MessageOnly, PyloaderError, OSError):
@@ -184,6 +192,57 @@ class TransformWorkerError(PyloaderError, RuntimeError):
     """
 
 
+# -- exit codes ------------------------------------------------------------------------------
+# NOTE [exit codes]: every ``pyloader`` command exits with the code of its condition, from this
+# one table, so a script can tell what happened whichever command it ran:
+#   0 done; 1 failed or done in part (data that cannot be read, converted or downloaded: a
+#   corrupt or missing shard, a source that does not convert); 2 bad usage (an option, a path
+#   or URL that holds no dataset, a malformed manifest); 3 the cache cannot take the data (size
+#   limit too small, disk full, read-only); 4 cannot reach the data (no answer, refused, timed
+#   out, credentials missing or denied); 5 verification found a record that differs from its
+#   source; 130 interrupted. ``exit_code(exc)`` maps an exception that ends a command to its
+#   code (the first class in ``EXIT_CODES`` it is an instance of).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CACHE, EXIT_UNREACHABLE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
+EXIT_HELP = ("Exit codes: 0 done; 1 failed or done in part; 2 bad usage, path, URL or manifest; 3 the cache cannot "
+             "take the data; 4 cannot reach the data (no answer, refused, timed out, credentials missing or denied); "
+             "5 verification found a difference; 130 interrupted.")
+
+
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (KeyboardInterrupt, EXIT_INTERRUPTED),
+    (VerifyError, EXIT_MISMATCH),
+    (CacheLimitError, EXIT_CACHE),
+    (CacheError, EXIT_CACHE),
+    (ManifestError, EXIT_USAGE),  # no manifest (a path or URL that holds no dataset), or a malformed one
+    (RemoteChangedError, EXIT_FAILED),
+    (RemoteCorruptError, EXIT_FAILED),
+    (FetchNotFoundError, EXIT_USAGE),  # the URL names nothing
+    (FetchError, EXIT_UNREACHABLE),  # after retries, refused, timed out, denied
+    (PyloaderError, EXIT_FAILED),
+    (ValueError, EXIT_USAGE),  # a bad argument found after parsing
+    (TypeError, EXIT_USAGE),
+    (OSError, EXIT_FAILED),
+)
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code of a command ended by ``exc`` (NOTE [exit codes]); None for an exception no row covers.
+
+    The first row of ``EXIT_CODES`` whose class ``exc`` is an instance of; a ``FetchError``
+    whose errno says the object is missing (``ENOENT``) is a usage error, one cancelled
+    (``ECANCELED``) an interruption.
+    """
+    if isinstance(exc, FetchError) and not isinstance(exc, (RemoteChangedError, RemoteCorruptError)):
+        if exc.errno == _errno.ENOENT:
+            return EXIT_USAGE
+        if exc.errno == _errno.ECANCELED:
+            return EXIT_INTERRUPTED
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
 # Kind codes are those of csrc/core/errors.h (ErrorKind).
 _KINDS: dict[int, type[PyloaderError]] = {
     0: ShardFormatError,
@@ -221,6 +280,16 @@ _SHARD_IO_BY_ERRNO: dict[int, type[ShardIOError]] = {
 
 
 __all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_CACHE",
+    "EXIT_UNREACHABLE",
+    "EXIT_MISMATCH",
+    "EXIT_INTERRUPTED",
+    "EXIT_HELP",
+    "EXIT_CODES",
+    "exit_code",
     "PyloaderError",
     "ConvertError",
     "VerifyError",
@@ -228,6 +297,7 @@ __all__ = [
     "FetchNotFoundError",
     "FetchPermissionError",
     "RemoteChangedError",
+    "RemoteCorruptError",
     "CacheError",
     "CacheLimitError",
     "ParquetReadError",

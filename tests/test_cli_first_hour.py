@@ -38,3 +38,14 @@ def test_an_unknown_flag_of_a_subcommand_shows_that_usage(capsys) -> None:
 def test_python_dash_m_pyloader_bare() -> None:
     r = subprocess.run([sys.executable, "-m", "pyloader"], capture_output=True, text=True, timeout=100)
     assert r.returncode == 2 and "convert" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_help_gives_the_one_table_of_exit_codes(capsys) -> None:
+    """See NOTE [exit codes] in pyloader/errors.py: the same condition exits with the same code from every command."""
+    with pytest.raises(SystemExit) as ei:
+        main(["--help"])
+    assert ei.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("2 bad usage", "3 the cache cannot take the data", "4 cannot reach the data",
+                  "5 verification found a difference", "130 interrupted"):
+        assert words in out, words

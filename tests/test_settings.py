@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import pyloader
-from pyloader.contract import INT_SETTINGS, OrderSpec, check_int
+from pyloader.contract import INT_SETTINGS, OrderSpec, check_int, check_size
 
 BAD_INTS = [True, np.bool_(True), 2**64, -1, 1.5, "3", None]
+SIZE_SETTINGS = {"memory_budget"}  # settings of bytes: a size string ("3", "8G") is a value, see test_sizes_*
 
 
 class _Squares(torch.utils.data.Dataset):  # the generic path (torch's DataLoader does the loading)
@@ -140,6 +141,8 @@ def test_a_bad_value_gets_the_same_error_from_every_receiver(sources, name: str)
             continue  # None is allowed (batch_size=None: per-sample iteration)
         if bad == -1 and rule.lo < 0:
             continue
+        if isinstance(bad, str) and name in SIZE_SETTINGS:
+            continue
         expected = _error(lambda: check_int(name, bad))  # noqa: B023 - called at once
         for who, give in _receivers(sources, name).items():
             got = _error(lambda: give(bad))  # noqa: B023 - called at once
@@ -235,3 +238,21 @@ def test_the_contract_imports_no_torch() -> None:
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("given,expected", [("1G", 1 << 30), ("512MiB", 512 << 20), ("3", 3), (1 << 26, 1 << 26)])
+def test_sizes_are_taken_where_a_setting_is_bytes(sources, given: Any, expected: int) -> None:
+    """``memory_budget="1G"`` as ``cache_limit="500G"``: one size parser (pyloader.format.sizes.parse_size)."""
+    ds = pyloader.ShardDataset(sources["shards"])
+    loader = pyloader.DataLoader(ds, batch_size=4, num_workers="auto", memory_budget=given)
+    assert loader.memory_budget == expected and type(loader.memory_budget) is int
+    assert check_size("memory_budget", given) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "0", "-1G", "1Q", "", 1.5, True])
+def test_a_bad_size_gets_the_rule_message(sources, bad: Any) -> None:
+    ds = pyloader.ShardDataset(sources["shards"])
+    got = _error(lambda: pyloader.DataLoader(ds, batch_size=4, num_workers="auto", memory_budget=bad))
+    assert got == f"memory_budget must be a positive number of bytes (an int, or a size such as '8G') or None, " \
+                  f"got {bad!r}"
+    assert _error(lambda: check_size("memory_budget", bad)) == got

@@ -100,7 +100,41 @@ def _fixed_shape(col: str, t: Any) -> tuple[str, tuple[int, ...]]:
     raise ConvertError(
         f"column {col!r} has type {t}, which has no pyloader field: supported are booleans, integers, floats, "
         "binary/string (-> bytes), fixed-size lists and fixed_shape_tensor of those (-> fixed shape), and one "
-        "level of list of those (-> variable length); cast the column or leave it out with fields=")
+        f"level of list of those (-> variable length); {_unsupported_fix(col, t)}")
+
+
+def _is_temporal(t: Any) -> bool:
+    pa = pyarrow_module()
+    return bool(pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t)
+                or pa.types.is_duration(t))
+
+
+def _unsupported_fix(col: str, t: Any) -> str:
+    """The one way to convert a column of unsupported type ``t``."""
+    pa = pyarrow_module()
+    if _is_temporal(t):
+        return (f"cast it to its integer count, {col}:int64 in fields= (from Python the dict "
+                f"{{{col!r}: 'int64'}}), or leave it out with fields=")
+    if pa.types.is_decimal(t):
+        return ("convert only makes exact casts, and a decimal is not exact as a float: cast it yourself before "
+                f"converting (pyarrow.compute.cast(table[{col!r}], 'float64'), or to an integer of its "
+                "smallest unit) or leave it out with fields=")
+    return "leave it out with fields="
+
+
+def _temporal_cast(col: str, t: Any, cast: str) -> str:
+    """The dtype a date/time column cast to ``cast`` converts to: its integer count (ConvertError otherwise)."""
+    pa = pyarrow_module()
+    width = t.bit_width
+    if cast not in (f"int{width}", "int64"):
+        raise ConvertError(f"column {col!r} has type {t}: it casts to its integer count, int64"
+                           f"{'' if width == 64 else f' or int{width}'}, not to {cast} (fields: {col}:int64)")
+    try:
+        t_int = getattr(pa, cast)()
+        pa.array([], t).cast(t_int)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise ConvertError(f"column {col!r} has type {t}: it cannot be cast to {cast}: {e}") from None
+    return cast
 
 
 def arrow_field(col: str, t: Any, cast: str | None = None) -> Field:
@@ -119,6 +153,8 @@ def arrow_field(col: str, t: Any, cast: str | None = None) -> Field:
                                "field (only the leading dimension may vary)")
         dt, inner = _fixed_shape(col, vt)
         shape = (None, *inner)
+    elif cast is not None and _is_temporal(t):
+        dt, shape = _temporal_cast(col, t, cast), ()
     else:
         dt, shape = _fixed_shape(col, t)
     if cast is not None:

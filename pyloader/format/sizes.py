@@ -1,6 +1,7 @@
 """Byte sizes written by people: ``"64M"``, ``"1.5GiB"``, ``"20g"``, ``1 << 26``.
 
-One parser for every size option (``convert --shard-size``, ``cache_limit``, ``cache --limit``).
+One parser for every size option (``convert --shard-size``, ``cache_limit``, ``cache --limit``,
+``memory_budget``), and ``format_size`` to print sizes in the same units.
 """
 
 from __future__ import annotations
@@ -35,4 +36,20 @@ def parse_size(s: str | int, *, minimum: int = 0) -> int:
     return value
 
 
-__all__ = ["parse_size"]
+def format_size(n: int | float) -> str:
+    """``n`` bytes as people write sizes, in the units ``parse_size`` reads: ``"512 B"``, ``"78.8 KiB"``, ``"1 MiB"``.
+
+    Exact values print without a fraction; so ``parse_size`` of the output (spaces dropped) is
+    within 0.05 of a unit of ``n``.
+    """
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(v) < 1024 or unit == "TiB":
+            break
+        v /= 1024
+    if unit == "B" or v == int(v):
+        return f"{int(v)} {unit}"
+    return f"{v:.1f} {unit}"
+
+
+__all__ = ["format_size", "parse_size"]

@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-from ..contract import DEFAULTS, check_bool, check_callable, check_choice, check_count, check_int, check_seconds
+from ..contract import (
+    DEFAULTS,
+    check_bool,
+    check_callable,
+    check_choice,
+    check_count,
+    check_int,
+    check_seconds,
+    check_size,
+)
 from ..transform.stage import EXECUTORS
 from . import transfer as _transfer
 from .packing import PackSpec
@@ -65,7 +74,7 @@ class LoaderOptions:
     transform: Callable[..., Any] | None = None
     executor: str = "threads"
     batch_transform: Callable[[Any], Any] | None = None
-    memory_budget: int | None = None
+    memory_budget: int | str | None = None  # bytes, or a size string such as "8G" (parse_size)
     pack: PackSpec | None = None
 
     def __post_init__(self) -> None:
@@ -89,7 +98,7 @@ class LoaderOptions:
         pin_device_index(self.pin_memory_device)
         put(self, "device", _transfer.resolve_device(self.device))
         put(self, "prefetch", check_int("prefetch", self.prefetch))
-        put(self, "memory_budget", check_int("memory_budget", self.memory_budget))
+        put(self, "memory_budget", check_size("memory_budget", self.memory_budget))
         if self.memory_budget is not None and self.num_workers != "auto":
             raise ValueError("memory_budget= bounds what num_workers='auto' may use; give num_workers='auto'")
         if self.pack is not None and not isinstance(self.pack, PackSpec):

@@ -452,7 +452,10 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
                     data = fh.read()
             except (FileNotFoundError, NotADirectoryError):
                 raise (_not_a_dataset(local, mpath)
-                       or ManifestNotFoundError(errno.ENOENT, f"no manifest at {mpath!r}")) from None
+                       or ManifestNotFoundError(errno.ENOENT, f"no manifest at {mpath!r}: {local!r} " + (
+                           "holds no pyloader dataset" if os.path.exists(local) else "does not exist")
+                           + "; check the path, or write a dataset there first (pyloader convert SRC DST, or "
+                           "pyloader.ShardWriter)")) from None
         # A remote manifest was parsed (and checked) by the cache already.
         self.manifest = self._remote.manifest if self._remote is not None else parse_manifest(data, mpath, _C.xxh64)
         self.fields: list[Field] = fields_from_manifest(self.manifest, mpath)

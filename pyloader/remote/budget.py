@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from ..errors import CacheLimitError
+from ..format.sizes import format_size
 
 # Shards a streaming reader keeps open (mapped and pinned) at most, beyond its working set.
 MAX_OPEN = 4096
@@ -46,8 +47,9 @@ def check_share(url: str, limit: int | None, need: int, readers: int, what: str,
         return
     who = f" x {readers} readers on this node (LOCAL_WORLD_SIZE, DataLoader workers)" if readers > 1 else ""
     raise CacheLimitError(
-        f"{url}: the cache limit of {limit} bytes is below what this reader needs at once: {need} bytes ({what})"
-        f"{who}; set cache_limit >= {need * readers}, {hint}")
+        f"{url}: the cache limit of {format_size(limit)} ({limit} bytes) is below what this reader needs at once: "
+        f"{format_size(need)} ({need} bytes: {what}){who}; set cache_limit >= {format_size(need * readers)} "
+        f"({need * readers} bytes), {hint}")
 
 
 __all__ = ["MAX_OPEN", "check_share", "reader_share", "readers_on_node"]

@@ -85,14 +85,13 @@ from typing import Any
 
 import pyloader._C as _C
 
-from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
+from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError, RemoteCorruptError
 from ..format.encode import atomic_write as _atomic_write
-from ..format.sizes import parse_size
+from ..format.sizes import format_size, parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
 from . import temps
 from .fs import (
     FetchError,
-    RemoteChangedError,
     RetryPolicy,
     download_into,
     filesystem,
@@ -302,8 +301,9 @@ class ShardCache:
         if self.limit is None:
             return
         if need > self.limit:
-            raise CacheLimitError(f"shard {shard!r} ({need} bytes) is larger than the cache limit of "
-                                  f"{self.limit} bytes ({self.base})")
+            raise CacheLimitError(f"shard {shard!r} ({format_size(need)}) is larger than the cache limit of "
+                                  f"{format_size(self.limit)} ({self.base}); set the limit (cache_limit=, --limit) "
+                                  f"to at least {format_size(need)}")
         entries, used = self._held()
         if used + need <= self.limit:
             return
@@ -752,9 +752,10 @@ class DatasetCache:
 
     def content_error(self, url: str, shard: str, problem: str) -> PyloaderError:
         """The error for a download that failed content_problem() (twice, if retried)."""
-        changed = RemoteChangedError(
-            errno.EIO, f"{url}: shard {shard!r}: {problem} (twice): the object changed after the manifest "
-            "was read; re-open the dataset to read the new manifest")
+        changed = RemoteCorruptError(
+            errno.EIO, f"{url}: shard {shard!r}: its bytes do not match the manifest's checksum ({problem}; "
+            "downloaded twice, the same both times): the object is corrupt at the source, or the manifest is "
+            "stale; re-opening the dataset will not help: re-write and re-upload that shard (or the manifest)")
         changed.url, changed.shard = url, shard
         return changed
 

@@ -4,12 +4,16 @@
 ``args.cmd == "cache"`` to ``run_cache(args)``; ``python -m pyloader.remote.cli`` runs
 it alone.
 
-Exit codes (``EXIT_*``): 0 done; 1 done in part (a shard failed to download, a cached
-file failed verification and was removed, or shards in use were left in place when the
-target needed them gone); 2 bad usage, URL or manifest (none at that URL); 3 the cache
-cannot take the data (size limit too small, disk full, read-only); 4 cannot reach the
-data (the host does not answer, the request is refused or times out, credentials are
-missing or denied: nothing was downloaded); 130 interrupted.
+Exit codes: those of every ``pyloader`` command (NOTE [exit codes] in pyloader/errors.py).
+Here: 0 done; 1 done in part (a shard failed to download, a cached file failed
+verification and was removed, or shards in use were left in place when the target needed
+them gone); 2 bad usage, URL or manifest (none at that URL), or a ``--cache-dir`` that does
+not exist; 3 the cache cannot take the data (size limit too small, disk full, read-only);
+4 cannot reach the data (the host does not answer, the request is refused or times out,
+credentials are missing or denied: nothing was downloaded); 130 interrupted.
+
+``warm`` shows its progress on stderr unless ``--quiet`` or ``--json``: a live bar on a
+terminal, a line every ``LOG_EVERY_S`` seconds in a log (stderr not a TTY).
 
 A request that gets no answer is not silent: after ``QUIET_S`` seconds without a byte,
 ``warm`` prints a line naming the URL it waits for and the timeouts that bound the wait
@@ -19,33 +23,37 @@ A request that gets no answer is not silent: after ``QUIET_S`` seconds without a
 from __future__ import annotations
 
 import argparse
-import errno
 import json
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CacheError, CacheLimitError, ManifestError, PyloaderError
-from ..format.sizes import parse_size
+from ..errors import (
+    EXIT_CACHE,
+    EXIT_FAILED,
+    EXIT_HELP,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CacheError,
+    CacheLimitError,
+    exit_code,
+)
+from ..format.sizes import format_size, parse_size
 from ..read import order as _plan
 from .bad_copies import remove_entry, verify_entry
 from .cache import ShardCache, dataset_key
 from .fetch import ShardFetcher, first_touch_order, open_remote
-from .fs import FetchError, RemoteChangedError, RetryPolicy, is_remote
+from .fs import RetryPolicy, is_remote
 
-EXIT_OK = 0
-EXIT_PARTIAL = 1
-EXIT_USAGE = 2
-EXIT_CACHE = 3
-EXIT_UNREACHABLE = 4
-EXIT_INTERRUPTED = 130
-EXIT_HELP = ("Exit codes: 0 done; 1 done in part; 2 bad usage, URL or manifest; 3 the cache cannot take the data; "
-             "4 cannot reach the data (no answer, refused, timed out, credentials missing or denied); "
-             "130 interrupted.")
+EXIT_PARTIAL = EXIT_FAILED  # done in part: some shards failed (NOTE [exit codes])
 
 QUIET_S = 5.0  # seconds without a byte before warm says what it waits for
+LOG_EVERY_S = 10.0  # seconds between progress lines when stderr is no terminal
 
 
 def _size_arg(s: str) -> int:
@@ -78,7 +86,8 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds ``cache`` (with warm/ls/stats/verify/evict/clear) to a ``pyloader`` subparsers object."""
     p = subparsers.add_parser("cache", help="the node-local shard cache of remote datasets",
                               description=EXIT_HELP)
-    sub = p.add_subparsers(dest="cache_cmd", required=True)
+    sub = p.add_subparsers(dest="cache_cmd", metavar="COMMAND", title="commands")
+    p.set_defaults(cache_parser=p)
 
     def common(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
         sp.add_argument("--cache-dir", default=None,
@@ -95,14 +104,19 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--nodes", type=_positive, default=1, help="nodes in the job (default 1: warm everything)")
     w.add_argument("--node-rank", type=_nonneg, default=0, help="this node's index")
     w.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (processes) per node")
-    w.add_argument("--epoch", type=_nonneg, default=0)
-    w.add_argument("--seed", type=_nonneg, default=0)
+    w.add_argument("--epoch", type=_nonneg, default=0, help="the epoch whose shards to warm (default 0)")
+    w.add_argument("--seed", type=_nonneg, default=0, help="the readers' seed (default 0)")
     w.add_argument("--shuffle", action="store_true", help="the readers shuffle (as ShardDataset(shuffle=True))")
-    w.add_argument("--shuffle-mode", choices=("global", "window"), default="global")
-    w.add_argument("--window", type=_positive, default=65536)
-    w.add_argument("--partition", choices=("pad", "drop"), default="pad")
-    w.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is no TTY")
-    w.add_argument("--storage-options", default=None, help="JSON object passed to fsspec")
+    w.add_argument("--shuffle-mode", choices=("global", "window"), default="global",
+                   help="the readers' shuffle_mode (default global)")
+    w.add_argument("--window", type=_positive, default=65536, help="the readers' window (default 65536)")
+    w.add_argument("--partition", choices=("pad", "drop"), default="pad",
+                   help="the readers' partition (default pad)")
+    w.add_argument("--quiet", action="store_true", help="no progress output")
+    w.add_argument("--progress", action="store_true", help="show progress even with --json")
+    w.add_argument("--storage-options", metavar="JSON", default=None,
+                   help="fsspec options as a JSON object, e.g. '{\"anon\": true}' (default: the backend's own "
+                   "settings, e.g. the AWS_* variables)")
 
     common(sub.add_parser("ls", help="list cached datasets"))
     common(sub.add_parser("stats", help="totals: shards, bytes, pinned, temp files"))
@@ -132,24 +146,24 @@ def _err(args: argparse.Namespace, msg: str) -> None:
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    """Runs a parsed ``pyloader cache ...`` command; returns the exit code."""
+    """Runs a parsed ``pyloader cache ...`` command; returns the exit code (NOTE [exit codes])."""
+    if getattr(args, "cache_cmd", None) is None:
+        parser = getattr(args, "cache_parser", None)
+        if parser is not None:
+            parser.print_help(sys.stderr)
+        print(f"pyloader cache: error: name a command: {', '.join(_COMMANDS)}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return _COMMANDS[args.cache_cmd](args)
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise
+        _err(args, str(e))
+        return code
     except KeyboardInterrupt:
         _err(args, "interrupted")
         return EXIT_INTERRUPTED
-    except (CacheLimitError, CacheError) as e:
-        _err(args, str(e))
-        return EXIT_CACHE
-    except (ManifestError, ValueError) as e:
-        _err(args, str(e))
-        return EXIT_USAGE
-    except FetchError as e:  # the manifest could not be read
-        _err(args, str(e))
-        return EXIT_USAGE if e.errno == errno.ENOENT else EXIT_UNREACHABLE
-    except (PyloaderError, OSError) as e:
-        _err(args, str(e))
-        return EXIT_PARTIAL
 
 
 def _fmt_bytes(n: float) -> str:
@@ -158,6 +172,20 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def storage_options_arg(text: str | None) -> dict[str, Any] | None:
+    """``--storage-options`` as a dict; ValueError naming the option and the fix otherwise."""
+    if text is None:
+        return None
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--storage-options {text!r} is not JSON ({e}); give a JSON object, "
+                         "e.g. '{\"anon\": true}'") from None
+    if not isinstance(opts, dict):
+        raise ValueError(f"--storage-options {text!r} is not a JSON object; give one, e.g. '{{\"anon\": true}}'")
+    return opts
 
 
 def select_shards(records_per_shard: list[int], *, nodes: int, node_rank: int, ranks_per_node: int, epoch: int,
@@ -182,8 +210,7 @@ def select_shards(records_per_shard: list[int], *, nodes: int, node_rank: int, r
 
 def _unreachable(e: BaseException) -> bool:
     """A failure to reach the data (network, timeout, credentials), not a missing or changed object."""
-    return (isinstance(e, FetchError) and not isinstance(e, RemoteChangedError)
-            and e.errno not in (errno.ENOENT, errno.ECANCELED))
+    return exit_code(e) == EXIT_UNREACHABLE
 
 
 class _QuietWatch:
@@ -209,9 +236,11 @@ class _QuietWatch:
             quiet = now - since
             if quiet >= QUIET_S and quiet - told >= max(QUIET_S, 30.0 if told else 0.0):
                 told = quiet
-                print(f"pyloader cache: no data for {quiet:.0f} s from {self.what()}; still trying (a request "
-                      f"stalled {policy.stall_timeout:g} s fails and is retried until {policy.deadline:g} s: "
-                      "PYLOADER_FETCH_STALL_TIMEOUT, PYLOADER_FETCH_DEADLINE)", file=sys.stderr, flush=True)
+                print(f"pyloader cache: no data for {quiet:.0f} s from {self.what()}; still trying: a request "
+                      f"that sends nothing for {policy.stall_timeout:g} s fails and is retried, up to "
+                      f"{policy.attempts} attempts and at most {policy.deadline:g} s, whichever comes first "
+                      "(PYLOADER_FETCH_STALL_TIMEOUT, PYLOADER_FETCH_ATTEMPTS, PYLOADER_FETCH_DEADLINE)",
+                      file=sys.stderr, flush=True)
 
     def __enter__(self) -> _QuietWatch:
         self._thread.start()
@@ -223,10 +252,11 @@ class _QuietWatch:
 
 
 class _Progress:
-    """A one-line live progress bar on stderr: shards, bytes/s, ETA."""
+    """Progress on stderr: shards, bytes/s, ETA; a live bar on a terminal, a line every ``LOG_EVERY_S`` in a log."""
 
     def __init__(self, total_shards: int, total_bytes: int, fetcher: ShardFetcher, enabled: bool) -> None:
         self.total_shards, self.total_bytes, self.fetcher, self.enabled = total_shards, total_bytes, fetcher, enabled
+        self.tty = sys.stderr.isatty()
         self.done_shards = 0
         self.done_bytes = 0
         self.t0 = time.monotonic()
@@ -245,12 +275,14 @@ class _Progress:
         frac = self.done_bytes / self.total_bytes if self.total_bytes else 1.0
         bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
         eta_s = "--:--" if eta == float("inf") else time.strftime("%H:%M:%S", time.gmtime(eta))
-        return (f"\r[{bar}] {self.done_shards}/{self.total_shards} shards  "
+        start = "\r" if self.tty else ""
+        return (f"{start}[{bar}] {self.done_shards}/{self.total_shards} shards  "
                 f"{_fmt_bytes(rate)}/s  ETA {eta_s}  ")
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            sys.stderr.write(self.line())
+        every = 0.2 if self.tty else LOG_EVERY_S
+        while not self._stop.wait(every):
+            sys.stderr.write(self.line() + ("" if self.tty else "\n"))
             sys.stderr.flush()
 
     def __enter__(self) -> _Progress:
@@ -269,9 +301,7 @@ class _Progress:
 def _warm(args: argparse.Namespace) -> int:
     if not is_remote(args.url):
         raise ValueError(f"{args.url!r} is local: only remote (fsspec) URLs are cached")
-    opts = json.loads(args.storage_options) if args.storage_options else None
-    if opts is not None and not isinstance(opts, dict):
-        raise ValueError("--storage-options must be a JSON object")
+    opts = storage_options_arg(args.storage_options)
     with _QuietWatch(lambda: f"{args.url.rstrip('/')}/manifest.json", lambda: 0):
         dcache = open_remote(args.url, cache_dir=args.cache_dir, cache_limit=args.limit, storage_options=opts)
     rps = [int(s["records"]) for s in dcache.shards]
@@ -280,10 +310,13 @@ def _warm(args: argparse.Namespace) -> int:
                           window=args.window, partition=args.partition)
     total = sum(int(dcache.shards[i]["bytes"]) for i in order)
     if args.limit is not None and total > args.limit:
-        raise CacheLimitError(f"the {len(order)} selected shards hold {total} bytes, more than --limit {args.limit}")
-    cached_before = sum(1 for i in order if dcache.is_published(i))
+        raise CacheLimitError(f"the {len(order)} selected shards hold {format_size(total)} ({total} bytes), more "
+                              f"than --limit {format_size(args.limit)}: give a --limit of at least "
+                              f"{format_size(total)}, or warm this node's share only (--nodes, --node-rank)")
+    was_cached = {i for i in order if dcache.is_published(i)}
+    cached_before = len(was_cached)
     fetcher = ShardFetcher(dcache, None, jobs=args.jobs)
-    prog = _Progress(len(order), total, fetcher, args.progress or (sys.stderr.isatty() and not args.json))
+    prog = _Progress(len(order), total, fetcher, args.progress or not (args.quiet or args.json))
     fetcher.on_done = prog.shard_done
     t0 = time.monotonic()
     with prog, _QuietWatch(lambda: dcache.url, lambda: fetcher.bytes):
@@ -297,12 +330,15 @@ def _warm(args: argparse.Namespace) -> int:
     errors = fetcher.errors
     failed = [{"shard": dcache.shards[i]["path"], "url": dcache.shard_url(i), "error": str(e)}
               for i, e in sorted(errors.items())]
+    # The bytes of the shards this run put in the cache; a failed download's bytes (and those of
+    # retried attempts) are received, not downloaded.
+    good = sum(int(dcache.shards[i]["bytes"]) for i in order if i not in was_cached and i not in errors)
     result = {"url": dcache.url, "cache_dir": dcache.cache.base, "selected_shards": len(order),
               "selected_bytes": total, "cached_before": cached_before, "downloaded": fetcher.downloaded,
-              "bytes_downloaded": fetcher.bytes, "failed": failed, "seconds": dt,
+              "bytes_downloaded": good, "bytes_received": fetcher.bytes, "failed": failed, "seconds": dt,
               "bytes_per_s": fetcher.bytes / dt if dt > 0 else 0.0}
     text = (f"{dcache.url}: {len(order)} shards ({_fmt_bytes(total)}) selected, {cached_before} already cached, "
-            f"{fetcher.downloaded} downloaded ({_fmt_bytes(fetcher.bytes)} in {dt:.1f} s), {len(failed)} failed")
+            f"{fetcher.downloaded} downloaded ({_fmt_bytes(good)} in {dt:.1f} s), {len(failed)} failed")
     for f in failed:
         text += f"\n  failed: {f['error']}"
     _emit(args, result, text)
@@ -316,7 +352,13 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> ShardCache:
-    return ShardCache(args.cache_dir)
+    """The cache ``--cache-dir`` (or the default) names; one named that does not exist is a usage error."""
+    cache = ShardCache(args.cache_dir)
+    if not os.path.isdir(cache.base) and (args.cache_dir is not None or os.environ.get("PYLOADER_CACHE_DIR")):
+        given = "--cache-dir" if args.cache_dir is not None else "PYLOADER_CACHE_DIR"
+        raise ValueError(f"{given} {cache.base!r}: no such folder; check the path (the cache that "
+                         "`pyloader cache warm` or a reader filled)")
+    return cache
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -396,5 +438,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["EXIT_OK", "EXIT_PARTIAL", "EXIT_USAGE", "EXIT_CACHE", "EXIT_UNREACHABLE", "EXIT_INTERRUPTED", "EXIT_HELP",
+__all__ = ["EXIT_OK", "EXIT_PARTIAL", "LOG_EVERY_S", "storage_options_arg", "EXIT_USAGE", "EXIT_CACHE", "EXIT_UNREACHABLE", "EXIT_INTERRUPTED", "EXIT_HELP",
            "QUIET_S", "add_cache_parser", "run_cache", "select_shards", "main"]

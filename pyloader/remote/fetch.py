@@ -78,7 +78,8 @@ def open_remote(url: str, *, cache_dir: str | os.PathLike[str] | None = None, ca
         data = node_manifest(root, cache.root, storage_options, policy)  # NOTE [manifest once per node]
     except FetchError as e:
         if e.errno == errno.ENOENT:
-            raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {murl!r}") from e
+            raise ManifestNotFoundError(errno.ENOENT, f"no manifest at {murl!r}: check the URL (a dataset's "
+                                        f"folder), or write a dataset there first (pyloader convert SRC {root})") from e
         raise
     # Parsed and checked once, by the DatasetCache (a ManifestError names murl).
     return cache.dataset(root, data, storage_options=storage_options, policy=policy, flavour=flavour)

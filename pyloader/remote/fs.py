@@ -21,8 +21,10 @@ NOTE [fetch retries]: an attempt that fails is classified (``classify``, ``_Fail
     most ``attempts`` attempts and never past ``deadline`` seconds of trying (time spent
     waiting on a throttling host is not counted).
 A wrong checksum with the right size may be a byte flipped in transit, so it is
-retried once; a second mismatch means the object changed after its manifest was read
-(``RemoteChangedError``). Every ``FetchError`` names the URL, the shard (when there is
+retried once; a second mismatch means the object's bytes do not match its manifest
+(``RemoteCorruptError``: corrupt at the source or a stale manifest; re-opening does not
+help), while a body larger than the manifest says is a changed object
+(``RemoteChangedError``: re-open the dataset). Every ``FetchError`` names the URL, the shard (when there is
 one) and the number of attempts in its message, and carries them as ``url``, ``shard``
 and ``attempts``; its ``errno`` is never 0.
 
@@ -590,8 +592,12 @@ def with_retries(fn: Callable[[], _T], policy: RetryPolicy, *, what: str, url: s
             wait = policy.delay(hard - 1, failure.retry_after)
             elapsed = time.monotonic() - start - waited
             if hard >= policy.attempts or elapsed + wait > policy.deadline:
+                bound = (f"the limit of {policy.attempts} attempts, PYLOADER_FETCH_ATTEMPTS"
+                         if hard >= policy.attempts else
+                         f"the next retry would pass the {policy.deadline:g} s deadline, PYLOADER_FETCH_DEADLINE")
                 raise _fetch_error(FetchError, f"{_naming(what, url, shard)}: {detail} (gave up after "
-                                   f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s{also})", url, shard,
+                                   f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s{also}: {bound}); "
+                                   "check that the host is up and reachable from here, then run again", url, shard,
                                    transient=True, attempts=attempts) from e
             if cancel is not None:
                 if cancel.wait(wait):
@@ -783,7 +789,8 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
             got += len(data)
             if got > size:
                 raise _fetch_error(RemoteChangedError, f"{url}: shard {shard!r} is larger than the manifest's "
-                                   f"{size} bytes: the object changed after the manifest was read", url, shard)
+                                   f"{size} bytes: the object changed after the manifest was read; re-open the "
+                                   "dataset to read the new manifest", url, shard)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)

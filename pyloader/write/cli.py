@@ -4,10 +4,11 @@ SRC is one file or folder, several files (a shell glob), or a quoted glob patter
 convert expands itself (``"wds/*.tar"``). Messages name the command's flags (``--kind``),
 not the Python keywords (``kind=``) of the same options.
 
-Exit codes: 0 converted (and verified, with ``--verify``); 1 the source could not be
-converted or read (the message names the file, column and row), or DST already holds a
-dataset without ``--overwrite``; 2 bad arguments; 3 ``--verify``/``--verify-only`` found
-a record that differs from its source; 130 interrupted.
+Exit codes (those of every ``pyloader`` command, NOTE [exit codes] in pyloader/errors.py):
+0 converted (and verified, with ``--verify``); 1 the source could not be converted or read
+(the message names the file, column and row), or DST already holds a dataset without
+``--overwrite``; 2 bad arguments; 4 a URL destination cannot be reached; 5
+``--verify``/``--verify-only`` found a record that differs from its source; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,21 +20,33 @@ import re
 import sys
 from typing import Any
 
-from ..errors import PyloaderError, VerifyError
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, VerifyError, exit_code
 from ..format.sizes import parse_size
 from .convert import COMPRESSIONS, ENGINES, convert
 from .sources import KINDS, NULL_POLICIES
 from .verify import verify_dataset
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# convert()'s keywords as the command's flags, in the messages it prints: ``nulls='zero'`` is
+# ``--nulls zero``, ``labels=True`` is ``--labels``, ``kind=`` alone is ``--kind``.
+_KEYWORD = re.compile(r"\b(kind|fields|nulls|labels|compression|jobs|engine|scheduler|storage_options|shard_size"
+                      r"|task_size|overwrite)=(?:(True)\b|'([^'\s]*)'|(\d+)\b)?")
 
-# convert()'s keywords as the command's flags, in the messages it prints.
-_KEYWORD = re.compile(r"\b(kind|fields|nulls|labels|compression|jobs|engine|scheduler|storage_options)=(?:True\b)?")
+
+def _flag(m: re.Match[str]) -> str:
+    value = m.group(3) if m.group(3) is not None else m.group(4)
+    return f"--{m.group(1).replace('_', '-')}" + (f" {value}" if value is not None else "")
 
 
 def cli_words(message: str) -> str:
-    """``message`` with ``kind=`` (a keyword of ``convert()``) written as its flag ``--kind``."""
-    return _KEYWORD.sub(lambda m: f"--{m.group(1).replace('_', '-')}", message)
+    """``message`` with ``nulls='zero'`` (a keyword of ``convert()``) written as the flag ``--nulls zero``."""
+    return _KEYWORD.sub(_flag, message)
+
+
+def _size_option(flag: str, text: str) -> None:
+    try:
+        parse_size(text, minimum=1)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def parse_fields(text: str | None) -> Any:
@@ -61,7 +74,7 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Convert SRC into a pyloader dataset at DST (shards + manifest.json). SRC is a Parquet file "
         "or folder, an Arrow IPC file, a .npy/.npz file or folder of .npy files, WebDataset .tar shards, or "
         "any other folder (each file a record). Exit codes: 0 ok, 1 conversion failed, 2 bad arguments, "
-        "3 verification found a difference.")
+        "4 a URL destination cannot be reached, 5 verification found a difference, 130 interrupted.")
     p.add_argument("src", nargs="+", metavar="SRC",
                    help="source file or folder; several files; or a quoted glob pattern such as \"wds/*.tar\"")
     p.add_argument("dst", metavar="DST", help="dataset folder to write, or a URL (s3://bucket/prefix): shards are "
@@ -107,15 +120,17 @@ def run_convert(args: argparse.Namespace) -> int:
                              "workers run the tasks")
         if args.engine != "dask" and (args.scheduler is not None or args.task_size is not None):
             raise ValueError("--scheduler and --task-size need --engine dask")
-        parse_size(args.shard_size, minimum=1)
+        _size_option("--shard-size", args.shard_size)
         if args.task_size is not None:
-            parse_size(args.task_size, minimum=1)
+            _size_option("--task-size", args.task_size)
         try:
             storage_options = json.loads(args.storage_options) if args.storage_options else None
         except json.JSONDecodeError as e:
-            raise ValueError(f"--storage-options is not JSON: {e}") from None
+            raise ValueError(f"--storage-options {args.storage_options!r} is not JSON ({e}); give a JSON object, "
+                             "e.g. '{\"anon\": true}'") from None
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise ValueError("--storage-options must be a JSON object")
+            raise ValueError(f"--storage-options {args.storage_options!r} is not a JSON object; give one, "
+                             "e.g. '{\"anon\": true}'")
     except ValueError as e:
         print(f"pyloader convert: {e}", file=err)
         return EXIT_USAGE
@@ -135,37 +150,59 @@ def run_convert(args: argparse.Namespace) -> int:
     except VerifyError as e:
         print(f"pyloader convert: verification failed: {cli_words(str(e))}", file=err)
         return EXIT_MISMATCH
-    except (PyloaderError, OSError) as e:
-        print(f"pyloader convert: {cli_words(str(e))}", file=err)
-        return EXIT_FAILED
-    except ValueError as e:  # invalid option combinations found while opening the source
-        print(f"pyloader convert: {cli_words(str(e))}", file=err)
-        return EXIT_USAGE
     except ImportError as e:  # --engine dask without dask installed
         print(f"pyloader convert: {e}", file=err)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("pyloader convert: interrupted; no dataset was written", file=err)
         return EXIT_INTERRUPTED
+    except Exception as e:  # See NOTE [exit codes]: a source that fails 1, an option found bad opening it 2
+        code = exit_code(e)
+        if code is None:
+            raise
+        print(f"pyloader convert: {cli_words(str(e))}", file=err)
+        return code
     if args.json:
         print(json.dumps(out))
         return EXIT_OK
     v = out.get("verified")
     if not args.verify_only:
         comp = ", ".join(f"{k}={c}" for k, c in out["compression"].items())
-        print(f"wrote {out['records']:,} records in {out['shards']} shards to {out['path']}: "
-              f"{out['bytes_in'] / 1e6:.1f} MB of values -> {out['bytes_out'] / 1e6:.1f} MB, "
-              f"{out['seconds']:.2f}s ({out['mb_per_s']:.1f} MB/s, {_parallelism(out)}); compression: {comp}")
+        print(f"wrote {out['records']:,} records in {_plural(out['shards'], 'shard')} to {out['path']}: "
+              f"{_mb(out['bytes_in'])} of values -> {_mb(out['bytes_out'])} of shard files{_overhead(out)}, "
+              f"{out['seconds']:.2f}s ({_mb(out['mb_per_s'] * 1e6)}/s, {_parallelism(out)}); compression: {comp}")
     if v is not None:
         print(f"verified: {v['records']:,} records x {v['fields']} fields equal the source "
               f"({v['bytes'] / 1e6:.1f} MB in {v['seconds']:.2f}s)")
     return EXIT_OK
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def _mb(nbytes: float) -> str:
+    """Bytes in the unit that shows them (``380 B``, ``31.2 KB``, ``12.5 MB``; 1 KB = 1000 B), never ``0.0 MB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _overhead(out: dict[str, Any]) -> str:
+    """Why the shard files are larger than the values, when they are: what a record costs besides its values."""
+    extra = out["bytes_out"] - out["bytes_in"]
+    if extra <= 0 or out["records"] <= 0:
+        return ""
+    per_record = extra / out["records"]
+    return (f" (+{per_record:.0f} B per record: each shard's header and index, an entry per record and "
+            "field, and checksums; small records pay the most)")
+
+
 def _parallelism(out: dict[str, Any]) -> str:
     if out.get("engine") == "dask":
-        return f"{out['tasks']} dask tasks on {out['jobs']} workers"
-    return f"{out['jobs']} jobs"
+        return f"{_plural(out['tasks'], 'dask task')} on {_plural(out['jobs'], 'worker')}"
+    return _plural(out["jobs"], "job")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,6 +258,9 @@ class Progress:
         self.bytes = 0
         self.start = time.perf_counter()
         self._last = 0.0
+        # (time, records) of the first report: the ETA comes from the rate since then, so the
+        # start-up (processes, a cluster, the first reads) does not stretch it.
+        self._first: tuple[float, int] | None = None
         self._tty = sys.stderr.isatty()
         self._mu = threading.Lock()
 
@@ -266,6 +269,8 @@ class Progress:
         with self._mu:
             self.records += n
             self.bytes += nb
+            if self._first is None:
+                self._first = (time.perf_counter(), self.records)
         self.show()
 
     def show(self, final: bool = False) -> None:
@@ -288,8 +293,10 @@ class Progress:
             return
         pct = f" ({100 * self.records / self.total:.1f}%)" if self.total else ""
         eta = ""
-        if self.records and self.total and not final:
-            eta = f", ETA {dt * (self.total - self.records) / self.records:.0f}s"
+        first = self._first
+        if first is not None and self.records > first[1] and self.total and not final:
+            rate = (self.records - first[1]) / max(now - first[0], 1e-9)
+            eta = f", ETA {(self.total - self.records) / rate:.0f}s"
         line = (f"converted {self.records:,}/{self.total:,} records{pct}, {self.bytes / 1e6:.1f} MB, "
                 f"{info['mb_per_s']:.1f} MB/s{eta}")
         end = "\n" if final or not self._tty else ""
@@ -402,6 +409,7 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
                            "(a dataset needs at least one record)")
     comp = choose_compression(source, compression)
     root = store.location
+    created = isinstance(store, LocalStore) and not os.path.isdir(root)  # removed again if the run fails
     if isinstance(store, LocalStore):
         os.makedirs(root, exist_ok=True)
     token, old = replace_token(root, overwrite=overwrite, hint="pass overwrite=True / --overwrite", store=store)
@@ -425,6 +433,8 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
             for r in results:
                 store.remove([s["path"] for s in r["shards"]])
             remove_leftovers(store, keep=old)
+            if created:
+                os.rmdir(root)  # a folder this run made and that holds nothing: no trace of a dataset
         except OSError:  # the run's own error is the one to report; the next run removes the rest
             pass
         raise

@@ -228,8 +228,8 @@ class ArrowSource(Source):
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
             if isinstance(e, FileNotFoundError):
                 raise
-            raise ConvertError(f"{p}: not a readable {'Parquet' if self.kind == 'parquet' else 'Arrow IPC'} "
-                               f"file: {e}") from None
+            raise _not_readable(p, self.kind, f"not a readable {'Parquet' if self.kind == 'parquet' else 'Arrow IPC'} "
+                                f"file: {e}") from None
 
     @staticmethod
     def _open_ipc(p: str) -> Any:
@@ -311,7 +311,7 @@ class NumpySource(Source):
                 except (ValueError, OSError) as e:
                     if isinstance(e, FileNotFoundError):
                         raise
-                    raise ConvertError(f"{self.paths[k]}: not a readable .npy file: {e}") from None
+                    raise _not_readable(self.paths[k], "numpy", f"not a readable .npy file: {e}") from None
             else:
                 arrs[k] = np.asarray(v)
         if names is not None:
@@ -494,7 +494,7 @@ def _tar_samples(path: str) -> Iterator[tuple[str, dict[str, tarfile.TarInfo], t
     except (tarfile.TarError, OSError) as e:
         if isinstance(e, FileNotFoundError):
             raise
-        raise ConvertError(f"{path}: not a readable tar file: {e}") from None
+        raise _not_readable(path, "tar", "not a readable tar file: " + " ".join(str(e).split())) from None
     with tf:
         seen: set[str] = set()
         key: str | None = None
@@ -674,6 +674,39 @@ def expand_paths(src: str | os.PathLike[str] | list[Any] | tuple[Any, ...]) -> s
     return out[0] if len(out) == 1 else out
 
 
+# The first bytes of each kind's files (a tar's "ustar" sits at offset 257).
+_MAGIC = (("parquet", 0, b"PAR1"), ("arrow", 0, b"ARROW1"), ("numpy", 0, b"\x93NUMPY"), ("numpy", 0, b"PK\x03\x04"),
+          ("tar", 257, b"ustar"))
+
+
+def sniff_kind(path: str) -> str | None:
+    """The source kind the first bytes of file ``path`` show (None: none of them, or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None
+    for kind, at, magic in _MAGIC:
+        if head[at:at + len(magic)] == magic:
+            return kind
+    if head[:4] == b"\xff\xff\xff\xff" and head[8:14] == b"ARROW1":  # an Arrow IPC stream
+        return "arrow"
+    return None
+
+
+def _not_readable(path: str, kind: str, problem: str) -> ConvertError:
+    """The error for a file that cannot be read as ``kind``: names the kind it is when its bytes tell."""
+    actual = sniff_kind(path)
+    if actual is not None and actual != kind:
+        return ConvertError(f"{path}: is a {_KIND_NAMES[actual]} file, not {_KIND_NAMES[kind]}: pass kind={actual!r} "
+                            "(or leave kind= out to guess it from the file names)")
+    return ConvertError(f"{path}: {problem}")
+
+
+_KIND_NAMES = {"parquet": "Parquet", "arrow": "Arrow IPC", "numpy": "numpy (.npy/.npz)", "tar": "tar",
+               "files": "plain"}
+
+
 def _unknown_kind(path: str) -> ConvertError:
     low = path.lower()
     if low.endswith(_TEXT_EXT):
@@ -754,4 +787,4 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
 
 
 __all__ = ["KINDS", "NULL_POLICIES", "image_encoding", "Chunk", "Source", "ArrowSource", "NumpySource", "FilesSource",
-           "TarSource", "expand_paths", "open_source"]
+           "TarSource", "expand_paths", "open_source", "sniff_kind"]

@@ -38,6 +38,9 @@ def test_a_server_that_never_answers_is_named_while_waiting(cache_dir, capsys, m
     err = capsys.readouterr().err
     assert code == EXIT_UNREACHABLE, err
     assert "no data for" in err and f"{url}/manifest.json" in err and "PYLOADER_FETCH_STALL_TIMEOUT" in err
+    # What the waiting line promises is what the retries do: at most 2 attempts, and the last line says so.
+    assert "up to 2 attempts and at most" in err and "retried until" not in err, err
+    assert "gave up after 2 attempts" in err and "the limit of 2 attempts, PYLOADER_FETCH_ATTEMPTS" in err, err
 
 
 def test_the_help_documents_exit_4(capsys) -> None:

@@ -10,6 +10,7 @@ from remote_servers import Fault
 from remote_util import N_RECORDS, labels, published, write_ds
 
 import pyloader
+from pyloader.errors import RemoteCorruptError
 from pyloader.remote.bad_copies import verify_entry
 from pyloader.remote.cache import ShardCache
 from pyloader.remote.fetch import open_remote
@@ -148,15 +149,16 @@ def test_persistent_5xx_gives_up_after_bounded_attempts(server, cache_dir):
 
 
 @pytest.mark.timeout(60)
-def test_changed_object_is_detected_and_never_published(server, srv_root, cache_dir):
+def test_changed_or_corrupt_object_is_detected_and_never_published(server, srv_root, cache_dir):
     path = os.path.join(srv_root, SHARD1)
     with open(path, "rb") as f:
         data = bytearray(f.read())
-    data[-1] ^= 1  # same size, different content: what a rewritten object looks like
+    data[-1] ^= 1  # same size, different content: corrupt at the source, or a stale manifest
     server.inject(SHARD1, Fault("replace", data=bytes(data), times=None))
     dcache = open_remote(server.url + "/ds", cache_dir=cache_dir)
-    with pytest.raises(RemoteChangedError, match="changed after the manifest"):
+    with pytest.raises(RemoteCorruptError, match="do not match the manifest's checksum") as ei:
         dcache.ensure(1)
+    assert not isinstance(ei.value, RemoteChangedError) and "re-upload that shard" in str(ei.value)
     assert server.count(SHARD1) == 2  # one retry in case a byte flipped in transit
     assert not dcache.is_published(1)
     # A bigger object is a changed object at once.

@@ -105,7 +105,7 @@ def test_dask_convert_to_s3_and_cli_verify(tmp_path, s3, s3fs_of):
     data = bytearray(s3fs_of.cat_file(first))
     data[-1] ^= 0xFF
     s3fs_of.pipe_file(first, bytes(data))
-    assert CLI.main(["convert", src, url, "--verify-only", "--storage-options", json.dumps(opts)]) == 3
+    assert CLI.main(["convert", src, url, "--verify-only", "--storage-options", json.dumps(opts)]) == 5
 
 
 @pytest.mark.timeout(60)

@@ -134,7 +134,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert CLI.main(["convert", src, out, "--fields", "a:notatype"]) == 2
     assert CLI.main(["convert", src, out, "--shard-size", "lots"]) == 2
     write_parquet(src, t.set_column(0, "a", pa.array([0] * 50, pa.int64())))
-    assert CLI.main(["convert", "--verify-only", src, out, "--fields", "a,s"]) == 3
+    assert CLI.main(["convert", "--verify-only", src, out, "--fields", "a,s"]) == 5
     assert "record 1 field 'a' differs" in capsys.readouterr().err
     assert CLI.main(["convert", str(tmp_path / "missing.parquet"), str(tmp_path / "o2")]) == 1
     assert CLI.main(["convert", src, str(tmp_path / "o3"), "--quiet", "--compression", "none"]) == 0

@@ -566,6 +566,7 @@ void BatchPipeline::collate_records(FillState* st, Batch* out) {
   const int64_t* record_of_row = st->record_of_row;
   const size_t* stride = st->stride.data();
   ValueTotals t;
+  Mismatch bad;  // set by a step that returns false, then raised
   for (size_t k = 0; k < rows; ++k) {
     const size_t i = visit[k];
     prefetch_next_records(shard_of, visit, record_of_row, k, rows);
@@ -576,7 +577,6 @@ void BatchPipeline::collate_records(FillState* st, Batch* out) {
     for (size_t f = 0; f < nf; ++f) {
       const bool ragged = cfg_.ragged && fields[f].variable;
       uint8_t* dst = out->fields[f].data + (ragged ? st->row_off[f][i] * fields[f].row_bytes : i * stride[f]);
-      Mismatch bad;
       if (const int32_t c = sh.column_of(f); c >= 0) {
         if (!place_column_value(sh, size_t(c), rec, dst, &t, &bad))
           raise_corrupt(*st, i, rec, f, bad.what, bad.got, bad.want);

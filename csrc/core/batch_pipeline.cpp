@@ -1,9 +1,9 @@
 #include "core/batch_pipeline.h"
 
-#include <emmintrin.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -12,13 +12,27 @@
 #include "core/errors.h"
 #include "core/lz4_block.h"
 
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define PYLOADER_PIPELINE_SSE2 1
+#endif
+
+// For the per-value steps of collate_records(): they run once per field of every record,
+// so they are inlined into its loop whatever the compiler's size heuristics say.
+#if defined(__GNUC__)
+#define PYLOADER_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define PYLOADER_ALWAYS_INLINE inline
+#endif
+
 namespace pyloader {
 namespace {
 
+#ifdef PYLOADER_PIPELINE_SSE2
 // Copies a large value into a batch row with non-temporal stores: the batch is written
 // once and read later (by the consumer or a DMA engine), so streaming it past the cache
 // saves the read-for-ownership of every destination line. Small or unaligned copies use
-// memcpy. Callers issue _mm_sfence() before publishing the batch to another thread.
+// memcpy. Callers issue finish_streaming_stores() before publishing the batch to another thread.
 inline void copy_row(uint8_t* dst, const uint8_t* src, size_t n) {
   if (n < 4096 || (reinterpret_cast<uintptr_t>(dst) & 15) != 0) {
     std::memcpy(dst, src, n);
@@ -38,6 +52,14 @@ inline void copy_row(uint8_t* dst, const uint8_t* src, size_t n) {
   std::memcpy(dst + i, src + i, n - i);
 }
 
+// Orders the streaming stores of copy_row() before the batch is published.
+inline void finish_streaming_stores() noexcept { _mm_sfence(); }
+#else
+// Without SSE2: plain stores, which the release of the ring's mutex publishes.
+inline void copy_row(uint8_t* dst, const uint8_t* src, size_t n) { std::memcpy(dst, src, n); }
+inline void finish_streaming_stores() noexcept {}
+#endif
+
 constexpr uint32_t kNoBatch = 0xffffffffu;
 
 // Thrown by fill() when the batch must be collated again once a shard was fetched anew.
@@ -46,6 +68,93 @@ struct RetryBatch {};
 // Set on a pipeline's worker threads (NOTE [hand-over gate]).
 thread_local bool on_worker = false;
 std::atomic<uint64_t> destroyed_on_worker{0};
+
+// collate_records()'s tallies, added to the counters once per batch.
+struct ValueTotals {
+  uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
+};
+
+// A value whose bytes failed their checksum: what was hashed, and the two digests.
+struct Mismatch {
+  const char* what = nullptr;
+  uint64_t got = 0, want = 0;
+};
+
+// Starts loading what the next records of the visit order need, while record k is copied:
+// the index entry of the record after next (read one record from now) and the next
+// record's bytes.
+PYLOADER_ALWAYS_INLINE void prefetch_next_records(const Shard* const* shard_of, const uint32_t* visit,
+                                                  const int64_t* record_of_row, size_t k, size_t rows) noexcept {
+  if (k + 2 < rows) {  // the index entry of the record after next: read below one record from now
+    const Shard& n2 = *shard_of[visit[k + 2]];
+    if (const int32_t f0 = n2.first_indexed(); f0 >= 0)
+      __builtin_prefetch(n2.entry_address(uint64_t(record_of_row[visit[k + 2]]), size_t(f0)));
+  }
+  if (k + 1 < rows) {  // start fetching the next record's bytes
+    const Shard& nx = *shard_of[visit[k + 1]];
+    const uint64_t nrec = uint64_t(record_of_row[visit[k + 1]]);
+    if (const int32_t nf0 = nx.first_indexed(); nf0 >= 0) {
+      const IndexEntry ne = nx.entry(nrec, size_t(nf0));
+      // Every page of it: a shuffled batch's next record is on pages the TLB has not
+      // seen, and the hardware prefetcher stops at each page boundary; touching each
+      // page now starts those walks while this record is copied.
+      const uint8_t* np = nx.payload() + ne.offset;
+      const uint8_t* end = np + ne.stored_size;
+      for (const uint8_t* q = np; q < end; q += 4096) __builtin_prefetch(q);
+      if (ne.stored_size > 4096) __builtin_prefetch(end - 1);
+    } else {
+      const ColumnSpec& nc = nx.column(0);
+      __builtin_prefetch(nc.data + nrec * nc.row_bytes);
+    }
+  }
+}
+
+// Copies record rec's value of column c to dst. False (and *bad set) when the value's
+// block fails its checksum.
+PYLOADER_ALWAYS_INLINE bool place_column_value(const Shard& sh, size_t c, uint64_t rec, uint8_t* dst, ValueTotals* t,
+                                               Mismatch* bad) noexcept {
+  // See NOTE [column layout]: the value's block is checked once, then the value is copied.
+  const ColumnSpec& col = sh.column(c);
+  const uint64_t block = rec >> col.block_shift;
+  if (!sh.block_verified(col.first_block + block)) {
+    uint64_t got, want;
+    if (!sh.check_block(c, block, &got, &want)) {
+      *bad = Mismatch{"column block", got, want};
+      return false;
+    }
+    sh.mark_block_verified(col.first_block + block);
+    t->verified += std::min<uint64_t>(uint64_t(1) << col.block_shift, sh.num_records() - (block << col.block_shift)) *
+                   col.row_bytes;
+  }
+  std::memcpy(dst, col.data + rec * col.row_bytes, col.row_bytes);
+  t->stored += col.row_bytes;
+  t->decoded += col.row_bytes;
+  return true;
+}
+
+// Places an indexed value (entry e, stored bytes at src) at dst: raw bytes are copied (and
+// hashed in the same pass when `verify`), LZ4 bytes hashed when `verify`, then decoded.
+// False (and *bad set) on a checksum mismatch; *malformed is the decoder's error, if any.
+PYLOADER_ALWAYS_INLINE bool place_indexed_value(const Shard& sh, const IndexEntry& e, const uint8_t* src, bool verify,
+                                                uint8_t* dst, Mismatch* bad, const char** malformed) {
+  if (e.codec == kCodecRaw) {
+    if (!verify) {
+      copy_row(dst, src, e.stored_size);
+    } else if (uint64_t got = shard_checksum_copy(sh.version(), dst, src, e.stored_size); got != e.checksum) {
+      *bad = Mismatch{"payload", got, e.checksum};
+      return false;
+    }
+    return true;
+  }
+  if (verify) {
+    if (uint64_t got = shard_checksum(sh.version(), src, e.stored_size); got != e.checksum) {
+      *bad = Mismatch{"payload", got, e.checksum};
+      return false;
+    }
+  }
+  *malformed = lz4_decode_block(src, e.stored_size, dst, e.decoded_size);
+  return true;
+}
 
 }  // namespace
 
@@ -326,193 +435,201 @@ void BatchPipeline::worker_loop(size_t index) {
   }
 }
 
-void BatchPipeline::fill(size_t b, Batch* out) {
-  const auto& fields = shards_->fields();
-  const size_t nf = fields.size();
-  const size_t begin = b * cfg_.batch_size;
-  const size_t rows = std::min(cfg_.batch_size, shard_idx_.size() - begin);
-
-  // Rows are visited in storage order (shard, then record), not batch order: a shuffled
-  // batch then reads its sources at ascending addresses, which the TLB and the hardware
-  // prefetcher handle far better. Each record still lands in its own row.
-  std::vector<uint32_t> visit(rows);
-  for (size_t i = 0; i < rows; ++i) visit[i] = uint32_t(i);
-  std::sort(visit.begin(), visit.end(), [&](uint32_t a, uint32_t c) {
-    int32_t sa = shard_idx_[begin + a], sc = shard_idx_[begin + c];
-    return sa != sc ? sa < sc : record_idx_[begin + a] < record_idx_[begin + c];
-  });
-
-  // Pass 1: hold each distinct shard once (NOTE [working set]) and find each variable
-  // field's max length.
-  const uint64_t t_open = now_ns();
-  std::vector<std::shared_ptr<const Shard>> held;
-  std::vector<const Shard*> shard_of(rows);
-  std::vector<uint32_t> max_len(nf, 0);
+// fill()'s working state for one batch: what its steps hand on to the next.
+struct BatchPipeline::FillState {
+  size_t rows = 0;                                 // rows in the batch
+  const int32_t* shard_of_row = nullptr;           // row i's shard in the plan
+  const int64_t* record_of_row = nullptr;          // row i's record in the plan
+  std::vector<uint32_t> visit;                     // rows in storage order (order_rows_by_storage())
+  std::vector<std::shared_ptr<const Shard>> held;  // each distinct shard once (NOTE [working set])
+  std::vector<const Shard*> shard_of;              // row i's shard
+  std::vector<uint32_t> max_len;                   // per variable field: its longest value's length
   // See NOTE [ragged batches]: each variable field's row offsets (in rows of the field), row order.
-  std::vector<std::vector<uint64_t>> row_off(cfg_.ragged ? nf : 0);
-  for (auto& o : row_off) o.assign(rows + 1, 0);
-  int32_t last = -1;
-  for (size_t k = 0; k < rows; ++k) {
-    const size_t i = visit[k];
-    const int32_t s = shard_idx_[begin + i];
-    if (s != last) {
-      held.push_back(shards_->get(size_t(s), &cancel_));
-      last = s;
-    }
-    shard_of[i] = held.back().get();
-    for (size_t f = 0; f < nf; ++f)
-      if (fields[f].variable) {
-        const uint32_t len = shard_of[i]->entry(uint64_t(record_idx_[begin + i]), f).leading;
-        max_len[f] = std::max(max_len[f], len);
-        if (cfg_.ragged) row_off[f][i + 1] = len;
-      }
-  }
-  for (auto& o : row_off)
-    for (size_t i = 0; i < rows; ++i) o[i + 1] += o[i];
+  std::vector<std::vector<uint64_t>> row_off;
+  std::vector<size_t> stride;  // padded rows: bytes per row
+  ValueTotals totals;
+};
 
+void BatchPipeline::fill(size_t b, Batch* out) {
+  const size_t begin = b * cfg_.batch_size;
+  FillState st;
+  st.rows = std::min(cfg_.batch_size, shard_idx_.size() - begin);
+  st.shard_of_row = shard_idx_.data() + begin;  // row i is plan entry begin + i
+  st.record_of_row = record_idx_.data() + begin;
+  order_rows_by_storage(&st);
+
+  const uint64_t t_open = now_ns();
+  hold_shards(&st);
   const uint64_t t_fill = now_ns();
   counters_.shard_wait_ns.fetch_add(t_fill - t_open, std::memory_order_relaxed);
   out->index = b;
-  out->rows = rows;
+  out->rows = st.rows;
+  take_slot_and_shape(&st, out);
+  collate_records(&st, out);
+  finish_streaming_stores();  // order the streaming stores of copy_row() before the batch is published
+  count_batch(st, t_fill);
+}
+
+void BatchPipeline::order_rows_by_storage(FillState* st) const {
+  // Rows are visited in storage order (shard, then record), not batch order: a shuffled
+  // batch then reads its sources at ascending addresses, which the TLB and the hardware
+  // prefetcher handle far better. Each record still lands in its own row.
+  const int32_t* shard = st->shard_of_row;
+  const int64_t* record = st->record_of_row;
+  st->visit.resize(st->rows);
+  for (size_t i = 0; i < st->rows; ++i) st->visit[i] = uint32_t(i);
+  std::sort(st->visit.begin(), st->visit.end(), [&](uint32_t a, uint32_t c) {
+    int32_t sa = shard[a], sc = shard[c];
+    return sa != sc ? sa < sc : record[a] < record[c];
+  });
+}
+
+void BatchPipeline::hold_shards(FillState* st) {
+  // Pass 1: hold each distinct shard once (NOTE [working set]) and find each variable
+  // field's max length.
+  const auto& fields = shards_->fields();
+  const size_t nf = fields.size();
+  const size_t rows = st->rows;
+  st->shard_of.resize(rows);
+  st->max_len.assign(nf, 0);
+  st->row_off.resize(cfg_.ragged ? nf : 0);
+  for (auto& o : st->row_off) o.assign(rows + 1, 0);
+  int32_t last = -1;
+  for (size_t k = 0; k < rows; ++k) {
+    const size_t i = st->visit[k];
+    const int32_t s = st->shard_of_row[i];
+    if (s != last) {
+      st->held.push_back(shards_->get(size_t(s), &cancel_));
+      last = s;
+    }
+    st->shard_of[i] = st->held.back().get();
+    for (size_t f = 0; f < nf; ++f)
+      if (fields[f].variable) {
+        const uint32_t len = st->shard_of[i]->entry(uint64_t(st->record_of_row[i]), f).leading;
+        st->max_len[f] = std::max(st->max_len[f], len);
+        if (cfg_.ragged) st->row_off[f][i + 1] = len;
+      }
+  }
+  for (auto& o : st->row_off)
+    for (size_t i = 0; i < rows; ++i) o[i + 1] += o[i];
+}
+
+void BatchPipeline::take_slot_and_shape(FillState* st, Batch* out) {
+  const auto& fields = shards_->fields();
+  const size_t nf = fields.size();
+  const size_t rows = st->rows;
   out->slot = pool_->acquire(&no_grow_, &cancel_);
   if (!out->slot) throw LoaderError(ErrorKind::kState, "", -1, "", "cancelled while waiting for a free batch slot");
   Slot& slot = *out->slot;
   out->fields.resize(nf);
-  std::vector<size_t> stride(nf);       // padded rows: bytes per row
+  st->stride.assign(nf, 0);
   std::vector<size_t> field_bytes(nf);  // the field's whole buffer
   for (size_t f = 0; f < nf; ++f) {
     const FieldSpec& spec = fields[f];
     FieldView& v = out->fields[f];
     v.shape.assign(1, int64_t(rows));
     if (spec.variable && cfg_.ragged) {
-      v.shape.assign(1, int64_t(row_off[f][rows]));
+      v.shape.assign(1, int64_t(st->row_off[f][rows]));
       v.shape.insert(v.shape.end(), spec.dims.begin() + 1, spec.dims.end());
-      field_bytes[f] = size_t(row_off[f][rows]) * spec.row_bytes;
+      field_bytes[f] = size_t(st->row_off[f][rows]) * spec.row_bytes;
       slot.lengths[f].reserve(rows * sizeof(int64_t));
       v.lengths = reinterpret_cast<int64_t*>(slot.lengths[f].data());
     } else if (spec.variable) {
-      v.shape.push_back(int64_t(max_len[f]));
+      v.shape.push_back(int64_t(st->max_len[f]));
       v.shape.insert(v.shape.end(), spec.dims.begin() + 1, spec.dims.end());
-      stride[f] = size_t(max_len[f]) * spec.row_bytes;
+      st->stride[f] = size_t(st->max_len[f]) * spec.row_bytes;
       slot.lengths[f].reserve(rows * sizeof(int64_t));
       v.lengths = reinterpret_cast<int64_t*>(slot.lengths[f].data());
     } else {
       v.shape.insert(v.shape.end(), spec.dims.begin(), spec.dims.end());
-      stride[f] = spec.row_bytes;
+      st->stride[f] = spec.row_bytes;
       v.lengths = nullptr;
     }
-    if (!(spec.variable && cfg_.ragged)) field_bytes[f] = rows * stride[f];
+    if (!(spec.variable && cfg_.ragged)) field_bytes[f] = rows * st->stride[f];
     size_t before = slot.data[f].capacity();
     // A fixed-shape field: batch_size rows of row_bytes every batch (fewer in the last).
     slot.data[f].reserve(std::max<size_t>(field_bytes[f], 1), !spec.variable);
     if (slot.data[f].capacity() != before) ++slot.allocations;
     v.data = slot.data[f].data();
   }
+}
 
+void BatchPipeline::collate_records(FillState* st, Batch* out) {
   // Pass 2: verify, decode and place every record's fields into its row, in visit order.
   // A value whose bytes fail their checksum: a cached copy is healed (NOTE [self-healing]),
   // anything else raised.
-  auto corrupt = [&](size_t i, uint64_t rec, size_t f, const char* what, uint64_t got, uint64_t want) {
-    const Shard& sh = *shard_of[i];
-    char digests[200];
-    std::snprintf(digests, sizeof digests, "%s checksum mismatch (corrupt data): %s %016llx, %s says %016llx", what,
-                  shard_checksum_name(sh.version()), static_cast<unsigned long long>(got),
-                  sh.column_of(f) >= 0 ? "column table" : "index", static_cast<unsigned long long>(want));
-    LoaderError err(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name, digests);
-    std::string earlier;
-    if (shards_->pending_set() && shards_->report_corrupt(size_t(shard_idx_[begin + i]), &sh, err.what(), &earlier))
-      throw RetryBatch{};
-    if (earlier.empty()) throw err;
-    throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
-                      std::string(digests) +
-                          "; the cached copy was discarded and fetched again after an earlier "
-                          "failure (" +
-                          earlier + "), and failed again");
-  };
-  uint64_t stored = 0, decoded = 0, lz4_stored = 0, verified = 0;
+  const auto& fields = shards_->fields();
+  const size_t nf = fields.size();
+  const size_t rows = st->rows;
+  const uint32_t* visit = st->visit.data();
+  const Shard* const* shard_of = st->shard_of.data();
+  const int64_t* record_of_row = st->record_of_row;
+  const size_t* stride = st->stride.data();
+  ValueTotals t;
+  Mismatch bad;  // set by a step that returns false, then raised
   for (size_t k = 0; k < rows; ++k) {
     const size_t i = visit[k];
-    if (k + 2 < rows) {  // the index entry of the record after next: read below one record from now
-      const Shard& n2 = *shard_of[visit[k + 2]];
-      if (const int32_t f0 = n2.first_indexed(); f0 >= 0)
-        __builtin_prefetch(n2.entry_address(uint64_t(record_idx_[begin + visit[k + 2]]), size_t(f0)));
-    }
-    if (k + 1 < rows) {  // start fetching the next record's bytes
-      const Shard& nx = *shard_of[visit[k + 1]];
-      const uint64_t nrec = uint64_t(record_idx_[begin + visit[k + 1]]);
-      if (const int32_t nf0 = nx.first_indexed(); nf0 >= 0) {
-        const IndexEntry ne = nx.entry(nrec, size_t(nf0));
-        // Every page of it: a shuffled batch's next record is on pages the TLB has not
-        // seen, and the hardware prefetcher stops at each page boundary; touching each
-        // page now starts those walks while this record is copied.
-        const uint8_t* np = nx.payload() + ne.offset;
-        const uint8_t* end = np + ne.stored_size;
-        for (const uint8_t* q = np; q < end; q += 4096) __builtin_prefetch(q);
-        if (ne.stored_size > 4096) __builtin_prefetch(end - 1);
-      } else {
-        const ColumnSpec& nc = nx.column(0);
-        __builtin_prefetch(nc.data + nrec * nc.row_bytes);
-      }
-    }
+    prefetch_next_records(shard_of, visit, record_of_row, k, rows);
     const Shard& sh = *shard_of[i];
-    const uint64_t rec = uint64_t(record_idx_[begin + i]);
+    const uint64_t rec = uint64_t(record_of_row[i]);
     const uint8_t* payload = sh.payload();
     const bool verify = !sh.verified(rec);  // NOTE [verify once] in shard_reader.h
     for (size_t f = 0; f < nf; ++f) {
       const bool ragged = cfg_.ragged && fields[f].variable;
-      uint8_t* dst = out->fields[f].data + (ragged ? row_off[f][i] * fields[f].row_bytes : i * stride[f]);
+      uint8_t* dst = out->fields[f].data + (ragged ? st->row_off[f][i] * fields[f].row_bytes : i * stride[f]);
       if (const int32_t c = sh.column_of(f); c >= 0) {
-        // See NOTE [column layout]: the value's block is checked once, then the value is copied.
-        const ColumnSpec& col = sh.column(size_t(c));
-        const uint64_t block = rec >> col.block_shift;
-        if (!sh.block_verified(col.first_block + block)) {
-          uint64_t got, want;
-          if (!sh.check_block(size_t(c), block, &got, &want)) corrupt(i, rec, f, "column block", got, want);
-          sh.mark_block_verified(col.first_block + block);
-          verified += std::min<uint64_t>(uint64_t(1) << col.block_shift,
-                                         sh.num_records() - (block << col.block_shift)) *
-                      col.row_bytes;
-        }
-        std::memcpy(dst, col.data + rec * col.row_bytes, col.row_bytes);
-        stored += col.row_bytes;
-        decoded += col.row_bytes;
+        if (!place_column_value(sh, size_t(c), rec, dst, &t, &bad))
+          raise_corrupt(*st, i, rec, f, bad.what, bad.got, bad.want);
         continue;
       }
       const IndexEntry e = sh.entry(rec, f);
-      const uint8_t* src = payload + e.offset;
-      if (e.codec == kCodecRaw) {
-        if (!verify) {
-          copy_row(dst, src, e.stored_size);
-        } else if (uint64_t got = shard_checksum_copy(sh.version(), dst, src, e.stored_size); got != e.checksum) {
-          corrupt(i, rec, f, "payload", got, e.checksum);
-        }
-      } else {
-        if (verify) {
-          if (uint64_t got = shard_checksum(sh.version(), src, e.stored_size); got != e.checksum)
-            corrupt(i, rec, f, "payload", got, e.checksum);
-        }
-        if (const char* err = lz4_decode_block(src, e.stored_size, dst, e.decoded_size))
-          throw LoaderError(ErrorKind::kFormat, sh.path(), int64_t(rec), fields[f].name,
-                            std::string("LZ4 block is malformed: ") + err);
-      }
+      const char* malformed = nullptr;
+      if (!place_indexed_value(sh, e, payload + e.offset, verify, dst, &bad, &malformed))
+        raise_corrupt(*st, i, rec, f, bad.what, bad.got, bad.want);
+      if (malformed)
+        throw LoaderError(ErrorKind::kFormat, sh.path(), int64_t(rec), fields[f].name,
+                          std::string("LZ4 block is malformed: ") + malformed);
       if (fields[f].variable) {
         // Zero the padding so no bytes of an earlier batch leak into this one.
         if (!ragged) std::memset(dst + e.decoded_size, 0, stride[f] - e.decoded_size);
         out->fields[f].lengths[i] = int64_t(e.leading);
       }
-      stored += e.stored_size;
-      decoded += e.decoded_size;
-      if (e.codec == kCodecLZ4) lz4_stored += e.stored_size;
-      if (verify) verified += e.stored_size;
+      t.stored += e.stored_size;
+      t.decoded += e.decoded_size;
+      if (e.codec == kCodecLZ4) t.lz4_stored += e.stored_size;
+      if (verify) t.verified += e.stored_size;
     }
     if (verify) sh.mark_verified(rec);
   }
-  _mm_sfence();  // order the streaming stores of copy_row() before the batch is published
-  counters_.records.fetch_add(rows, std::memory_order_relaxed);
-  counters_.stored_bytes.fetch_add(stored, std::memory_order_relaxed);
-  counters_.decoded_bytes.fetch_add(decoded, std::memory_order_relaxed);
-  counters_.lz4_stored_bytes.fetch_add(lz4_stored, std::memory_order_relaxed);
-  counters_.verified_bytes.fetch_add(verified, std::memory_order_relaxed);
+  st->totals = t;
+}
+
+void BatchPipeline::raise_corrupt(const FillState& st, size_t i, uint64_t rec, size_t f, const char* what, uint64_t got,
+                                  uint64_t want) {
+  const auto& fields = shards_->fields();
+  const Shard& sh = *st.shard_of[i];
+  char digests[200];
+  std::snprintf(digests, sizeof digests, "%s checksum mismatch (corrupt data): %s %016llx, %s says %016llx", what,
+                shard_checksum_name(sh.version()), static_cast<unsigned long long>(got),
+                sh.column_of(f) >= 0 ? "column table" : "index", static_cast<unsigned long long>(want));
+  LoaderError err(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name, digests);
+  std::string earlier;
+  if (shards_->pending_set() && shards_->report_corrupt(size_t(st.shard_of_row[i]), &sh, err.what(), &earlier))
+    throw RetryBatch{};
+  if (earlier.empty()) throw err;
+  throw LoaderError(ErrorKind::kChecksum, sh.path(), int64_t(rec), fields[f].name,
+                    std::string(digests) +
+                        "; the cached copy was discarded and fetched again after an earlier "
+                        "failure (" +
+                        earlier + "), and failed again");
+}
+
+void BatchPipeline::count_batch(const FillState& st, uint64_t t_fill) {
+  counters_.records.fetch_add(st.rows, std::memory_order_relaxed);
+  counters_.stored_bytes.fetch_add(st.totals.stored, std::memory_order_relaxed);
+  counters_.decoded_bytes.fetch_add(st.totals.decoded, std::memory_order_relaxed);
+  counters_.lz4_stored_bytes.fetch_add(st.totals.lz4_stored, std::memory_order_relaxed);
+  counters_.verified_bytes.fetch_add(st.totals.verified, std::memory_order_relaxed);
   counters_.collate_ns.fetch_add(now_ns() - t_fill, std::memory_order_relaxed);
   counters_.batches.fetch_add(1, std::memory_order_relaxed);
 }

@@ -122,6 +122,23 @@ class BatchPipeline {
   // [working set] in shard_reader.h): one lookup per distinct shard, none per record.
   // Throws RetryBatch when a corrupt cached shard is being fetched again (NOTE [self-healing]).
   void fill(size_t b, Batch* out);
+  // fill()'s steps, in order. FillState (batch_pipeline.cpp) is one batch's working state.
+  struct FillState;
+  // Sorts the batch's rows into storage order (shard, then record): the order they are read in.
+  void order_rows_by_storage(FillState* st) const;
+  // Pass 1: holds each distinct shard once and finds each variable field's max length
+  // (and, for a ragged batch, its row offsets).
+  void hold_shards(FillState* st);
+  // Takes a slot from the pool and gives every field its shape, stride and buffer.
+  void take_slot_and_shape(FillState* st, Batch* out);
+  // Pass 2: verifies, decodes and places every record's fields into its row.
+  void collate_records(FillState* st, Batch* out);
+  // A value of row i (record rec, field f) failed its checksum: throws RetryBatch when the
+  // shard is fetched again (NOTE [self-healing]), else the LoaderError.
+  [[noreturn]] void raise_corrupt(const FillState& st, size_t i, uint64_t rec, size_t f, const char* what, uint64_t got,
+                                  uint64_t want);
+  // Adds the batch's tallies and collation time to counters_.
+  void count_batch(const FillState& st, uint64_t t_fill);
   // The distinct shards batch b reads, ascending.
   std::vector<uint32_t> batch_shards(size_t b) const;
   void release_batch(size_t b);

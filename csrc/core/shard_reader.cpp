@@ -154,9 +154,40 @@ std::vector<FieldSpec> parse_schema(const uint8_t* data, size_t size, const std:
   return out;
 }
 
+// Where the header says each region lies, after validate_header() checked that they tile
+// the file.
+struct Shard::Regions {
+  uint64_t schema_offset = 0;
+  uint64_t schema_size = 0;
+  uint64_t columns_size = 0;  // the column table (version 3; 0 below)
+  uint64_t index_size = 0;
+  uint64_t payload_size = 0;
+};
+
 Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
              const std::vector<FieldSpec>& fields, uint64_t max_value_bytes)
     : path_(std::move(path)) {
+  map_file(expected_bytes);
+  try {
+    const Regions regions = validate_header(expected_records, fields.size());
+    verify_region_checksums(regions);
+    check_schema_matches(regions, schema_blob);
+    column_of_.assign(num_fields_, -1);
+    slot_.assign(num_fields_, 0);
+    const uint64_t total_blocks = read_column_table(regions, fields);
+    assign_index_slots(regions);
+    validate_index_entries(regions, fields, max_value_bytes);
+    block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
+    verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
+    advise_read_ahead();
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(base_), map_size_);
+    base_ = nullptr;
+    throw;
+  }
+}
+
+void Shard::map_file(uint64_t expected_bytes) {
   int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
@@ -190,168 +221,183 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("mmap failed: ") + std::strerror(e), e);
   base_ = static_cast<const uint8_t*>(p);
   map_size_ = fsize;
+}
 
+Shard::Regions Shard::validate_header(uint64_t expected_records, size_t expected_fields) {
+  const uint8_t* h = base_;
+  const uint64_t fsize = map_size_;
+  if (std::memcmp(h, kShardMagic, 8) != 0) format_error(path_, "not a pyloader shard (bad magic)");
+  // The version picks the checksum function, so it is read before the header checksum
+  // can be checked; that check then covers the version too.
+  version_ = load_le<uint32_t>(h + 8);
+  if (!shard_version_supported(version_)) format_error(path_, "unsupported shard version " + std::to_string(version_));
+  if (shard_checksum(version_, h, 120) != load_le<uint64_t>(h + 120)) {
+    throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "header checksum mismatch (corrupt header)");
+  }
+  if (load_le<uint32_t>(h + 12) != kHeaderSize) format_error(path_, "unexpected header size");
+  Regions r;
+  num_records_ = load_le<uint64_t>(h + 16);
+  num_fields_ = load_le<uint32_t>(h + 24);
+  uint32_t entry_size = load_le<uint32_t>(h + 28);
+  r.schema_offset = load_le<uint64_t>(h + 32);
+  r.schema_size = load_le<uint64_t>(h + 40);
+  index_offset_ = load_le<uint64_t>(h + 48);
+  r.index_size = load_le<uint64_t>(h + 56);
+  payload_offset_ = load_le<uint64_t>(h + 64);
+  r.payload_size = load_le<uint64_t>(h + 72);
+  uint64_t file_size = load_le<uint64_t>(h + 80);
+  // Version 3: the column table (NOTE [column layout]) lies between schema and index; its
+  // size and checksum take the header's reserved bytes, which are zero below version 3.
+  const bool v3 = version_ == kShardVersionColumns;
+  r.columns_size = v3 ? load_le<uint64_t>(h + 104) : 0;
+  if (entry_size != kIndexEntrySize) format_error(path_, "unexpected index entry size");
+  if (file_size != fsize) format_error(path_, "header file size disagrees with the file (truncated?)");
+  if (num_records_ != expected_records)
+    format_error(path_, "shard has " + std::to_string(num_records_) + " records but the manifest says " +
+                            std::to_string(expected_records));
+  if (num_fields_ != expected_fields) {
+    throw LoaderError(ErrorKind::kSchema, path_, -1, "", "shard has a different number of fields than the dataset");
+  }
+  // The regions must tile the file exactly: header, schema, (column table,) index, payload.
+  // num_records is bounded before anything is multiplied by it: every record has an index
+  // entry (below version 3), or at least an index entry or a column value of >= 1 byte.
+  if (r.schema_offset != kHeaderSize || r.schema_size > fsize - kHeaderSize ||
+      num_records_ > (v3 ? fsize : fsize / kIndexEntrySize) || r.columns_size > fsize - kHeaderSize - r.schema_size ||
+      (v3 && r.columns_size < kColumnTableHead) || index_offset_ != r.schema_offset + r.schema_size + r.columns_size ||
+      r.index_size % kIndexEntrySize != 0 || (!v3 && r.index_size != num_records_ * num_fields_ * kIndexEntrySize) ||
+      r.index_size > fsize - index_offset_ || payload_offset_ != index_offset_ + r.index_size ||
+      r.payload_size != fsize - payload_offset_)
+    format_error(path_, "header region offsets are inconsistent");
+  return r;
+}
+
+void Shard::verify_region_checksums(const Regions& r) const {
+  const uint8_t* h = base_;
+  if (shard_checksum(version_, base_ + r.schema_offset, r.schema_size) != load_le<uint64_t>(h + 88))
+    throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "schema checksum mismatch (corrupt schema)");
+  const uint8_t* ct = base_ + r.schema_offset + r.schema_size;
+  if (version_ == kShardVersionColumns && shard_checksum(version_, ct, r.columns_size) != load_le<uint64_t>(h + 112))
+    throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "column table checksum mismatch (corrupt column table)");
+  if (shard_checksum(version_, base_ + index_offset_, r.index_size) != load_le<uint64_t>(h + 96))
+    throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "index checksum mismatch (corrupt index)");
+}
+
+void Shard::check_schema_matches(const Regions& r, const std::string& schema_blob) const {
+  const uint8_t* schema = base_ + r.schema_offset;
+  if (r.schema_size == schema_blob.size() && std::memcmp(schema, schema_blob.data(), r.schema_size) == 0) return;
+  std::vector<FieldSpec> got;
   try {
-    const uint8_t* h = base_;
-    if (std::memcmp(h, kShardMagic, 8) != 0) format_error(path_, "not a pyloader shard (bad magic)");
-    // The version picks the checksum function, so it is read before the header checksum
-    // can be checked; that check then covers the version too.
-    version_ = load_le<uint32_t>(h + 8);
-    if (!shard_version_supported(version_))
-      format_error(path_, "unsupported shard version " + std::to_string(version_));
-    if (shard_checksum(version_, h, 120) != load_le<uint64_t>(h + 120)) {
-      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "header checksum mismatch (corrupt header)");
-    }
-    if (load_le<uint32_t>(h + 12) != kHeaderSize) format_error(path_, "unexpected header size");
-    num_records_ = load_le<uint64_t>(h + 16);
-    num_fields_ = load_le<uint32_t>(h + 24);
-    uint32_t entry_size = load_le<uint32_t>(h + 28);
-    uint64_t schema_off = load_le<uint64_t>(h + 32), schema_size = load_le<uint64_t>(h + 40);
-    index_offset_ = load_le<uint64_t>(h + 48);
-    uint64_t index_size = load_le<uint64_t>(h + 56);
-    payload_offset_ = load_le<uint64_t>(h + 64);
-    uint64_t payload_size = load_le<uint64_t>(h + 72);
-    uint64_t file_size = load_le<uint64_t>(h + 80);
-    // Version 3: the column table (NOTE [column layout]) lies between schema and index; its
-    // size and checksum take the header's reserved bytes, which are zero below version 3.
-    const bool v3 = version_ == kShardVersionColumns;
-    const uint64_t columns_size = v3 ? load_le<uint64_t>(h + 104) : 0;
-    if (entry_size != kIndexEntrySize) format_error(path_, "unexpected index entry size");
-    if (file_size != fsize) format_error(path_, "header file size disagrees with the file (truncated?)");
-    if (num_records_ != expected_records)
-      format_error(path_, "shard has " + std::to_string(num_records_) + " records but the manifest says " +
-                              std::to_string(expected_records));
-    if (num_fields_ != fields.size()) {
-      throw LoaderError(ErrorKind::kSchema, path_, -1, "", "shard has a different number of fields than the dataset");
-    }
-    // The regions must tile the file exactly: header, schema, (column table,) index, payload.
-    // num_records is bounded before anything is multiplied by it: every record has an index
-    // entry (below version 3), or at least an index entry or a column value of >= 1 byte.
-    if (schema_off != kHeaderSize || schema_size > fsize - kHeaderSize ||
-        num_records_ > (v3 ? fsize : fsize / kIndexEntrySize) || columns_size > fsize - kHeaderSize - schema_size ||
-        (v3 && columns_size < kColumnTableHead) || index_offset_ != schema_off + schema_size + columns_size ||
-        index_size % kIndexEntrySize != 0 || (!v3 && index_size != num_records_ * num_fields_ * kIndexEntrySize) ||
-        index_size > fsize - index_offset_ || payload_offset_ != index_offset_ + index_size ||
-        payload_size != fsize - payload_offset_)
-      format_error(path_, "header region offsets are inconsistent");
-    if (shard_checksum(version_, base_ + schema_off, schema_size) != load_le<uint64_t>(h + 88))
-      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "schema checksum mismatch (corrupt schema)");
-    const uint8_t* ct = base_ + schema_off + schema_size;
-    if (v3 && shard_checksum(version_, ct, columns_size) != load_le<uint64_t>(h + 112))
-      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "column table checksum mismatch (corrupt column table)");
-    if (shard_checksum(version_, base_ + index_offset_, index_size) != load_le<uint64_t>(h + 96))
-      throw LoaderError(ErrorKind::kChecksum, path_, -1, "", "index checksum mismatch (corrupt index)");
-    if (schema_size != schema_blob.size() || std::memcmp(base_ + schema_off, schema_blob.data(), schema_size) != 0) {
-      std::vector<FieldSpec> got;
-      try {
-        got = parse_schema(base_ + schema_off, schema_size, path_);
-      } catch (const LoaderError& e) {
-        // The shard's own schema is malformed: it differs from the dataset's either way.
-        throw LoaderError(ErrorKind::kSchema, path_, -1, "",
-                          std::string("shard schema differs from the dataset schema and is malformed (") + e.what() +
-                              ")");
-      }
-      std::string names;
-      for (auto& f : got) names += (names.empty() ? "" : ", ") + f.name;
-      throw LoaderError(ErrorKind::kSchema, path_, -1, "",
-                        "shard schema differs from the dataset schema (shard fields: " + names + ")");
-    }
-    column_of_.assign(num_fields_, -1);
-    slot_.assign(num_fields_, 0);
-    uint64_t total_blocks = 0;
-    if (v3) {
-      // See NOTE [column layout]: the table is u32 num_columns, u32 reserved, num_columns
-      // descriptors, then each column's block checksums in descriptor order.
-      const uint32_t ncols = load_le<uint32_t>(ct);
-      auto bad_table = [&](const std::string& what) { format_error(path_, "column table: " + what); };
-      if (load_le<uint32_t>(ct + 4) != 0) bad_table("reserved bytes are not zero");
-      if (ncols > num_fields_) bad_table("more columns than fields");
-      if (columns_size - kColumnTableHead < uint64_t(ncols) * kColumnDescSize) bad_table("truncated");
-      uint64_t pos = kColumnTableHead + uint64_t(ncols) * kColumnDescSize;  // first checksum
-      int64_t prev = -1;
-      for (uint32_t c = 0; c < ncols; ++c) {
-        const uint8_t* d = ct + kColumnTableHead + size_t(c) * kColumnDescSize;
-        const uint32_t f = load_le<uint32_t>(d), row = load_le<uint32_t>(d + 4), rows = load_le<uint32_t>(d + 8);
-        const uint64_t off = load_le<uint64_t>(d + 16);
-        const std::string which = "column " + std::to_string(c);
-        if (int64_t(f) <= prev || f >= num_fields_) bad_table(which + " names no field or is out of field order");
-        prev = f;
-        const FieldSpec& spec = fields[f];
-        if (spec.variable || spec.row_bytes == 0 || row != spec.row_bytes)
-          bad_table(which + " (field '" + spec.name + "'): only a fixed field of >= 1 byte may be a column, with " +
-                    "its record size (" + std::to_string(spec.row_bytes) + ")");
-        if (rows == 0 || (rows & (rows - 1)) != 0 || rows > (1u << 31))
-          bad_table(which + " (field '" + spec.name + "'): block rows must be a power of two");
-        if (load_le<uint32_t>(d + 12) != 0) bad_table(which + ": reserved bytes are not zero");
-        if (off > payload_size || num_records_ > (payload_size - off) / row)
-          bad_table(which + " (field '" + spec.name + "') points outside the payload");
-        ColumnSpec col;
-        col.data = base_ + payload_offset_ + off;
-        col.row_bytes = row;
-        col.block_shift = uint32_t(__builtin_ctz(rows));
-        col.num_blocks = (num_records_ + rows - 1) >> col.block_shift;
-        col.first_block = total_blocks;
-        if ((columns_size - pos) / 8 < col.num_blocks) bad_table("truncated block checksums");
-        col.checksums = ct + pos;
-        pos += col.num_blocks * 8;
-        total_blocks += col.num_blocks;
-        column_of_[f] = int32_t(columns_.size());
-        columns_.push_back(col);
-      }
-      if (pos != columns_size) bad_table("has trailing bytes");
-    }
-    num_indexed_ = 0;
+    got = parse_schema(schema, r.schema_size, path_);
+  } catch (const LoaderError& e) {
+    // The shard's own schema is malformed: it differs from the dataset's either way.
+    throw LoaderError(ErrorKind::kSchema, path_, -1, "",
+                      std::string("shard schema differs from the dataset schema and is malformed (") + e.what() + ")");
+  }
+  std::string names;
+  for (auto& f : got) names += (names.empty() ? "" : ", ") + f.name;
+  throw LoaderError(ErrorKind::kSchema, path_, -1, "",
+                    "shard schema differs from the dataset schema (shard fields: " + names + ")");
+}
+
+uint64_t Shard::read_column_table(const Regions& r, const std::vector<FieldSpec>& fields) {
+  uint64_t total_blocks = 0;
+  if (version_ != kShardVersionColumns) return total_blocks;
+  const uint8_t* ct = base_ + r.schema_offset + r.schema_size;
+  const uint64_t columns_size = r.columns_size, payload_size = r.payload_size;
+  // See NOTE [column layout]: the table is u32 num_columns, u32 reserved, num_columns
+  // descriptors, then each column's block checksums in descriptor order.
+  const uint32_t ncols = load_le<uint32_t>(ct);
+  auto bad_table = [&](const std::string& what) { format_error(path_, "column table: " + what); };
+  if (load_le<uint32_t>(ct + 4) != 0) bad_table("reserved bytes are not zero");
+  if (ncols > num_fields_) bad_table("more columns than fields");
+  if (columns_size - kColumnTableHead < uint64_t(ncols) * kColumnDescSize) bad_table("truncated");
+  uint64_t pos = kColumnTableHead + uint64_t(ncols) * kColumnDescSize;  // first checksum
+  int64_t prev = -1;
+  for (uint32_t c = 0; c < ncols; ++c) {
+    const uint8_t* d = ct + kColumnTableHead + size_t(c) * kColumnDescSize;
+    const uint32_t f = load_le<uint32_t>(d), row = load_le<uint32_t>(d + 4), rows = load_le<uint32_t>(d + 8);
+    const uint64_t off = load_le<uint64_t>(d + 16);
+    const std::string which = "column " + std::to_string(c);
+    if (int64_t(f) <= prev || f >= num_fields_) bad_table(which + " names no field or is out of field order");
+    prev = f;
+    const FieldSpec& spec = fields[f];
+    if (spec.variable || spec.row_bytes == 0 || row != spec.row_bytes)
+      bad_table(which + " (field '" + spec.name + "'): only a fixed field of >= 1 byte may be a column, with " +
+                "its record size (" + std::to_string(spec.row_bytes) + ")");
+    if (rows == 0 || (rows & (rows - 1)) != 0 || rows > (1u << 31))
+      bad_table(which + " (field '" + spec.name + "'): block rows must be a power of two");
+    if (load_le<uint32_t>(d + 12) != 0) bad_table(which + ": reserved bytes are not zero");
+    if (off > payload_size || num_records_ > (payload_size - off) / row)
+      bad_table(which + " (field '" + spec.name + "') points outside the payload");
+    ColumnSpec col;
+    col.data = base_ + payload_offset_ + off;
+    col.row_bytes = row;
+    col.block_shift = uint32_t(__builtin_ctz(rows));
+    col.num_blocks = (num_records_ + rows - 1) >> col.block_shift;
+    col.first_block = total_blocks;
+    if ((columns_size - pos) / 8 < col.num_blocks) bad_table("truncated block checksums");
+    col.checksums = ct + pos;
+    pos += col.num_blocks * 8;
+    total_blocks += col.num_blocks;
+    column_of_[f] = int32_t(columns_.size());
+    columns_.push_back(col);
+  }
+  if (pos != columns_size) bad_table("has trailing bytes");
+  return total_blocks;
+}
+
+void Shard::assign_index_slots(const Regions& r) {
+  num_indexed_ = 0;
+  for (size_t f = 0; f < num_fields_; ++f) {
+    if (column_of_[f] >= 0) continue;
+    if (first_indexed_ < 0) first_indexed_ = int32_t(f);
+    slot_[f] = uint32_t(num_indexed_++);
+  }
+  if (version_ == kShardVersionColumns && ((num_indexed_ != 0 && num_records_ > map_size_ / kIndexEntrySize) ||
+                                           r.index_size != num_records_ * num_indexed_ * kIndexEntrySize))
+    format_error(path_, "header region offsets are inconsistent (index size)");
+}
+
+void Shard::validate_index_entries(const Regions& r, const std::vector<FieldSpec>& fields,
+                                   uint64_t max_value_bytes) const {
+  const uint64_t payload_size = r.payload_size;
+  // Validate every entry once so workers can trust offsets and sizes.
+  for (uint64_t rec = 0; rec < num_records_; ++rec) {
     for (size_t f = 0; f < num_fields_; ++f) {
       if (column_of_[f] >= 0) continue;
-      if (first_indexed_ < 0) first_indexed_ = int32_t(f);
-      slot_[f] = uint32_t(num_indexed_++);
+      IndexEntry en = entry(rec, f);
+      const FieldSpec& spec = fields[f];
+      auto bad = [&](const std::string& what) {
+        throw LoaderError(ErrorKind::kFormat, path_, int64_t(rec), spec.name, what);
+      };
+      if (en.offset > payload_size || en.stored_size > payload_size - en.offset)
+        bad("index entry points outside the payload");
+      if (en.codec != kCodecRaw && en.codec != kCodecLZ4) bad("unknown codec");
+      if (en.codec == kCodecRaw && en.stored_size != en.decoded_size) bad("raw entry with stored size != decoded size");
+      uint64_t expect = spec.variable ? uint64_t(en.leading) * spec.row_bytes : spec.row_bytes;
+      if (!spec.variable && en.leading != 0) bad("fixed-shape entry with a nonzero length");
+      if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
+      // See NOTE [value bounds]: no more than the stored bytes can become, nor than the limit.
+      if (en.codec == kCodecLZ4 && en.decoded_size > lz4_max_decoded_size(en.stored_size))
+        bad("index entry says the value decodes to " + size_text(en.decoded_size) + ", more than an LZ4 block of " +
+            std::to_string(en.stored_size) + " bytes can hold (" + std::to_string(kLz4MaxExpansion) +
+            " per byte): corrupt or forged index");
+      if (en.decoded_size > max_value_bytes)
+        bad("value of " + size_text(en.decoded_size) + " exceeds the per-value limit of " + size_text(max_value_bytes) +
+            " (pass a larger max_value_bytes to the dataset if values this large are " + "intended)");
     }
-    if (v3 && ((num_indexed_ != 0 && num_records_ > fsize / kIndexEntrySize) ||
-               index_size != num_records_ * num_indexed_ * kIndexEntrySize))
-      format_error(path_, "header region offsets are inconsistent (index size)");
-    // Validate every entry once so workers can trust offsets and sizes.
-    for (uint64_t r = 0; r < num_records_; ++r) {
-      for (size_t f = 0; f < num_fields_; ++f) {
-        if (column_of_[f] >= 0) continue;
-        IndexEntry en = entry(r, f);
-        const FieldSpec& spec = fields[f];
-        auto bad = [&](const std::string& what) {
-          throw LoaderError(ErrorKind::kFormat, path_, int64_t(r), spec.name, what);
-        };
-        if (en.offset > payload_size || en.stored_size > payload_size - en.offset)
-          bad("index entry points outside the payload");
-        if (en.codec != kCodecRaw && en.codec != kCodecLZ4) bad("unknown codec");
-        if (en.codec == kCodecRaw && en.stored_size != en.decoded_size)
-          bad("raw entry with stored size != decoded size");
-        uint64_t expect = spec.variable ? uint64_t(en.leading) * spec.row_bytes : spec.row_bytes;
-        if (!spec.variable && en.leading != 0) bad("fixed-shape entry with a nonzero length");
-        if (expect != en.decoded_size) bad("decoded size does not match the field's shape");
-        // See NOTE [value bounds]: no more than the stored bytes can become, nor than the limit.
-        if (en.codec == kCodecLZ4 && en.decoded_size > lz4_max_decoded_size(en.stored_size))
-          bad("index entry says the value decodes to " + size_text(en.decoded_size) + ", more than an LZ4 block of " +
-              std::to_string(en.stored_size) + " bytes can hold (" + std::to_string(kLz4MaxExpansion) +
-              " per byte): corrupt or forged index");
-        if (en.decoded_size > max_value_bytes)
-          bad("value of " + size_text(en.decoded_size) + " exceeds the per-value limit of " +
-              size_text(max_value_bytes) + " (pass a larger max_value_bytes to the dataset if values this large are " +
-              "intended)");
-      }
-    }
-    block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
-    verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
-    // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
-    // collated, and its records are then read in plan order -- for a shuffled epoch, at
-    // random. Read from a cold page cache that way, every miss would be a small synchronous
-    // read. So the whole file is queued for asynchronous read-ahead now (a no-op for pages
-    // already cached: ~1 ms per GB here); the reads then overlap the collation. Skipped for
-    // a file larger than 1/16 of the machine's memory, which read-ahead could push out of
-    // the cache before it is used.
-    if (map_size_ <= willneed_limit()) (void)::madvise(const_cast<uint8_t*>(base_), map_size_, MADV_WILLNEED);
-  } catch (...) {
-    ::munmap(const_cast<uint8_t*>(base_), map_size_);
-    base_ = nullptr;
-    throw;
   }
+}
+
+void Shard::advise_read_ahead() const {
+  // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
+  // collated, and its records are then read in plan order -- for a shuffled epoch, at
+  // random. Read from a cold page cache that way, every miss would be a small synchronous
+  // read. So the whole file is queued for asynchronous read-ahead now (a no-op for pages
+  // already cached: ~1 ms per GB here); the reads then overlap the collation. Skipped for
+  // a file larger than 1/16 of the machine's memory, which read-ahead could push out of
+  // the cache before it is used.
+  if (map_size_ <= willneed_limit()) (void)::madvise(const_cast<uint8_t*>(base_), map_size_, MADV_WILLNEED);
 }
 
 Shard::~Shard() {

@@ -148,6 +148,27 @@ class Shard {
   bool check_block(size_t c, uint64_t block, uint64_t* got, uint64_t* want) const noexcept;
 
  private:
+  // The constructor's steps, in order. Each throws LoaderError naming the shard; the
+  // constructor unmaps the file if any step after map_file() throws.
+  struct Regions;  // where the header puts schema, column table, index and payload
+  // Opens, checks the size against the manifest, maps the file and closes the descriptor.
+  void map_file(uint64_t expected_bytes);
+  // Magic, version, header checksum, counts against the manifest, and the regions tiling the file.
+  Regions validate_header(uint64_t expected_records, size_t expected_fields);
+  // The checksums of the schema, the column table (version 3) and the index.
+  void verify_region_checksums(const Regions& r) const;
+  // The shard's schema block equals the dataset's byte for byte.
+  void check_schema_matches(const Regions& r, const std::string& schema_blob) const;
+  // Validates the column table (NOTE [column layout]) and fills columns_ and
+  // column_of_; returns the number of column blocks (bits of block_verified_).
+  uint64_t read_column_table(const Regions& r, const std::vector<FieldSpec>& fields);
+  // Gives every indexed field its slot in a record's index entries; checks the index size.
+  void assign_index_slots(const Regions& r);
+  // Every index entry against the payload, its field's shape and NOTE [value bounds].
+  void validate_index_entries(const Regions& r, const std::vector<FieldSpec>& fields, uint64_t max_value_bytes) const;
+  // Queues the whole file for read-ahead (NOTE [read-ahead at open] in shard_reader.cpp).
+  void advise_read_ahead() const;
+
   std::string path_;
   const uint8_t* base_ = nullptr;
   size_t map_size_ = 0;

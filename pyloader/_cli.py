@@ -10,12 +10,34 @@ from __future__ import annotations
 
 import argparse
 import sys
-
-from .bench.cli import add_bench_parser, run_bench
-from .remote.cli import add_cache_parser, run_cache
-from .write.cli import add_convert_parser, run_convert
+from collections.abc import Callable
+from typing import Any
 
 EXIT_USAGE = 2
+
+# Each command's module is imported only when that command is named: `pyloader --version`
+# and `pyloader --help` import none of them (bench's imports torch as it runs, not before).
+# The other commands get a parser with only their one-line help, for the top level's help.
+_COMMANDS = {
+    "bench": "measure the data path, stage by stage (default: a generated dataset)",
+    "cache": "the node-local shard cache of remote datasets",
+    "convert": "convert Parquet/Arrow, numpy, a folder of files or WebDataset tars to pyloader shards",
+}
+
+
+def _command(name: str) -> tuple[Callable[[Any], object], Callable[[argparse.Namespace], int]]:
+    """(add_parser, run) of command ``name``, its module imported now."""
+    if name == "bench":
+        from .bench.cli import add_bench_parser, run_bench
+
+        return add_bench_parser, run_bench
+    if name == "cache":
+        from .remote.cli import add_cache_parser, run_cache
+
+        return add_cache_parser, run_cache
+    from .write.cli import add_convert_parser, run_convert
+
+    return add_convert_parser, run_convert
 
 
 def _version() -> str:
@@ -42,22 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pyloader", description="pyloader: a data-loading engine for PyTorch")
     ap.add_argument("--version", action="version", version=f"pyloader {_version()}")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
-    add_bench_parser(sub)
-    add_cache_parser(sub)
-    add_convert_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
+    named = next((a for a in argv if not a.startswith("-")), None)  # the top level's options take no value
+    run: Callable[[argparse.Namespace], int] | None = None
+    for name, help_line in _COMMANDS.items():
+        if name == named:
+            add_parser, run = _command(name)
+            add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     if not argv:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
     args, extra = ap.parse_known_args(argv)
     if extra:  # the command's parser owns the message, so the user sees that command's usage
         _deepest_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.cmd == "bench":
-        return run_bench(args)
-    if args.cmd == "cache":
-        return run_cache(args)
-    if args.cmd == "convert":
-        return run_convert(args)
+    if run is not None and args.cmd == named:
+        return run(args)
     ap.print_help(sys.stderr)
     return EXIT_USAGE
 

@@ -35,7 +35,7 @@ WORKLOADS: dict[str, Workload] = {
 # time budget and the memory cap usually stop the search well before it.
 AU_CEILING = 1024
 # Seconds of trials per loader before the search stops going further (--au-budget).
-AU_BUDGET_S = 120.0
+AU_BUDGET_S = 60.0
 
 
 def au_batches(w: Workload, seconds: float) -> int:

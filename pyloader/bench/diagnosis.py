@@ -203,8 +203,8 @@ def _stage_notes(rows: dict[str, dict[str, Any]], clamped: list[str], cpu_idle: 
     for name, row in rows.items():
         if cpu_idle and name in ("decode", "collate") and row["utilization"] >= BOUND_AT:
             measured = row.get("measured_gbps", row["capacity_gbps"])
-            notes.append(f"{name} measured apart at {measured:.2f} GB/s "
-                         f"({100 * row['demand_gbps'] / max(measured, 1e-12):.0f}% used), yet the loader's own "
+            notes.append(f"{name} measured apart at {measured:.2f} GB/s (the loader drew {row['demand_gbps']:.2f} "
+                         f"GB/s from it), yet the loader's own "
                          f"workers, doing this work in the same epochs, were busy only {100 * (busy or 0):.0f}% of "
                          "the time, so it does not bind: the separate run (another moment, Python threads calling "
                          "the decoder or copy) reads low; the workers row is timed with the loader")

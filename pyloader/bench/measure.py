@@ -199,17 +199,18 @@ class CpuTimer:
     ``cpu_children`` (child processes).
     """
 
+    # Reading the live children takes a fraction of a millisecond: it is done outside the wall time.
     def __enter__(self) -> CpuTimer:
-        self._w = time.perf_counter()
+        self._live = live_children_cpu()
         r = resource.getrusage(resource.RUSAGE_SELF)
         c = resource.getrusage(resource.RUSAGE_CHILDREN)
         self._self, self._exited = r.ru_utime + r.ru_stime, c.ru_utime + c.ru_stime
-        self._live = live_children_cpu()
+        self._w = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        live = live_children_cpu()
         self.wall = time.perf_counter() - self._w
+        live = live_children_cpu()
         r = resource.getrusage(resource.RUSAGE_SELF)
         c = resource.getrusage(resource.RUSAGE_CHILDREN)
         exited = c.ru_utime + c.ru_stime - self._exited
@@ -356,17 +357,23 @@ def read_gbps(paths: list[str], threads: int = 1, *, min_seconds: float = 0.0) -
     return sum(done) / max(wall, 1e-9) / 1e9
 
 
+def epoch_samples(loader: Any, *, touch: bool = False) -> tuple[int, int]:
+    """Iterates one epoch; returns (samples, payload bytes). Untimed: callers time whole rounds."""
+    n = nbytes = 0
+    for batch in loader:
+        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        n += int(tensors[-1].shape[0])
+        for x in tensors:
+            nbytes += x.nelement() * x.element_size()
+        if touch:
+            tensors[0].view(-1)[0].item()
+    return n, nbytes
+
+
 def loader_epoch(loader: Any, *, touch: bool = False) -> tuple[int, int, CpuTimer]:
     """Iterates one epoch; returns (samples, payload bytes, timer)."""
-    n = nbytes = 0
     with CpuTimer() as t:
-        for batch in loader:
-            tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
-            n += int(tensors[-1].shape[0])
-            for x in tensors:
-                nbytes += x.nelement() * x.element_size()
-            if touch:
-                tensors[0].view(-1)[0].item()
+        n, nbytes = epoch_samples(loader, touch=touch)
     return n, nbytes, t
 
 
@@ -483,6 +490,6 @@ def environment() -> dict[str, Any]:
 
 
 __all__ = ["Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "loader_epoch", "pyloader_loader",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

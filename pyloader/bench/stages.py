@@ -167,7 +167,7 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
         t0 = time.perf_counter()
         with B.CpuTimer() as t:
             while True:
-                s, nb, _ = B.loader_epoch(loader)
+                s, nb = B.epoch_samples(loader)
                 n, nbytes, epochs = n + s, nbytes + nb, epochs + 1
                 if isinstance(loader, DataLoader):
                     st = loader.stats()
@@ -297,7 +297,7 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
                               rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     loader = DataLoader(make_ds(decode=decode), batch_size=batch_size, num_workers=threads, transform=fn,
                         executor=executor)
-    B.loader_epoch(loader)
+    B.epoch_samples(loader)
     st = loader.stats()
     progress(f"transform stage: torch DataLoader running it in its workers (num_workers={torch_workers})")
     torch_r = _measure_loader(lambda: torch.utils.data.DataLoader(
@@ -367,8 +367,10 @@ def run_pack_stage(make_ds: Callable[[], ShardDataset], spec: Any, *, rows: int,
     if st["wait_fraction"] < 0.5:
         bound = "consumer: the loop took the batches no faster than they were packed"
     elif starved >= busy:
+        more = ("more --threads help when its workers are busy" if threads < autotune.cpu_budget()
+                else f"its {threads} threads already use every CPU this process may use")
         bound = ("documents: the packer waits for the native pipeline that reads them; what binds that pipeline "
-                 "is in the stages above (more --threads help when its workers are busy)")
+                 f"is in the stages above ({more})")
     else:
         bound = ("packer: its thread builds rows most of the time; a smaller lookahead (or greedy) packs faster, "
                  "at more padding")

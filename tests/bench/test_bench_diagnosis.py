@@ -63,6 +63,7 @@ def assert_true_to_its_figures(st: dict[str, Any], dg: dict[str, Any], cpus: int
         assert row["utilization"] == pytest.approx(row["demand_gbps"] / row["capacity_gbps"])
         assert row["demand_gbps"] > 0
     text = " ".join(dg["notes"])
+    assert all(int(pct) <= 100 for pct in re.findall(r"(\d+)%", text)), text
     if st["pyloader"]["threads"] >= cpus:
         assert "add threads" not in text, text
     if st["remote_fetch"] is None:
@@ -126,6 +127,7 @@ def test_decode_bound_at_the_cpu_count_does_not_add_threads(capsys) -> None:
     assert_true_to_its_figures(st, dg, 2)
     out = printed(st, dg, capsys)
     assert "129%" not in out and max(used_column(out)) <= 100
+    assert all(int(pct) <= 100 for pct in re.findall(r"(\d+)%", out)), out
     assert "bound by: decode, at its limit (the loader drew 0.89 GB/s from it; measured apart: 0.69 GB/s" in out
     assert "measured 0.69 GB/s, below the loader's own rate, taken as that rate" in out
 

@@ -303,18 +303,24 @@ def _au_count(r: dict[str, Any]) -> str:
 
 
 def _au_stops(au: dict[str, Any]) -> list[str]:
-    """Why a search stopped short of the maximum, and what lets it go further."""
-    lines = []
-    stops = {au[k].get("stopped_by") for k in ("pyloader", "torch_dataloader") if au[k].get("capped")}
-    if "cap" in stops:
-        lines.append({"memory": f"the search stopped at {au['cap']}: more loaders' batches would not fit in 40% of "
-                                "free memory",
-                      "ceiling": f"the search stopped at {au['cap']}, its ceiling without --max-accelerators"}.get(
-            au.get("cap_reason", ""), f"the search stopped at {au['cap']}, the cap: raise --max-accelerators to "
-                                      "search further"))
-    if "time" in stops:
-        budget = au["pyloader"].get("budget_s") or au["torch_dataloader"].get("budget_s")
-        lines.append(f"the search spent its {budget:g} s of trials: raise --au-budget to search further")
+    """Why a search stopped short of the maximum, and what lets it go further (one line per reason)."""
+    lines: list[str] = []
+    for key, label in (("pyloader", "pyloader"), ("torch_dataloader", "torch DataLoader")):
+        r = au[key]
+        if not r.get("capped"):
+            continue
+        cap = r.get("cap", au["cap"])
+        if r.get("stopped_by") == "time":
+            line = f"the search spent its {r['budget_s']:g} s of trials: raise --au-budget to search further"
+        elif r.get("cap_reason", au.get("cap_reason")) == "memory":
+            what = "batches and worker processes" if key == "torch_dataloader" else "batches"
+            line = f"{label}: the search stopped at {cap}: more loaders' {what} would not fit in 40% of free memory"
+        elif r.get("cap_reason", au.get("cap_reason")) == "ceiling":
+            line = f"the search stopped at {cap}, its ceiling without --max-accelerators"
+        else:
+            line = f"the search stopped at {cap}, the cap: raise --max-accelerators to search further"
+        if line not in lines:
+            lines.append(line)
     return lines
 
 

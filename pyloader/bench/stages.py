@@ -438,22 +438,27 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
 
     Each accelerator reads its rank's part of the dataset at ``path`` with its own loader
     and computes ``w.compute_s`` per batch; the count that keeps AU >= ``threshold`` is
-    searched up to ``cap`` (None: ``AU_CEILING``), lowered further so that the loaders' batches fit in 40% of
-    free memory (``cap_reason`` says which cap applies), for at most ``budget_s`` of trials
-    per loader (See NOTE [AU search]). ``w.record_bytes`` is the size of the records at
-    ``path`` (what sizes the memory cap).
+    searched up to ``cap`` (None: ``AU_CEILING``), lowered further so that each loader's
+    accelerators fit in 40% of free memory (torch's worker processes counted too), for at most
+    ``budget_s`` of trials per loader (See NOTE [AU search]). Each loader's result has its
+    ``cap`` and ``cap_reason``; the top level's are pyloader's. ``w.record_bytes`` is the
+    size of the records at ``path`` (what sizes the memory cap).
     """
     batch_bytes = w.record_bytes * w.batch_size
     try:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError):
         avail = 8 << 30
-    # Each accelerator's loader holds about (prefetch + 2) batches; stay within 40% of free RAM.
-    mem_cap = max(1, int(0.4 * avail / (batch_bytes * (2 * threads + 3))))
-    cap_reason = "max_accelerators" if cap is not None else "ceiling"
-    cap = AU_CEILING if cap is None else cap
-    if mem_cap < cap:
-        cap, cap_reason = mem_cap, "memory"
+    given, given_reason = (AU_CEILING, "ceiling") if cap is None else (cap, "max_accelerators")
+
+    def capped(per_accelerator: int) -> tuple[int, str]:
+        mem_cap = max(1, int(0.4 * avail / max(per_accelerator, 1)))
+        return (mem_cap, "memory") if mem_cap < given else (given, given_reason)
+
+    # Each accelerator's loader holds about (prefetch + 2) batches. A torch worker process is
+    # forked from this one and can come to own a copy of its private memory (copy on write).
+    py_cap, py_reason = capped(batch_bytes * (2 * threads + 3))
+    torch_cap, torch_reason = capped(batch_bytes * (2 * torch_workers + 3) + torch_workers * _private_bytes())
 
     def py_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
         ds = ShardDataset(path, rank=rank, world_size=n, cache_dir=cache_dir)
@@ -467,15 +472,28 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
                                              prefetch_factor=2 if torch_workers else None)
         return lambda: iter(loader)
 
-    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": cap, "cap_reason": cap_reason}
+    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": py_cap, "cap_reason": py_reason}
     out["pyloader"] = max_accelerators(lambda n: _measure_au(py_factory, n, w.compute_s, batches),
-                                       threshold=threshold, cap=cap, budget_s=budget_s, progress=progress,
+                                       threshold=threshold, cap=py_cap, budget_s=budget_s, progress=progress,
                                        label="pyloader")
+    out["pyloader"]["cap_reason"] = py_reason
     out["torch_dataloader"] = max_accelerators(lambda n: _measure_au(torch_factory, n, w.compute_s, batches),
-                                               threshold=threshold, cap=cap, budget_s=budget_s, progress=progress,
-                                               label="torch DataLoader")
-    out["torch_dataloader"]["num_workers"] = torch_workers
+                                               threshold=threshold, cap=torch_cap, budget_s=budget_s,
+                                               progress=progress, label="torch DataLoader")
+    out["torch_dataloader"].update(cap_reason=torch_reason, num_workers=torch_workers)
     return out
+
+
+def _private_bytes() -> int:
+    """This process's private (anonymous) resident memory: what a forked worker can come to copy."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 256 << 20  # no /proc: a typical Python process with torch imported
 
 
 __all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "run_transform_stage", "run_pack_stage",

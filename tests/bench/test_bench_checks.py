@@ -277,6 +277,20 @@ def test_au_search_out_of_time_says_at_least() -> None:
     assert bench_cli._au_count(r) == f"at least {r['max_accelerators']}, fewer than {r['fails_at']} (time budget)"
 
 
+def test_each_loaders_stop_is_named_once() -> None:
+    py = _search(lambda n: 0.99, cap=64)
+    py["cap_reason"] = "ceiling"
+    tc = _search(lambda n: 0.99, cap=8)
+    tc["cap_reason"] = "memory"
+    au = {"cap": 64, "cap_reason": "ceiling", "pyloader": py, "torch_dataloader": tc}
+    assert bench_cli._au_stops(au) == [
+        "the search stopped at 64, its ceiling without --max-accelerators",
+        "torch DataLoader: the search stopped at 8: more loaders' batches and worker processes would not fit in 40% "
+        "of free memory"]
+    both = {**au, "torch_dataloader": {**py}}
+    assert len(bench_cli._au_stops(both)) == 1
+
+
 @pytest.mark.timeout(300)
 def test_au_on_a_users_dataset_is_labelled_with_its_record_size(tmp_path) -> None:
     url = _raw_dataset(str(tmp_path / "ds"), 300)

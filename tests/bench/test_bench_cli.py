@@ -252,6 +252,9 @@ def test_bench_au_search_without_a_cap_ends_by_the_threshold_or_its_budget() -> 
     assert res.returncode == 0, res.stderr
     au = json.loads(res.stdout)["accelerator_utilization"]
     assert au["cap_reason"] in ("ceiling", "memory") and au["cap"] > 32
+    # torch's worker processes (forked copies of this one) count against memory too.
+    assert au["torch_dataloader"]["cap"] <= au["pyloader"]["cap"] == au["cap"]
+    assert au["torch_dataloader"]["cap_reason"] in ("ceiling", "memory")
     for key in ("pyloader", "torch_dataloader"):
         r = au[key]
         assert r["budget_s"] == 1.5 and r["stopped_by"] in (None, "time"), r

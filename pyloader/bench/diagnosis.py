@@ -260,4 +260,16 @@ def _warnings(st: dict[str, Any]) -> list[str]:
     return warnings
 
 
-__all__ = ["BOUND_AT", "MIN_BATCHES", "MIN_EPOCH_S", "MIN_SHARE", "diagnose"]
+def transform_hint(hint: str, workers: int, cpus: int) -> str:
+    """The loader's ``transform_hint``, kept from advising more workers than the CPUs can run.
+
+    See NOTE [a diagnosis true to its figures].
+    """
+    if workers < cpus or not hint.startswith("more workers would help"):
+        return hint
+    return (f"the transform binds: {hint.split(': ', 1)[1].split(' (if cores are free')[0]}, and the {workers} "
+            f"workers already match the {cpus} CPUs this process may use, so more workers will not help here: a "
+            "cheaper transform, more CPUs, or executor='processes' for a transform that holds the GIL on threads")
+
+
+__all__ = ["BOUND_AT", "MIN_BATCHES", "MIN_EPOCH_S", "MIN_SHARE", "diagnose", "transform_hint"]

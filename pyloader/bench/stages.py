@@ -37,6 +37,7 @@ from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from . import measure as B
 from .au import AU_CEILING, Workload, max_accelerators
+from .diagnosis import transform_hint
 
 SCHEMA_VERSION = 2
 
@@ -315,7 +316,8 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
         "per_sample_us": st["transform_per_sample_us"], "decode_s": st["decode_s"], "transform_s": st["transform_s"],
         "share_of_sample_time": min(1.0, per_sample_s / sample_s) if sample_s > 0 else 0.0,
         "workers_busy": st["transform_busy_fraction"], "wait_fraction": st["wait_fraction"],
-        "skipped_samples": st["skipped_samples"], "hint": st["transform_hint"],
+        "skipped_samples": st["skipped_samples"],
+        "hint": transform_hint(st["transform_hint"], threads, autotune.cpu_budget()),
         "limit_samples_per_s": threads / per_sample_s if per_sample_s > 0 else None,
         "speedup_vs_torch": with_tr["samples_per_s"] / max(torch_r["samples_per_s"], 1e-12),
     }

@@ -190,6 +190,19 @@ def test_a_short_round_asks_for_more_seconds_not_more_rounds() -> None:
     assert "pyloader 0.20 s" in w and "raise --min-seconds to 0.5" in w and "--epochs" not in w
 
 
+def test_the_transform_stage_asks_for_more_workers_only_below_the_cpu_count() -> None:
+    # The loader's own hint (pyloader/transform/stage.py), as the transform stage receives it.
+    hint = ("more workers would help: the consumer waits 90% of the time and the 2 transform worker(s) are busy "
+            "97% of it (if cores are free; a transform that holds the GIL scales on executor='processes')")
+    assert D.transform_hint(hint, 2, 8) == hint
+    at_cpus = D.transform_hint(hint, 2, 2)
+    assert "more workers would help" not in at_cpus and "if cores are free" not in at_cpus
+    assert at_cpus.startswith("the transform binds: the consumer waits 90% of the time and the 2 transform worker(s) "
+                              "are busy 97% of it, and the 2 workers already match the 2 CPUs")
+    enough = "enough: the consumer rarely waits for transformed batches"
+    assert D.transform_hint(enough, 4, 2) == enough
+
+
 def test_no_situation_contradicts_itself() -> None:
     """Many situations drawn at random: capacities at or above the loader's rate, use at most
     100%, advice the machine and the dataset can take."""

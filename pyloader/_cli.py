@@ -14,11 +14,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from .bench.cli import add_bench_parser, run_bench
 from .errors import EXIT_HELP, EXIT_USAGE, exit_code
-from .remote.cli import add_cache_parser, run_cache
-from .write.cli import add_convert_parser, run_convert
+
+# Each command's module is imported only when that command is named: `pyloader --version`
+# and `pyloader --help` import none of them (bench's imports torch as it runs, not before).
+# The other commands get a parser with only their one-line help, for the top level's help.
+_COMMANDS = {
+    "bench": "measure the data path, stage by stage (default: a generated dataset)",
+    "cache": "the node-local shard cache of remote datasets",
+    "convert": "convert Parquet/Arrow, numpy, a folder of files or WebDataset tars to pyloader shards",
+}
+
+
+def _command(name: str) -> tuple[Callable[[Any], object], Callable[[argparse.Namespace], int]]:
+    """(add_parser, run) of command ``name``, its module imported now."""
+    if name == "bench":
+        from .bench.cli import add_bench_parser, run_bench
+
+        return add_bench_parser, run_bench
+    if name == "cache":
+        from .remote.cli import add_cache_parser, run_cache
+
+        return add_cache_parser, run_cache
+    from .write.cli import add_convert_parser, run_convert
+
+    return add_convert_parser, run_convert
 
 
 def _version() -> str:
@@ -46,18 +69,22 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=EXIT_HELP)
     ap.add_argument("--version", action="version", version=f"pyloader {_version()}")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
-    add_bench_parser(sub)
-    add_cache_parser(sub)
-    add_convert_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
+    named = next((a for a in argv if not a.startswith("-")), None)  # the top level's options take no value
+    run: Callable[[argparse.Namespace], int] | None = None
+    for name, help_line in _COMMANDS.items():
+        if name == named:
+            add_parser, run = _command(name)
+            add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     if not argv:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
     args, extra = ap.parse_known_args(argv)
     if extra:  # the command's parser owns the message, so the user sees that command's usage
         _deepest_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
-    run = {"bench": run_bench, "cache": run_cache, "convert": run_convert}.get(args.cmd)
-    if run is None:
+    if run is None or args.cmd != named:
         ap.print_help(sys.stderr)
         return EXIT_USAGE
     try:

@@ -1,7 +1,7 @@
 """``pyloader bench [URL]``: the command line of the benchmark (pyloader.bench.stages measures).
 
 ``pyloader._cli`` wires it in with ``add_bench_parser(subparsers)`` and dispatches
-``args.cmd == "bench"`` to ``run_bench(args)``.
+``args.cmd == "bench"`` to ``run_bench(args)``. Building the parser imports no torch.
 """
 
 from __future__ import annotations
@@ -14,23 +14,26 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ManifestError, PyloaderError
+from ..errors import PyloaderError, exit_code
 from ..loader.autotune import cpu_budget
-from ..loader.packing import PackSpec
-from ..read.shards import ShardDataset
-from ..transform.image import ImageDecode
-from ..write.writer import ShardWriter
-from . import measure as B
-from . import stages as R
+from . import au as A
+
+if TYPE_CHECKING:
+    from ..read.shards import ShardDataset
+
+# The measuring modules (and torch, which they import) load in run_bench, not with the
+# parser: `pyloader --help` and `pyloader bench --help` import no torch.
 
 DEFAULT_RECORDS = 20000
 
 
 def _generate(tmp: str, name: str, record_bytes: int, records: int, compression: str) -> str:
+    from . import measure as B
+
     path = os.path.join(tmp, name)
     kind = "image"
     p = B.Profile(name, record_bytes, kind, name)
@@ -38,20 +41,27 @@ def _generate(tmp: str, name: str, record_bytes: int, records: int, compression:
     return path
 
 
-def _workload(args: argparse.Namespace) -> R.Workload | None:
+def _workload(args: argparse.Namespace) -> A.Workload | None:
     """The AU workload the options name (``None`` with ``--workload none``); options checked already."""
     if args.workload == "none":
         return None
     if args.workload == "custom":
-        return R.Workload("custom", args.record_bytes or 0, args.au_batch_size, args.compute_time,
+        return A.Workload("custom", args.record_bytes or 0, args.au_batch_size, args.compute_time,
                           args.au_records or max(64, 4 * args.au_batch_size))
-    w = R.WORKLOADS[args.workload]
+    w = A.WORKLOADS[args.workload]
     if args.au_records:
-        w = R.Workload(w.name, w.record_bytes, w.batch_size, w.compute_s, args.au_records)
+        w = A.Workload(w.name, w.record_bytes, w.batch_size, w.compute_s, args.au_records)
     return w
 
 
 def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
+    from ..loader.packing import PackSpec
+    from ..read.shards import ShardDataset
+    from ..transform.image import ImageDecode
+    from . import diagnosis
+    from . import measure as B
+    from . import stages as R
+
     tmp = tempfile.mkdtemp(prefix="pyloader-bench-")
     result: dict[str, Any] = {
         "schema_version": R.SCHEMA_VERSION,
@@ -79,7 +89,7 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         stages = R.run_stages(ds, batch_size=args.batch_size, threads=args.threads, epochs=args.epochs,
                               torch_workers=args.torch_workers, progress=progress, min_seconds=args.min_seconds)
         result["stages"] = stages
-        result["diagnosis"] = R.diagnose(stages)
+        result["diagnosis"] = diagnosis.diagnose(stages)
         if args.transform is not None or (args.image_size is not None):
             fn = _load_transform(args.transform) if args.transform else None
             decode = None if args.image_size is None else ImageDecode(size=args.image_size, crop="random", flip=True)
@@ -114,13 +124,13 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
             else:
                 # The user's own records: their size, not the preset's, is what the loaders move.
                 py = stages["pyloader"]
-                w = R.Workload(w.name, round(py["bytes"] / max(py["samples"], 1)), w.batch_size, w.compute_s,
+                w = A.Workload(w.name, round(py["bytes"] / max(py["samples"], 1)), w.batch_size, w.compute_s,
                                ds.num_records)
                 au_path, source = url, "dataset"
             result["accelerator_utilization"] = R.run_au(
                 au_path, w, cache_dir=args.cache_dir, threads=args.au_threads, torch_workers=args.au_torch_workers,
-                batches=R.au_batches(w, args.au_seconds), threshold=args.au_threshold,
-                cap=args.max_accelerators, progress=progress)
+                batches=A.au_batches(w, args.au_seconds), threshold=args.au_threshold,
+                cap=args.max_accelerators, budget_s=args.au_budget, progress=progress)
             result["accelerator_utilization"]["workload"]["records_from"] = source
         return result
     finally:
@@ -129,6 +139,8 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
 
 def _generate_documents(tmp: str, records: int, progress: Any) -> str:
     """A token dataset for the packing stage: ``records`` int32 documents of log-normal lengths (mean ~800)."""
+    from ..write.writer import ShardWriter
+
     progress(f"generating the packing dataset: {records} token documents, log-normal lengths")
     path = os.path.join(tmp, "documents")
     rng = np.random.default_rng(0)
@@ -219,13 +231,19 @@ def _print_bench(r: dict[str, Any]) -> None:
             rows.append((f"  first epoch: {1e3 * s['startup_s']:.0f} ms, first batch {1e3 * s['first_batch_s']:.1f} ms",
                          f"{s['first_epoch_vs_steady']:.2f}x steady", None))
         if s.get("first_epoch_alloc_bytes"):
-            rows.append((f"    new batch memory: {s['first_epoch_alloc_bytes'] / 2**20:.0f} MiB",
+            rows.append((f"    of it new batch memory: {s['first_epoch_alloc_bytes'] / 2**20:.0f} MiB",
                          f"{1e3 * s['first_epoch_alloc_s']:.0f} ms thread time", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
     print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")
     for name, val, cpu in rows:
         print(f"  {name:<40}{val:>22}{'' if cpu is None else f'{cpu:8.2f}'}")
+    print("  (CPU s: the CPU time of every thread and child process, the loaders' live workers included, "
+          "in the stage's timed run)")
+    if st["pyloader"].get("first_epoch_alloc_bytes"):
+        print("  (first epoch: from building the loader to the end of its first epoch; new batch memory: the "
+              "batch buffers' pages the kernel populated in it, paid once per process, and the time that took, "
+              "summed over the collating threads)")
     for wmsg in dg.get("warnings", []):
         print(f"\n  WARNING: {wmsg}")
     flag = " (see WARNING above)" if dg.get("warnings") else ""
@@ -234,12 +252,18 @@ def _print_bench(r: dict[str, Any]) -> None:
           "against that stage's measured capacity:")
     print(f"    {'stage':<10}{'capacity':>12}{'drawn':>12}{'used':>8}  measured as")
     for name, row in dg["stages"].items():
+        how = row["how"] + (f"; measured {row['measured_gbps']:.2f} GB/s, below the loader's own rate, taken as "
+                            "that rate (see the note)" if row.get("clamped") else "")
         print(f"    {name:<10}{row['capacity_gbps']:>7.2f} GB/s{row['demand_gbps']:>7.2f} GB/s"
-              f"{100 * row['utilization']:>7.0f}%  {row['how']}")
+              f"{100 * row['utilization']:>7.0f}%  {how}")
     if dg["bound"]:
         row = dg["stages"][dg["bound"]]
-        print(f"  bound by: {dg['bound']}, at {100 * row['utilization']:.0f}% of its capacity "
-              f"({row['demand_gbps']:.2f} of {row['capacity_gbps']:.2f} GB/s)")
+        if row.get("clamped"):
+            print(f"  bound by: {dg['bound']}, at its limit (the loader drew {row['demand_gbps']:.2f} GB/s from it; "
+                  f"measured apart: {row['measured_gbps']:.2f} GB/s, see the note)")
+        else:
+            print(f"  bound by: {dg['bound']}, at {100 * row['utilization']:.0f}% of its capacity "
+                  f"({row['demand_gbps']:.2f} of {row['capacity_gbps']:.2f} GB/s)")
     else:
         print("  bound by: no measured stage")
     for n in dg["notes"]:
@@ -265,16 +289,39 @@ def _print_bench(r: dict[str, Any]) -> None:
             print(f"  {n:>14}{a:>14}{b:>12}")
         print(f"  max accelerators at AU >= {100 * au['pyloader']['threshold']:.0f}%: pyloader "
               f"{_au_count(au['pyloader'])}, torch DataLoader {_au_count(au['torch_dataloader'])}")
-        if au["pyloader"].get("capped") or au["torch_dataloader"].get("capped"):
-            if au.get("cap_reason") == "memory":
-                print(f"  (the search stopped at {au['cap']}: more loaders' batches would not fit in 40% of "
-                      "free memory)")
-            else:
-                print(f"  (the search stopped at {au['cap']}, the cap: raise --max-accelerators to search further)")
+        for line in _au_stops(au):
+            print(f"  ({line})")
 
 
 def _au_count(r: dict[str, Any]) -> str:
-    return f"at least {r['max_accelerators']} (cap)" if r.get("capped") else str(r["max_accelerators"])
+    """A search's result: the maximum, or a lower bound saying what stopped it (See NOTE [AU search])."""
+    if not r.get("capped"):
+        return str(r["max_accelerators"])
+    why = "time budget" if r.get("stopped_by") == "time" else "cap"
+    below = f", fewer than {r['fails_at']}" if r.get("fails_at") else ""
+    return f"at least {r['max_accelerators']}{below} ({why})"
+
+
+def _au_stops(au: dict[str, Any]) -> list[str]:
+    """Why a search stopped short of the maximum, and what lets it go further (one line per reason)."""
+    lines: list[str] = []
+    for key, label in (("pyloader", "pyloader"), ("torch_dataloader", "torch DataLoader")):
+        r = au[key]
+        if not r.get("capped"):
+            continue
+        cap = r.get("cap", au["cap"])
+        if r.get("stopped_by") == "time":
+            line = f"the search spent its {r['budget_s']:g} s of trials: raise --au-budget to search further"
+        elif r.get("cap_reason", au.get("cap_reason")) == "memory":
+            what = "batches and worker processes" if key == "torch_dataloader" else "batches"
+            line = f"{label}: the search stopped at {cap}: more loaders' {what} would not fit in 40% of free memory"
+        elif r.get("cap_reason", au.get("cap_reason")) == "ceiling":
+            line = f"the search stopped at {cap}, its ceiling without --max-accelerators"
+        else:
+            line = f"the search stopped at {cap}, the cap: raise --max-accelerators to search further"
+        if line not in lines:
+            lines.append(line)
+    return lines
 
 
 def _plot_bench(r: dict[str, Any], path: str) -> None:
@@ -344,7 +391,7 @@ def add_bench_parser(sub: Any) -> None:
                                    "torch's DataLoader on the same data. Without URL, generates a dataset.")
     b.add_argument("url", nargs="?", help="dataset directory or manifest (default: generate one)")
     b.add_argument("--batch-size", type=_positive(int), default=256)
-    b.add_argument("--threads", type=_threads_arg, default=max(1, min(os.cpu_count() or 1, 8)),
+    b.add_argument("--threads", type=_threads_arg, default=min(cpu_budget(), 8),
                    help="pyloader native threads, or 'auto': the loader tunes its threads and read-ahead "
                         "(num_workers='auto'; the report shows what it chose and why)")
     b.add_argument("--epochs", type=_positive(int), default=2,
@@ -354,7 +401,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--torch-workers", type=_number(int, 0, low_open=False), default=2,
                    help="num_workers of the torch DataLoader baseline (>= 0)")
     b.add_argument("--records", type=_positive(int), help="records in the generated dataset (default 20000)")
-    b.add_argument("--workload", choices=[*R.WORKLOADS, "custom", "none"], default="resnet50",
+    b.add_argument("--workload", choices=[*A.WORKLOADS, "custom", "none"], default="resnet50",
                    help="accelerator-utilization workload (MLPerf Storage H100 presets); with URL, "
                         "its batch size and compute time on the dataset's own records")
     b.add_argument("--record-bytes", type=_positive(int), help="custom workload, generated data: bytes per record")
@@ -367,8 +414,12 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--au-threads", type=_positive(int), default=1, help="pyloader threads per accelerator")
     b.add_argument("--au-torch-workers", type=_number(int, 0, low_open=False), default=1,
                    help="torch workers per accelerator (>= 0)")
-    b.add_argument("--max-accelerators", type=_positive(int), default=32,
-                   help="where the AU search stops (default 32); a result at it reads 'at least N'")
+    b.add_argument("--max-accelerators", type=_positive(int),
+                   help=f"the most accelerators the AU search tries (default: no limit but {A.AU_CEILING}, the "
+                        "time budget and memory); a result at it reads 'at least N'")
+    b.add_argument("--au-budget", type=_positive(float), default=A.AU_BUDGET_S, metavar="SECONDS",
+                   help=f"seconds of AU trials per loader (default {A.AU_BUDGET_S:g}): the search tries no larger "
+                        "count once they are spent, and a result still above the threshold reads 'at least N'")
     b.add_argument("--transform", metavar="MODULE:FUNCTION",
                    help="also measure a per-sample transform (fn(sample) or fn(sample, ctx)), importable from "
                         "the current directory: pyloader with and without it, and torch's DataLoader running it")
@@ -428,9 +479,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """Runs ``pyloader bench`` with the parsed ``args``; returns the exit code.
 
     Prints a table (or JSON with ``--json``) on stdout and progress on stderr; with
-    ``--plot``, draws the plot after printing. Returns 0; 1 when the measurement (or the
-    plot) failed; 2 for options that do not fit together, ``--plot`` without matplotlib
-    (both checked before measuring), or a URL that holds no dataset.
+    ``--plot``, draws the plot after printing. Returns 0, or the code of NOTE [exit codes]
+    (pyloader/errors.py) for what failed: 2 for options that do not fit together, ``--plot``
+    without matplotlib (both checked before measuring) or a URL that holds no dataset; 4
+    for data it cannot reach; 1 when the measurement (or the plot) failed otherwise.
     """
     problem = _usage_error(args)
     if problem:
@@ -445,12 +497,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         r = _bench_result(args, progress)
-    except ManifestError as e:  # a bad URL or a dataset that is not one: like a usage error
+    except (PyloaderError, OSError, ValueError) as e:  # See NOTE [exit codes]: as every command exits
         print(f"pyloader bench: error: {e}", file=sys.stderr)
-        return 2
-    except (PyloaderError, OSError, ValueError) as e:
-        print(f"pyloader bench: error: {e}", file=sys.stderr)
-        return 1
+        return exit_code(e) or 1
     if args.json:
         json.dump(r, sys.stdout, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
         print()

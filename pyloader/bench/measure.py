@@ -6,6 +6,8 @@ hold even on a noisy machine.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import resource
 import threading
@@ -88,21 +90,135 @@ def write_profile_dataset(path: str, p: Profile, n: int, *, compression: str = "
 
 
 # -- timing helpers -------------------------------------------------------------------
-class CpuTimer:
-    """Wall and process CPU time (all threads) of a block."""
+# NOTE [CPU of live children]: a stage's ``cpu_s`` is the CPU time of every thread of this
+# process and of every child process, whether it ended during the stage or is still alive
+# at its end (torch's persistent workers, pyloader's transform processes).
+# ``RUSAGE_CHILDREN`` alone cannot give that: it counts a child only once it has exited and
+# been waited for, so a loader's live workers read as zero. So each live descendant's CPU
+# time (its own, plus that of the children it has waited for) is read at the start and at
+# the end of the block: from /proc/<pid>/stat on Linux, else from psutil when it is
+# installed; without either only exited children count (``cpu_accounting()`` says which).
+# A process is known by (pid, start time), so a reused pid is a new process. A descendant
+# alive at the start and gone at the end has had its whole time counted by whoever waited
+# for it (``RUSAGE_CHILDREN`` or its parent's own children's time): the part it had spent
+# before the block is taken off again.
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
+
+def _proc_stat(pid: int) -> tuple[int, int, float] | None:
+    """(parent pid, start time in ticks, CPU seconds incl. waited-for children) of ``pid``; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()  # after "pid (comm) ": the comm may hold spaces
+    # fields[i] is stat field i + 3: ppid 4, utime 14, stime 15, cutime 16, cstime 17, starttime 22
+    ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+    return int(fields[1]), int(fields[19]), ticks / _CLK_TCK
+
+
+def _proc_children(pid: int) -> list[int] | None:
+    """The child pids of ``pid`` from /proc/<pid>/task/*/children; None where the kernel has no such file."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            return None
+        except OSError:
+            continue
+    return out
+
+
+def _live_children_proc() -> dict[tuple[int, int], float]:
+    """CPU seconds of every live descendant of this process, by (pid, start time), from /proc."""
+    me = os.getpid()
+    out: dict[tuple[int, int], float] = {}
+    by_parent: dict[int, list[int]] | None = None
+    todo = [me]
+    while todo:
+        pid = todo.pop()
+        kids = _proc_children(pid) if by_parent is None else by_parent.get(pid, [])
+        if kids is None:  # no children files: one scan of /proc for every process's parent
+            by_parent = {}
+            for name in os.listdir("/proc"):
+                if name.isdigit() and (st := _proc_stat(int(name))) is not None:
+                    by_parent.setdefault(st[0], []).append(int(name))
+            kids = by_parent.get(pid, [])
+        for kid in kids:
+            st = _proc_stat(kid)
+            if st is not None and (kid, st[1]) not in out:
+                out[(kid, st[1])] = st[2]
+                todo.append(kid)
+    return out
+
+
+def _live_children_psutil() -> dict[tuple[int, int], float]:
+    psutil: Any = importlib.import_module("psutil")  # optional: not a dependency, and untyped
+    out: dict[tuple[int, int], float] = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            out[(p.pid, int(p.create_time() * 1e6))] = (t.user + t.system + getattr(t, "children_user", 0.0)
+                                                        + getattr(t, "children_system", 0.0))
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_accounting() -> str:
+    """How live child processes' CPU time is read here: "proc", "psutil", or "exited only" (See NOTE [CPU of live children])."""
+    if os.path.exists(f"/proc/{os.getpid()}/stat"):
+        return "proc"
+    return "psutil" if importlib.util.find_spec("psutil") is not None else "exited only"
+
+
+def live_children_cpu() -> dict[tuple[int, int], float]:
+    """CPU seconds of every live descendant process, by (pid, start time) (See NOTE [CPU of live children])."""
+    how = cpu_accounting()
+    if how == "proc":
+        return _live_children_proc()
+    if how == "psutil":
+        return _live_children_psutil()
+    return {}
+
+
+class CpuTimer:
+    """Wall and CPU time of a block: every thread of this process and every child process.
+
+    Child processes count whether they exited or are still alive (See NOTE [CPU of live children]).
+    After the block: ``wall``, ``cpu`` (the total), ``cpu_self`` (this process's threads) and
+    ``cpu_children`` (child processes).
+    """
+
+    # Reading the live children takes a fraction of a millisecond: it is done outside the wall time.
     def __enter__(self) -> CpuTimer:
-        self._w = time.perf_counter()
+        self._live = live_children_cpu()
         r = resource.getrusage(resource.RUSAGE_SELF)
         c = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self._c = r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+        self._self, self._exited = r.ru_utime + r.ru_stime, c.ru_utime + c.ru_stime
+        self._w = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.wall = time.perf_counter() - self._w
+        live = live_children_cpu()
         r = resource.getrusage(resource.RUSAGE_SELF)
         c = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.cpu = r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime - self._c
+        exited = c.ru_utime + c.ru_stime - self._exited
+        grown = sum(cpu - self._live.get(key, 0.0) for key, cpu in live.items())
+        counted_before = sum(cpu for key, cpu in self._live.items() if key not in live)
+        self.cpu_self = r.ru_utime + r.ru_stime - self._self
+        self.cpu_children = max(0.0, grown + exited - counted_before)
+        self.cpu = self.cpu_self + self.cpu_children
 
 
 def best_of(fn: Callable[[], float], repeats: int) -> float:
@@ -241,17 +357,23 @@ def read_gbps(paths: list[str], threads: int = 1, *, min_seconds: float = 0.0) -
     return sum(done) / max(wall, 1e-9) / 1e9
 
 
+def epoch_samples(loader: Any, *, touch: bool = False) -> tuple[int, int]:
+    """Iterates one epoch; returns (samples, payload bytes). Untimed: callers time whole rounds."""
+    n = nbytes = 0
+    for batch in loader:
+        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        n += int(tensors[-1].shape[0])
+        for x in tensors:
+            nbytes += x.nelement() * x.element_size()
+        if touch:
+            tensors[0].view(-1)[0].item()
+    return n, nbytes
+
+
 def loader_epoch(loader: Any, *, touch: bool = False) -> tuple[int, int, CpuTimer]:
     """Iterates one epoch; returns (samples, payload bytes, timer)."""
-    n = nbytes = 0
     with CpuTimer() as t:
-        for batch in loader:
-            tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
-            n += int(tensors[-1].shape[0])
-            for x in tensors:
-                nbytes += x.nelement() * x.element_size()
-            if touch:
-                tensors[0].view(-1)[0].item()
+        n, nbytes = epoch_samples(loader, touch=touch)
     return n, nbytes, t
 
 
@@ -353,7 +475,7 @@ def native_decode_gbps(blocks: list[tuple[bytes, int]], threads: int, seconds: f
 
 
 def environment() -> dict[str, Any]:
-    """Versions (Python, torch, numpy), CPU count and platform, recorded with every result."""
+    """Versions (Python, torch, numpy), CPU count, platform and how child processes' CPU time is read."""
     import platform
 
     return {
@@ -361,12 +483,13 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "cpus": os.cpu_count(),
+        "cpu_accounting": cpu_accounting(),
         "machine": platform.machine(),
         "platform": platform.platform(),
     }
 
 
-__all__ = ["Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "best_of", "interleaved",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "loader_epoch", "pyloader_loader",
+__all__ = ["Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

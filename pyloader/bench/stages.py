@@ -2,8 +2,9 @@
 
 Stages are measured apart (storage read, LZ4 decode, the memcpy limit of collation) and
 together (the end-to-end loader), with torch's DataLoader on the same data in the same
-run. The AU mode follows MLPerf Storage: simulated accelerators each take a batch, then
-"compute" for a fixed time; AU = compute time / wall time.
+run; ``diagnosis.py`` reads the figures. The AU mode follows MLPerf Storage: simulated
+accelerators each take a batch, then "compute" for a fixed time; AU = compute time / wall
+time (the search over counts is ``au.py``'s).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,26 +36,10 @@ from ..loader import autotune
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from . import measure as B
+from .au import AU_CEILING, Workload, max_accelerators
+from .diagnosis import transform_hint
 
 SCHEMA_VERSION = 2
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A simulated accelerator workload (MLPerf Storage H100 presets, scaled-down datasets)."""
-
-    name: str
-    record_bytes: int
-    batch_size: int
-    compute_s: float
-    records: int  # scaled-down dataset size used here
-
-
-WORKLOADS: dict[str, Workload] = {
-    "resnet50": Workload("resnet50", 114_700, 64, 0.103, 4096),
-    "unet3d": Workload("unet3d", 146_600_000, 7, 0.323, 21),
-    "cosmoflow": Workload("cosmoflow", 2_800_000, 1, 0.0035, 256),
-}
 
 
 def _corrupt(path: str, what: str, record: int | None = None, field: str | None = None) -> ShardCorruptError:
@@ -152,7 +136,7 @@ _STAT_SUMS = ("batches", "records", "stored_bytes", "decoded_bytes", "lz4_stored
 
 
 def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: int,
-                    min_seconds: float, max_epochs: int = 1000) -> dict[str, Any]:
+                    min_seconds: float, max_epochs: int = 100_000) -> dict[str, Any]:
     """The best of ``rounds`` timed rounds of one loader, after its first epoch, timed apart.
 
     The first epoch (torch starts its worker processes; pyloader maps the shards, verifies
@@ -184,7 +168,7 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
         t0 = time.perf_counter()
         with B.CpuTimer() as t:
             while True:
-                s, nb, _ = B.loader_epoch(loader)
+                s, nb = B.epoch_samples(loader)
                 n, nbytes, epochs = n + s, nbytes + nb, epochs + 1
                 if isinstance(loader, DataLoader):
                     st = loader.stats()
@@ -314,7 +298,7 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
                               rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     loader = DataLoader(make_ds(decode=decode), batch_size=batch_size, num_workers=threads, transform=fn,
                         executor=executor)
-    B.loader_epoch(loader)
+    B.epoch_samples(loader)
     st = loader.stats()
     progress(f"transform stage: torch DataLoader running it in its workers (num_workers={torch_workers})")
     torch_r = _measure_loader(lambda: torch.utils.data.DataLoader(
@@ -332,7 +316,8 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
         "per_sample_us": st["transform_per_sample_us"], "decode_s": st["decode_s"], "transform_s": st["transform_s"],
         "share_of_sample_time": min(1.0, per_sample_s / sample_s) if sample_s > 0 else 0.0,
         "workers_busy": st["transform_busy_fraction"], "wait_fraction": st["wait_fraction"],
-        "skipped_samples": st["skipped_samples"], "hint": st["transform_hint"],
+        "skipped_samples": st["skipped_samples"],
+        "hint": transform_hint(st["transform_hint"], threads, autotune.cpu_budget()),
         "limit_samples_per_s": threads / per_sample_s if per_sample_s > 0 else None,
         "speedup_vs_torch": with_tr["samples_per_s"] / max(torch_r["samples_per_s"], 1e-12),
     }
@@ -384,8 +369,10 @@ def run_pack_stage(make_ds: Callable[[], ShardDataset], spec: Any, *, rows: int,
     if st["wait_fraction"] < 0.5:
         bound = "consumer: the loop took the batches no faster than they were packed"
     elif starved >= busy:
+        more = ("more --threads help when its workers are busy" if threads < autotune.cpu_budget()
+                else f"its {threads} threads already use every CPU this process may use")
         bound = ("documents: the packer waits for the native pipeline that reads them; what binds that pipeline "
-                 "is in the stages above (more --threads help when its workers are busy)")
+                 f"is in the stages above ({more})")
     else:
         bound = ("packer: its thread builds rows most of the time; a smaller lookahead (or greedy) packs faster, "
                  "at more padding")
@@ -395,158 +382,6 @@ def run_pack_stage(make_ds: Callable[[], ShardDataset], spec: Any, *, rows: int,
             "padding_fraction": pk["padding_fraction"], "split_documents": pk["split_documents"],
             "truncated_tokens": pk["truncated_tokens"], "packer_busy": busy, "packer_waiting": starved,
             "wait_fraction": st["wait_fraction"], "bound": bound}
-
-
-# A stage used at or above this share of its measured capacity is what binds the loader.
-BOUND_AT = 0.8
-# Measurements shorter than these are flagged as too short to trust.
-MIN_EPOCH_S = 0.5
-MIN_BATCHES = 20
-
-_ADVICE = {
-    "network": "run `pyloader cache warm URL` on each node before training, raise fetch_jobs, or compress "
-               "the dataset (fewer bytes to move)",
-    "storage": "warm the node cache (pyloader cache warm), use faster storage, or compress (LZ4 pays when "
-               "storage is the bottleneck)",
-    "decode": "add threads (--threads / num_workers), or write the dataset with compression='none' if "
-              "storage is fast enough to carry the larger files",
-    "collate": "add threads if the copy capacity grows with them (--threads); otherwise only fewer bytes "
-               "per sample (smaller dtype, cropping) help",
-    "workers": "add threads (--threads / num_workers): they verify, decode and copy every batch; with "
-               "compression, writing the dataset with compression='none' halves their work if storage keeps up",
-}
-_HOW = {
-    "network": "every shard downloaded once into the node cache",
-    "storage": "the shard files read with read() on {t} threads",
-    "decode": "the dataset's own LZ4 blocks decoded on {t} threads",
-    "collate": "batch-sized copies from memory on {t} threads",
-    "workers": "the loader's {t} threads, by its own counters: delivered rate / share of time busy",
-}
-# Why a stage can measure below what the loader drew from it.
-_BELOW = {
-    "network": "the download ran once, cold; the loader also read shards that were already cached",
-    "storage": "read() copies every byte out of the page cache into a buffer, while the loader maps "
-               "the shards and copies each byte once, straight into its batch",
-    "decode": "the stage and the loader ran at different moments of a shared machine: the spread "
-              "between runs is that large here",
-    "collate": "the stage and the loader ran at different moments of a shared machine: the spread "
-               "between runs is that large here",
-    "workers": "the workers' capacity is derived from their busy share, which the load of the moment moves",
-}
-
-
-def diagnose(st: dict[str, Any]) -> dict[str, Any]:
-    """Which stage bounds the loader, by how much, and what to change. Uses only measured numbers.
-
-    For each stage: its measured ``capacity_gbps``, the rate the loader drew from it
-    (``demand_gbps``, in the same bytes: stored bytes for network and storage, decoded LZ4
-    bytes for decode, bytes copied raw for collation) and ``utilization`` = demand /
-    capacity. Row ``workers`` is the loader's own threads, from its counters in the timed
-    epochs: utilization = the share of time they were busy. The stage with the highest
-    utilization binds the loader when it is at least ``BOUND_AT`` (decode and collate only
-    when the workers were that busy too); ``workers`` binds when they were busy and no
-    separate stage explains it; else ``bound`` is None. A capacity measured below
-    what the loader drew gets a note saying why.
-    """
-    py = st["pyloader"]
-    threads = py["threads"]
-    wall = max(py["epoch_s"], 1e-12)
-    stored, decoded, lz4_stored = py["stored_bytes"], py["decoded_bytes"], py["lz4_stored_bytes"]
-    raw = max(stored - lz4_stored, 0)  # raw values: stored == decoded, copied into the batch
-    lz4_decoded = max(decoded - raw, 0)
-    stage_rows: dict[str, dict[str, Any]] = {}
-
-    def add(name: str, capacity: float | None, demand_bytes: int) -> None:
-        if capacity is None or demand_bytes <= 0:
-            return
-        demand = demand_bytes / wall / 1e9
-        stage_rows[name] = {"capacity_gbps": capacity, "demand_gbps": demand,
-                            "utilization": demand / max(capacity, 1e-12), "how": _HOW[name].format(t=threads)}
-
-    fetch = st.get("remote_fetch")
-    if fetch and fetch["gbps"]:
-        add("network", fetch["gbps"], stored)
-    add("storage", st["storage_read"]["gbps"], stored)
-    if st["decode"]:
-        add("decode", st["decode"]["gbps"], lz4_decoded)
-    add("collate", st["collate_limit"]["memcpy_gbps"], raw)
-
-    busy = py.get("workers_busy")
-    if busy:
-        # The loader's own threads, timed by its own counters in the same epochs: the capacity
-        # of its verify/decode/copy work is what it delivered over the share of time it worked.
-        stage_rows["workers"] = {"capacity_gbps": py["gbps"] / busy, "demand_gbps": py["gbps"], "utilization": busy,
-                                 "how": _HOW["workers"].format(t=threads)}
-    # decode and collate are measured apart; when the loader's own workers were mostly idle,
-    # its CPU work cannot be what held it back, whatever those separate runs measured.
-    cpu_idle = busy is not None and busy < BOUND_AT
-    candidates = [k for k in stage_rows if k != "workers" and not (cpu_idle and k in ("decode", "collate"))]
-    top = max(candidates or list(stage_rows), key=lambda k: stage_rows[k]["utilization"])
-    use = stage_rows[top]["utilization"]
-    if use < BOUND_AT and busy is not None and busy >= BOUND_AT:
-        # The threads are saturated by work the separate stages do not capture (verifying, overhead).
-        top, use = "workers", busy
-    bound = top if use >= BOUND_AT else None
-    notes: list[str] = []
-    for name, row in stage_rows.items():
-        excluded = cpu_idle and name in ("decode", "collate")
-        if excluded and row["utilization"] >= BOUND_AT:
-            notes.append(f"{name} measured apart at {row['capacity_gbps']:.2f} GB/s ({100 * row['utilization']:.0f}% "
-                         f"used), yet the loader's own workers, doing this work in the same epochs, were busy "
-                         f"only {100 * busy:.0f}% of the time, so it does not bind: the separate run (another "
-                         "moment, Python threads calling the decoder or copy) reads low; the workers row is "
-                         "timed with the loader")
-        elif row["utilization"] > 1.0:
-            notes.append(f"{name} measured {row['capacity_gbps']:.2f} GB/s, below the {row['demand_gbps']:.2f} GB/s "
-                         f"the loader drew from it ({row['how']}): {_BELOW[name]}; read it as at its limit")
-    if bound:
-        notes.insert(0, f"to go faster: {_ADVICE[bound]}")
-    else:
-        busiest = max([*candidates, *(["workers"] if "workers" in stage_rows else [])],
-                      key=lambda k: stage_rows[k]["utilization"])
-        notes.insert(0, f"no stage is near its limit (the busiest, {busiest}, at "
-                        f"{100 * stage_rows[busiest]['utilization']:.0f}% of its capacity): "
-                        "the rate is set by what these stages do not measure (handing batches to the "
-                        "consumer, per-batch overhead, the start of each epoch)")
-    if py["wait_fraction"] > 0.5:
-        notes.append(f"the consumer waited for batches {100 * py['wait_fraction']:.0f}% of the time: this "
-                     "loop does no work, so the loader set the pace; in training, watch "
-                     "loader.stats()['wait_fraction']")
-    elif py["wait_fraction"] < 0.2:
-        notes.append(f"the consumer waited for batches only {100 * py['wait_fraction']:.0f}% of the time: the "
-                     "loop itself set the pace, so the loader's figure is a lower bound")
-    if py["samples"] and py["bytes"] / py["samples"] < 4096:
-        notes.append("records are small (< 4 KB): per-record overhead dominates; larger records or "
-                     "batching several samples per record raise throughput")
-    alloc_s, startup = py.get("first_epoch_alloc_s", 0.0), py.get("startup_s", 0.0)
-    first_vs, nthreads = py.get("first_epoch_vs_steady", 1.0), max(int(py.get("threads") or 1), 1)
-    if startup > 0 and first_vs < 0.6 and alloc_s > 0.2 * startup * nthreads:
-        notes.append(f"the first epoch ran at {first_vs:.2f}x the steady state, and "
-                     f"{100 * alloc_s / (startup * nthreads):.0f}% of its collating threads' time went "
-                     f"to new batch memory ({py['first_epoch_alloc_bytes'] / 2**20:.0f} MiB: the kernel populating "
-                     "pages for the batch buffers, paid once per process; an epoch of only a few batches "
-                     "weighs it heavily)")
-    warnings = []
-    loaders = (("pyloader", st["pyloader"]), ("torch", st["torch_dataloader"]))
-    few = [(label, s) for label, s in loaders if s["batches_per_epoch"] < MIN_BATCHES]
-    if few:
-        warnings.append(
-            f"too short to trust: one epoch is only {few[0][1]['batches_per_epoch']} batches ("
-            + ", ".join(f"{label} {1e3 * s['epoch_s']:.1f} ms" for label, s in few)
-            + "), so the start of each epoch weighs on every figure and the pyloader / torch ratio is not a "
-            f"steady-state one: measure at least {MIN_BATCHES} batches per epoch (a larger dataset, --records "
-            "for the generated one, or a smaller --batch-size)")
-    brief = [(label, s) for label, s in loaders if s["wall_s"] < MIN_EPOCH_S]
-    if brief:
-        warnings.append(
-            "too short to trust: timed over only "
-            + ", ".join(f"{label} {s['wall_s']:.2f} s" for label, s in brief)
-            + f" (at least {MIN_EPOCH_S} s wanted): raise --min-seconds or --epochs")
-    torch_ratio = py["samples_per_s"] / max(st["torch_dataloader"]["samples_per_s"], 1e-12)
-    return {"bound": bound, "bound_utilization": use, "loader_gbps": py["gbps"],
-            "stages": stage_rows,
-            "headroom": {k: round(1 / max(v["utilization"], 1e-12), 2) for k, v in stage_rows.items()},
-            "speedup_vs_torch": torch_ratio, "notes": notes, "warnings": warnings}
 
 
 # -- accelerator utilization ------------------------------------------------------------
@@ -598,67 +433,34 @@ def _measure_au(factory: Callable[[int, int], Callable[[], Iterator[Any]]], n: i
             "startup_s": float(np.max([r["startup_s"] for r in results]))}
 
 
-def max_accelerators(factory: Callable[[int, int], Callable[[], Iterator[Any]]], compute_s: float, *,
-                     batches: int, threshold: float, cap: int,
-                     progress: Callable[[str], None], label: str) -> dict[str, Any]:
-    """Largest accelerator count with AU >= threshold: doubling until AU falls below it, then bisection.
-
-    The search stops at ``cap``: when AU is still >= threshold there, the result is
-    ``capped`` (at least ``cap``, not a measured maximum).
-    """
-    trials: dict[int, dict[str, float]] = {}
-
-    def trial(n: int) -> bool:
-        if n not in trials:
-            trials[n] = _measure_au(factory, n, compute_s, batches)
-            progress(f"{label}: {n} accelerators -> AU {100 * trials[n]['au']:.1f}%")
-        return trials[n]["au"] >= threshold
-
-    good, bad = 0, None
-    n = 1
-    while n <= cap:
-        if trial(n):
-            good, n = n, n * 2
-        else:
-            bad = n
-            break
-    if bad is None and good < cap:
-        if trial(cap):
-            good = cap
-        else:
-            bad = cap
-    if bad is not None:
-        lo, hi = good, bad
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if trial(mid):
-                lo = mid
-            else:
-                hi = mid
-        good = lo
-    return {"max_accelerators": good, "capped": bad is None, "threshold": threshold, "cap": cap,
-            "trials": [trials[k] for k in sorted(trials)]}
-
-
 def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int, torch_workers: int,
-           batches: int, threshold: float, cap: int, progress: Callable[[str], None]) -> dict[str, Any]:
+           batches: int, threshold: float, cap: int | None, budget_s: float,
+           progress: Callable[[str], None]) -> dict[str, Any]:
     """Largest number of simulated accelerators pyloader and torch's DataLoader each keep busy.
 
     Each accelerator reads its rank's part of the dataset at ``path`` with its own loader
     and computes ``w.compute_s`` per batch; the count that keeps AU >= ``threshold`` is
-    searched up to ``cap``, lowered further so that the loaders' batches fit in 40% of
-    free memory (``cap_reason`` says which cap applies). ``w.record_bytes`` is the size of
-    the records at ``path`` (what sizes the memory cap).
+    searched up to ``cap`` (None: ``AU_CEILING``), lowered further so that each loader's
+    accelerators fit in 40% of free memory (torch's worker processes counted too), for at most
+    ``budget_s`` of trials per loader (See NOTE [AU search]). Each loader's result has its
+    ``cap`` and ``cap_reason``; the top level's are pyloader's. ``w.record_bytes`` is the
+    size of the records at ``path`` (what sizes the memory cap).
     """
     batch_bytes = w.record_bytes * w.batch_size
     try:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError):
         avail = 8 << 30
-    # Each accelerator's loader holds about (prefetch + 2) batches; stay within 40% of free RAM.
-    mem_cap = max(1, int(0.4 * avail / (batch_bytes * (2 * threads + 3))))
-    cap_reason = "memory" if mem_cap < cap else "max_accelerators"
-    cap = min(cap, mem_cap)
+    given, given_reason = (AU_CEILING, "ceiling") if cap is None else (cap, "max_accelerators")
+
+    def capped(per_accelerator: int) -> tuple[int, str]:
+        mem_cap = max(1, int(0.4 * avail / max(per_accelerator, 1)))
+        return (mem_cap, "memory") if mem_cap < given else (given, given_reason)
+
+    # Each accelerator's loader holds about (prefetch + 2) batches. A torch worker process is
+    # forked from this one and can come to own a copy of its private memory (copy on write).
+    py_cap, py_reason = capped(batch_bytes * (2 * threads + 3))
+    torch_cap, torch_reason = capped(batch_bytes * (2 * torch_workers + 3) + torch_workers * _private_bytes())
 
     def py_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
         ds = ShardDataset(path, rank=rank, world_size=n, cache_dir=cache_dir)
@@ -672,20 +474,29 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
                                              prefetch_factor=2 if torch_workers else None)
         return lambda: iter(loader)
 
-    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": cap, "cap_reason": cap_reason}
-    out["pyloader"] = max_accelerators(py_factory, w.compute_s, batches=batches, threshold=threshold, cap=cap,
-                                       progress=progress, label="pyloader")
-    out["torch_dataloader"] = max_accelerators(torch_factory, w.compute_s, batches=batches, threshold=threshold,
-                                               cap=cap, progress=progress, label="torch DataLoader")
-    out["torch_dataloader"]["num_workers"] = torch_workers
+    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": py_cap, "cap_reason": py_reason}
+    out["pyloader"] = max_accelerators(lambda n: _measure_au(py_factory, n, w.compute_s, batches),
+                                       threshold=threshold, cap=py_cap, budget_s=budget_s, progress=progress,
+                                       label="pyloader")
+    out["pyloader"]["cap_reason"] = py_reason
+    out["torch_dataloader"] = max_accelerators(lambda n: _measure_au(torch_factory, n, w.compute_s, batches),
+                                               threshold=threshold, cap=torch_cap, budget_s=budget_s,
+                                               progress=progress, label="torch DataLoader")
+    out["torch_dataloader"].update(cap_reason=torch_reason, num_workers=torch_workers)
     return out
 
 
-def au_batches(w: Workload, seconds: float) -> int:
-    """Batches per AU trial: enough for ``seconds`` of simulated compute, and at least 4."""
-    return max(4, math.ceil(seconds / w.compute_s))
+def _private_bytes() -> int:
+    """This process's private (anonymous) resident memory: what a forked worker can come to copy."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 256 << 20  # no /proc: a typical Python process with torch imported
 
 
-__all__ = ["SCHEMA_VERSION", "Workload", "WORKLOADS", "lz4_blocks", "PadCollate", "run_stages", "run_transform_stage",
-           "run_pack_stage", "BOUND_AT", "MIN_EPOCH_S", "MIN_BATCHES", "diagnose", "max_accelerators", "run_au",
-           "au_batches"]
+__all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "run_transform_stage", "run_pack_stage",
+           "run_au"]

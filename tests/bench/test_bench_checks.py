@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import pyloader
+from pyloader.bench import au as A
 from pyloader.bench import cli as bench_cli
+from pyloader.bench import diagnosis as D
 from pyloader.bench import measure as B
-from pyloader.bench import stages as R
 from pyloader.format.spec import INDEX_DTYPE, unpack_header
 
 
@@ -167,13 +168,15 @@ def _stages(*, gbps: float, memcpy: float, decode: float | None = None, lz4_shar
     }
 
 
-def test_a_capacity_below_the_loaders_rate_is_explained_not_reported_as_headroom() -> None:
-    # The issue's run: the loader at 17.1 GB/s, the copy stage measured at 8.3 GB/s.
-    dg = R.diagnose(_stages(gbps=17.1, memcpy=8.3, busy=0.95))
+def test_a_capacity_below_the_loaders_rate_is_clamped_to_it_and_explained() -> None:
+    # The issue's run: the loader at 17.1 GB/s, the copy stage measured at 8.3 GB/s. The
+    # loader's own epochs show the copy carries 17.1 GB/s: no capacity below it, no use above 100%.
+    dg = D.diagnose(_stages(gbps=17.1, memcpy=8.3, busy=0.95), cpus=16)
     row = dg["stages"]["collate"]
-    assert row["capacity_gbps"] == 8.3 and row["demand_gbps"] == pytest.approx(17.1)
-    assert row["utilization"] == pytest.approx(17.1 / 8.3)
-    assert dg["bound"] == "collate"
+    assert row["capacity_gbps"] == pytest.approx(17.1) and row["demand_gbps"] == pytest.approx(17.1)
+    assert row["measured_gbps"] == 8.3 and row["clamped"] is True
+    assert row["utilization"] == 1.0 and dg["headroom"]["collate"] == 1.0
+    assert dg["bound"] == "collate" and dg["bound_utilization"] == 1.0
     assert any(n.startswith("collate measured 8.30 GB/s, below the 17.10 GB/s") and "at its limit" in n
                for n in dg["notes"])
 
@@ -181,7 +184,7 @@ def test_a_capacity_below_the_loaders_rate_is_explained_not_reported_as_headroom
 def test_the_binding_stage_is_the_one_closest_to_its_capacity() -> None:
     # Half the bytes are LZ4: the loader draws 4 GB/s decoded from decode (capacity 4.4) and
     # 4 GB/s raw from the copy (capacity 40); its threads were busy 95% of the time.
-    dg = R.diagnose(_stages(gbps=8.0, memcpy=40.0, decode=4.4, lz4_share=0.5, busy=0.95))
+    dg = D.diagnose(_stages(gbps=8.0, memcpy=40.0, decode=4.4, lz4_share=0.5, busy=0.95), cpus=16)
     assert dg["stages"]["decode"]["demand_gbps"] == pytest.approx(4.0)
     assert dg["stages"]["collate"]["demand_gbps"] == pytest.approx(4.0)
     assert dg["bound"] == "decode" and dg["bound_utilization"] == pytest.approx(4.0 / 4.4)
@@ -190,16 +193,16 @@ def test_the_binding_stage_is_the_one_closest_to_its_capacity() -> None:
 
 
 def test_idle_workers_mean_no_cpu_stage_binds() -> None:
-    dg = R.diagnose(_stages(gbps=8.0, memcpy=40.0, decode=4.4, lz4_share=0.5, busy=0.4))
+    dg = D.diagnose(_stages(gbps=8.0, memcpy=40.0, decode=4.4, lz4_share=0.5, busy=0.4))
     assert dg["bound"] is None
     assert dg["notes"][0].startswith("no stage is near its limit")
     assert any("decode measured apart" in n and "busy only 40%" in n for n in dg["notes"])
 
 
 def test_the_consumer_wait_line_only_when_true_with_the_number() -> None:
-    waited = R.diagnose(_stages(gbps=1.0, memcpy=10.0, wait=0.83))["notes"]
+    waited = D.diagnose(_stages(gbps=1.0, memcpy=10.0, wait=0.83))["notes"]
     assert any("the consumer waited for batches 83% of the time" in n for n in waited)
-    middle = R.diagnose(_stages(gbps=1.0, memcpy=10.0, wait=0.35))["notes"]
+    middle = D.diagnose(_stages(gbps=1.0, memcpy=10.0, wait=0.35))["notes"]
     assert not any("consumer waited" in n for n in middle)
 
 
@@ -207,7 +210,7 @@ def test_a_first_epoch_slowed_by_new_batch_memory_is_named() -> None:
     st = _stages(gbps=1.0, memcpy=10.0)
     # 8 threads for 0.1 s: 0.8 s of thread time, 0.4 s of it allocating 512 MiB of batch memory.
     st["pyloader"].update(first_epoch_vs_steady=0.25, first_epoch_alloc_s=0.4, first_epoch_alloc_bytes=512 << 20)
-    notes = R.diagnose(st)["notes"]
+    notes = D.diagnose(st)["notes"]
     hit = [n for n in notes if "new batch memory" in n]
     assert len(hit) == 1 and "0.25x the steady state" in hit[0] and "50% of its collating threads' time" in hit[0]
     assert "512 MiB" in hit[0]
@@ -215,38 +218,77 @@ def test_a_first_epoch_slowed_by_new_batch_memory_is_named() -> None:
         st2 = _stages(gbps=1.0, memcpy=10.0)
         st2["pyloader"].update({"first_epoch_vs_steady": 0.25, "first_epoch_alloc_s": 0.4,
                                 "first_epoch_alloc_bytes": 512 << 20, **quiet})
-        assert not any("new batch memory" in n for n in R.diagnose(st2)["notes"]), quiet
+        assert not any("new batch memory" in n for n in D.diagnose(st2)["notes"]), quiet
 
 
 def test_a_short_measurement_warns() -> None:
-    short = R.diagnose(_stages(gbps=1.0, memcpy=10.0, batches=2, epoch_s=0.009))
+    short = D.diagnose(_stages(gbps=1.0, memcpy=10.0, batches=2, epoch_s=0.009))
     assert len(short["warnings"]) == 1
     assert "too short to trust" in short["warnings"][0] and "2 batches" in short["warnings"][0]
-    assert R.diagnose(_stages(gbps=1.0, memcpy=10.0))["warnings"] == []
+    assert D.diagnose(_stages(gbps=1.0, memcpy=10.0))["warnings"] == []
 
 
 # -- accelerator utilization --------------------------------------------------------------
-def _fake_au(monkeypatch, au_of_n) -> None:
-    def measure(factory, n, compute_s, batches):  # noqa: ANN001, ANN202
-        return {"accelerators": n, "au": au_of_n(n), "au_min": au_of_n(n), "startup_s": 0.0}
+def _search(au_of_n, *, cap: int = 1000, budget_s: float = 1e9, trial_s: float = 1.0) -> dict[str, Any]:
+    """The AU search over a machine whose AU at n accelerators is ``au_of_n(n)``; each trial takes
+    ``trial_s`` on the search's clock."""
+    now = [0.0]
 
-    monkeypatch.setattr(R, "_measure_au", measure)
+    def measure(n: int) -> dict[str, float]:
+        now[0] += trial_s
+        return {"au": au_of_n(n), "au_min": au_of_n(n), "startup_s": 0.0}
+
+    return A.max_accelerators(measure, threshold=0.9, cap=cap, budget_s=budget_s, progress=lambda m: None,
+                              label="t", clock=lambda: now[0])
 
 
-def test_au_search_grows_until_au_falls_below_the_threshold(monkeypatch) -> None:
-    _fake_au(monkeypatch, lambda n: 0.99 if n <= 37 else 0.5)
-    r = R.max_accelerators(None, 0.1, batches=4, threshold=0.9, cap=1000,  # type: ignore[arg-type]
-                           progress=lambda m: None, label="t")
-    assert r["max_accelerators"] == 37 and r["capped"] is False
+def test_au_search_grows_until_au_falls_below_the_threshold() -> None:
+    r = _search(lambda n: 0.99 if n <= 37 else 0.5)
+    assert r["max_accelerators"] == 37 and r["capped"] is False and r["stopped_by"] is None
+    assert r["fails_at"] == 38
 
 
-def test_au_search_at_the_cap_says_at_least(monkeypatch) -> None:
-    _fake_au(monkeypatch, lambda n: 0.99)
-    r = R.max_accelerators(None, 0.1, batches=4, threshold=0.9, cap=20,  # type: ignore[arg-type]
-                           progress=lambda m: None, label="t")
-    assert r["max_accelerators"] == 20 and r["capped"] is True
+def test_au_search_goes_past_32_while_au_holds() -> None:
+    # The issue's run: pyloader still held AU 0.91 at 32, the old cap; the maximum is past it.
+    r = _search(lambda n: 0.91 if n <= 150 else 0.6)
+    assert r["max_accelerators"] == 150 and not r["capped"]
+    assert max(t["accelerators"] for t in r["trials"]) == 256
+    assert bench_cli._au_count(r) == "150"
+
+
+def test_au_search_at_the_cap_says_at_least() -> None:
+    r = _search(lambda n: 0.99, cap=20)
+    assert r["max_accelerators"] == 20 and r["capped"] is True and r["stopped_by"] == "cap"
     assert [t["accelerators"] for t in r["trials"]][-1] == 20
     assert bench_cli._au_count(r) == "at least 20 (cap)"
+
+
+def test_au_search_out_of_time_says_at_least() -> None:
+    # Trials of 10 s on a 35 s budget: 1, 2, 4 (30 s spent); 8 would end past 35 s.
+    r = _search(lambda n: 0.99, budget_s=35, trial_s=10)
+    assert [t["accelerators"] for t in r["trials"]] == [1, 2, 4]
+    assert r["max_accelerators"] == 4 and r["capped"] and r["stopped_by"] == "time" and r["fails_at"] is None
+    assert bench_cli._au_count(r) == "at least 4 (time budget)"
+    au = {"cap": 1000, "cap_reason": "ceiling", "pyloader": r, "torch_dataloader": {**r, "capped": False}}
+    assert bench_cli._au_stops(au) == ["the search spent its 35 s of trials: raise --au-budget to search further"]
+    # Out of time while bisecting: a lower bound below the first count that failed.
+    r = _search(lambda n: 0.99 if n <= 40 else 0.5, budget_s=75, trial_s=10)
+    assert r["stopped_by"] == "time" and r["fails_at"] is not None and r["max_accelerators"] < r["fails_at"]
+    assert bench_cli._au_count(r) == f"at least {r['max_accelerators']}, fewer than {r['fails_at']} (time budget)"
+
+
+def test_each_loaders_stop_is_named_once() -> None:
+    py = _search(lambda n: 0.99, cap=64)
+    py["cap_reason"] = "ceiling"
+    tc = _search(lambda n: 0.99, cap=8)
+    tc["cap_reason"] = "memory"
+    au = {"cap": 64, "cap_reason": "ceiling", "pyloader": py, "torch_dataloader": tc}
+    assert bench_cli._au_stops(au) == [
+        "the search stopped at 64, its ceiling without --max-accelerators",
+        "torch DataLoader: the search stopped at 8: more loaders' batches and worker processes would not fit in 40% "
+        "of free memory"]
+    both = {**au, "torch_dataloader": {**py}}
+    assert len(bench_cli._au_stops(both)) == 1
 
 
 @pytest.mark.timeout(300)

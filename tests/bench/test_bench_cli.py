@@ -238,5 +238,31 @@ def test_bench_packing_stage_on_a_token_dataset(tmp_path) -> None:
 def test_bench_pack_without_a_token_field_fails_before_measuring(tmp_path) -> None:
     path = _write(str(tmp_path / "ds"), 50)
     res = run_cli(path, "--workload", "none", "--quiet", "--pack", "64")
-    assert res.returncode == 1
+    assert res.returncode == 2  # See NOTE [exit codes]: a setting this dataset cannot take is a usage error
     assert "token field" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_au_search_without_a_cap_ends_by_the_threshold_or_its_budget() -> None:
+    """No --max-accelerators: the search is not held at a round number; it ends where AU fell below
+    the threshold or, within --au-budget, says its count is a lower bound."""
+    i = TINY.index("--max-accelerators")
+    argv = TINY[:i] + TINY[i + 2 :]
+    res = run_cli(*argv, "--au-budget", "1.5", "--json", "--quiet")
+    assert res.returncode == 0, res.stderr
+    au = json.loads(res.stdout)["accelerator_utilization"]
+    assert au["cap_reason"] in ("ceiling", "memory") and au["cap"] > 32
+    # torch's worker processes (forked copies of this one) count against memory too.
+    assert au["torch_dataloader"]["cap"] <= au["pyloader"]["cap"] == au["cap"]
+    assert au["torch_dataloader"]["cap_reason"] in ("ceiling", "memory")
+    for key in ("pyloader", "torch_dataloader"):
+        r = au[key]
+        assert r["budget_s"] == 1.5 and r["stopped_by"] in (None, "time"), r
+        below = [t["accelerators"] for t in r["trials"] if t["au"] < r["threshold"]]
+        if r["stopped_by"] is None:  # a measured maximum: the next count failed
+            assert not r["capped"] and r["fails_at"] == r["max_accelerators"] + 1 and r["fails_at"] in below
+        else:  # out of time: a lower bound
+            assert r["capped"] and (r["fails_at"] is None or r["max_accelerators"] < r["fails_at"])
+        # No trial started once the budget was spent: all of them took at most the budget and one more.
+        spent = [t["trial_s"] for t in r["trials"]]
+        assert sum(spent) <= 1.5 + max(spent) + 0.1, spent

@@ -54,3 +54,16 @@ def test_a_reachable_dataset_prints_no_waiting_line(server, cache_dir, capsys, m
     monkeypatch.setattr(cache_cli, "QUIET_S", 5.0)
     assert main(["cache", "warm", server.url + "/ds", "--cache-dir", cache_dir]) == EXIT_OK
     assert "no data for" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_bench_exits_as_cache_warm_does_for_the_same_refused_url(cache_dir, capsys) -> None:
+    """See NOTE [exit codes]: the same condition, the same code, whichever command met it."""
+    url = f"http://127.0.0.1:{_closed_port()}/ds"
+    from pyloader._cli import main as pyloader_main
+
+    warm = pyloader_main(["cache", "warm", url, "--cache-dir", cache_dir])
+    bench = pyloader_main(["bench", url, "--cache-dir", cache_dir, "--quiet", "--workload", "none"])
+    err = capsys.readouterr().err
+    assert warm == bench == EXIT_UNREACHABLE, err
+    assert "pyloader bench: error:" in err and url in err

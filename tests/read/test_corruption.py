@@ -799,8 +799,11 @@ def test_missing_shard_file_is_named_when_read(sess):
         for b in ds.batches(BATCH, num_threads=2):
             got.append(snapshot(b))
     e = ei.value
-    assert isinstance(e, pyloader.ShardIOError) and isinstance(e, OSError)
+    assert isinstance(e, pyloader.ShardNotFoundError) and e.errno == errno.ENOENT
     assert e.shard == shard and shard in str(e)
+    # Issue 27 item 12: not a raw [Errno 2]: the manifest that lists it, and what to do.
+    assert "[Errno" not in str(e) and os.path.join(sess.dir, "manifest.json") in str(e), str(e)
+    assert "its file is gone" in str(e) and "copy the dataset folder again whole, or write it again" in str(e)
     assert got == sess.ref[BATCH][:len(got)]
     first = sess.layout[sess.paths[0]].header["num_records"]
     assert len(got) == first // BATCH
@@ -886,6 +889,8 @@ def test_corrupt_record_in_third_batch(tmp_path, field, num_threads):
     assert (exc.shard, exc.record, exc.field) == (shard, rec, field)
     assert shard in str(exc) and f"record {rec}" in str(exc) and f"'{field}'" in str(exc)
     assert "checksum" in str(exc)
+    # Issue 27 item 12: and the fix.
+    assert f"replace {os.path.basename(shard)!r} with a good copy, or write the dataset again" in str(exc), str(exc)
     # The failed batch ends the iteration.
     with pytest.raises((StopIteration, pyloader.LoaderStateError)):
         next(it)
@@ -983,6 +988,7 @@ def test_pyloader_dataloader_raises_with_shard_path(sess):
         for b in loader:
             got.append(snapshot(b))
     assert ei.value.shard == shard and shard in str(ei.value) and "header checksum" in str(ei.value)
+    assert "with a good copy" in str(ei.value), str(ei.value)  # the fix, which the end of this test follows
     assert got == sess.ref[BATCH][:len(got)] and len(got) == sess.layout[sess.paths[0]].header["num_records"] // BATCH
     # The next epoch fails the same way; repairing the file makes it read again.
     with pytest.raises(pyloader.ShardCorruptError):

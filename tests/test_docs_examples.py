@@ -332,3 +332,18 @@ def test_a_script_without_its_guard_fails(tmp_path):
                            timeout=60)
         assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "child"
+
+
+def test_readme_says_what_each_extra_brings():
+    """Issue 27 item 20: the README's install paragraph names every extra of pyproject.toml and what it installs."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (ROOT / "README.md").read_text()
+    para = text[text.index("`pip install -e .` installs"):].split("\n\n")[0]
+    para_lower = " ".join(para.split()).lower()
+    for extra, reqs in extras.items():
+        assert f"`.[{extra}]`" in para, f"the README does not say what .[{extra}] brings"
+        for req in reqs:
+            name = re.split(r"[\[<>=!~ ]", req, maxsplit=1)[0].lower()
+            assert name in para_lower, f"the README does not name {name} (extra {extra})"

@@ -260,6 +260,19 @@ def test_native_zip_of_a_loader_with_itself_is_torchs(shards, staging: dict[str,
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_zip_of_a_transform_loader_with_itself(shards, executor: str) -> None:
+    """Two live iterators of a per-sample transform loader: each has its own workers and reads its whole epoch."""
+    def bump(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**s, "label": s["label"] + 1000}
+
+    want = labels_of(torch_read(shard_ds(shards), batch_size=7))
+    loader = pyloader.DataLoader(shard_ds(shards), batch_size=7, num_workers=2, transform=bump, executor=executor)
+    pairs = list(zip(loader, loader))
+    assert labels_of([a for a, _ in pairs]) == labels_of([b for _, b in pairs]) == [x + 1000 for x in want]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("staging", STAGINGS)
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_native_batch_size_none_yields_samples_like_torch(write_dataset, staging: dict[str, Any],

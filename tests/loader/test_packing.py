@@ -236,6 +236,17 @@ def test_first_fit_lookahead_1_is_greedy(tmp_path):
     assert_same_batches(a, b)
 
 
+def test_zip_of_a_packing_loader_with_itself(tmp_path):
+    """Issue 27 item 9 on the packed path: two live iterators each pack their own epoch (unshuffled: the same rows)."""
+    write_docs(str(tmp_path / "ds"), random_lengths(200, seed=5))
+    ds = pyloader.ShardDataset(str(tmp_path / "ds"))
+    want = read_all(loader(ds, pyloader.PackSpec(seq_len=64), 4))
+    dl = loader(ds, pyloader.PackSpec(seq_len=64), 4)
+    pairs = [(host(a), host(b)) for a, b in zip(dl, dl)]
+    assert_same_batches([a for a, _ in pairs], want)
+    assert_same_batches([b for _, b in pairs], want)
+
+
 def test_other_token_dtypes(tmp_path):
     for dtype, pad in (("int64", -(2**40)), ("uint16", 65535), ("uint8", 0)):
         lengths = random_lengths(80, seed=3, high=60)

@@ -152,10 +152,10 @@ class BatchIterator:
         self._fields = dataset.fields
         self._shards = dataset._shards
         self._fetcher = dataset._fetcher
-        # A local dataset's shard errors name their fix (_shard_error_with_fix); the node cache heals a remote one's.
-        # (A Mixture's stream reads several datasets: its errors are left as they are.)
-        local = isinstance(dataset, ShardDataset) and not dataset.is_remote
-        self._manifest = manifest_path(dataset.root) if local else None
+        # A local dataset's shard errors name their fix (_shard_error_with_fix); the node cache heals a
+        # remote one's. A Mixture's stream reads its sources' shards: the error names the source's manifest.
+        sources = getattr(dataset, "sources", None) or [dataset]
+        self._local_sources = [s for s in sources if isinstance(s, ShardDataset) and not s.is_remote]
         self._pipeline = pipeline
         self._pid = os.getpid()
         self._threads = num_threads
@@ -269,7 +269,10 @@ class BatchIterator:
                 tuner.observe(self, None)
 
     def _with_fix(self, e: PyloaderError) -> PyloaderError:
-        return e if self._manifest is None else _shard_error_with_fix(e, self._manifest)
+        for source in self._local_sources:
+            if e.shard in source.shard_paths:
+                return _shard_error_with_fix(e, manifest_path(source.root))
+        return e
 
     def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
         """``e`` with what the readers wait on: the shards, their URLs and the bytes arrived."""

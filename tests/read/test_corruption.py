@@ -809,6 +809,36 @@ def test_missing_shard_file_is_named_when_read(sess):
     assert len(got) == first // BATCH
 
 
+def test_missing_and_corrupt_shards_of_a_mixture_name_their_source(tmp_path):
+    """Issue 27 item 12 through a Mixture: the error names the manifest of the source whose shard failed."""
+    dirs = []
+    for k in range(2):
+        d = str(tmp_path / f"src{k}")
+        with pyloader.ShardWriter(d, {"x": ("uint8", (1000,))}, shard_bytes=8000, compression=None) as w:
+            for i in range(40):
+                w.write({"x": np.random.default_rng(i).integers(0, 256, 1000, dtype=np.uint8)})
+        dirs.append(d)
+
+    def read() -> None:
+        mix = pyloader.Mixture([pyloader.ShardDataset(d) for d in dirs], (0.5, 0.5), seed=1)
+        for _ in pyloader.DataLoader(mix, batch_size=8):
+            pass
+
+    victim = pyloader.ShardDataset(dirs[1]).shard_paths[2]
+    original = read_bytes(victim)
+    replace_file(victim, bytes(flip(original, len(original) - 500, 1)))
+    with pytest.raises(pyloader.ShardCorruptError) as ei:
+        read()
+    assert ei.value.shard == victim and os.path.join(dirs[1], "manifest.json") in str(ei.value), str(ei.value)
+    assert "with a good copy" in str(ei.value)
+    os.unlink(victim)
+    with pytest.raises(pyloader.ShardNotFoundError) as ei:
+        read()
+    assert os.path.join(dirs[1], "manifest.json") in str(ei.value) and "its file is gone" in str(ei.value)
+    replace_file(victim, original)  # following the advice: the good copy back, and it reads
+    read()
+
+
 # --- schema mismatch ---------------------------------------------------------------------------
 
 

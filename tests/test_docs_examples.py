@@ -11,7 +11,17 @@ The convention, checked by ``test_every_block_is_run_or_says_why``:
   runs like the others but does not show on the rendered page (the stand-ins an example
   assumes: a dataset, a checkpoint path, a training step).
 
-A page runs as one session, in order, in a temporary folder prepared by ``workdir`` with the
+Each page runs twice, each time in a temporary folder of its own: once as one session in a
+child interpreter (``test_page_runs``: its ``python`` blocks share one namespace whose
+``__name__`` is ``"__main__"``), and once as the scripts a reader would paste its blocks
+into (``test_page_runs_as_scripts``): the blocks, setup blocks included, in order, written
+to ``docs_script_<n>.py`` files in that folder, each run as ``python docs_script_<n>.py``
+(bash blocks where they stand, through ``subprocess``), with the same folder and the same
+environment. A block with an ``if __name__ == "__main__":`` guard is a script of its own (a
+process it starts with ``spawn`` imports that file again: NOTE [docs scripts]); the blocks
+after it start a new script, so they import what they use. A missing guard or import fails.
+
+A page runs in order, in a temporary folder prepared by ``workdir`` with the
 small data the pages name: ``data/train/image.npy`` (uint8 ``[1000, 3, 32, 32]``) and
 ``label.npy`` (int64 ``[1000]``), ``data/part-0.parquet`` and ``part-1.parquet`` (columns
 ``image``, ``label``), ``images/<class>/<n>.bin`` and ``wds/shard-0.tar``. ``python`` blocks
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,6 +72,7 @@ class Block:
     section: str
     skip: str | None  # the not-run reason
     hidden: bool  # a setup block inside an HTML comment
+    alone: bool = False  # a script of its own (NOTE [docs scripts])
 
 
 def blocks(path: Path) -> list[Block]:
@@ -92,7 +104,7 @@ def blocks(path: Path) -> list[Block]:
 
 
 def page_id(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +175,14 @@ def workdir(tmp_path, monkeypatch, s3_endpoint) -> Path:
     yield tmp_path
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # a page may start a one-process group
+    # What a page wrote to the bucket goes: the next run of a page (as scripts) finds it as the first did.
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bucket"):
+        for obj in page.get("Contents", []):
+            if not obj["Key"].startswith("dataset/"):
+                s3.delete_object(Bucket="bucket", Key=obj["Key"])
 
 
 # A page runs in a child interpreter of its own: its examples start clusters, process
@@ -171,7 +191,7 @@ def workdir(tmp_path, monkeypatch, s3_endpoint) -> Path:
 RUNNER = r"""
 import json, os, subprocess, sys, traceback
 blocks = json.load(open(sys.argv[1]))
-ns = {"__name__": "__docs__"}
+ns = {"__name__": "__main__"}  # a block's `if __name__ == "__main__":` body runs, as in a script
 env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 for lang, code, where in blocks:
     if lang == "python":
@@ -198,6 +218,49 @@ def run_page(path: Path, runnable: list[Block], workdir: Path) -> None:
     r = subprocess.run([sys.executable, "-W", "error", "-c", RUNNER, str(spec)], cwd=workdir, capture_output=True,
                        text=True, timeout=170)
     assert r.returncode == 0, f"{page_id(path)}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+# NOTE [docs scripts]: a reader pastes a page's blocks into a script and runs it. The
+# script run catches what the shared namespace hides: a block that starts processes with
+# `spawn` (Dask's LocalCluster) re-imports the script file in each of them, so without its
+# `if __name__ == "__main__":` guard every worker starts a cluster of its own. Such a block
+# is therefore one script file alone: a spawned process re-importing it re-runs nothing
+# but that block's imports, as with a reader's script of that block. Every other run of
+# consecutive blocks is one script file; bash blocks run where they stand.
+GUARD = re.compile(r"^if __name__ == [\"']__main__[\"']:", re.M)
+BASH_HELPER = """import subprocess as _docs_subprocess
+import sys as _docs_sys
+
+
+def _docs_bash(code, where):
+    r = _docs_subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        _docs_sys.exit(f"{where}: exit {r.returncode}\\n{r.stdout}\\n{r.stderr}")
+"""
+
+
+def page_scripts(path: Path, runnable: list[Block], workdir: Path) -> list[Path]:
+    """The script files a reader would make of ``runnable`` (NOTE [docs scripts]), written into ``workdir``."""
+    groups: list[list[Block]] = []
+    for b in runnable:
+        alone = b.lang == "python" and GUARD.search(b.code) is not None
+        if alone or not groups or groups[-1][-1].alone:
+            groups.append([])
+        b.alone = alone
+        groups[-1].append(b)
+    out = []
+    for n, group in enumerate(groups):
+        parts = [f"# {page_id(path)}: blocks at lines {', '.join(str(b.line) for b in group)} (tests/test_docs_examples.py)\n"]
+        if any(b.lang == "bash" for b in group):
+            parts.append(BASH_HELPER)
+        for b in group:
+            code = b.code.replace(NVME, str(workdir / "nvme"))
+            where = f"{page_id(path)}:{b.line} ({b.section})"
+            parts.append(f"# --- {where}\n" + (code if b.lang == "python" else f"_docs_bash({code!r}, {where!r})\n"))
+        script = workdir / f"docs_script_{n}.py"
+        script.write_text("\n".join(parts))
+        out.append(script)
+    return out
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -229,3 +292,58 @@ def test_pages_are_found():
                          ids=page_id)
 def test_page_runs(page, workdir):
     run_page(page, [b for b in blocks(page) if b.lang in RUN and b.skip is None], workdir)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang == "python" and b.skip is None for b in blocks(p))],
+                         ids=page_id)
+def test_page_runs_as_scripts(page, workdir):
+    """Issue 27 Deliver 5: the page's blocks as the script files a reader makes of them (NOTE [docs scripts])."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    for script in page_scripts(page, [b for b in blocks(page) if b.lang in RUN and b.skip is None], workdir):
+        r = subprocess.run([sys.executable, script.name], cwd=workdir, env=env, capture_output=True, text=True,
+                           timeout=170)
+        assert r.returncode == 0, (f"{page_id(page)} as a script ({script.name}, below): exit {r.returncode}\n"
+                                   f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n--- {script.name}\n{script.read_text()}")
+
+
+def test_a_script_without_its_guard_fails(tmp_path):
+    """The script run catches what issue 27 item 8 was: a Dask block that starts a cluster without its guard."""
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n```python\nimport os\n\nmarker = os.getcwd()\n```\n"
+                    "```python\nimport multiprocessing as mp\nimport sys\n\n"
+                    "p = mp.get_context('spawn').Process(target=print, args=('child',))\np.start()\np.join()\n"
+                    "sys.exit(p.exitcode)\n```\n")
+    found = blocks(page)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    scripts = page_scripts(page, found, tmp_path)
+    assert len(scripts) == 1, "no guard: one script of both blocks"
+    r = subprocess.run([sys.executable, scripts[0].name], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "freeze_support" in r.stderr, r.stderr[-2000:]
+    head, body = found[1].code.split("\n\n")
+    guarded = head + "\n\nif __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    page.write_text(f"# Page\n```python\n{found[0].code}```\n```python\n{guarded}```\n")
+    scripts = page_scripts(page, blocks(page), tmp_path)
+    assert len(scripts) == 2, "the guarded block is a script of its own"
+    for script in scripts:
+        r = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "child"
+
+
+def test_readme_says_what_each_extra_brings():
+    """Issue 27 item 20: the README's install paragraph names every extra of pyproject.toml and what it installs."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (ROOT / "README.md").read_text()
+    para = text[text.index("`pip install -e .` installs"):].split("\n\n")[0]
+    para_lower = " ".join(para.split()).lower()
+    for extra, reqs in extras.items():
+        assert f"`.[{extra}]`" in para, f"the README does not say what .[{extra}] brings"
+        for req in reqs:
+            name = re.split(r"[\[<>=!~ ]", req, maxsplit=1)[0].lower()
+            assert name in para_lower, f"the README does not name {name} (extra {extra})"

@@ -82,7 +82,12 @@ def _is_bytes_type(t: Any) -> bool:
                 or pa.types.is_binary_view(t) or pa.types.is_string_view(t))
 
 
-def _fixed_shape(col: str, t: Any) -> tuple[str, tuple[int, ...]]:
+# The one action that fixes an unsupported column, as the caller's own option spells it
+# (convert's ``fields=``; ParquetDataset names its ``columns=``).
+_LEAVE_OUT = "cast the column or leave it out with fields="
+
+
+def _fixed_shape(col: str, t: Any, fix: str = _LEAVE_OUT) -> tuple[str, tuple[int, ...]]:
     """(dtype, shape) of a fixed-size Arrow type: a numeric leaf or nested fixed-size lists."""
     pa = pyarrow_module()
     if isinstance(t, pa.BaseExtensionType):
@@ -90,17 +95,17 @@ def _fixed_shape(col: str, t: Any) -> tuple[str, tuple[int, ...]]:
             leaf = _arrow_leaf_dtype(t.value_type)
             if leaf is not None and not getattr(t, "permutation", None):
                 return leaf, tuple(int(d) for d in t.shape)
-        raise ConvertError(f"column {col!r} has type {t}, which has no pyloader field")
+        raise ConvertError(f"column {col!r} has type {t}, which has no pyloader field; {fix}")
     leaf = _arrow_leaf_dtype(t)
     if leaf is not None:
         return leaf, ()
     if pa.types.is_fixed_size_list(t):
-        dt, inner = _fixed_shape(col, t.value_type)
+        dt, inner = _fixed_shape(col, t.value_type, fix)
         return dt, (int(t.list_size), *inner)
     raise ConvertError(
         f"column {col!r} has type {t}, which has no pyloader field: supported are booleans, integers, floats, "
         "binary/string (-> bytes), fixed-size lists and fixed_shape_tensor of those (-> fixed shape), and one "
-        f"level of list of those (-> variable length); {_unsupported_fix(col, t)}")
+        f"level of list of those (-> variable length); {fix if fix != _LEAVE_OUT else _unsupported_fix(col, t)}")
 
 
 def _is_temporal(t: Any) -> bool:
@@ -137,8 +142,12 @@ def _temporal_cast(col: str, t: Any, cast: str) -> str:
     return cast
 
 
-def arrow_field(col: str, t: Any, cast: str | None = None) -> Field:
-    """The pyloader Field a column of Arrow type ``t`` converts to (ConvertError if none)."""
+def arrow_field(col: str, t: Any, cast: str | None = None, *, fix: str = _LEAVE_OUT) -> Field:
+    """The pyloader Field a column of Arrow type ``t`` converts to (ConvertError if none).
+
+    ``fix``: the action that ends the message of a column with no pyloader field, in the
+    words of the caller's option (convert's ``fields=`` by default).
+    """
     pa = pyarrow_module()
     if pa.types.is_dictionary(t):
         t = t.value_type
@@ -151,12 +160,12 @@ def arrow_field(col: str, t: Any, cast: str | None = None) -> Field:
         if pa.types.is_list(vt) or pa.types.is_large_list(vt) or _is_bytes_type(vt):
             raise ConvertError(f"column {col!r} has type {t}: a list of variable-length values has no pyloader "
                                "field (only the leading dimension may vary)")
-        dt, inner = _fixed_shape(col, vt)
+        dt, inner = _fixed_shape(col, vt, fix)
         shape = (None, *inner)
     elif cast is not None and _is_temporal(t):
         dt, shape = _temporal_cast(col, t, cast), ()
     else:
-        dt, shape = _fixed_shape(col, t)
+        dt, shape = _fixed_shape(col, t, fix)
     if cast is not None:
         if dt == "bytes" and cast != "bytes":
             raise ConvertError(f"column {col!r} holds {t}; it cannot be cast to {cast} (it converts to bytes)")

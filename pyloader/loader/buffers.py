@@ -89,11 +89,14 @@ class HostBuffers(LoaderCore):
         # See NOTE [stage across epochs]: the last epoch's engine, if it ended with every job taken
         # and nothing it was made for changed.
         kept, self._kept_stage = self._kept_stage, None
-        if (kept is not None and not kept.closed and kept.device == self.device and kept.depth == self.device_prefetch
-                and kept.staging_pool is self._staging() and kept.outstanding() == 0):
+        if (kept is not None and not kept.closed and not kept.in_epoch and kept.device == self.device
+                and kept.depth == self.device_prefetch and kept.staging_pool is self._staging()
+                and kept.outstanding() == 0):
             stage = kept
         else:
-            if kept is not None:
+            # One still in an epoch belongs to a live iterator (NOTE [iterators of one
+            # loader] in dataloader.py): it is left to that iterator, which ends it.
+            if kept is not None and not kept.in_epoch:
                 kept.close()
             stage = _transfer.DeviceStage(self.device, pin=self.pin_memory, depth=self.device_prefetch,
                                           staging_pool=self._staging())

@@ -69,9 +69,11 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
 
     Epochs: the k-th ``iter()`` of a native loader reads epoch ``e + k``, where ``e`` is the
     dataset's epoch when the loader was built; ``set_epoch(n)`` makes the next ``iter()``
-    read epoch ``n``. ``state_dict()``/``load_state_dict()`` resume a native loader over a
+    read epoch ``n``. Each ``iter()`` returns an iterator of its own and leaves the earlier
+    ones running, as torch's does: ``zip(loader, loader)`` yields pairs (NOTE [iterators of
+    one loader]). ``state_dict()``/``load_state_dict()`` resume a native loader over a
     resumable dataset (one with a ``fingerprint``: ShardDataset, ParquetDataset) mid-epoch
-    (docs/resume.md).
+    (docs/resume.md); ``state_dict()`` describes the newest iterator.
 
     It is a ``torch.utils.data.DataLoader`` (a subclass, generic like it:
     ``DataLoader[T]``) with torch's public attributes; ``batch_size``, ``sampler``,
@@ -168,12 +170,24 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if os.getpid() != self._pid:
             self._forked()
-        prev = self._active() if self._active is not None else None
-        if prev is not None:
-            prev.close()  # a new iter() ends the previous one (torch's own iterators manage themselves)
+        # See NOTE [iterators of one loader]: the previous iterator is left running.
         it = self._get_iterator()
         self._active = weakref.ref(it) if isinstance(it, _it.LoaderIterator) else None
         return it
+
+    # NOTE [iterators of one loader]: as with torch's DataLoader, every iter() returns an
+    # iterator of its own, and a new one leaves the earlier ones running: ``zip(loader,
+    # loader)`` yields pairs, and interleaved next() calls on two iterators each get their
+    # own epoch's batches. Each native iterator has its own pipeline (its own threads and
+    # read-ahead) and its own copy engine; what they share is safe to share: the slot pool
+    # (each slot is handed to one pipeline at a time, and freed when Python drops the batch),
+    # the pinned fence (it holds delivered batches in delivery order, whichever iterator
+    # delivered them) and the autotuner (it watches the newest stream). The k-th iter() reads
+    # epoch e + k, as documented in the class docstring; without shuffling every epoch has
+    # the same order, so two iterators of an unshuffled loader yield the same batches, as
+    # torch's do. The newest iterator is the loader's current one: ``stats()`` and
+    # ``state_dict()`` describe it, and only its stream makes the next epoch ahead (NOTE
+    # [epoch ahead]). An iterator stops its threads when it is exhausted, closed or dropped.
 
     # NOTE [loader across fork]: a program may build a loader, or run epochs of it, and then
     # fork -- at any moment: while its slots are prepared, while its pipelines, the epoch made
@@ -201,7 +215,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
             self._staging_pool = None
 
     def _get_iterator(self) -> Any:
-        """A new iterator of this loader (torch's hook; ``iter()`` also closes the previous one)."""
+        """A new iterator of this loader (torch's hook; NOTE [iterators of one loader])."""
         return self._iter_native() if self._native else self._iter_torch()
 
     # -- epochs and resumption (native path) ---------------------------------------------

@@ -177,6 +177,11 @@ class LoaderIterator:
     def __iter__(self) -> LoaderIterator:
         return self
 
+    @property
+    def source(self) -> Any:
+        """What it reads: the dataset's stream (native), torch's iterator, or None once closed."""
+        return self._source
+
     def __len__(self) -> int:
         if self._len is None:
             raise TypeError(self.len_error)

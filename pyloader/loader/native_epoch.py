@@ -208,6 +208,9 @@ class NativeEpochs(LoaderCore):
         """Starts the pipeline of the epoch the next iter() reads (NOTE [epoch ahead])."""
         if self._resume or self._batch_pool is None:
             return
+        newest = self._active() if self._active is not None else None
+        if newest is None or newest.source is not current:
+            return  # an older iterator's stream: only the newest makes the epoch ahead (NOTE [iterators of one loader])
         ds: PipelineDataset = self.dataset  # _reads_ahead: a PipelineDataset
         epoch = self._next_epoch
         rank, world = ds.rank_and_world()

@@ -58,9 +58,12 @@ class PackSpec:
         seq_len: tokens per row.
         field: the token field (a variable-length field of one integer per token);
             default: the dataset's only such field.
-        mode: ``"greedy"`` packs in plan order (a row closes at the first document that
-            does not fit); ``"first_fit"`` places, after the oldest waiting piece, the first
-            of the next ``lookahead`` pieces that fits, for less padding.
+        mode: ``"first_fit"`` (the default: it wastes least) places, after the oldest
+            waiting piece, the first of the next ``lookahead`` pieces that fits;
+            ``"greedy"`` packs in plan order (a row closes at the first piece that does not
+            fit). Both are deterministic and resume exactly, at the same or another world
+            size; on log-normal document lengths greedy leaves several times the padding
+            (docs/llm-pretraining.md). Greedy keeps the plan's document order in the rows.
         lookahead: the first-fit window in pieces (default 64; greedy: 1).
         split: documents longer than ``seq_len`` are cut into pieces of ``seq_len`` tokens
             from their start, each its own document for attention (True), or keep only
@@ -71,7 +74,7 @@ class PackSpec:
 
     seq_len: int
     field: str | None = None
-    mode: str = "greedy"
+    mode: str = "first_fit"
     lookahead: int | None = None
     split: bool = True
     pad_id: int = 0

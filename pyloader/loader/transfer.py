@@ -199,6 +199,7 @@ class DeviceStage:
         self._engine = _C.CopyEngine(backend="cuda" if self._cuda else "cpu", device=index or 0, depth=depth,
                                      staging=pool)
         self.closed = False
+        self.in_epoch = False  # an iterator is using it (begin_epoch() to end_epoch())
         self._pid = os.getpid()
         self._moved_by_torch = False  # set by _other_layout during a submit_tree()
         # NOTE [copy buffers held]: a job's destinations and staged sources, by ticket, from
@@ -216,6 +217,7 @@ class DeviceStage:
     def begin_epoch(self) -> None:
         """Counts from here: a stage kept across epochs (NOTE [stage across epochs]) reports per epoch."""
         self._base = dict(self._engine.counters())
+        self.in_epoch = True
 
     def outstanding(self) -> int:
         """Jobs submitted and not yet taken."""
@@ -228,6 +230,7 @@ class DeviceStage:
         thread, stream, events and context) running, without waiting for the GPU; one
         abandoned with jobs in flight closes it.
         """
+        self.in_epoch = False
         if os.getpid() != self._pid:
             # A forked child: the engine's threads are the parent's, and its lock may have
             # been held by one of them at the fork (NOTE [loader across fork]).

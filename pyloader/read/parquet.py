@@ -300,8 +300,11 @@ class ParquetDataset(UnitDataset, IterableDataset):
             for c in self.columns:
                 if c not in schema.names:
                     raise ParquetReadError(f"{self.files[i]}: has no column {c!r} (columns: {', '.join(schema.names)})")
+                others = [o for o in self.columns if o != c]
+                fix = (f"leave it out with columns={others!r}" if others else
+                       "name columns of the supported types with columns=[...]")
                 try:
-                    fl.append(arrow_field(c, schema.field(c).type))
+                    fl.append(arrow_field(c, schema.field(c).type, fix=fix))
                 except ConvertError as e:
                     raise ParquetReadError(f"{self.files[i]}: {e}") from None
             if i == 0:

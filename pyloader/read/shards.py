@@ -24,7 +24,10 @@ from ..errors import (
     ManifestError,
     ManifestNotFoundError,
     NotADatasetError,
+    PyloaderError,
     SchemaError,
+    ShardCorruptError,
+    ShardNotFoundError,
 )
 from ..format.sizes import parse_size
 from ..format.spec import (
@@ -112,6 +115,32 @@ def batch_to_torch(fields: list[Field], arrays: list[Any], lengths: list[Any]) -
     return out
 
 
+def _shard_error_with_fix(e: PyloaderError, manifest: str) -> PyloaderError:
+    """``e`` (a native error of a local dataset's shard) with the action that fixes it (STYLE.md, convention 10).
+
+    A shard whose bytes fail their checksum, or a shard file the manifest lists that is gone,
+    cannot be read again as it is: the message names the shard (and record) as the native
+    error does, the manifest that lists it, and what to do. Other errors are returned as they
+    are. A remote dataset's shards are checked and healed by the node cache (README: self-healing).
+    """
+    shard = e.shard
+    if not shard:
+        return e
+    if isinstance(e, ShardNotFoundError):
+        text = (f"{e} -- the shard is listed in {manifest!r} but its file is gone: the dataset is incomplete; "
+                f"copy the dataset folder again whole, or write it again (ShardWriter or `pyloader convert`)")
+        out: PyloaderError = ShardNotFoundError(e.errno or errno.ENOENT, text)
+    elif isinstance(e, ShardCorruptError):
+        text = (f"{e} -- the file differs from what was written (the manifest {manifest!r} lists its checksums): "
+                f"replace {os.path.basename(shard)!r} with a good copy, or write the dataset again "
+                f"(ShardWriter or `pyloader convert`)")
+        out = ShardCorruptError(text)
+    else:
+        return e
+    out.shard, out.record, out.field = e.shard, e.record, e.field
+    return out
+
+
 class BatchIterator:
     """Native batched iterator: dicts of tensors, collated in C++ threads, in plan order.
 
@@ -123,6 +152,10 @@ class BatchIterator:
         self._fields = dataset.fields
         self._shards = dataset._shards
         self._fetcher = dataset._fetcher
+        # A local dataset's shard errors name their fix (_shard_error_with_fix); the node cache heals a
+        # remote one's. A Mixture's stream reads its sources' shards: the error names the source's manifest.
+        sources = getattr(dataset, "sources", None) or [dataset]
+        self._local_sources = [s for s in sources if isinstance(s, ShardDataset) and not s.is_remote]
         self._pipeline = pipeline
         self._pid = os.getpid()
         self._threads = num_threads
@@ -207,6 +240,8 @@ class BatchIterator:
             item = self._take(self._pipeline.next)
         except LoaderTimeoutError as e:
             raise self._timeout_error(e) from None
+        except (ShardCorruptError, ShardNotFoundError) as e:
+            raise self._with_fix(e) from None
         if item is None:
             self._ended()
         _, _, arrays, lengths = item
@@ -233,6 +268,12 @@ class BatchIterator:
             except LoaderTimeoutError:
                 tuner.observe(self, None)
 
+    def _with_fix(self, e: PyloaderError) -> PyloaderError:
+        for source in self._local_sources:
+            if e.shard in source.shard_paths:
+                return _shard_error_with_fix(e, manifest_path(source.root))
+        return e
+
     def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
         """``e`` with what the readers wait on: the shards, their URLs and the bytes arrived."""
         waiting = self._fetcher.describe_waiting() if self._fetcher is not None else ""
@@ -254,6 +295,8 @@ class BatchIterator:
             item = self._take(self._pipeline.next_host)
         except LoaderTimeoutError as e:
             raise self._timeout_error(e) from None
+        except (ShardCorruptError, ShardNotFoundError) as e:
+            raise self._with_fix(e) from None
         if item is None:
             self._ended()
         host, arrays, lengths = item

@@ -210,16 +210,66 @@ def test_native_each_iteration_is_the_next_epoch(shards, staging: dict[str, Any]
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("staging", STAGINGS_IN_PROCESS)
-def test_native_new_iter_closes_the_previous_one(shards, staging: dict[str, Any]) -> None:
+def test_native_new_iter_leaves_the_previous_one_running(shards, staging: dict[str, Any]) -> None:
+    """Issue 27 item 9: each iter() has its own epoch (the k-th reads epoch k) and a new one ends no other."""
     loader = pyloader.DataLoader(shard_ds(shards, shuffle=True), batch_size=5, num_workers=2, **staging)
-    it1 = iter(loader)
-    first = next(it1)
-    it2 = iter(loader)
-    assert list(it1) == [], "the previous iterator was closed"
     ref = shard_ds(shards, shuffle=True)
-    assert_same(first, torch_read(ref, batch_size=5)[0])
-    ref.set_epoch(1)
-    assert_same(list(it2), torch_read(ref, batch_size=5), "second iter() reads epoch 1")
+    want = []
+    for epoch in range(3):
+        ref.set_epoch(epoch)
+        want.append(torch_read(ref, batch_size=5))
+    it1 = iter(loader)
+    got1 = [next(it1)]
+    it2 = iter(loader)
+    got2 = [next(it2), next(it2)]
+    got1.append(next(it1))  # interleaved: each goes on where it was
+    it3 = iter(loader)
+    got3 = list(it3)
+    got1 += list(it1)
+    got2 += list(it2)
+    assert_same(got1, want[0], "first iter() reads epoch 0 to its end")
+    assert_same(got2, want[1], "second iter() reads epoch 1 to its end")
+    assert_same(got3, want[2], "third iter() reads epoch 2")
+    for k in range(2):
+        ref.set_epoch(3 + k)
+        assert_same(list(loader), torch_read(ref, batch_size=5), f"epochs go on after them: {3 + k}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("staging", STAGINGS_IN_PROCESS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_native_zip_of_a_loader_with_itself_is_torchs(shards, staging: dict[str, Any], workers: int) -> None:
+    """``zip(loader, loader)`` yields pairs (torch's does), not nothing: two unshuffled epochs, batch for batch."""
+    ds = shard_ds(shards)
+    want = list(zip(tud.DataLoader(ds, batch_size=7), tud.DataLoader(ds, batch_size=7)))
+    assert len(want) == 7
+    loader = pyloader.DataLoader(shard_ds(shards), batch_size=7, num_workers=workers, **staging)
+    got = list(zip(loader, loader))
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert_same(list(g), list(w), f"pair {k}")
+    again = list(zip(loader, loader))  # and again: epochs 2 and 3, no stale stream adopted
+    assert len(again) == len(want) and all(labels_of(list(a)) == labels_of(list(w)) for a, w in zip(again, want))
+    # Shuffled, each of the two reads its own epoch.
+    shuffled = pyloader.DataLoader(shard_ds(shards, shuffle=True), batch_size=7, num_workers=workers, **staging)
+    pairs = list(zip(shuffled, shuffled))
+    ref = shard_ds(shards, shuffle=True)
+    for epoch, side in ((0, 0), (1, 1)):
+        ref.set_epoch(epoch)
+        assert_same([p[side] for p in pairs], torch_read(ref, batch_size=7), f"epoch {epoch}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_zip_of_a_transform_loader_with_itself(shards, executor: str) -> None:
+    """Two live iterators of a per-sample transform loader: each has its own workers and reads its whole epoch."""
+    def bump(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**s, "label": s["label"] + 1000}
+
+    want = labels_of(torch_read(shard_ds(shards), batch_size=7))
+    loader = pyloader.DataLoader(shard_ds(shards), batch_size=7, num_workers=2, transform=bump, executor=executor)
+    pairs = list(zip(loader, loader))
+    assert labels_of([a for a, _ in pairs]) == labels_of([b for _, b in pairs]) == [x + 1000 for x in want]
 
 
 @pytest.mark.timeout(60)
@@ -431,11 +481,16 @@ for r in range(rounds):
     if r % 2:
         it.close()  # the next batches are being copied right now
     else:
-        again = iter(loader)  # a new iter() ends the previous one, as close() does
-        if kind == "native":
-            assert list(it) == []
+        again = iter(loader)  # a second live iterator with its own copy engine, as torch's has its own workers
         check(next(again), 0)
-        del again
+        check(next(it), 1)  # the first one goes on
+        check(next(again), 1)
+        if r % 4 == 0:
+            del again  # dropped while its next batches are being copied, the first one still live
+            check(next(it), 2)
+        else:
+            it, again = again, None  # the older one dropped mid-copy
+            check(next(it), 2)
     del it, loader
 print("survived")
 """

@@ -799,11 +799,44 @@ def test_missing_shard_file_is_named_when_read(sess):
         for b in ds.batches(BATCH, num_threads=2):
             got.append(snapshot(b))
     e = ei.value
-    assert isinstance(e, pyloader.ShardIOError) and isinstance(e, OSError)
+    assert isinstance(e, pyloader.ShardNotFoundError) and e.errno == errno.ENOENT
     assert e.shard == shard and shard in str(e)
+    # Issue 27 item 12: not a raw [Errno 2]: the manifest that lists it, and what to do.
+    assert "[Errno" not in str(e) and os.path.join(sess.dir, "manifest.json") in str(e), str(e)
+    assert "its file is gone" in str(e) and "copy the dataset folder again whole, or write it again" in str(e)
     assert got == sess.ref[BATCH][:len(got)]
     first = sess.layout[sess.paths[0]].header["num_records"]
     assert len(got) == first // BATCH
+
+
+def test_missing_and_corrupt_shards_of_a_mixture_name_their_source(tmp_path):
+    """Issue 27 item 12 through a Mixture: the error names the manifest of the source whose shard failed."""
+    dirs = []
+    for k in range(2):
+        d = str(tmp_path / f"src{k}")
+        with pyloader.ShardWriter(d, {"x": ("uint8", (1000,))}, shard_bytes=8000, compression=None) as w:
+            for i in range(40):
+                w.write({"x": np.random.default_rng(i).integers(0, 256, 1000, dtype=np.uint8)})
+        dirs.append(d)
+
+    def read() -> None:
+        mix = pyloader.Mixture([pyloader.ShardDataset(d) for d in dirs], (0.5, 0.5), seed=1)
+        for _ in pyloader.DataLoader(mix, batch_size=8):
+            pass
+
+    victim = pyloader.ShardDataset(dirs[1]).shard_paths[2]
+    original = read_bytes(victim)
+    replace_file(victim, bytes(flip(original, len(original) - 500, 1)))
+    with pytest.raises(pyloader.ShardCorruptError) as ei:
+        read()
+    assert ei.value.shard == victim and os.path.join(dirs[1], "manifest.json") in str(ei.value), str(ei.value)
+    assert "with a good copy" in str(ei.value)
+    os.unlink(victim)
+    with pytest.raises(pyloader.ShardNotFoundError) as ei:
+        read()
+    assert os.path.join(dirs[1], "manifest.json") in str(ei.value) and "its file is gone" in str(ei.value)
+    replace_file(victim, original)  # following the advice: the good copy back, and it reads
+    read()
 
 
 # --- schema mismatch ---------------------------------------------------------------------------
@@ -886,6 +919,8 @@ def test_corrupt_record_in_third_batch(tmp_path, field, num_threads):
     assert (exc.shard, exc.record, exc.field) == (shard, rec, field)
     assert shard in str(exc) and f"record {rec}" in str(exc) and f"'{field}'" in str(exc)
     assert "checksum" in str(exc)
+    # Issue 27 item 12: and the fix.
+    assert f"replace {os.path.basename(shard)!r} with a good copy, or write the dataset again" in str(exc), str(exc)
     # The failed batch ends the iteration.
     with pytest.raises((StopIteration, pyloader.LoaderStateError)):
         next(it)
@@ -983,6 +1018,7 @@ def test_pyloader_dataloader_raises_with_shard_path(sess):
         for b in loader:
             got.append(snapshot(b))
     assert ei.value.shard == shard and shard in str(ei.value) and "header checksum" in str(ei.value)
+    assert "with a good copy" in str(ei.value), str(ei.value)  # the fix, which the end of this test follows
     assert got == sess.ref[BATCH][:len(got)] and len(got) == sess.layout[sess.paths[0]].header["num_records"] // BATCH
     # The next epoch fails the same way; repairing the file makes it read again.
     with pytest.raises(pyloader.ShardCorruptError):

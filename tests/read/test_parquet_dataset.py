@@ -185,3 +185,26 @@ def test_dataloader_staging_keeps_parquet_batches(pq_dir, kwargs):
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     if kwargs.get("device") == "cpu":
         assert loader.stats()["copy"]["jobs"] == 11
+
+
+def test_unsupported_column_names_the_columns_option(tmp_path):
+    """Issue 27 item 2: the message names ParquetDataset's own option (``columns=``), with the columns to keep."""
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"a": pa.array([1, 2, 3], pa.int64()),
+                             "s": pa.array([{"x": 1}, {"x": 2}, {"x": 3}]),
+                             "b": pa.array([1.0, 2.0, 3.0])}), path)
+    with pytest.raises(ParquetReadError) as e:
+        pyloader.ParquetDataset(path)
+    msg = str(e.value)
+    assert "column 's'" in msg and path in msg and "leave it out with columns=['a', 'b']" in msg, msg
+    assert "fields=" not in msg, msg
+    # Following the advice works.
+    ds = pyloader.ParquetDataset(path, columns=["a", "b"])
+    assert [f.name for f in ds.fields] == ["a", "b"]
+    with pytest.raises(ParquetReadError, match=r"name columns of the supported types with columns="):
+        pyloader.ParquetDataset(path, columns=["s"])
+    # pyloader.convert names its own option.
+    with pytest.raises(pyloader.ConvertError, match=r"leave it out with fields="):
+        pyloader.convert(path, str(tmp_path / "out"))

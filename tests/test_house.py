@@ -10,8 +10,6 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 # The trees whose text is checked: sources, tests, benchmarks and docs.
 TREES = ("pyloader", "csrc", "tests", "benchmarks", "docs")
@@ -110,10 +108,6 @@ def test_pyloader_readme_lists_every_python_module() -> None:
     assert not missing, f"pyloader/README.md does not list {missing}"
 
 
-# csrc/README.md's missing rows are being added on another branch (issue #28), which this
-# branch must not conflict with: drop the marker once they are merged (then it XPASSes).
-@pytest.mark.xfail(reason="csrc/README.md rows for bindings.h, image and order files come with another branch",
-                   strict=False)
 def test_csrc_readme_lists_every_file() -> None:
     """Every file under csrc/ (but the README) is named in csrc/README.md's table."""
     files = [p for p in sorted((ROOT / "csrc").rglob("*")) if p.is_file() and p.name != "README.md"]

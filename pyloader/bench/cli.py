@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import math
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import PyloaderError, exit_code
+from ..errors import PyloaderError, ShardNotFoundError, exit_code
 from ..loader.autotune import cpu_budget
 from . import au as A
 
@@ -54,6 +55,23 @@ def _workload(args: argparse.Namespace) -> A.Workload | None:
     return w
 
 
+def _check_shards_present(ds: Any) -> None:
+    """A local dataset's shard files are all there before anything is measured; else ShardNotFoundError naming them.
+
+    The storage stage reads the files directly: without this a missing one would end the
+    run with a bare ``[Errno 2]`` after the first measurements.
+    """
+    if ds.is_remote:
+        return
+    gone = [p for p in ds.shard_paths if not os.path.exists(p)]
+    if gone:
+        more = f" and {len(gone) - 1} more" if len(gone) > 1 else ""
+        raise ShardNotFoundError(errno.ENOENT, f"shard {gone[0]!r}{more} is listed in "
+                                 f"{os.path.join(ds.root, 'manifest.json')!r} but its file is gone: the dataset is "
+                                 "incomplete; copy the dataset folder again whole, or write it again (ShardWriter "
+                                 "or `pyloader convert`)")
+
+
 def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     from ..loader.packing import PackSpec
     from ..read.shards import ShardDataset
@@ -77,6 +95,7 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
             B.write_profile_dataset(url, p, args.records, compression="lz4", seed=0)
         # The data path itself: encoded fields (images) are measured as the bytes they are.
         ds = ShardDataset(url, cache_dir=args.cache_dir, decode=False) if args.url else ShardDataset(url)
+        _check_shards_present(ds)
         result["dataset"] = {"url": url if args.url else None, "generated": args.url is None,
                              "records": ds.num_records, "shards": len(ds.shard_paths),
                              "bytes": sum(ds.shard_bytes), "fields": [f.to_json() for f in ds.fields]}
@@ -381,7 +400,24 @@ def _positive(kind: type) -> Any:
 
 
 def _threads_arg(s: str) -> int | str:
-    return "auto" if s == "auto" else _positive(int)(s)
+    """``--threads``: a positive int, or ``auto``."""
+    if s == "auto":
+        return s
+    try:
+        return _positive(int)(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"a positive number of threads or 'auto' (the loader tunes them), "
+                                         f"got {s!r}") from None
+
+
+def _size_arg(s: str) -> int:
+    """A positive size in bytes: ``12288``, ``12K``, ``1.5M`` (``pyloader.format.sizes.parse_size``)."""
+    from ..format.sizes import parse_size
+
+    try:
+        return parse_size(s, minimum=1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a positive size in bytes, e.g. 12288, 12K or 1.5M, got {s!r}") from None
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -404,7 +440,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--workload", choices=[*A.WORKLOADS, "custom", "none"], default="resnet50",
                    help="accelerator-utilization workload (MLPerf Storage H100 presets); with URL, "
                         "its batch size and compute time on the dataset's own records")
-    b.add_argument("--record-bytes", type=_positive(int), help="custom workload, generated data: bytes per record")
+    b.add_argument("--record-bytes", type=_size_arg,
+                   help="custom workload, generated data: bytes per record (a number or a size such as 12K)")
     b.add_argument("--au-batch-size", type=_positive(int), help="custom workload: batch size")
     b.add_argument("--compute-time", type=_positive(float), help="custom workload: seconds of compute per batch")
     b.add_argument("--au-records", type=_positive(int), help="records in the generated AU dataset")

@@ -266,3 +266,34 @@ def test_bench_au_search_without_a_cap_ends_by_the_threshold_or_its_budget() -> 
         # No trial started once the budget was spent: all of them took at most the budget and one more.
         spent = [t["trial_s"] for t in r["trials"]]
         assert sum(spent) <= 1.5 + max(spent) + 0.1, spent
+
+
+@pytest.mark.timeout(120)
+def test_bench_names_a_missing_shard_before_measuring(tmp_path) -> None:
+    path = _write(str(tmp_path / "ds"), 300)
+    victim = pyloader.ShardDataset(path).shard_paths[1]
+    os.remove(victim)
+    res = run_cli(path, "--workload", "none", "--quiet", "--epochs", "1", "--torch-workers", "0")
+    assert res.returncode == 1, res.stderr
+    assert "[Errno" not in res.stderr and victim in res.stderr, res.stderr
+    assert "copy the dataset folder again whole" in res.stderr and "manifest.json" in res.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("option,value,words", [
+    ("--threads", "lots", "a positive number of threads or 'auto'"),
+    ("--record-bytes", "12Q", "a positive size in bytes, e.g. 12288, 12K or 1.5M, got '12Q'"),
+])
+def test_bench_option_errors_say_what_is_taken(option: str, value: str, words: str) -> None:
+    res = run_cli(option, value)
+    assert res.returncode == 2 and f"argument {option}: {words}" in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_takes_record_bytes_as_a_size() -> None:
+    res = run_cli("--records", "64", "--workload", "custom", "--record-bytes", "2K", "--au-batch-size", "8",
+                  "--compute-time", "0.001", "--au-records", "64",
+                  "--json", "--quiet", "--epochs", "1", "--torch-workers", "0", "--min-seconds", "0.05",
+                  "--max-accelerators", "2")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["config"]["record_bytes"] == 2048

@@ -109,7 +109,8 @@ class Shard {
   Shard& operator=(const Shard&) = delete;
 
   const std::string& path() const noexcept { return path_; }
-  // The shard's format version (kShardVersionXxh64 or kShardVersionXxh3), which picks its checksum.
+  // The shard's format version (kShardVersionXxh64, kShardVersionXxh3 or kShardVersionColumns), which
+  // picks its checksum.
   uint32_t version() const noexcept { return version_; }
   uint64_t num_records() const noexcept { return num_records_; }
   // The index entry of an indexed field (column_of(field) < 0).

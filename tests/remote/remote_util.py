@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import numpy as np
@@ -62,3 +63,12 @@ def child_env(root: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed): connections to it are refused."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

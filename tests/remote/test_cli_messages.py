@@ -10,12 +10,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from remote_util import child_env
+from remote_util import child_env, closed_port
 
 import pyloader
 from pyloader.errors import EXIT_CODES, exit_code
@@ -128,18 +127,10 @@ def test_warm_logs_progress_when_stderr_is_no_terminal(server, cache_dir) -> Non
     assert r.returncode == EXIT_OK and r.stderr == ""
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.mark.timeout(60)
 def test_giving_up_names_the_bound_that_ended_the_retries(cache_dir, capsys, monkeypatch) -> None:
     monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", "3")
-    url = f"http://127.0.0.1:{_closed_port()}/ds"
+    url = f"http://127.0.0.1:{closed_port()}/ds"
     assert main(["cache", "warm", url, "--cache-dir", cache_dir]) == EXIT_UNREACHABLE
     err = capsys.readouterr().err
     assert "gave up after 3 attempts" in err and "the limit of 3 attempts, PYLOADER_FETCH_ATTEMPTS" in err, err

@@ -5,22 +5,15 @@ from __future__ import annotations
 import socket
 
 import pytest
+from remote_util import closed_port
 
 from pyloader.remote import cli as cache_cli
 from pyloader.remote.cli import EXIT_OK, EXIT_UNREACHABLE, main
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.mark.timeout(60)
 def test_a_refused_connection_is_exit_4_not_done_in_part(cache_dir, capsys) -> None:
-    url = f"http://127.0.0.1:{_closed_port()}/ds"
+    url = f"http://127.0.0.1:{closed_port()}/ds"
     assert main(["cache", "warm", url, "--cache-dir", cache_dir]) == EXIT_UNREACHABLE
     assert url in capsys.readouterr().err
 
@@ -59,7 +52,7 @@ def test_a_reachable_dataset_prints_no_waiting_line(server, cache_dir, capsys, m
 @pytest.mark.timeout(120)
 def test_bench_exits_as_cache_warm_does_for_the_same_refused_url(cache_dir, capsys) -> None:
     """See NOTE [exit codes]: the same condition, the same code, whichever command met it."""
-    url = f"http://127.0.0.1:{_closed_port()}/ds"
+    url = f"http://127.0.0.1:{closed_port()}/ds"
     from pyloader._cli import main as pyloader_main
 
     warm = pyloader_main(["cache", "warm", url, "--cache-dir", cache_dir])

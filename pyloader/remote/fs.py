@@ -28,27 +28,9 @@ help), while a body larger than the manifest says is a changed object
 one) and the number of attempts in its message, and carries them as ``url``, ``shard``
 and ``attempts``; its ``errno`` is never 0.
 
-NOTE [fetch throttling]: all requests of a process to one host (one bucket for S3) pass
-through one ``HostLimiter`` (``host_limiter``): a window of how many may be in flight
-at once. A throttled response halves the window (from the number then in flight, at
-most once per round of requests: responses to requests sent before the last cut are
-already accounted for) and pauses the host: for the server's ``Retry-After`` when it
-gives one, else for a jittered backoff that grows with the throttled responses since
-the host's last success. Each success while the window is full widens it by
-``1/window`` (about one request per round: AIMD, as TCP). So a throttling storm slows
-the fetchers down to what the server accepts instead of failing them. A streak is
-reported as a warning on the ``pyloader.remote`` logger (printed to stderr where logging
-is not configured) once it is 5 s old and every 30 s while it lasts: the host, the
-throttled responses and what the last said, the window, and how long until requests
-give up. Once the host
-has answered nothing but throttles for ``throttle_deadline`` seconds, a request that is
-throttled again, or one waiting for a window with nothing in flight, fails with the
-numbers (how long, how many throttled responses, the window reached). After a second
-of idleness past its pause a host's streak is forgotten; after a minute, its window.
-
 NOTE [download cancel]: on an async filesystem (HTTP, S3, GCS...) a download is one
 streaming request read by coroutines on fsspec's event loop; the calling thread waits
-for each chunk in slices of ``_CANCEL_POLL_S`` and, when ``cancel`` is set, cancels
+for each chunk in slices of ``CANCEL_POLL_S`` and, when ``cancel`` is set, cancels
 the coroutine and closes the response, so a stalled server delays a cancel by at most
 a slice, not by the stall timeout. Filesystems without async streaming (memory, local,
 ...) are read synchronously and see the cancel between chunks.
@@ -61,16 +43,16 @@ import concurrent.futures
 import contextlib
 import errno
 import inspect
-import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import FetchError, FetchNotFoundError, FetchPermissionError, RemoteChangedError
+from .throttle import CANCEL_POLL_S, _Cancelled, _ThrottleExpired, host_key, host_limiter
 
 _T = TypeVar("_T")
 
@@ -172,216 +154,6 @@ class RetryPolicy:
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.throttle_deadline)
         return self.delay(max(streak - 1, 0), None)
-
-
-# -- the per-host request limit (NOTE [fetch throttling]) ----------------------------------
-_CANCEL_POLL_S = 0.05
-_STREAK_IDLE_S = 1.0  # idle past the pause: the host's throttle streak is over
-_WINDOW_IDLE_S = 60.0  # idle this long: the window opens again
-# A host that throttles is reported on the "pyloader.remote" logger once its streak is
-# this old, then at least this often while fetches wait on it (NOTE [fetch throttling]).
-_THROTTLE_REPORT_FIRST_S = 5.0
-_THROTTLE_REPORT_EVERY_S = 30.0
-_log = logging.getLogger("pyloader.remote")
-
-
-class _Cancelled(Exception):
-    """``cancel`` was set while waiting (for a window, a pause or a chunk)."""
-
-
-class _ThrottleExpired(Exception):
-    """The host has answered only throttles for longer than the throttle deadline."""
-
-
-class HostLimiter:
-    """How many requests to one host (or bucket) may be in flight at once, adapted to throttling.
-
-    An AIMD window (NOTE [fetch throttling]) shared by every fetch thread of the process:
-    ``with limiter.slot(cancel) as started:`` holds one of the window's places for one
-    request; ``throttled(started, pause)`` reports a throttled response (cut the window,
-    pause the host), ``ok()`` a success (widen the window). ``ceiling`` bounds the window;
-    it starts there, so only a throttle ever limits anything.
-    """
-
-    def __init__(self, ceiling: int = 64, name: str = "") -> None:
-        if ceiling < 1:
-            raise ValueError("ceiling must be >= 1")
-        self.ceiling = ceiling
-        self.name = name  # the host (or bucket) key, for the throttling report
-        self.give_up_after: float | None = None  # the latest slot()'s throttle deadline
-        self.reports = 0  # throttling reports logged
-        self.report_first_s = _THROTTLE_REPORT_FIRST_S
-        self.report_every_s = _THROTTLE_REPORT_EVERY_S
-        self._reported_at: float | None = None
-        self._cv = threading.Condition(threading.Lock())
-        self._window = float(ceiling)
-        self._in_flight = 0
-        self._waiting = 0
-        self._pause_until = 0.0
-        self._last_cut = float("-inf")
-        self._streak = 0  # throttled responses since the last success
-        self._streak_since: float | None = None  # when the first of them came
-        self._idle_since = time.monotonic()
-        self.throttles = 0  # throttled responses, in all
-        self.peak = 0  # most requests in flight at once
-        self.lowest = ceiling  # the smallest window a throttle cut it to
-        self.last_signal = ""  # what the last throttled response said, e.g. "HTTP 503, Retry-After 1 s"
-
-    # -- state (read without the lock: for messages and tests) -------------------------
-    @property
-    def window(self) -> int:
-        """Requests that may be in flight now."""
-        return max(1, int(self._window))
-
-    @property
-    def in_flight(self) -> int:
-        """Requests holding a place now."""
-        return self._in_flight
-
-    @property
-    def streak(self) -> int:
-        """Throttled responses since the host's last success."""
-        return self._streak
-
-    def streak_seconds(self) -> float:
-        """Seconds since the first throttled response after the host's last success (0 if none)."""
-        since = self._streak_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    # -- use ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def slot(self, cancel: threading.Event | None = None, *,
-             give_up_after: float | None = None) -> Iterator[float]:
-        """Holds a place in the window for one request; yields the time it was granted.
-
-        Blocks while the window is full or the host is paused. Raises ``_Cancelled`` when
-        ``cancel`` is set meanwhile, ``_ThrottleExpired`` when the host has answered only
-        throttles for ``give_up_after`` seconds and nothing is in flight.
-        """
-        if give_up_after is not None:
-            self.give_up_after = give_up_after
-        started = self._acquire(cancel, give_up_after)
-        try:
-            yield started
-        finally:
-            with self._cv:
-                self._in_flight -= 1
-                if not self._in_flight and not self._waiting:
-                    self._idle_since = time.monotonic()
-                self._cv.notify_all()
-
-    def _acquire(self, cancel: threading.Event | None, give_up_after: float | None) -> float:
-        with self._cv:
-            now = time.monotonic()
-            if not self._in_flight and not self._waiting:
-                idle = now - max(self._idle_since, self._pause_until)
-                if idle > _STREAK_IDLE_S:
-                    self._streak, self._streak_since = 0, None
-                if idle > _WINDOW_IDLE_S:
-                    self._window = float(self.ceiling)
-            self._waiting += 1
-            try:
-                while True:
-                    now = time.monotonic()
-                    if self._in_flight < self.window and now >= self._pause_until:
-                        self._in_flight += 1
-                        self.peak = max(self.peak, self._in_flight)
-                        return now
-                    if cancel is not None and cancel.is_set():
-                        raise _Cancelled()
-                    if (give_up_after is not None and not self._in_flight and self._streak_since is not None
-                            and now - self._streak_since > give_up_after):
-                        raise _ThrottleExpired()
-                    self._report(now)
-                    left = self._pause_until - now
-                    self._cv.wait(min(left, _CANCEL_POLL_S) if left > 0 else _CANCEL_POLL_S)
-            finally:
-                self._waiting -= 1
-
-    def throttled(self, started: float, pause: float, signal: str = "") -> float:
-        """A request granted at ``started`` was throttled: cut the window, pause the host.
-
-        The host is paused ``pause`` seconds; ``signal`` says how the server throttled.
-        Returns how long the host has answered only throttles.
-        """
-        with self._cv:
-            now = time.monotonic()
-            self.throttles += 1
-            self.last_signal = signal or self.last_signal
-            self._streak += 1
-            if self._streak_since is None:
-                self._streak_since = now
-            if started >= self._last_cut:
-                self._window = max(1.0, min(self._window, float(max(self._in_flight, 1))) / 2)
-                self._last_cut = now
-                self.lowest = min(self.lowest, self.window)
-            self._pause_until = max(self._pause_until, now + pause)
-            self._cv.notify_all()
-            self._report(now)
-            return now - self._streak_since
-
-    def _report(self, now: float) -> None:
-        """Logs the throttling streak when due (NOTE [fetch throttling]); the caller holds the lock."""
-        since = self._streak_since
-        if since is None or now - since < self.report_first_s:
-            return
-        if self._reported_at is not None and self._reported_at >= since and now - self._reported_at < \
-                self.report_every_s:
-            return
-        self._reported_at = now
-        self.reports += 1
-        streak_s = now - since
-        left = ""
-        if self.give_up_after is not None:
-            left = (f"; its requests fail once it has throttled for {self.give_up_after:g} s, "
-                    f"{max(0.0, self.give_up_after - streak_s):.0f} s from now (PYLOADER_FETCH_THROTTLE_DEADLINE)")
-        _log.warning("pyloader: %s is throttling: %d throttled responses in %.0f s since its last success "
-                     "(last: %s); request window %d, %d in flight, %d waiting%s", self.name or "the host",
-                     self._streak, streak_s, self.last_signal or "throttled", self.window, self._in_flight,
-                     self._waiting, left)
-
-    def ok(self) -> None:
-        """A request succeeded: the streak is over; a full window widens by ``1/window``."""
-        with self._cv:
-            self._streak, self._streak_since = 0, None
-            if self._waiting or self._in_flight >= self.window:
-                before = self.window
-                self._window = min(float(self.ceiling), self._window + 1.0 / self._window)
-                if self.window > before:
-                    self._cv.notify_all()
-
-
-_LIMITERS: dict[str, HostLimiter] = {}
-_LIMITERS_MU = threading.Lock()
-
-
-def _host_key(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "file://"
-    return scheme.lower() + "://" + rest.split("/", 1)[0].lower()
-
-
-def host_limiter(url: str) -> HostLimiter:
-    """The process's ``HostLimiter`` for ``url``'s scheme and host (an S3 URL's bucket)."""
-    key = _host_key(url)
-    with _LIMITERS_MU:
-        lim = _LIMITERS.get(key)
-        if lim is None:
-            lim = _LIMITERS[key] = HostLimiter(name=key)
-        return lim
-
-
-def _forget_limiters() -> None:
-    # A forked child has none of its parent's requests in flight, and a lock a parent
-    # thread held at the fork would never be released.
-    global _LIMITERS_MU
-    _LIMITERS_MU = threading.Lock()
-    _LIMITERS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_limiters)
 
 
 # -- classifying failures (NOTE [fetch retries]) -------------------------------------------
@@ -534,7 +306,7 @@ def with_retries(fn: Callable[[], _T], policy: RetryPolicy, *, what: str, url: s
             f"{_naming(what, url, shard)}: the server throttled every request ({limiter.last_signal}) for "
             f"{host_s:.1f} s, over the throttle deadline of {policy.throttle_deadline:g} s "
             f"(PYLOADER_FETCH_THROTTLE_DEADLINE): {limiter.streak} throttled responses from "
-            f"{_host_key(url)} since its last success ({throttled} to this request, {limiter.throttles} in all); "
+            f"{host_key(url)} since its last success ({throttled} to this request, {limiter.throttles} in all); "
             f"concurrency cut from {limiter.peak} to {limiter.window} (gave up after {_attempts(attempts)})",
             url, shard, errno.EAGAIN, transient=True, attempts=attempts)
 
@@ -629,7 +401,7 @@ def _run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], canc
     end = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
-            concurrent.futures.wait([fut], timeout=_CANCEL_POLL_S)
+            concurrent.futures.wait([fut], timeout=CANCEL_POLL_S)
             if fut.done():
                 return fut.result()
             if cancel is not None and cancel.is_set():
@@ -759,7 +531,7 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
 
     A body longer than ``size`` is a changed object (permanent); a shorter one a
     truncated transfer (transient). A set ``cancel`` ends it within about
-    ``_CANCEL_POLL_S`` on an async filesystem, even while the server sends nothing
+    ``CANCEL_POLL_S`` on an async filesystem, even while the server sends nothing
     (NOTE [download cancel]); nothing is written to ``fd`` after the cancel is seen.
     """
 
@@ -803,5 +575,5 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
         raise _ShortBody(f"the body ended after {got} of {size} bytes")
 
 
-__all__ = ["is_remote", "filesystem", "RetryPolicy", "HostLimiter", "host_limiter", "classify", "is_throttle",
+__all__ = ["is_remote", "filesystem", "RetryPolicy", "classify", "is_throttle",
            "with_retries", "read_object", "download_buffer_bytes", "download_into"]

@@ -19,6 +19,7 @@ from remote_util import child_env, temp_files
 
 import pyloader
 from pyloader.remote import fs as rfs
+from pyloader.remote import throttle as rthrottle
 
 BIG = "big.bin"
 BIG_SIZE = 3 << 20  # three HTTP chunks
@@ -28,9 +29,9 @@ BIG_SIZE = 3 << 20  # three HTTP chunks
 def slow_stall_timeout(monkeypatch):
     # A cancel must not wait for the stall timeout: make that long.
     monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", "30")
-    rfs._forget_limiters()
+    rthrottle.forget_limiters()
     yield
-    rfs._forget_limiters()
+    rthrottle.forget_limiters()
 
 
 @pytest.fixture
@@ -153,7 +154,7 @@ def test_a_cancel_is_not_retried_and_a_download_after_it_works(server, big, tmp_
 @pytest.mark.timeout(30)
 def test_cancel_ends_a_wait_for_a_throttled_host(server):
     url = server.url + "/x"
-    lim = rfs.host_limiter(url)
+    lim = rthrottle.host_limiter(url)
     with lim.slot() as t:
         lim.throttled(t, 30.0)  # the host is paused for 30 s
     cancel = threading.Event()

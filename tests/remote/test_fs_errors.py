@@ -12,6 +12,7 @@ from remote_servers import Fault
 import pyloader
 from pyloader.errors import from_native
 from pyloader.remote import fs as rfs
+from pyloader.remote import throttle as rthrottle
 from pyloader.remote.fetch import open_remote
 
 SHARD1 = "ds/shard-000001.pyl"
@@ -19,9 +20,9 @@ SHARD1 = "ds/shard-000001.pyl"
 
 @pytest.fixture(autouse=True)
 def fresh_limiters():
-    rfs._forget_limiters()  # a port reused from an earlier test must not inherit its throttling
+    rthrottle.forget_limiters()  # a port reused from an earlier test must not inherit its throttling
     yield
-    rfs._forget_limiters()
+    rthrottle.forget_limiters()
 
 
 def assert_message_only(e: OSError) -> None:

@@ -16,19 +16,19 @@ from remote_servers import Fault, ThrottlingServer
 from remote_util import write_one_record_shards
 
 import pyloader
-from pyloader.remote import fs as rfs
+from pyloader.remote import throttle as rthrottle
 from pyloader.remote.cli import EXIT_OK, EXIT_UNREACHABLE, main
 from pyloader.remote.fetch import open_remote
-from pyloader.remote.fs import host_limiter
+from pyloader.remote.throttle import host_limiter
 
 N_SHARDS = 48
 
 
 @pytest.fixture(autouse=True)
 def fresh_limiters():
-    rfs._forget_limiters()  # a port reused from an earlier test must not inherit its throttling
+    rthrottle.forget_limiters()  # a port reused from an earlier test must not inherit its throttling
     yield
-    rfs._forget_limiters()
+    rthrottle.forget_limiters()
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def assert_cached_copies_match(cache_dir: str, url: str, src: str) -> None:
 
 # -- the limiter alone ---------------------------------------------------------------------
 def test_window_halves_once_per_round_and_grows_by_one_per_round():
-    lim = rfs.HostLimiter(ceiling=64)
+    lim = rthrottle.HostLimiter(ceiling=64)
     assert lim.window == 64
     slots = [lim.slot() for _ in range(8)]
     started = [s.__enter__() for s in slots]
@@ -86,7 +86,7 @@ def test_window_halves_once_per_round_and_grows_by_one_per_round():
 
 
 def test_pause_blocks_every_request_and_cancel_ends_a_wait():
-    lim = rfs.HostLimiter()
+    lim = rthrottle.HostLimiter()
     with lim.slot() as t:
         lim.throttled(t, 0.4)
     t0 = time.monotonic()
@@ -97,14 +97,14 @@ def test_pause_blocks_every_request_and_cancel_ends_a_wait():
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
     t0 = time.monotonic()
-    with pytest.raises(rfs._Cancelled):
+    with pytest.raises(rthrottle._Cancelled):
         with lim.slot(cancel):
             pass
     assert time.monotonic() - t0 < 0.6
 
 
 def test_a_wait_gives_up_only_when_the_host_throttles_past_the_deadline_with_nothing_in_flight():
-    lim = rfs.HostLimiter()
+    lim = rthrottle.HostLimiter()
     with lim.slot() as t:
         lim.throttled(t, 0.3)
     with lim.slot(give_up_after=5.0):  # a throttle, but not for long: waits out the pause
@@ -112,7 +112,7 @@ def test_a_wait_gives_up_only_when_the_host_throttles_past_the_deadline_with_not
     with lim.slot() as t:
         lim.throttled(t, 5.0)
     t0 = time.monotonic()
-    with pytest.raises(rfs._ThrottleExpired):
+    with pytest.raises(rthrottle._ThrottleExpired):
         with lim.slot(give_up_after=0.2):
             pass
     assert time.monotonic() - t0 < 1.0
@@ -141,7 +141,7 @@ def test_warm_under_a_concurrency_limit_slows_down_and_converges(many_root, cach
     assert code == EXIT_OK and r["failed"] == [] and r["downloaded"] == N_SHARDS
     assert_cached_copies_match(cache_dir, url, os.path.join(many_root, "ds"))
     assert first is not None, "8 jobs never went over the 3 the server allows"
-    lim = rfs.host_limiter(url)
+    lim = rthrottle.host_limiter(url)
     assert lim.lowest <= allowed < lim.peak
     # After the first cut has taken effect the client keeps near what the server allows:
     # it probes one above (AIMD) and is cut back; noisy machine, loose bounds.

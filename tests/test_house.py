@@ -310,3 +310,18 @@ def test_format_docstring_names_every_shard_version() -> None:
 
     doc = ast.get_docstring(ast.parse((ROOT / "pyloader" / "format" / "__init__.py").read_text())) or ""
     assert f"versions {min(SHARD_VERSIONS)} to {max(SHARD_VERSIONS)}" in doc, doc.splitlines()[0]
+
+
+def test_no_file_over_800_lines_and_no_class_over_400() -> None:
+    """The sizes a newcomer can read whole (issue #28): a module that outgrows them is split by concern."""
+    import ast
+
+    big = []
+    for p in sorted((ROOT / "pyloader").rglob("*.py")):
+        text = p.read_text()
+        if text.count("\n") > 800:
+            big.append(f"{p.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                big.append(f"{p.relative_to(ROOT)}: class {node.name} is {node.end_lineno - node.lineno + 1} lines")
+    assert not big, "\n  ".join(["too large:", *big])

@@ -208,6 +208,10 @@ class CpuTimer:
         self._w = time.perf_counter()
         return self
 
+    def elapsed(self) -> float:
+        """Wall time since the block started, as ``wall`` will count it."""
+        return time.perf_counter() - self._w
+
     def __exit__(self, *exc: Any) -> None:
         self.wall = time.perf_counter() - self._w
         live = live_children_cpu()

@@ -305,3 +305,19 @@ def test_au_on_a_users_dataset_is_labelled_with_its_record_size(tmp_path) -> Non
     assert res.returncode == 0, res.stderr
     assert "accelerator utilization, this dataset: 300 records of 1.0 KB" in res.stdout
     assert "114.7 KB" not in res.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_timed_round_spans_at_least_min_seconds(tmp_path) -> None:
+    """A round stops on the CPU timer's own clock, so its wall time is never below --min-seconds
+    (and the diagnosis never calls a round the user sized right too short)."""
+    from pyloader.bench import stages
+
+    with pyloader.ShardWriter(str(tmp_path / "ds"), {"x": ("uint8", (64,))}, shard_bytes=1 << 16) as w:
+        for i in range(64):
+            w.write({"x": np.full(64, i % 256, np.uint8)})
+    ds = pyloader.ShardDataset(str(tmp_path / "ds"))
+    for _ in range(3):
+        r = stages._measure_loader(lambda: pyloader.DataLoader(ds, batch_size=16), rounds=2, batch_size=16,
+                                   min_seconds=0.05)
+        assert r["wall_s"] >= 0.05 and r["epochs"] > 1

@@ -206,7 +206,7 @@ def test_bench_with_auto_threads_reports_what_the_tuner_chose() -> None:
     assert 0 < a["memory_bytes"] <= a["memory_budget"]
     assert a["slot_bytes"] >= 64 * 12288  # the largest batch seen (64 records of 12 KB)
     bad = run_cli(*TINY, "--threads", "two")
-    assert bad.returncode == 2 and "--threads: not an integer: 'two'" in bad.stderr
+    assert bad.returncode == 2 and "--threads: a positive number of threads or 'auto' (the loader tunes them), got 'two'" in bad.stderr
 
 
 @pytest.mark.timeout(300)

@@ -32,7 +32,8 @@ def probe(*argv: str) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"], ["convert", "--help"]])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"], ["convert", "--help"],
+                                  ["cache", "--help"], ["cache", "warm", "--help"]])
 def test_help_and_version_import_no_torch(argv: list[str]) -> None:
     result, out = probe(*argv)
     assert result == "RESULT 0 False False", (argv, result)

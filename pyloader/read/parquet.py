@@ -441,7 +441,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         """
         batch_size, num_threads, prefetch = check_stream_args(batch_size, num_threads, prefetch)
         gidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
-        if plan is not None and readers > 1:
+        if readers > 1:  # (one reader's share was checked when the dataset was built)
             self._check_share(gidx, readers)
         self._ensure_fetcher()
         if self._fetcher is not None:

@@ -37,6 +37,7 @@ import abc
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -119,6 +120,23 @@ DEFAULTS: dict[str, Any] = {
     "shuffle": False, "seed": 0, "shuffle_mode": "global", "window": 65536, "partition": "pad",
     "fetch_jobs": 4, "device_prefetch": 2, "num_threads": 2,
 }
+
+
+def cpu_budget() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_memory_budget() -> int:
+    """An eighth of the machine's memory, at most 4 GiB."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return int(min(4 << 30, total // 8))
 
 
 def default_prefetch(threads: int) -> int:
@@ -427,5 +445,6 @@ def check_stream_args(batch_size: object, num_threads: object, prefetch: object)
 __all__ = [
     "DEFAULTS", "INT_SETTINGS", "PARTITIONS", "SHUFFLE_MODES", "Batch", "BatchStream", "IntRule", "OrderSpec",
     "PipelineDataset", "PipelineStream", "Plan", "PlannedDataset", "Tuner", "check_bool", "check_callable",
-    "check_choice", "check_count", "check_int", "check_seconds", "check_size", "check_stream_args", "default_prefetch",
+    "check_choice", "check_count", "check_int", "check_seconds", "check_size", "check_stream_args", "cpu_budget",
+    "default_memory_budget", "default_prefetch",
 ]

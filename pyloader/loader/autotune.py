@@ -41,11 +41,10 @@ they imply and the last decisions with their reasons.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-from ..contract import default_prefetch
+from ..contract import cpu_budget, default_memory_budget, default_prefetch
 
 INTERVAL = 0.2  # seconds between decisions
 MIN_BATCHES = 4  # and at least this many batches
@@ -59,23 +58,6 @@ MAX_FETCH_JOBS = 64
 FETCH_GAIN = 1.1  # more downloads are kept if they received this much more per second
 FETCH_RETRY_S = 5.0  # a download count that did not help is tried again after this long
 _KEEP_DECISIONS = 32
-
-
-def cpu_budget() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def default_memory_budget() -> int:
-    """An eighth of the machine's memory, at most 4 GiB."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        total = 8 << 30
-    return int(min(4 << 30, total // 8))
 
 
 class AutoTune:

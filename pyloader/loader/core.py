@@ -25,7 +25,10 @@ from .packing import PackSpec
 
 if TYPE_CHECKING:
     from .._C import SlotPool
+    from ..transform.auto import ExecutorChoice
+    from ..transform.pool import WorkerPool
     from ..transform.stage import TransformSpec
+    from ..transform.tuning import TransformTune
 
 
 class LoaderCore:
@@ -63,6 +66,9 @@ class LoaderCore:
     _last_stats: dict[str, Any]
     _active: weakref.ref[Any] | None
     _tuner: _autotune.AutoTune | None
+    _choice: ExecutorChoice | None
+    _ttune: TransformTune | None
+    _tpool: WorkerPool | None
     _ahead: tuple[tuple[Any, ...], PipelineStream] | None
     _batch_pool: SlotPool | None
     _staging_pool: SlotPool | None

@@ -95,7 +95,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
                  prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory_device: str = "",
                  in_order: bool = True, device: str | torch.device | int | None = None, device_prefetch: int = 2,
                  prefetch: int | None = None, transform: Callable[..., Any] | None = None,
-                 executor: str = "threads", batch_transform: Callable[[Any], Any] | None = None,
+                 executor: str = "auto", batch_transform: Callable[[Any], Any] | None = None,
                  memory_budget: int | None = None, pack: PackSpec | None = None) -> None:
         # torch's __init__ is not run: the attributes torch's own code reads are set here
         # (NOTE [torch's DataLoader attributes]), from the options checked once (NOTE [loader options]).
@@ -118,6 +118,9 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         self._pack_run = None  # (epoch, world, rank, phases, stream, consumed)
         self._doc_pool = None  # the packer's input documents (NOTE [ragged batches])
         self._tuner = None  # NOTE [autotune], made with the dataset's checks
+        self._choice = None  # NOTE [executor choice], made at the first transform epoch
+        self._ttune = None  # NOTE [transform autotune], likewise
+        self._tpool = None  # NOTE [transform pool]: the process pool kept across epochs
         self._mp_context = None
         self._active = None
         self._pid = os.getpid()  # NOTE [loader across fork]
@@ -161,7 +164,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         if self.pack is not None:
             raise ValueError("pack= packs the token field of a pyloader dataset (ShardDataset or Mixture) on "
                              f"native threads, not a {name}")
-        if self.transform is not None or self.executor != "threads":
+        if self.transform is not None or self.executor != "auto":
             raise ValueError("transform= and executor= run per-sample transforms on a pyloader dataset's "
                              "native path; over another dataset, apply the transform in its __getitem__ "
                              "(torch's worker processes run it)")
@@ -207,6 +210,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         self._ahead = None
         self._kept_stage = None
         self._kept_fence = None
+        self._tpool = None  # the parent's (WorkerPool.usable is false here): a new one on demand
         if self._tuner is not None:
             self._tuner.forget_stream()
         if self._batch_pool is not None and self._batch_pool.pinned:

@@ -32,9 +32,10 @@ class NativeEpochs(LoaderCore):
             raise ValueError(f"DataLoader over a {name}: worker_init_fn is not supported; the native path has no "
                              f"worker processes to initialise (num_workers sets native threads)")
         if multiprocessing_context is not None:
-            if self.executor != "processes":
-                raise ValueError(f"DataLoader over a {name}: multiprocessing_context is not supported; the native "
-                                 f"path starts no processes (except executor='processes', the transform workers)")
+            if self.executor == "threads" or self._transform_spec(0) is None:
+                raise ValueError(f"DataLoader over a {name}: multiprocessing_context is not supported here; the "
+                                 f"native path starts no processes, except the transform workers of a transform= "
+                                 f"(or decode=) on executor='processes' or 'auto'")
             self._mp_context = multiprocessing_context
         bs = self.batch_size
         if bs is None and self.drop_last:
@@ -71,9 +72,10 @@ class NativeEpochs(LoaderCore):
         """The tuner of ``num_workers="auto"`` (NOTE [autotune]), made at first use."""
         if self._tuner is None:
             ds = self.dataset
-            if not isinstance(ds, PipelineDataset) or self._transform_spec(0) is not None:
-                raise ValueError("num_workers='auto' tunes the native threads of a ShardDataset without transforms; "
-                                 "give num_workers a number here")
+            if not isinstance(ds, PipelineDataset) and self._transform_spec(0) is None:
+                raise ValueError(f"num_workers='auto' tunes the native threads of a ShardDataset, or the transform "
+                                 f"workers of a dataset with a transform; a {type(ds).__name__} without a transform "
+                                 f"has neither: give num_workers a number")
             staging = self.device_prefetch if self.device is not None else 0
             self._tuner = _autotune.AutoTune(self.memory_budget, prefetch=self.prefetch, staging_slots=staging)
         return self._tuner

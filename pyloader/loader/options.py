@@ -72,7 +72,7 @@ class LoaderOptions:
     device_prefetch: int = DEFAULTS["device_prefetch"]
     prefetch: int | None = None
     transform: Callable[..., Any] | None = None
-    executor: str = "threads"
+    executor: str = "auto"
     batch_transform: Callable[[Any], Any] | None = None
     memory_budget: int | str | None = None  # bytes, or a size string such as "8G" (parse_size)
     pack: PackSpec | None = None

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from ..contract import PlannedDataset, default_prefetch
 from ..transform import stage as _stage
+from ..transform.auto import AutoTransformStream, ExecutorChoice
+from ..transform.tuning import TransformTune
 from . import iterators as _it
 from . import transfer as _transfer
 from .core import LoaderCore
 
 
 class TransformEpochs(LoaderCore):
-    """``transform=`` / ``decode=`` / ``executor=`` (NOTE [thread executor], NOTE [process executor])."""
+    """``transform=`` / ``decode=`` / ``executor=`` (NOTE [thread executor], NOTE [process executor]).
+
+    The executor ``"auto"`` is chosen by measurement (NOTE [executor choice]), the workers'
+    count by ``num_workers="auto"`` (NOTE [transform autotune]); a process pool is kept
+    across epochs with ``persistent_workers=True`` (NOTE [transform pool]).
+    """
 
     # -- per-sample transforms (native path) -------------------------------------------
     def _transform_spec(self, epoch: int) -> _stage.TransformSpec | None:
@@ -27,31 +37,49 @@ class TransformEpochs(LoaderCore):
             collate = None  # the workers return samples; collate_fn applies to each (as torch's)
         else:
             collate = self.collate_fn if self.collate_fn is not None else _stage.collate_samples
-        return _stage.TransformSpec(fn, decode, collate, self._order.seed, epoch,
-                                    seed_globals=self.executor == "processes")
+        return _stage.TransformSpec(fn, decode, collate, self._order.seed, epoch)
+
+    def _executor_choice(self) -> ExecutorChoice:
+        """The loader's choice under ``executor="auto"`` (NOTE [executor choice]), made at first use."""
+        if self._choice is None:
+            self._choice = ExecutorChoice()
+        return self._choice
+
+    def _transform_tuner(self) -> TransformTune:
+        """The transform workers' tuner of ``num_workers="auto"`` (NOTE [transform autotune]), made at first use."""
+        if self._ttune is None:
+            self._ttune = TransformTune(self.memory_budget)
+        return self._ttune
 
     def _iter_transformed(self, ds: PlannedDataset, epoch: int, world: int, segments: list[list[int]], plan: Any,
                           spec: _stage.TransformSpec, native_bs: int) -> _it.LoaderIterator:
         """An epoch through the transform workers (NOTE [thread executor], NOTE [process executor])."""
-        from ..transform.processes import ProcessTransformStream
-        from ..transform.threads import ThreadTransformStream
-
         units, records = plan
         gidx = ds.global_index(units, records)
-        workers = self._threads
-        depth = self._prefetch if self._prefetch is not None else default_prefetch(workers)
-        src: Any
-        if self.executor == "processes":
-            src = ProcessTransformStream(ds, spec, units, records, gidx, native_bs, self.drop_last, workers=workers,
-                                         depth=depth, context=self._mp_context)
-        else:
-            # One native thread reads and collates the raw records (memory speed); the
-            # transform threads do the per-sample work.
-            raw = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=1 if workers < 4 else 2,
-                             prefetch=depth + workers)
-            src = ThreadTransformStream(raw, ds, spec, units, records, gidx, native_bs, workers=workers, depth=depth)
+        tune = self._transform_tuner() if self._auto_workers else None
+        fields = getattr(ds, "fields", None) or ()
+        raw_bytes = native_bs * sum(int(f.row_bytes) for f in fields if not getattr(f, "variable", True))
+        choice = self._executor_choice() if self.executor == "auto" else None
+        executor = self.executor if choice is None else choice.executor
+
+        def stream(start: int, ex: str) -> _stage.TransformStream:
+            return self._transform_stream(ds, spec, units, records, gidx, native_bs, start, ex, tune, raw_bytes)
+
+        src: _stage.TransformStream = stream(0, executor or "threads")
+        if choice is not None and executor is None:
+            src = AutoTransformStream(src, choice, stream)  # type: ignore[arg-type]  # a thread stream
+        if choice is not None:
+            src.extra["executor_choice"] = lambda: dict(choice.report)
+        if tune is not None:
+            src.extra["autotune"] = lambda: tune.report(choice.executor if choice is not None else self.executor)
         src.timeout = float(self.timeout)
-        src.on_finish = self._keep_stats
+
+        def finish(stats: dict[str, Any]) -> None:
+            self._keep_stats(stats)
+            if tune is not None:
+                tune.end_epoch(stats)
+
+        src.on_finish = finish
         consumed = _it.ConsumedCount()
         length = len(src)
         src.consumed = consumed  # a batch whose samples were all skipped still counts as read
@@ -63,6 +91,57 @@ class TransformEpochs(LoaderCore):
         stage = self._new_stage(in_slots=False)
         gen = items if stage is None else _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=True)
         return self._loader_iterator(gen, length, src, stage, consumed)
+
+    def _transform_stream(self, ds: PlannedDataset, spec: _stage.TransformSpec, units: np.ndarray,
+                          records: np.ndarray, gidx: np.ndarray, native_bs: int, start: int, executor: str,
+                          tune: TransformTune | None, raw_bytes: int) -> _stage.TransformStream:
+        """The epoch's batches from batch ``start`` on, made by ``executor``'s workers."""
+        from ..transform.threads import ThreadTransformStream
+
+        lo = start * native_bs
+        units, records, gidx = units[lo:], records[lo:], gidx[lo:]
+        workers = tune.start(executor, raw_bytes) if tune is not None else self._threads
+        depth = None if tune is not None else self._prefetch
+        if executor == "processes":
+            # Global generators are seeded per sample where a worker runs one sample at a time.
+            spec = dataclasses.replace(spec, seed_globals=True)
+            return self._process_stream(ds, spec, units, records, gidx, native_bs, workers,
+                                        depth if depth is not None else default_prefetch(workers))
+        # One native thread reads and collates the raw records (memory speed); the
+        # transform threads do the per-sample work.
+        raw = ds.batches(native_bs, plan=(units, records), drop_last=self.drop_last,
+                         num_threads=1 if workers < 4 else 2,
+                         prefetch=(depth if depth is not None else default_prefetch(workers)) + workers)
+        src = ThreadTransformStream(raw, ds, spec, units, records, gidx, native_bs, workers=workers, depth=depth)
+        src.tuner = tune
+        return src
+
+    def _process_stream(self, ds: PlannedDataset, spec: _stage.TransformSpec, units: np.ndarray, records: np.ndarray,
+                        gidx: np.ndarray, native_bs: int, workers: int, depth: int) -> _stage.TransformStream:
+        """A process stream on the loader's kept pool, or on a pool of its own (NOTE [transform pool])."""
+        from ..transform.pool import WorkerPool, pool_key
+        from ..transform.processes import ProcessTransformStream
+
+        pool = self._tpool
+        keep = self.persistent_workers
+        max_workers = self._ttune.max_processes if self._ttune is not None else workers
+        reuse = (keep and pool is not None and pool.usable and pool.busy_with() is None
+                 and pool.key == pool_key(ds, spec)
+                 and pool.context == self._mp_context and workers <= pool.max_workers)
+        if not reuse:
+            if keep and pool is not None and pool.busy_with() is None:
+                pool.shutdown()  # another transform or dataset: its workers are of no use
+                self._tpool = pool = None
+            new = WorkerPool(ds, spec, workers, context=self._mp_context, max_workers=max(workers, max_workers))
+            owns = not keep or pool is not None  # (a kept pool busy with another iterator stays the kept one)
+            if not owns:
+                self._tpool = new
+            pool = new
+        else:
+            owns = False
+        assert pool is not None
+        return ProcessTransformStream(pool, spec, units, records, gidx, native_bs, self.drop_last, workers=workers,
+                                      depth=depth, owns_pool=owns)
 
 
 __all__ = ["TransformEpochs"]

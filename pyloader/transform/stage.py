@@ -25,7 +25,7 @@ from ..errors import CollateError, ImageDecodeError, LoaderStateError
 from .context import SampleContext, _splitmix64, sample_seeds
 from .image import ImageDecode
 
-EXECUTORS = ("threads", "processes")
+EXECUTORS = ("auto", "threads", "processes")  # See NOTE [executor choice] in auto.py
 
 
 def takes_context(fn: Callable[..., Any]) -> bool:
@@ -160,6 +160,62 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
     return BatchWork(result, len(out), skipped, t_tr, t_dec)
 
 
+# NOTE [worker threads]: a transform worker computes on one core, so the libraries it calls
+# must not start threads of their own: with W workers each running a library that starts a
+# thread per core, W x cores threads fight for the cores (measured: two worker processes of
+# a numpy transform whose matrix product ran on OpenBLAS's threads made 0.14x the samples of
+# one). So every worker runs torch on one thread (``torch.set_num_threads(1)``, as torch's
+# DataLoader does in its workers) and the BLAS and OpenMP libraries loaded in the process on
+# one thread (``threadpoolctl``; an environment variable such as ``OPENBLAS_NUM_THREADS`` is
+# read once, when the library loads, and numpy has loaded it long before). A worker process
+# sets both for good. The thread executor sets torch's per worker thread; the BLAS and
+# OpenMP limits are process-wide, so they hold while a thread stream is open, and the values from before the first such stream are put back when the last
+# one closes (the training loop's own numpy runs on one BLAS thread meanwhile).
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter: Any = None
+
+
+def _reset_blas_lock() -> None:
+    global _blas_lock
+    _blas_lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_reset_blas_lock)
+
+
+def limit_native_threads(process: bool) -> None:
+    """One torch thread for the calling thread, and one BLAS/OpenMP thread (NOTE [worker threads]).
+
+    ``process``: in a worker process, for good; else as one more user of the process-wide
+    limit, given back by ``unlimit_native_threads()``.
+    """
+    global _blas_users, _blas_limiter
+    torch.set_num_threads(1)
+    with _blas_lock:
+        _blas_users += 1
+        if _blas_limiter is None:
+            try:
+                from threadpoolctl import threadpool_limits
+            except ImportError:  # (a dependency; an install without it runs, oversubscribed)
+                return
+            _blas_limiter = threadpool_limits(limits=1)
+        if process:
+            _blas_limiter = False  # never restored in a worker process
+
+
+def unlimit_native_threads() -> None:
+    """One user of the process-wide BLAS/OpenMP limit less; the last one restores the values from before."""
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        _blas_users = max(0, _blas_users - 1)
+        if _blas_users == 0 and _blas_limiter:
+            try:
+                _blas_limiter.restore_original_limits()
+            finally:
+                _blas_limiter = None
+
+
 def _seed_globals(seed: int) -> None:
     import random
 
@@ -238,6 +294,7 @@ class TransformStream:
         self.timeout = 0.0  # seconds each next() may wait (0: forever)
         self.on_finish: Any = None  # called once with stats() at the end or at close()
         self.consumed: Any = None  # the loader's ConsumedCount, if any
+        self.extra: dict[str, Callable[[], Any]] = {}  # stats() keys the loader adds (executor_choice, autotune)
         self._pid = os.getpid()
 
     def __iter__(self) -> TransformStream:
@@ -274,8 +331,13 @@ class TransformStream:
         raise NotImplementedError
 
     def stats(self) -> dict[str, Any]:
-        """The stage's counters (``TransformStats.as_dict``)."""
-        return self._stats.as_dict()
+        """The stage's counters (``TransformStats.as_dict``), with the loader's ``extra`` keys."""
+        return self._with_extra(self._stats.as_dict())
+
+    def _with_extra(self, s: dict[str, Any]) -> dict[str, Any]:
+        for k, f in self.extra.items():
+            s[k] = f()
+        return s
 
     def _finish(self) -> None:
         cb, self.on_finish = self.on_finish, None
@@ -378,5 +440,5 @@ def _stack(name: str, values: list[Any]) -> torch.Tensor:
     return torch.stack(ts)
 
 
-__all__ = ["EXECUTORS", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
+__all__ = ["EXECUTORS", "limit_native_threads", "unlimit_native_threads", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
            "TransformStream", "collate_samples"]

@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..contract import BatchStream, PlannedDataset
+from ..contract import BatchStream, PlannedDataset, default_prefetch
 from ..errors import LoaderStateError, LoaderTimeoutError
-from .stage import TransformSpec, TransformStream, _Stopped, run_batch
+from .stage import TransformSpec, TransformStream, _Stopped, limit_native_threads, run_batch, unlimit_native_threads
 
 # Streams whose workers may be running (NOTE [transform threads at exit]).
 _LIVE: weakref.WeakSet[ThreadTransformStream] = weakref.WeakSet()
@@ -80,14 +80,17 @@ class ThreadTransformStream(TransformStream):
     """
 
     def __init__(self, source: BatchStream, ds: PlannedDataset, spec: TransformSpec, units: np.ndarray, records: np.ndarray,
-                 gidx: np.ndarray, batch_size: int, *, workers: int, depth: int) -> None:
+                 gidx: np.ndarray, batch_size: int, *, workers: int, depth: int | None) -> None:
         super().__init__("threads", workers, len(source))
         self._src = source
         self._ds = ds
         self._spec = spec
         self._units, self._records, self._gidx = units, records, gidx
         self._bs = batch_size
-        self._depth = max(depth, workers)
+        self._depth_given = depth  # None: two tickets per active worker (default_prefetch)
+        self._active = workers  # workers that may pull tickets (set_workers)
+        self._limit: int | None = None  # no ticket from here on (limit)
+        self.tuner: Any = None  # called with the stream at every batch taken (num_workers="auto")
         self._cv = threading.Condition()
         self._pull = threading.Lock()
         self._results: dict[int, Any] = {}
@@ -97,28 +100,81 @@ class ThreadTransformStream(TransformStream):
         self._stop = False
         self._closed = False
         self._torch_threads = torch.get_num_threads()
-        self._threads = [threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
-                         for w in range(workers)]
+        limit_native_threads(process=False)  # See NOTE [worker threads]; given back at close()
+        self._limited = True
+        self._threads: list[threading.Thread] = []
         _LIVE.add(self)
         try:
-            for t in self._threads:
-                t.start()
+            self._start(workers)
         except BaseException:
             # No thread for a worker (a limit on threads): stop and join those that started,
             # close the native stream, and raise the error.
             self.close()
             raise
 
+    def _start(self, workers: int) -> None:
+        for w in range(len(self._threads), workers):
+            t = threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    @property
+    def _depth(self) -> int:
+        """Tickets the workers may run ahead of the consumer: at least one per active worker."""
+        d = self._depth_given if self._depth_given is not None else default_prefetch(self._active)
+        return max(d, self._active)
+
+    @property
+    def workers(self) -> int:
+        """The workers that take batches now."""
+        return self._active
+
+    def set_workers(self, workers: int) -> None:
+        """From now on ``workers`` threads take batches (more are started; extra ones idle)."""
+        with self._cv:
+            if self._stop:
+                return
+            self._active = max(1, workers)
+            self._stats.workers = self._active
+            self._cv.notify_all()
+        self._start(self._active)
+
+    def limit(self) -> int:
+        """No ticket is handed out from now on; returns how many were (the stream ends after them)."""
+        with self._cv:
+            self._limit = self._pulled
+            self._cv.notify_all()
+            return self._limit
+
+    def idle(self) -> bool:
+        """Whether every worker thread has exited (after ``limit()``, once the batches handed out are made)."""
+        return not any(t.is_alive() for t in self._threads)
+
+    def close_source(self) -> None:
+        """Closes the native stream once the workers are idle (no batch is pulled from it again)."""
+        if self.idle():
+            self._src.close()
+
+    def _no_more(self) -> bool:
+        return self._stop or self._src_done or (self._limit is not None and self._pulled >= self._limit)
+
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
         torch.set_num_threads(1)
         while True:
+            with self._cv:  # an idle worker (set_workers) waits outside the pull lock
+                while not self._no_more() and w >= self._active:
+                    self._cv.wait()
+                if self._no_more():
+                    return
             with self._pull:
                 with self._cv:
-                    while not self._stop and not self._src_done and self._pulled >= self._delivered + self._depth:
+                    while not self._no_more() and w < self._active and self._pulled >= self._delivered + self._depth:
                         self._cv.wait()
-                    if self._stop or self._src_done:
+                    if self._no_more():
                         return
+                    if w >= self._active:
+                        continue
                 k = self._pulled
                 try:
                     raw = next(self._src)
@@ -136,6 +192,8 @@ class ThreadTransformStream(TransformStream):
                         self._cv.notify_all()
                     return
                 with self._cv:
+                    if self._limit is not None and k >= self._limit:
+                        return  # limit() came while this batch was read: its ticket is not this stream's
                     self._pulled += 1
             t0 = time.perf_counter_ns()
             lo = k * self._bs
@@ -168,7 +226,7 @@ class ThreadTransformStream(TransformStream):
         with self._cv:
             k = self._delivered
             while k not in self._results:
-                if self._src_done and k >= self._pulled:
+                if (self._src_done and k >= self._pulled) or (self._limit is not None and k >= self._limit):
                     ended = True
                     break
                 if deadline is None:
@@ -187,6 +245,8 @@ class ThreadTransformStream(TransformStream):
         self._stats.wait_ns += time.perf_counter_ns() - t0
         if ended:
             self._end()
+        if self.tuner is not None:
+            self.tuner.observe(self, item)
         if isinstance(item, _Failed):
             raise item.error
         return item
@@ -211,6 +271,9 @@ class ThreadTransformStream(TransformStream):
             if t is not me and t.ident is not None:  # started
                 t.join()
         torch.set_num_threads(self._torch_threads)  # the default of threads yet to use torch
+        if self._limited:
+            self._limited = False
+            unlimit_native_threads()
         self._finish()
 
     def stats(self) -> dict[str, Any]:
@@ -221,7 +284,7 @@ class ThreadTransformStream(TransformStream):
         s = dict(self._src.stats())
         s["native_wait_s"] = s.get("consumer_wait_s", 0.0)
         s.update(self._stats.as_dict())
-        return s
+        return self._with_extra(s)
 
 
 __all__ = ["ThreadTransformStream"]

@@ -1,0 +1,263 @@
+"""``executor="auto"``: threads or processes for the per-sample transform, chosen from a measurement.
+
+NOTE [executor choice]: threads cost nothing to start and hand samples over without a copy,
+but they run Python one at a time: a transform that holds the GIL (pure Python, PIL's
+``Image.open``, many small numpy calls) gets no faster with more of them. Processes run
+it in parallel, at the price of a start, a copy of each batch into shared memory and a
+fork. Which one a transform needs is measured, not guessed from what it is: an epoch whose
+executor is not chosen yet starts on threads and runs a *scaling probe* over its first
+batches: phases of 1 and of ``W' = max(2, W)`` working threads, alternated (1, W', 1, W'),
+each at least ``PHASE_S`` seconds and ``PHASE_BATCHES`` batches, counting the samples
+transformed per second of a working thread (the time a thread waits for the next batch
+to make is not counted, so a slow training loop does not distort it). The scaling ``s``
+is ``W'`` times the per-thread rate with ``W'`` threads over the rate of one alone: ``W'``
+when the transform releases the GIL (pyloader's decode, Pillow's decoders, large numpy and
+torch ops, a sleep or a network wait), 1 when it holds it throughout. The share of a
+sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)``. Then:
+
+* ``g`` over ``GIL_HIGH``: **processes**. The thread stream stops handing out batches
+  (``ThreadTransformStream.limit``), the batches it has handed out are still delivered,
+  and the rest of the epoch is made by worker processes, in plan order: the loop sees one
+  stream;
+* otherwise **threads**, for this epoch and the next ones.
+
+The choice is the loader's: made once, kept for every later epoch, and reported in
+``stats()["executor_choice"]`` (the executor, ``gil_held`` ``g``, the scaling, why) and
+by ``pyloader bench --transform``. An epoch that ends before the probe is done leaves the
+choice open, and the next epoch probes again. Where the interpreter runs without a GIL
+(free-threaded CPython, ``sys._is_gil_enabled()`` false) threads are chosen at once: they
+scale there. A process pool that cannot start (a transform that cannot be pickled for
+``spawn``) leaves threads, with the reason. ``executor="threads"``/``"processes"`` skip all
+of it. A machine whose cores are all taken by others makes every transform look as if it
+held the GIL (nothing scales); processes then cost a little more than threads would and
+gain as little. The batches are the same on either executor (NOTE [sample seeds]); only
+transforms that draw from the global generators (``random``, ``numpy.random``, ``torch``)
+rather than their ``SampleContext`` can see a difference, as those are seeded per sample
+on processes alone.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import LoaderStateError
+from .stage import TransformStream
+from .threads import ThreadTransformStream
+
+PHASE_S = 0.15  # a probe phase lasts at least this long...
+PHASE_BATCHES = 2  # ...and makes at least this many batches
+GIL_HIGH = 0.5  # a sample holds the GIL more than this share of its time: processes
+
+
+def gil_enabled() -> bool:
+    """Whether this interpreter has a GIL (False on free-threaded CPython with the GIL off)."""
+    check = getattr(sys, "_is_gil_enabled", None)
+    return True if check is None else bool(check())
+
+
+class ScalingProbe:
+    """Measures how a thread stream's transform scales with threads (NOTE [executor choice]).
+
+    Driven by the consumer: ``step()`` after every batch taken; True once done (the stream's
+    workers are then back at their count).
+    """
+
+    def __init__(self, stream: ThreadTransformStream) -> None:
+        self.stream = stream
+        self.workers = stream.workers
+        self.wide = max(2, self.workers)
+        self.phases = [1, self.wide, 1, self.wide]
+        self.i = 0
+        self.rates: dict[int, list[float]] = {1: [0.0, 0.0], self.wide: [0.0, 0.0]}  # samples, busy seconds
+        self._mark: tuple[float, int, int, int] | None = None
+        stream.set_workers(1)
+
+    def step(self) -> bool:
+        """Counts the batches taken so far; moves to the next phase when this one is long enough."""
+        st = self.stream._stats
+        now = time.perf_counter()
+        snap = (now, st.samples + st.skipped, st.busy_ns, st.batches)
+        if self._mark is None:
+            self._mark = snap  # (the first batch after a change settles the workers)
+            return False
+        t0, n0, b0, k0 = self._mark
+        if now - t0 < PHASE_S or snap[3] - k0 < PHASE_BATCHES:
+            return False
+        acc = self.rates[self.phases[self.i]]
+        acc[0] += snap[1] - n0
+        acc[1] += (snap[2] - b0) / 1e9
+        self.i += 1
+        self._mark = None
+        if self.i == len(self.phases):
+            self.stream.set_workers(self.workers)
+            return True
+        self.stream.set_workers(self.phases[self.i])
+        return False
+
+    def abandon(self) -> None:
+        """The epoch ended first: the workers' count goes back."""
+        self.stream.set_workers(self.workers)
+
+    @property
+    def scaling(self) -> float:
+        """``W'`` times the per-thread rate with ``W'`` threads over one thread's (1: none, ``W'``: full)."""
+        (n1, b1), (nw, bw) = self.rates[1], self.rates[self.wide]
+        if n1 <= 0 or b1 <= 0 or bw <= 0:
+            return float(self.wide)
+        return self.wide * (nw / bw) / (n1 / b1)
+
+    @property
+    def gil_held(self) -> float:
+        """The share of a sample's time that holds the GIL, from the scaling (Amdahl's law), 0..1."""
+        s = max(self.scaling, 1e-9)
+        return min(1.0, max(0.0, (self.wide / s - 1) / (self.wide - 1)))
+
+
+class ExecutorChoice:
+    """A loader's choice of executor under ``executor="auto"``: open until decided, then kept (NOTE [executor choice])."""
+
+    def __init__(self) -> None:
+        self.executor: str | None = None if gil_enabled() else "threads"
+        self.report: dict[str, Any] = {} if self.executor is None else {
+            "executor": "threads", "why": "this interpreter runs without a GIL: threads scale"}
+
+    def decide(self, probe: ScalingProbe) -> str:
+        """Decides from ``probe``; returns the executor."""
+        g, scaling = probe.gil_held, probe.scaling
+        seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
+                f"{g:.0%} of its time")
+        if g > GIL_HIGH:
+            self.executor = "processes"
+            why = f"{seen} (over {GIL_HIGH:.0%}): threads wait for each other, processes do not"
+        else:
+            self.executor = "threads"
+            why = f"{seen} (at most {GIL_HIGH:.0%}): threads scale"
+        self.report = {"executor": self.executor, "gil_held": round(g, 3), "scaling": round(scaling, 3),
+                       "threads_compared": [1, probe.wide], "why": why}
+        return self.executor
+
+    def fall_back(self, error: BaseException) -> None:
+        """The process pool could not start: threads, with the reason."""
+        self.executor = "threads"
+        self.report = dict(self.report, executor="threads",
+                           why=f"{self.report.get('why', '')}; but no process pool could start ({error}): threads")
+
+
+# Counters of a stream that add up across the two parts of an epoch that changed executor.
+_SUMMED = ("transform_batches", "transformed_samples", "skipped_samples", "transform_s", "decode_s",
+           "consumer_wait_s", "batches", "records")
+
+
+class AutoTransformStream(TransformStream):
+    """An epoch under ``executor="auto"`` whose executor is not chosen yet (NOTE [executor choice]).
+
+    ``head``: the thread stream the epoch starts on; ``make_tail(start, executor)``: a stream
+    of the epoch's batches from batch ``start`` on, on ``executor``.
+    """
+
+    def __init__(self, head: ThreadTransformStream, choice: ExecutorChoice,
+                 make_tail: Callable[[int, str], TransformStream]) -> None:
+        super().__init__("threads", head.workers, len(head))
+        self._head = head
+        self._tail: TransformStream | None = None
+        self._head_done = False  # every batch of the head was delivered
+        self._start: int | None = None  # the first batch of the tail, once processes are chosen
+        self._choice = choice
+        self._make_tail = make_tail
+        self._probe: ScalingProbe | None = ScalingProbe(head) if choice.executor is None else None
+        self._tuner, head.tuner = head.tuner, None  # the count stays put while the probe moves it
+        self._closed = False
+        self._t0 = time.perf_counter()
+
+    def _take(self) -> Any:
+        if self._closed:
+            raise LoaderStateError("iterator is closed")
+        if not self._head_done:
+            self._head.timeout = self.timeout
+            try:
+                item = self._head._take()
+            except StopIteration:
+                self._head_done = True
+                self._head.close()  # its batches are all delivered: its threads and reader go
+                if self._start is not None and self._tail is None:
+                    self._switch()
+                if self._tail is None:  # the epoch ended on threads
+                    self._stop_probe()
+                    self._end()
+                return self._next_from_tail()
+            probe = self._probe
+            if probe is not None and probe.step():
+                self._decide(probe)
+            if self._start is not None and self._tail is None and self._head.idle():
+                self._switch()
+            return item
+        return self._next_from_tail()
+
+    def _next_from_tail(self) -> Any:
+        tail = self._tail
+        assert tail is not None
+        tail.timeout = self.timeout
+        try:
+            return tail._take()
+        except StopIteration:
+            self._end()
+
+    def _decide(self, probe: ScalingProbe) -> None:
+        self._probe = None
+        self._head.tuner = self._tuner
+        if self._choice.decide(probe) == "processes":
+            # The head hands out no more batches; once its threads have made those it handed
+            # out and exited, the pool is forked (never while a thread may hold a lock the
+            # children would inherit held), and the loop takes the head's batches meanwhile.
+            self._start = self._head.limit()
+
+    def _switch(self) -> None:
+        """The rest of the epoch, from batch ``_start`` on, on processes (threads if no pool can start)."""
+        assert self._start is not None
+        self._head.close_source()  # (no native thread of the head runs at the fork either)
+        try:
+            self._tail = self._make_tail(self._start, "processes")
+        except Exception as e:  # noqa: BLE001 - no pool: the rest of the epoch on threads, with the reason
+            self._choice.fall_back(e)
+            self._tail = self._make_tail(self._start, "threads")
+
+    def _stop_probe(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.abandon()
+            if self._choice.executor is None:
+                self._choice.report = {"executor": None, "why": "the epoch ended before the scaling probe was done "
+                                                                "(threads for now; the next epoch probes again)"}
+
+    def close(self) -> None:
+        """Stops the probe and both parts' workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_probe()
+        self._head.close()
+        if self._tail is not None:
+            self._tail.close()
+        self._finish()
+
+    def stats(self) -> dict[str, Any]:
+        """The parts' counters, added up; the executor and workers of the current part; the loader's ``extra`` keys."""
+        s = dict(self._head.stats())
+        if self._tail is not None:
+            t = self._tail.stats()
+            for k in _SUMMED:
+                if k in t:
+                    s[k] = s.get(k, 0) + t[k]
+            for k, v in t.items():
+                if k not in _SUMMED and k.startswith("transform_"):
+                    s[k] = v
+            wall = (self._stats.end or time.perf_counter()) - self._t0
+            s["wait_fraction"] = s["consumer_wait_s"] / wall if wall > 0 else 0.0
+        return self._with_extra(s)
+
+
+__all__ = ["PHASE_S", "PHASE_BATCHES", "GIL_HIGH", "gil_enabled", "ScalingProbe", "ExecutorChoice",
+           "AutoTransformStream"]

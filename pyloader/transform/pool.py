@@ -1,0 +1,538 @@
+"""The worker processes of the process executor, kept across epochs (NOTE [transform pool]).
+
+NOTE [transform pool]: a ``WorkerPool`` is a set of worker processes started once for a
+(dataset, transform, decoders, collate) and given one *job* per epoch: the rows of the
+batches it is to make (See NOTE [process executor] in processes.py for what a worker does
+with them). A job has a number (``jid``); the pool's shared array ``jobs`` holds, per
+worker, the job it is to work on (-1: none). The parent sends a worker ``("job", jid,
+payload)`` and then credits (the tickets it may make next, in order); the worker makes a
+credited ticket only while ``jobs[w]`` is that job, and checks it between two samples, so
+an epoch the loop leaves early (a ``break``, a closed iterator) stops its workers after the
+sample they are on: the parent sets ``jobs[w] = -1`` and the next job finds them idle.
+Every result carries its job's number; a result of a job that is over is dropped by the
+parent, and the slot it filled is released at once. The pool lives as long as the loader
+that made it (``persistent_workers=True``, as torch's) or one epoch (``persistent_workers
+=False``: the epoch's stream shuts it down), and is shut down (workers stopped, slot files
+removed) when it is dropped, at interpreter exit, or when one of its workers died (a
+pool with a dead worker is never reused: the next epoch makes a new one). A forked child
+never uses its parent's pool (``WorkerPool.usable``). Workers read the dataset object
+they were started with: changes made to it, or to what the transform reads, after the pool
+started are not seen by them (as with torch's persistent workers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import gc
+import glob
+import itertools
+import mmap
+import multiprocessing
+import os
+import secrets
+import signal
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..contract import PlannedDataset
+from ..errors import SharedMemoryError
+from ..format.owner import owner
+from .stage import TransformSpec, _Stopped, limit_native_threads, run_batch
+
+MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worker at once
+_ALIGN = 64
+_IDLE = -1  # jobs[w] of a worker with nothing to do
+
+# The parent's ends of every pool's worker pipes: a forked child closes its copies
+# (See NOTE [transform worker deaths] in processes.py).
+_PARENT_ENDS: weakref.WeakSet[Any] = weakref.WeakSet()
+# Pools whose workers may be running: shut down at interpreter exit.
+_LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _close_parent_ends() -> None:
+    with contextlib.suppress(Exception):
+        for conn in list(_PARENT_ENDS):
+            with contextlib.suppress(Exception):
+                conn.close()
+        _PARENT_ENDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_parent_ends)
+
+
+def _shutdown_live() -> None:
+    for pool in list(_LIVE):
+        with contextlib.suppress(Exception):
+            pool.shutdown()
+
+
+atexit.register(_shutdown_live)
+
+
+def shm_dir() -> str:
+    """Where slots are made: ``$PYLOADER_SHM_DIR``, else ``/dev/shm``, else the temp dir."""
+    d = os.environ.get("PYLOADER_SHM_DIR")
+    if d:
+        return d
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def slot_prefix(pid: int) -> str:
+    """The start of the slot file names of the loader process ``pid`` of this host, boot and pid namespace."""
+    return f"pyloader-{owner()}-{pid}-"
+
+
+class _Leaf:
+    """A tensor's place in a batch's structure, sent instead of the tensor."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Leaf, (self.i,))
+
+
+def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor (and numeric numpy array) replaced by a ``_Leaf``; the tensors appended to ``leaves``."""
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return _Leaf(len(leaves) - 1)
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biuf":
+        leaves.append(torch.from_numpy(np.ascontiguousarray(obj)))
+        return _Leaf(len(leaves) - 1)
+    if isinstance(obj, dict):
+        return {k: flatten(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [flatten(v, leaves) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(flatten(v, leaves) for v in obj)
+    return obj
+
+
+def unflatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """The inverse of ``flatten``."""
+    if isinstance(obj, _Leaf):
+        return leaves[obj.i]
+    if isinstance(obj, dict):
+        return {k: unflatten(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unflatten(v, leaves) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(unflatten(v, leaves) for v in obj)
+    return obj
+
+
+# -- the worker process ---------------------------------------------------------------
+
+class _Slot:
+    __slots__ = ("fd", "map", "size", "gen", "path")
+
+    def __init__(self, fd: int, mp: mmap.mmap, size: int, gen: int, path: str) -> None:
+        self.fd, self.map, self.size, self.gen, self.path = fd, mp, size, gen, path
+
+
+def shm_error(directory: str, need: int, e: OSError | None) -> SharedMemoryError:
+    """The error for a slot of ``need`` bytes that ``directory`` has no room for."""
+    try:
+        st = os.statvfs(directory)
+        free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        free = "free space unknown"
+    why = f" ({e.strerror})" if e is not None and e.strerror else ""
+    return SharedMemoryError(
+        e.errno if e is not None and e.errno else errno.ENOSPC,
+        f"{directory}: no room for a transform batch of {need} bytes{why}; {free}. The process executor "
+        f"returns batches through shared memory: make {directory} larger (in a container, --shm-size), "
+        f"hold fewer batches, use fewer workers or a smaller prefetch, set PYLOADER_SHM_DIR to another "
+        f"tmpfs, or use executor='threads' (no shared memory)")
+
+
+class _Slots:
+    """One worker's slots: files in the shm directory the parent maps (NOTE [process executor])."""
+
+    def __init__(self, w: int, prefix: str, directory: str, busy: Any) -> None:
+        self.w, self.prefix, self.dir, self.busy = w, prefix, directory, busy
+        self.slots: list[_Slot | None] = []
+
+    def _make(self, s: int, size: int, gen: int) -> _Slot:
+        path = os.path.join(self.dir, f"{self.prefix}-w{self.w}-s{s}-g{gen}")
+        try:
+            st = os.statvfs(self.dir)
+            if st.f_bavail * st.f_frsize < size:
+                raise shm_error(self.dir, size, None)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except SharedMemoryError:
+            raise
+        except OSError as e:
+            raise shm_error(self.dir, size, e) from None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mp = mmap.mmap(fd, size)
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise shm_error(self.dir, size, e) from None
+        return _Slot(fd, mp, size, gen, path)
+
+    def slot_for(self, size: int, stop: Callable[[], bool]) -> tuple[int, _Slot]:
+        """A free slot of at least ``size`` bytes (made or grown as needed); waits while all are held."""
+        while True:
+            base = self.w * MAX_SLOTS
+            for s, slot in enumerate(self.slots):
+                if self.busy[base + s] == 0:
+                    if slot is None or slot.size < size:
+                        gen = 0 if slot is None else slot.gen + 1
+                        if slot is not None:
+                            self._drop(slot)
+                        grown = size if slot is None else max(size, slot.size + slot.size // 4)
+                        slot = self._make(s, grown, gen)
+                        self.slots[s] = slot
+                    return s, slot
+            if len(self.slots) < MAX_SLOTS:
+                s = len(self.slots)
+                self.slots.append(self._make(s, size, 0))
+                return s, self.slots[s]  # type: ignore[return-value]
+            if stop():
+                raise _Stopped
+            time.sleep(0.002)
+
+    def _drop(self, slot: _Slot, unlink: bool = True) -> None:
+        with contextlib.suppress(Exception):
+            slot.map.close()
+        with contextlib.suppress(OSError):
+            os.close(slot.fd)
+        if unlink:  # a slot is regrown only once free, so the parent has mapped (and removed) it already
+            with contextlib.suppress(OSError):
+                os.unlink(slot.path)
+
+    def close(self, unlink: bool) -> None:
+        """Unmaps the slots; ``unlink``: also removes their files (the parent is gone and will not)."""
+        for slot in self.slots:
+            if slot is not None:
+                self._drop(slot, unlink)
+        self.slots = []
+
+
+@dataclasses.dataclass
+class JobPayload:
+    """What a worker needs for one epoch: its rows, its tickets (in order), and the epoch's seeds."""
+
+    units: np.ndarray
+    records: np.ndarray
+    gidx: np.ndarray
+    tickets: np.ndarray
+    batch_size: int
+    seed: int
+    epoch: int
+    seed_globals: bool
+    readers: int
+
+
+class _ParentGone(BaseException):
+    """The parent's end of the pipe is closed: the worker has nobody to work for (not an error)."""
+
+
+class _Job:
+    def __init__(self, jid: int, p: JobPayload, base: TransformSpec) -> None:
+        self.jid, self.p = jid, p
+        self.spec = dataclasses.replace(base, seed=p.seed, epoch=p.epoch, seed_globals=p.seed_globals)
+        self.next = 0  # the index in p.tickets of the next ticket to make
+        self.stream: Any = None
+
+    def close(self) -> None:
+        if self.stream is not None:
+            with contextlib.suppress(Exception):
+                self.stream.close()
+            self.stream = None
+
+
+def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, busy: Any, jobs: Any, prefix: str,
+                 directory: str, parent: int) -> None:
+    from torch._utils import ExceptionWrapper
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    limit_native_threads(process=True)  # See NOTE [worker threads]
+    slots = _Slots(w, prefix, directory, busy)
+
+    def parent_gone() -> bool:
+        return os.getppid() != parent
+
+    def send(msg: tuple[Any, ...]) -> None:
+        try:
+            conn.send(msg)
+        except OSError:  # a broken pipe: the parent shut the pool down or died
+            raise _ParentGone from None
+
+    job: _Job | None = None
+    try:
+        while True:
+            while not conn.poll(1.0):
+                if parent_gone():
+                    return
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the parent closed its end or died
+                return
+            if msg is None:
+                return
+            if isinstance(msg, tuple):  # ("job", jid, payload): a new epoch (See NOTE [transform pool])
+                if job is not None:
+                    job.close()
+                job = _Job(msg[1], msg[2], base)
+                continue
+            t = int(msg)
+            if job is None or jobs[w] != job.jid:
+                continue  # a credit of a job that is over
+            _make_ticket(w, t, job, ds, slots, jobs, send, parent_gone, ExceptionWrapper)
+    except _ParentGone:
+        return
+    finally:
+        if job is not None:
+            job.close()
+        # The parent may not have mapped the last slots yet: it removes the files (at shutdown).
+        slots.close(unlink=parent_gone())
+
+
+def _make_ticket(w: int, t: int, job: _Job, ds: PlannedDataset, slots: _Slots, jobs: Any,
+                 send: Callable[[tuple[Any, ...]], None], parent_gone: Callable[[], bool], wrapper: Any) -> None:
+    """Makes ticket ``t`` of ``job`` into a free slot and sends its layout (NOTE [process executor])."""
+    p = job.p
+    i = job.next
+    if i >= len(p.tickets) or int(p.tickets[i]) != t:
+        send(("err", job.jid, t, w, wrapper(where=f"in pyloader transform worker {w}: credit for batch {t}, "
+                                                  f"which is not its next batch")))
+        return
+    job.next += 1
+    t0 = time.perf_counter_ns()
+
+    def stop() -> bool:
+        return jobs[w] != job.jid or parent_gone()
+
+    try:
+        if job.stream is None:
+            # Each worker streams its own share of a remote dataset through the node cache: the
+            # reader sizes its share of the cache limit by this rank's workers.
+            job.stream = ds.batches(p.batch_size, plan=(p.units, p.records), drop_last=False, num_threads=1,
+                                    prefetch=2, readers=p.readers)
+        raw = next(job.stream)
+        sl = slice(i * p.batch_size, (i + 1) * p.batch_size)
+        work = run_batch(job.spec, ds, raw, p.units[sl], p.records[sl], p.gidx[sl], w, stop)
+        del raw
+        leaves: list[torch.Tensor] = []
+        skeleton = flatten(work.result, leaves)
+        metas = []
+        off = 0
+        for leaf in leaves:
+            n = leaf.numel() * leaf.element_size()
+            metas.append((str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape), off, n))
+            off += -(-n // _ALIGN) * _ALIGN
+        s, slot, gen = -1, None, -1
+        if leaves:
+            s, slot = slots.slot_for(max(off, _ALIGN), stop)
+            gen = slot.gen
+            for leaf, (_, _, o, n) in zip(leaves, metas):
+                if n:
+                    dst = torch.frombuffer(slot.map, dtype=torch.uint8, count=n, offset=o)
+                    dst.copy_(leaf.contiguous().reshape(-1).view(torch.uint8))
+            slots.busy[w * MAX_SLOTS + s] = 1
+        costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0)
+        send(("ok", job.jid, t, w, s, gen, slot.size if slot is not None else 0, skeleton, metas, costs))
+    except _Stopped:  # the job is over (NOTE [transform pool]): its native stream goes with it
+        job.close()
+    except StopIteration:
+        send(("err", job.jid, t, w, wrapper(where=f"in pyloader transform worker {w}: its native stream ended "
+                                                  "early")))
+    except Exception:  # noqa: BLE001 - sent to the parent with its traceback
+        send(("err", job.jid, t, w, wrapper(where=f"in pyloader transform worker {w} (pid {os.getpid()})")))
+
+
+# -- the parent's side ----------------------------------------------------------------------
+
+def pool_key(ds: PlannedDataset, spec: TransformSpec) -> tuple[Any, ...]:
+    """What a pool's workers were started with: an epoch with another key needs another pool."""
+    return (id(ds), spec.transform, tuple(sorted((k, id(v)) for k, v in spec.decode.items())), spec.collate)
+
+
+class WorkerPool:
+    """Transform worker processes for one (dataset, transform, decoders, collate) (NOTE [transform pool]).
+
+    ``workers`` start now; ``grow(n)`` starts more, up to ``max_workers``.
+    """
+
+    _jids = itertools.count(1)
+
+    def __init__(self, ds: PlannedDataset, spec: TransformSpec, workers: int, *, context: Any = None,
+                 max_workers: int | None = None) -> None:
+        self.ds = ds
+        self.spec = spec
+        self.key = pool_key(ds, spec)
+        self.max_workers = max(workers, max_workers or workers)
+        self.pid = os.getpid()
+        self.dir = shm_dir()
+        self.prefix = slot_prefix(self.pid) + secrets.token_hex(4)
+        self.context = context  # as given (None: fork where the platform has it)
+        if context is None:
+            methods = multiprocessing.get_all_start_methods()
+            context = "fork" if "fork" in methods else multiprocessing.get_start_method()
+        self.ctx: Any = multiprocessing.get_context(context) if isinstance(context, str) else context
+        self.busy = self.ctx.Array("b", self.max_workers * MAX_SLOTS, lock=False)
+        self.jobs = self.ctx.Array("q", [_IDLE] * self.max_workers, lock=False)
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.ended: set[int] = set()  # workers whose pipe reached its end
+        self.exited: set[int] = set()  # workers whose process sentinel fired
+        self.maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
+        self.broken = False  # a worker died: never reused
+        self.grace = [_STOP_GRACE_S]  # how long shutdown lets workers finish their batch (0 once one died)
+        self.user: Any = None  # the stream using the pool now (a weak reference), if any
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.dir, self.prefix,
+                                           self.pid, self.grace)
+        _LIVE.add(self)
+        try:
+            self.grow(workers)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def size(self) -> int:
+        """Worker processes started."""
+        return len(self.procs)
+
+    @property
+    def usable(self) -> bool:
+        """Whether a new epoch may use this pool: not shut down or broken, and this process made it."""
+        return not self.broken and self._finalizer.alive and os.getpid() == self.pid
+
+    def busy_with(self) -> Any:
+        """The open stream using the pool, if any."""
+        user = self.user() if self.user is not None else None
+        return user if user is not None and not getattr(user, "_closed", True) else None
+
+    def grow(self, workers: int) -> None:
+        """Starts workers until ``workers`` run (at most ``max_workers``)."""
+        workers = min(workers, self.max_workers)
+        if len(self.procs) >= workers:
+            return
+        # Forked workers share the parent's memory until they write to it; a garbage
+        # collection in a worker would write to every object it scans (their gc links and
+        # counts) and so copy the parent's heap page by page. Objects alive at the fork are
+        # moved out of the collector's reach (gc.freeze) for the children; the parent's
+        # collector gets them back right after.
+        freeze = self.ctx.get_start_method() == "fork"
+        if freeze:
+            gc.freeze()
+        try:
+            for w in range(len(self.procs), workers):
+                # Each pipe is made just before its worker starts (See NOTE [transform worker deaths]).
+                mine, theirs = self.ctx.Pipe(duplex=True)
+                self.conns.append(mine)
+                _PARENT_ENDS.add(mine)
+                p = self.ctx.Process(target=_worker_main, name=f"pyloader-transform-{w}", daemon=True,
+                                     args=(w, self.ds, self.spec, theirs, self.busy, self.jobs, self.prefix,
+                                           self.dir, self.pid))
+                try:
+                    p.start()
+                except Exception as e:
+                    self.conns.pop()
+                    raise type(e)(f"executor='processes' could not start a worker with the "
+                                  f"{self.ctx.get_start_method()!r} start method (a transform must be picklable for "
+                                  f"'spawn' and 'forkserver': a module-level function, not a lambda or closure): "
+                                  f"{e}") from e
+                finally:
+                    theirs.close()  # the worker's end lives in the worker only (EOF here when it dies)
+                self.procs.append(p)
+        finally:
+            if freeze:
+                gc.unfreeze()
+
+    def new_job(self) -> int:
+        """A job number not used before in this process."""
+        return next(self._jids)
+
+    def start_job(self, w: int, jid: int, payload: JobPayload) -> None:
+        """Gives worker ``w`` job ``jid`` (its credits follow)."""
+        self.jobs[w] = jid
+        self.conns[w].send(("job", jid, payload))
+
+    def cancel(self, w: int) -> None:
+        """Worker ``w`` stops its job after the sample it is on (NOTE [transform pool])."""
+        if w < len(self.procs):
+            self.jobs[w] = _IDLE
+
+    def release(self, msg: tuple[Any, ...]) -> None:
+        """Frees the slot a result filled that nobody will take (a job that is over, a closed stream)."""
+        if msg[0] == "ok" and msg[4] >= 0:
+            with contextlib.suppress(Exception):
+                self.busy[msg[3] * MAX_SLOTS + msg[4]] = 0
+
+    def map(self, w: int, s: int, gen: int, size: int) -> mmap.mmap:
+        """Slot ``s`` of worker ``w`` in generation ``gen``, mapped (and its file removed) once."""
+        have = self.maps.get((w, s))
+        if have is not None and have[0] == gen:
+            return have[1]
+        path = os.path.join(self.dir, f"{self.prefix}-w{w}-s{s}-g{gen}")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mp = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # both sides keep their mappings; nothing is left behind
+        self.maps[(w, s)] = (gen, mp)  # an older generation stays mapped while its tensors live
+        return mp
+
+    def shutdown(self) -> None:
+        """Stops the workers and removes the slot files. Idempotent; batches already handed out stay valid."""
+        _LIVE.discard(self)
+        self._finalizer()
+        self.maps.clear()
+
+
+_STOP_GRACE_S = 0.5  # how long a shutdown waits for a worker to finish its batch before it stops it
+
+
+def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int,
+              grace: list[float]) -> None:
+    if os.getpid() != parent:
+        # A forked child's copy of the pool: its workers and files are the parent's (see
+        # NOTE [loader across fork]).
+        return
+    for c in conns:
+        with contextlib.suppress(Exception):
+            c.send(None)
+    # A worker between batches exits at once; one inside a transform is stopped (at once
+    # when a sibling died: the epoch is over): its batch is no longer wanted, and the slot
+    # files are removed below.
+    deadline = time.monotonic() + grace[0]
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+            p.join(2.0)
+        if p.exitcode is None:
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        with contextlib.suppress(Exception):
+            c.close()
+    for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "-*")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+__all__ = ["MAX_SLOTS", "shm_dir", "slot_prefix", "flatten", "unflatten", "shm_error", "JobPayload", "pool_key", "WorkerPool"]

@@ -19,9 +19,12 @@ persistent_workers=w > 0)``; w in 0..4 is swept on a subset first and the best i
 (and w=2 as well when the best is another: the sweep is short, and load from other
 processes can make it pick fewer workers than torch scales to).
 pyloader: ``ShardDataset(shuffle=True, seed=0)`` over the same records, batch 64, variants
-``pyloader-default`` (num_workers = torch's best, no executor argument), ``pyloader-auto``
-(num_workers="auto"; recorded as unavailable with its message when it raises), and
-threads/processes with 1 and 2 workers.
+``pyloader-default`` (torch's best loader's num_workers and persistent_workers, the executor
+left to its default, "auto": NOTE [executor choice]), ``pyloader-auto`` (num_workers="auto":
+NOTE [transform autotune]), ``pyloader-w1``/``-w2`` (1 and 2 workers, default executor),
+``pyloader-threads-2``, ``pyloader-processes-2`` (its pool kept across epochs) and
+``pyloader-processes-2-fresh`` (a pool per epoch: persistent_workers=False), for the
+per-epoch start-up.
 
 Each variant is built once per round and iterated for --epochs epochs: its figure is
 samples/s over epochs 2..N (steady state); the time to the first batch of epoch 1 and of
@@ -275,10 +278,14 @@ def run_epochs(make: Callable[[], Any], epochs: int, n: int, check: Callable[[An
             del it
             if count != n:
                 raise AssertionError(f"an epoch yielded {count} samples, expected {n}")
+        st = loader.stats() if isinstance(loader, pyloader.DataLoader) else {}
+        chosen = {"executor": st.get("transform_executor"), "workers": st.get("transform_workers"),
+                  "choice": st.get("executor_choice"),
+                  "autotune": {k: v for k, v in st.get("autotune", {}).items() if k != "decisions"} or None}
     finally:
         del loader
         gc.collect()  # torch's persistent workers and pyloader's worker processes end with their loader
-    return {"epoch_s": secs, "ttfb_s": ttfb}
+    return {"epoch_s": secs, "ttfb_s": ttfb, "chosen": chosen}
 
 
 def steady_sps(rec: dict[str, Any], n: int) -> float:
@@ -298,13 +305,16 @@ def pyloader_variants(path: str, fn: Callable[..., Any], torch_best: int) -> dic
     def make(**kw: Any) -> Callable[[], Any]:
         return lambda: pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=0), batch_size=BATCH,
                                            drop_last=False, transform=fn, **kw)
+    # pyloader-default: the arguments of torch's best loader (num_workers, persistent_workers), the
+    # executor left to its default; pyloader-auto: the workers' count left to pyloader too.
     return {
-        "pyloader-default": make(num_workers=torch_best),
-        "pyloader-auto": make(num_workers="auto"),
-        "pyloader-threads-1": make(num_workers=1, executor="threads"),
+        "pyloader-default": make(num_workers=torch_best, persistent_workers=torch_best > 0),
+        "pyloader-auto": make(num_workers="auto", persistent_workers=True),
+        "pyloader-w1": make(num_workers=1, persistent_workers=True),
+        "pyloader-w2": make(num_workers=2, persistent_workers=True),
         "pyloader-threads-2": make(num_workers=2, executor="threads"),
-        "pyloader-processes-1": make(num_workers=1, executor="processes"),
-        "pyloader-processes-2": make(num_workers=2, executor="processes"),
+        "pyloader-processes-2": make(num_workers=2, executor="processes", persistent_workers=True),
+        "pyloader-processes-2-fresh": make(num_workers=2, executor="processes"),
     }
 
 
@@ -394,6 +404,7 @@ def bench_one(name: str, args: argparse.Namespace, columns: dict[str, list[Any]]
         res_variants[k] = {
             **executors[k],
             "samples_per_s": statistics.median(sps[k]), "samples_per_s_rounds": sps[k],
+            "chosen": runs[k][-1]["chosen"],
             "ttfb_epoch1_ms": 1e3 * statistics.median(r["ttfb_s"][0] for r in runs[k]),
             "ttfb_epoch2_ms": (1e3 * statistics.median(r["ttfb_s"][1] for r in runs[k])
                                if args.epochs > 1 else None),
@@ -405,18 +416,14 @@ def bench_one(name: str, args: argparse.Namespace, columns: dict[str, list[Any]]
             return f"unavailable ({a if a not in sps else b}: {unavailable.get(a if a not in sps else b, '?')})"
         return paired(sps[a], sps[b])
 
-    two = [k for k in ("pyloader-threads-2", "pyloader-processes-2") if k in sps]
-    best2 = max(two, key=lambda k: statistics.median(sps[k])) if two else None
     figures = {
         "pyloader-default / torch-best": fig("pyloader-default", "torch-best"),
         "pyloader-auto / torch-best": fig("pyloader-auto", "torch-best"),
-        "processes-2 / processes-1": fig("pyloader-processes-2", "pyloader-processes-1"),
-        "threads-2 / threads-1": fig("pyloader-threads-2", "pyloader-threads-1"),
-        "best 2 workers / same executor 1 worker": (
-            {**fig(best2, best2[:-1] + "1"), "best": best2} if best2 else "unavailable"),  # type: ignore[dict-item]
-        "best 2 workers / torch 2 workers": (
-            {**fig(best2, "torch-2" if best != 2 else "torch-best"), "best": best2}  # type: ignore[dict-item]
-            if best2 else "unavailable"),
+        "2 workers / 1 worker (default executor)": fig("pyloader-w2", "pyloader-w1"),
+        "2 workers / torch 2 workers": fig("pyloader-w2", "torch-2" if best != 2 else "torch-best"),
+        "default executor / threads (2 workers)": fig("pyloader-w2", "pyloader-threads-2"),
+        "default executor / processes (2 workers)": fig("pyloader-w2", "pyloader-processes-2"),
+        "kept pool / pool per epoch (processes-2)": fig("pyloader-processes-2", "pyloader-processes-2-fresh"),
     }
     return {"records": n, "write_s": write_s, "transform_us_per_sample_main": us,
             "sweep_samples": sub_n, "sweep_samples_per_s": sweep_sps, "sweep_rounds_samples_per_s": sweep,
@@ -437,13 +444,17 @@ def print_tables(res: dict[str, Any]) -> None:
               f"torch sweep on {r['sweep_samples']}: "
               + " ".join(f"{k}={v:.0f}" for k, v in r["sweep_samples_per_s"].items())
               + f" -> best num_workers={r['torch_best_workers']}")
-        print(f"  {'variant':<22}{'executor':>12}{'workers':>8}{'samples/s':>11}{'/ torch-best':>14}"
+        print(f"  {'variant':<26}{'executor':>10}{'workers':>8}{'samples/s':>11}{'/ torch-best':>14}"
               f"{'[min, max]':>14}{'ttfb ep1 ms':>13}{'ttfb ep2 ms':>13}")
         for k, v in r["variants"].items():
             o = v["over_torch_best"] or {"median": math.nan, "range": [math.nan, math.nan]}
             rng = f"{o['range'][0]:.2f}..{o['range'][1]:.2f}"
-            ex = "torch" if k.startswith("torch") else str(v["executor"])
-            print(f"  {k:<22}{ex:>12}{str(v['num_workers']):>8}{v['samples_per_s']:>11.0f}"
+            ch = v.get("chosen") or {}
+            ex = "torch" if k.startswith("torch") else str(ch.get("executor") or v["executor"])
+            nw = v["num_workers"] if k.startswith("torch") or not ch.get("workers") else ch["workers"]
+            if v["num_workers"] == "auto":
+                nw = f"a{nw}"
+            print(f"  {k:<26}{ex:>10}{str(nw):>8}{v['samples_per_s']:>11.0f}"
                   f"{o['median']:>13.2f}x{rng:>14}"
                   f"{v['ttfb_epoch1_ms']:>13.0f}"
                   + (f"{v['ttfb_epoch2_ms']:>13.0f}" if v["ttfb_epoch2_ms"] is not None else f"{'-':>13}"))

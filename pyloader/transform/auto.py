@@ -24,7 +24,7 @@ sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)
 The choice is the loader's: made once, kept for every later epoch, and reported in
 ``stats()["executor_choice"]`` (the executor, ``gil_held`` ``g``, the scaling, why) and
 by ``pyloader bench --transform``. An epoch that ends before the probe is done leaves the
-choice open, and the next epoch probes again. Where the interpreter runs without a GIL
+choice open, and the next epoch goes on with the phases it had not finished. Where the interpreter runs without a GIL
 (free-threaded CPython, ``sys._is_gil_enabled()`` false) threads are chosen at once: they
 scale there. A process pool that cannot start (a transform that cannot be pickled for
 ``spawn``) leaves threads, with the reason. ``executor="threads"``/``"processes"`` skip all
@@ -65,15 +65,19 @@ class ScalingProbe:
     workers are then back at their count).
     """
 
-    def __init__(self, stream: ThreadTransformStream) -> None:
+    def __init__(self, stream: ThreadTransformStream,
+                 earlier: tuple[int, int, dict[int, list[float]]] | None = None) -> None:
         self.stream = stream
         self.workers = stream.workers
         self.wide = max(2, self.workers)
         self.phases = [1, self.wide, 1, self.wide]
         self.i = 0
         self.rates: dict[int, list[float]] = {1: [0.0, 0.0], self.wide: [0.0, 0.0]}  # samples, busy seconds
+        if earlier is not None and earlier[0] == self.wide:
+            # The phases an earlier epoch (too short to finish them) completed count.
+            self.i, self.rates = earlier[1], earlier[2]
         self._mark: tuple[float, int, int, int] | None = None
-        stream.set_workers(1)
+        stream.set_workers(self.phases[self.i])
 
     def step(self) -> bool:
         """Counts the batches taken so far; moves to the next phase when this one is long enough."""
@@ -121,11 +125,14 @@ class ExecutorChoice:
 
     def __init__(self) -> None:
         self.executor: str | None = None if gil_enabled() else "threads"
+        # (W', phases done, their counts) of a probe an epoch ended before it was done
+        self.unfinished: tuple[int, int, dict[int, list[float]]] | None = None
         self.report: dict[str, Any] = {} if self.executor is None else {
             "executor": "threads", "why": "this interpreter runs without a GIL: threads scale"}
 
     def decide(self, probe: ScalingProbe) -> str:
         """Decides from ``probe``; returns the executor."""
+        self.unfinished = None
         g, scaling = probe.gil_held, probe.scaling
         seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
                 f"{g:.0%} of its time")
@@ -167,7 +174,8 @@ class AutoTransformStream(TransformStream):
         self._start: int | None = None  # the first batch of the tail, once processes are chosen
         self._choice = choice
         self._make_tail = make_tail
-        self._probe: ScalingProbe | None = ScalingProbe(head) if choice.executor is None else None
+        self._probe: ScalingProbe | None = (ScalingProbe(head, choice.unfinished) if choice.executor is None
+                                            else None)
         self._tuner, head.tuner = head.tuner, None  # the count stays put while the probe moves it
         self._closed = False
         self._t0 = time.perf_counter()
@@ -228,9 +236,10 @@ class AutoTransformStream(TransformStream):
         probe, self._probe = self._probe, None
         if probe is not None:
             probe.abandon()
+            self._choice.unfinished = (probe.wide, probe.i, probe.rates)  # the next epoch goes on from there
             if self._choice.executor is None:
                 self._choice.report = {"executor": None, "why": "the epoch ended before the scaling probe was done "
-                                                                "(threads for now; the next epoch probes again)"}
+                                                                "(threads for now; the next epoch goes on with it)"}
 
     def close(self) -> None:
         """Stops the probe and both parts' workers. Idempotent."""

@@ -132,10 +132,10 @@ class ThreadTransformStream(TransformStream):
     def set_workers(self, workers: int) -> None:
         """From now on ``workers`` threads take batches (more are started; extra ones idle)."""
         with self._cv:
-            if self._stop:
-                return
             self._active = max(1, workers)
             self._stats.workers = self._active
+            if self._stop:
+                return
             self._cv.notify_all()
         self._start(self._active)
 

@@ -206,7 +206,7 @@ def test_dataset_settings_get_one_message(sources, name: str, value: Any, messag
     ({"timeout": True}, "timeout option should be non-negative"),
     ({"transform": 3}, "transform must be callable, got 3"),
     ({"batch_transform": 3}, "batch_transform must be callable, got 3"),
-    ({"executor": "fibres"}, "executor must be one of ('threads', 'processes'), got 'fibres'"),
+    ({"executor": "fibres"}, "executor must be one of ('auto', 'threads', 'processes'), got 'fibres'"),
     ({"pin_memory_device": 0}, "pin_memory_device must be a str, got 0"),
     ({"pin_memory_device": "cpu"}, "pin_memory_device='cpu': pyloader pins memory for 'cuda[:N]' only"),
     ({"generator": 3}, "generator must be a torch.Generator, got int"),

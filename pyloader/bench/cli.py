@@ -206,6 +206,10 @@ def _print_transform(t: dict[str, Any]) -> None:
     w, wo, tc = t["with_transform"], t["without_transform"], t["torch_dataloader"]
     kind = {"threads": "thread", "processes": "process"}[t["executor"]]
     print(f"\n  transform stage: {name} on {t['workers']} {kind} workers")
+    choice = t.get("executor_choice")
+    if choice:
+        print(f"    executor='{t['executor_asked']}' chose {choice.get('executor') or 'threads, for now'}: "
+              f"{choice.get('why', '')}")
     print(f"    pyloader with it      {w['samples_per_s']:>12,.0f} samples/s")
     print(f"    pyloader without it   {wo['samples_per_s']:>12,.0f} samples/s")
     print(f"    torch DataLoader      {tc['samples_per_s']:>12,.0f} samples/s (num_workers={tc['num_workers']}, "
@@ -460,8 +464,9 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--transform", metavar="MODULE:FUNCTION",
                    help="also measure a per-sample transform (fn(sample) or fn(sample, ctx)), importable from "
                         "the current directory: pyloader with and without it, and torch's DataLoader running it")
-    b.add_argument("--executor", choices=["threads", "processes"], default="threads",
-                   help="the transform's executor (docs/transforms.md)")
+    b.add_argument("--executor", choices=["auto", "threads", "processes"], default="auto",
+                   help="the transform's executor (docs/transforms.md); 'auto' measures which one the transform "
+                        "needs and says why")
     b.add_argument("--image-size", type=_positive(int), metavar="N",
                    help="decode image fields to N x N with a random resized crop and flip in the transform stage")
     b.add_argument("--pack", type=_positive(int), metavar="SEQ_LEN",

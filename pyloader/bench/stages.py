@@ -310,7 +310,9 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
     per_sample_s = st["transform_per_sample_us"] / 1e6
     sample_s = threads / max(with_tr["samples_per_s"], 1e-12)  # worker time each sample took in the loader
     return {
-        "executor": executor, "workers": threads,
+        # The executor that ran (executor="auto" chooses it: NOTE [executor choice]), what was asked, and why.
+        "executor": st.get("transform_executor", executor), "executor_asked": executor,
+        "executor_choice": st.get("executor_choice"), "workers": threads,
         "with_transform": with_tr, "without_transform": without, "torch_dataloader": {**torch_r,
                                                                                        "num_workers": torch_workers},
         "per_sample_us": st["transform_per_sample_us"], "decode_s": st["decode_s"], "transform_s": st["transform_s"],

@@ -118,9 +118,9 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         self._pack_run = None  # (epoch, world, rank, phases, stream, consumed)
         self._doc_pool = None  # the packer's input documents (NOTE [ragged batches])
         self._tuner = None  # NOTE [autotune], made with the dataset's checks
-        self._choice = None  # NOTE [executor choice], made at the first transform epoch
-        self._ttune = None  # NOTE [transform autotune], likewise
-        self._tpool = None  # NOTE [transform pool]: the process pool kept across epochs
+        self._choice = None  # See NOTE [executor choice]; made at the first transform epoch
+        self._ttune = None  # See NOTE [transform autotune]; likewise
+        self._tpool = None  # the process pool kept across epochs: See NOTE [transform pool]
         self._mp_context = None
         self._active = None
         self._pid = os.getpid()  # NOTE [loader across fork]

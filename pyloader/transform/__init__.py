@@ -2,9 +2,12 @@
 
 | file | what it holds |
 |---|---|
-| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``, ``collate_samples``); the stream both executors share and the stage's counters |
+| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``, ``collate_samples``); the stream both executors share and the stage's counters; one thread per worker for the libraries it calls (NOTE [worker threads]) |
 | ``threads.py`` | the thread executor (NOTE [thread executor]) |
-| ``processes.py`` | the process executor: worker processes, shared-memory slots (NOTE [process executor]) |
+| ``processes.py`` | the process executor's epoch: jobs, results in plan order, dead workers (NOTE [process executor]) |
+| ``pool.py`` | the worker processes, kept across epochs, and their shared-memory slots (NOTE [transform pool]) |
+| ``auto.py`` | ``executor="auto"``: threads or processes, from a scaling probe (NOTE [executor choice]) |
+| ``tuning.py`` | ``num_workers="auto"`` with a transform: the workers' count (NOTE [transform autotune]) |
 | ``context.py`` | per-sample seeds and ``SampleContext`` (NOTE [sample seeds]) |
 | ``image.py`` | ``ImageDecode``: image fields decoded by Pillow (NOTE [image decode]) |
 

@@ -239,5 +239,5 @@ class TransformTune:
                 "decisions": list(self.decisions)}
 
 
-__all__ = ["INTERVAL_S", "MIN_BATCHES", "WAIT_HIGH", "GAIN", "RETRY_S", "IDLE_BUSY", "IDLE_STEPS", "MAX_THREADS",
+__all__ = ["INTERVAL_S", "MIN_BATCHES", "LONG_INTERVAL_S", "WAIT_HIGH", "GAIN", "RETRY_S", "IDLE_BUSY", "IDLE_STEPS", "MAX_THREADS",
            "EPOCH_WAIT", "EPOCH_BUSY", "tensor_bytes", "TransformTune"]

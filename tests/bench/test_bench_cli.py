@@ -172,7 +172,9 @@ def test_bench_measures_a_users_transform(tmp_path) -> None:
                           "--json", "--quiet"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     t = json.loads(res.stdout)["transform"]
-    assert t["function"] == "usertr:shrink" and t["executor"] == "threads"
+    assert t["function"] == "usertr:shrink" and t["executor_asked"] == "auto"  # the default: NOTE [executor choice]
+    assert t["executor"] in ("threads", "processes") and t["executor_choice"]["why"]
+    assert t["executor_choice"]["executor"] in (None, t["executor"])  # None: the epoch ended before the probe did
     assert t["with_transform"]["samples"] == 200 and t["torch_dataloader"]["samples"] == 200
     assert t["per_sample_us"] > 0 and 0 < t["share_of_sample_time"] <= 1 and t["hint"]
     # The table says the same.

@@ -19,6 +19,13 @@ sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)
   (``ThreadTransformStream.limit``), the batches it has handed out are still delivered,
   and the rest of the epoch is made by worker processes, in plan order: the loop sees one
   stream;
+* ``g`` over ``GIL_SOME`` on more workers than the CPUs (``cpu_budget()``), for a transform
+  that computes (its thread's CPU time over ``COMPUTING`` of its working time in the
+  1-thread phases, from ``time.thread_time``): **processes** too. Threads beyond the cores
+  only help a transform that waits; one that computes and holds the GIL part of its time
+  stalls them (a thread that holds the GIL is preempted by the OS while the others wait
+  for it: measured, a PIL pipeline on 3 threads on 2 CPUs ran at 0.74x torch's 3 worker
+  processes, and at 0.96x on 2 threads);
 * otherwise **threads**, for this epoch and the next ones.
 
 The choice is the loader's: made once, kept for every later epoch, and reported in
@@ -43,6 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..contract import cpu_budget
 from ..errors import LoaderStateError
 from .stage import TransformStream
 from .threads import ThreadTransformStream
@@ -50,6 +58,8 @@ from .threads import ThreadTransformStream
 PHASE_S = 0.15  # a probe phase lasts at least this long...
 PHASE_BATCHES = 2  # ...and makes at least this many batches
 GIL_HIGH = 0.5  # a sample holds the GIL more than this share of its time: processes
+GIL_SOME = 0.2  # ...or more than this, computing, on more workers than CPUs: processes
+COMPUTING = 0.5  # a thread whose CPU time is more than this share of its working time computes
 
 
 def gil_enabled() -> bool:
@@ -72,27 +82,29 @@ class ScalingProbe:
         self.wide = max(2, self.workers)
         self.phases = [1, self.wide, 1, self.wide]
         self.i = 0
-        self.rates: dict[int, list[float]] = {1: [0.0, 0.0], self.wide: [0.0, 0.0]}  # samples, busy seconds
+        # samples, busy seconds, CPU seconds of the working threads
+        self.rates: dict[int, list[float]] = {1: [0.0, 0.0, 0.0], self.wide: [0.0, 0.0, 0.0]}
         if earlier is not None and earlier[0] == self.wide:
             # The phases an earlier epoch (too short to finish them) completed count.
             self.i, self.rates = earlier[1], earlier[2]
-        self._mark: tuple[float, int, int, int] | None = None
+        self._mark: tuple[float, int, int, int, int] | None = None
         stream.set_workers(self.phases[self.i])
 
     def step(self) -> bool:
         """Counts the batches taken so far; moves to the next phase when this one is long enough."""
         st = self.stream._stats
         now = time.perf_counter()
-        snap = (now, st.samples + st.skipped, st.busy_ns, st.batches)
+        snap = (now, st.samples + st.skipped, st.busy_ns, st.batches, st.cpu_ns)
         if self._mark is None:
             self._mark = snap  # (the first batch after a change settles the workers)
             return False
-        t0, n0, b0, k0 = self._mark
+        t0, n0, b0, k0, c0 = self._mark
         if now - t0 < PHASE_S or snap[3] - k0 < PHASE_BATCHES:
             return False
         acc = self.rates[self.phases[self.i]]
         acc[0] += snap[1] - n0
         acc[1] += (snap[2] - b0) / 1e9
+        acc[2] += (snap[4] - c0) / 1e9
         self.i += 1
         self._mark = None
         if self.i == len(self.phases):
@@ -108,10 +120,16 @@ class ScalingProbe:
     @property
     def scaling(self) -> float:
         """``W'`` times the per-thread rate with ``W'`` threads over one thread's (1: none, ``W'``: full)."""
-        (n1, b1), (nw, bw) = self.rates[1], self.rates[self.wide]
+        (n1, b1, _), (nw, bw, _) = self.rates[1], self.rates[self.wide]
         if n1 <= 0 or b1 <= 0 or bw <= 0:
             return float(self.wide)
         return self.wide * (nw / bw) / (n1 / b1)
+
+    @property
+    def computing(self) -> float:
+        """The share of one thread's working time that is CPU time (not a wait), from the 1-thread phases."""
+        _, b1, c1 = self.rates[1]
+        return min(1.0, c1 / b1) if b1 > 0 else 0.0
 
     @property
     def gil_held(self) -> float:
@@ -130,19 +148,24 @@ class ExecutorChoice:
         self.report: dict[str, Any] = {} if self.executor is None else {
             "executor": "threads", "why": "this interpreter runs without a GIL: threads scale"}
 
-    def decide(self, probe: ScalingProbe) -> str:
-        """Decides from ``probe``; returns the executor."""
+    def decide(self, probe: ScalingProbe, cpus: int) -> str:
+        """Decides from ``probe`` (``cpus``: the CPUs this process may use); returns the executor."""
         self.unfinished = None
-        g, scaling = probe.gil_held, probe.scaling
+        g, scaling, computing = probe.gil_held, probe.scaling, probe.computing
         seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
                 f"{g:.0%} of its time")
         if g > GIL_HIGH:
             self.executor = "processes"
             why = f"{seen} (over {GIL_HIGH:.0%}): threads wait for each other, processes do not"
+        elif probe.workers > cpus and computing > COMPUTING and g > GIL_SOME:
+            self.executor = "processes"
+            why = (f"{seen}, and computes {computing:.0%} of its time on {probe.workers} workers for {cpus} CPUs: "
+                   f"threads beyond the CPUs stall on the GIL (over {GIL_SOME:.0%}), processes do not")
         else:
             self.executor = "threads"
             why = f"{seen} (at most {GIL_HIGH:.0%}): threads scale"
         self.report = {"executor": self.executor, "gil_held": round(g, 3), "scaling": round(scaling, 3),
+                       "computing": round(computing, 3),
                        "threads_compared": [1, probe.wide], "why": why}
         return self.executor
 
@@ -216,7 +239,7 @@ class AutoTransformStream(TransformStream):
     def _decide(self, probe: ScalingProbe) -> None:
         self._probe = None
         self._head.tuner = self._tuner
-        if self._choice.decide(probe) == "processes":
+        if self._choice.decide(probe, cpu_budget()) == "processes":
             # The head hands out no more batches; once its threads have made those it handed
             # out and exited, the pool is forked (never while a thread may hold a lock the
             # children would inherit held), and the loop takes the head's batches meanwhile.
@@ -268,5 +291,5 @@ class AutoTransformStream(TransformStream):
         return self._with_extra(s)
 
 
-__all__ = ["PHASE_S", "PHASE_BATCHES", "GIL_HIGH", "gil_enabled", "ScalingProbe", "ExecutorChoice",
+__all__ = ["PHASE_S", "PHASE_BATCHES", "GIL_HIGH", "GIL_SOME", "COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
            "AutoTransformStream"]

@@ -86,6 +86,7 @@ class BatchWork:
     skipped: int = 0
     transform_ns: int = 0
     decode_ns: int = 0
+    cpu_ns: int = 0  # the worker's CPU time for the batch (thread time: not the time it waited)
 
 
 class _Stopped(Exception):
@@ -112,6 +113,7 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
     out: list[Any] = []
     skipped = 0
     t_dec = t_tr = 0
+    cpu0 = time.thread_time_ns()
     for i in range(rows):
         if stop is not None and stop():
             raise _Stopped
@@ -157,7 +159,7 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
             result = None  # every sample skipped: no batch
         else:
             result = spec.collate(out)
-    return BatchWork(result, len(out), skipped, t_tr, t_dec)
+    return BatchWork(result, len(out), skipped, t_tr, t_dec, time.thread_time_ns() - cpu0)
 
 
 # NOTE [worker threads]: a transform worker computes on one core, so the libraries it calls
@@ -232,7 +234,7 @@ class TransformStats:
     def __init__(self, executor: str, workers: int) -> None:
         self.executor, self.workers = executor, workers
         self.samples = self.skipped = self.batches = 0
-        self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = 0
+        self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = self.cpu_ns = 0
         self.start = time.perf_counter()
         self.end: float | None = None
         self._lock = threading.Lock()
@@ -244,6 +246,7 @@ class TransformStats:
             self.samples += work.samples
             self.skipped += work.skipped
             self.transform_ns += work.transform_ns
+            self.cpu_ns += work.cpu_ns
             self.decode_ns += work.decode_ns
             self.busy_ns += busy_ns
 

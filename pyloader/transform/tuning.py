@@ -7,7 +7,9 @@ CPUs). So the count is measured, not guessed. It starts at the CPUs this process
 
 * **threads** (online, every ``INTERVAL_S`` seconds and ``MIN_BATCHES`` batches, checked
   on the loop's thread as it takes a batch): when the loop waited for batches more than
-  ``WAIT_HIGH`` of the interval, a *trial* of twice the threads; after one whole interval
+  ``WAIT_HIGH`` of the interval -- unless the workers' CPU time already fills
+  ``CORES_FULL`` of the CPUs (a computing transform: more threads cannot help) -- a
+  *trial* of twice the threads; after one whole interval
   with them, they are kept if the transformed samples per second grew by ``GAIN`` (or the
   loop stopped waiting), else the count goes back and that count is not tried again for
   ``RETRY_S`` seconds (a CPU-bound transform gains nothing past the cores; a waiting one
@@ -50,6 +52,7 @@ RETRY_S = 10.0
 IDLE_BUSY = 0.3
 IDLE_STEPS = 3
 MAX_THREADS = 64
+CORES_FULL = 0.85  # the workers' CPU time over this share of the CPUs: no trial of more threads
 EPOCH_WAIT = 0.05
 EPOCH_BUSY = 0.85
 _KEEP_DECISIONS = 32
@@ -84,7 +87,8 @@ class TransformTune:
         self.decisions: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._stream: Any = None
-        self._mark: tuple[float, int, int, int, int] | None = None  # (time, samples, wait_ns, busy_ns, batches)
+        # (time, samples, wait_ns, busy_ns, batches, cpu_ns)
+        self._mark: tuple[float, int, int, int, int, int] | None = None
         self._trial: tuple[int, float, float] | None = None  # (threads before, their rate, when changed)
         self._ceiling: tuple[int, float] | None = None  # (threads that did not help, when)
         self._idle = 0
@@ -119,12 +123,12 @@ class TransformTune:
         if stream is not self._stream:
             self._stream, self._mark, self._trial = stream, None, None
         st = stream._stats
-        snap = (now, st.samples + st.skipped, st.wait_ns, st.busy_ns, st.batches)
+        snap = (now, st.samples + st.skipped, st.wait_ns, st.busy_ns, st.batches, st.cpu_ns)
         if self._mark is None:
             self._mark = snap
             self._measure(stream, item)
             return
-        t0, n0, w0, b0, k0 = self._mark
+        t0, n0, w0, b0, k0, c0 = self._mark
         dt = now - t0
         if dt < INTERVAL_S or (snap[4] - k0 < MIN_BATCHES and dt < LONG_INTERVAL_S):
             return
@@ -132,7 +136,7 @@ class TransformTune:
         self._measure(stream, item)
         workers = stream.workers
         self._step(stream, (snap[2] - w0) / 1e9 / dt, (snap[1] - n0) / dt, (snap[3] - b0) / 1e9 / (dt * workers),
-                   t0, now)
+                   t0, now, (snap[5] - c0) / 1e9 / dt)
 
     def _measure(self, stream: Any, item: Any) -> None:
         nbytes = tensor_bytes(item)
@@ -144,7 +148,8 @@ class TransformTune:
             if n != stream.workers:
                 self._set(stream, n, f"transformed batches of {nbytes} bytes: lowered to fit the memory budget")
 
-    def _step(self, stream: Any, wait: float, rate: float, busy: float, since: float, now: float) -> None:
+    def _step(self, stream: Any, wait: float, rate: float, busy: float, since: float, now: float,
+              cores: float = 0.0) -> None:
         n = stream.workers
         seen = f"the loop waited {wait:.0%} of the time, {n} thread(s) busy {min(busy, 1):.0%}, {rate:.0f} samples/s"
         if self._trial is not None:
@@ -161,6 +166,10 @@ class TransformTune:
         if wait > WAIT_HIGH:
             self._idle = 0
             want = min(self.max_threads, 2 * n)
+            if cores >= CORES_FULL * self.cpus:
+                self._note(f"{seen}: the workers compute on {cores:.1f} of the {self.cpus} CPUs already: more "
+                           "threads would not help")
+                return
             if self._ceiling is not None and want >= self._ceiling[0] and now - self._ceiling[1] < RETRY_S:
                 self._note(f"{seen}: {self._ceiling[0]} threads did not make more")
                 return
@@ -240,4 +249,4 @@ class TransformTune:
 
 
 __all__ = ["INTERVAL_S", "MIN_BATCHES", "LONG_INTERVAL_S", "WAIT_HIGH", "GAIN", "RETRY_S", "IDLE_BUSY", "IDLE_STEPS", "MAX_THREADS",
-           "EPOCH_WAIT", "EPOCH_BUSY", "tensor_bytes", "TransformTune"]
+           "CORES_FULL", "EPOCH_WAIT", "EPOCH_BUSY", "tensor_bytes", "TransformTune"]

@@ -239,7 +239,10 @@ class AutoTransformStream(TransformStream):
     def _decide(self, probe: ScalingProbe) -> None:
         self._probe = None
         self._head.tuner = self._tuner
-        if self._choice.decide(probe, cpu_budget()) == "processes":
+        executor = self._choice.decide(probe, cpu_budget())
+        if executor == "threads" and self._tuner is not None:
+            self._tuner.jump(self._head, probe.computing)  # See NOTE [transform autotune]
+        if executor == "processes":
             # The head hands out no more batches; once its threads have made those it handed
             # out and exited, the pool is forked (never while a thread may hold a lock the
             # children would inherit held), and the loop takes the head's batches meanwhile.

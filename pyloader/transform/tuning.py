@@ -15,12 +15,16 @@ CPUs). So the count is measured, not guessed. It starts at the CPUs this process
   ``RETRY_S`` seconds (a CPU-bound transform gains nothing past the cores; a waiting one
   doubles its rate with each doubling, up to ``MAX_THREADS``). Threads busy less than
   ``IDLE_BUSY`` of ``IDLE_STEPS`` intervals in a row while the loop did not wait: one fewer.
-* **processes** (between epochs: a worker process's share of an epoch is fixed when the
-  epoch starts): after an epoch in which the loop waited more than ``EPOCH_WAIT`` and the
-  workers were busy more than ``EPOCH_BUSY``, one more process for the next epoch (at most
-  ``2 * cpu_budget()``), kept if the epoch's samples per second grew by ``GAIN``, else
-  back, for good; workers busy less than half the epoch while the loop did not wait: one
-  fewer. The pool keeps its processes (NOTE [transform pool]); an epoch uses the first ones.
+  When the executor was just chosen by the scaling probe (NOTE [executor choice]), the
+  threads first jump to ``cpu_budget() / c``, where ``c`` is the share of its working time
+  one thread computes (the probe measures it): a transform that waits 95% of its time
+  needs about 20 threads per CPU to keep the CPUs busy, and gets them at once.
+* **processes**: as many as the CPUs (a transform that holds the GIL computes; one that
+  waits runs on threads), set between epochs (a worker process's share of an epoch is
+  fixed when the epoch starts): workers busy less than half an epoch while the loop did
+  not wait, one fewer for the next; the loop waiting more than ``EPOCH_WAIT`` with the
+  workers busy more than ``EPOCH_BUSY``, one more, up to the CPUs. The pool keeps its
+  processes (NOTE [transform pool]); an epoch uses the first ones.
 
 Memory: a step that would take the loader past ``memory_budget`` is not taken. The estimate
 counts what the workers hold at most: with threads, ``3 * threads + 3`` native batches (the
@@ -36,6 +40,7 @@ choice]).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -81,7 +86,7 @@ class TransformTune:
         self.threads = self.cpus
         self.processes = self.cpus
         self.max_threads = MAX_THREADS
-        self.max_processes = 2 * self.cpus
+        self.max_processes = self.cpus
         self.raw_bytes = 0  # a native batch
         self.out_bytes = 0  # a transformed batch (the largest seen)
         self.decisions: list[dict[str, Any]] = []
@@ -92,8 +97,6 @@ class TransformTune:
         self._trial: tuple[int, float, float] | None = None  # (threads before, their rate, when changed)
         self._ceiling: tuple[int, float] | None = None  # (threads that did not help, when)
         self._idle = 0
-        self._process_trial: tuple[int, float] | None = None  # (processes before, their rate)
-        self._process_ceiling: int | None = None
 
     # -- memory -------------------------------------------------------------------------
     def memory_bytes(self, executor: str, workers: int) -> int:
@@ -188,6 +191,21 @@ class TransformTune:
         else:
             self._idle = 0
 
+    def jump(self, stream: Any, computing: float) -> None:
+        """Sets the threads from the share of its time one thread computes (the scaling probe's).
+
+        A thread that computes a share ``c`` of its working time keeps ``c`` of a CPU busy, so
+        ``cpu_budget() / c`` threads keep every CPU busy: a waiting transform starts near its
+        count at once instead of doubling its way there. Trials go on from there.
+        """
+        want = max(self.cpus, min(self.max_threads, math.ceil(self.cpus / max(computing, 1 / self.max_threads))))
+        while want > self.threads and not self._fits("threads", want):
+            want -= 1
+        if want > stream.workers:
+            self._mark = None  # the next interval starts with the new count
+            self._set(stream, want, f"one thread computes {computing:.0%} of its working time: {want} threads "
+                                    f"keep the {self.cpus} CPUs busy")
+
     def _set(self, stream: Any, n: int, why: str) -> None:
         self.threads = n
         stream.set_workers(n)
@@ -199,35 +217,15 @@ class TransformTune:
         if stats.get("transform_executor") != "processes":
             return
         n = self.processes
-        wall = stats.get("consumer_wait_s", 0.0) / stats["wait_fraction"] if stats.get("wait_fraction") else 0.0
         wait = float(stats.get("wait_fraction", 0.0))
         busy = float(stats.get("transform_busy_fraction", 0.0))
-        samples = int(stats.get("transformed_samples", 0)) + int(stats.get("skipped_samples", 0))
-        rate = samples / wall if wall > 0 else 0.0
         seen = f"the loop waited {wait:.0%} of the epoch, {n} process(es) busy {min(busy, 1):.0%}"
-        if self._process_trial is not None:
-            before, before_rate = self._process_trial
-            self._process_trial = None
-            if rate < GAIN * before_rate and wait > WAIT_HIGH:
-                self._process_ceiling = n
-                self.processes = before
-                self._note(f"{seen}, {rate:.0f} samples/s against {before_rate:.0f} with {before}: back to {before}")
-            else:
-                self._note(f"{seen}, {rate:.0f} samples/s against {before_rate:.0f} with {before}: kept")
-            return
-        if wait > EPOCH_WAIT and busy > EPOCH_BUSY:
-            want = n + 1
-            if want > self.max_processes or (self._process_ceiling is not None and want >= self._process_ceiling):
-                self._note(f"{seen}: no more processes to try")
-            elif not self._fits("processes", want):
-                self._note(f"{seen}: one more process would exceed the memory budget")
-            elif rate > 0:
-                self._process_trial = (n, rate)
-                self.processes = want
-                self._note(f"{seen}: try {want} next epoch")
-        elif wait <= WAIT_HIGH and busy < 0.5 and n > 1:
+        if wait <= WAIT_HIGH and busy < 0.5 and n > 1:
             self.processes = n - 1
             self._note(f"{seen}: one process fewer next epoch (idle)")
+        elif wait > EPOCH_WAIT and busy > EPOCH_BUSY and n < self.cpus and self._fits("processes", n + 1):
+            self.processes = n + 1  # back towards the CPUs, after an idle epoch lowered it
+            self._note(f"{seen}: one more process next epoch")
 
     # -- report -------------------------------------------------------------------------------
     def _note(self, why: str) -> None:

@@ -260,7 +260,7 @@ def _warnings(st: dict[str, Any]) -> list[str]:
     return warnings
 
 
-def transform_hint(hint: str, workers: int, cpus: int) -> str:
+def transform_hint(hint: str, workers: int, cpus: int, executor: str = "threads") -> str:
     """The loader's ``transform_hint``, kept from advising more workers than the CPUs can run.
 
     See NOTE [a diagnosis true to its figures].
@@ -269,7 +269,9 @@ def transform_hint(hint: str, workers: int, cpus: int) -> str:
         return hint
     return (f"the transform binds: {hint.split(': ', 1)[1].split(' (if cores are free')[0]}, and the {workers} "
             f"workers already match the {cpus} CPUs this process may use, so more workers will not help here: a "
-            "cheaper transform, more CPUs, or executor='processes' for a transform that holds the GIL on threads")
+            "cheaper transform or more CPUs"
+            + (", or executor='processes' for a transform that holds the GIL on threads" if executor == "threads"
+               else ""))
 
 
 __all__ = ["BOUND_AT", "MIN_BATCHES", "MIN_EPOCH_S", "MIN_SHARE", "diagnose", "transform_hint"]

@@ -262,8 +262,9 @@ class TransformStats:
             hint = "enough: the consumer rarely waits for transformed batches"
         elif busy > 0.85:
             hint = (f"more workers would help: the consumer waits {wait_fraction:.0%} of the time and the "
-                    f"{self.workers} transform worker(s) are busy {busy:.0%} of it (if cores are free; "
-                    "a transform that holds the GIL scales on executor='processes')")
+                    f"{self.workers} transform worker(s) are busy {busy:.0%} of it (if cores are free"
+                    + ("; a transform that holds the GIL scales on executor='processes')" if self.executor == "threads"
+                       else ")"))
         else:
             hint = (f"the consumer waits {wait_fraction:.0%} of the time but the transform workers are busy only "
                     f"{busy:.0%}: reading, not the transform, limits (see shard_wait_s)")

@@ -199,6 +199,10 @@ def test_the_transform_stage_asks_for_more_workers_only_below_the_cpu_count() ->
     assert "more workers would help" not in at_cpus and "if cores are free" not in at_cpus
     assert at_cpus.startswith("the transform binds: the consumer waits 90% of the time and the 2 transform worker(s) "
                               "are busy 97% of it, and the 2 workers already match the 2 CPUs")
+    assert "executor='processes'" in at_cpus
+    # On processes already, the hint does not send the user there.
+    on_processes = D.transform_hint(hint.split(" (if cores")[0] + " (if cores are free)", 2, 2, "processes")
+    assert on_processes.startswith("the transform binds") and "executor='processes'" not in on_processes
     enough = "enough: the consumer rarely waits for transformed batches"
     assert D.transform_hint(enough, 4, 2) == enough
 

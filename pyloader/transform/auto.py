@@ -8,12 +8,15 @@ fork. Which one a transform needs is measured, not guessed from what it is: an e
 executor is not chosen yet starts on threads and runs a *scaling probe* over its first
 batches: phases of 1 and of ``W' = max(2, W)`` working threads, alternated (1, W', 1, W'),
 each at least ``PHASE_S`` seconds and ``PHASE_BATCHES`` batches, counting the samples
-transformed per second of a working thread (the time a thread waits for the next batch
-to make is not counted, so a slow training loop does not distort it). The scaling ``s``
-is ``W'`` times the per-thread rate with ``W'`` threads over the rate of one alone: ``W'``
-when the transform releases the GIL (pyloader's decode, Pillow's decoders, large numpy and
+transformed per second. The scaling ``s`` is the rate with ``W'`` threads over the rate
+with one: ``W'`` when the transform releases the GIL (pyloader's decode, Pillow's decoders, large numpy and
 torch ops, a sleep or a network wait), 1 when it holds it throughout. The share of a
-sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)``. Then:
+sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)``. (Rates,
+not each thread's busy time: under the GIL a thread also waits for it outside the
+transform, between batches, which a per-thread measure would leave out.) Then:
+
+* the loop waited less than ``LOOP_WAIT`` of the ``W'`` phases: it, not the workers, set
+  the pace, and nothing was learned about scaling: **threads** (they are enough);
 
 * ``g`` over ``GIL_HIGH``: **processes**. The thread stream stops handing out batches
   (``ThreadTransformStream.limit``), the batches it has handed out are still delivered,
@@ -58,6 +61,7 @@ from .threads import ThreadTransformStream
 PHASE_S = 0.15  # a probe phase lasts at least this long...
 PHASE_BATCHES = 2  # ...and makes at least this many batches
 GIL_HIGH = 0.5  # a sample holds the GIL more than this share of its time: processes
+LOOP_WAIT = 0.05  # the loop waited less than this share of the W'-thread phases: it set the pace
 GIL_SOME = 0.2  # ...or more than this, computing, on more workers than CPUs: processes
 COMPUTING = 0.5  # a thread whose CPU time is more than this share of its working time computes
 
@@ -82,29 +86,31 @@ class ScalingProbe:
         self.wide = max(2, self.workers)
         self.phases = [1, self.wide, 1, self.wide]
         self.i = 0
-        # samples, busy seconds, CPU seconds of the working threads
-        self.rates: dict[int, list[float]] = {1: [0.0, 0.0, 0.0], self.wide: [0.0, 0.0, 0.0]}
+        # samples, wall seconds, busy and CPU seconds of the working threads, the loop's wait
+        self.rates: dict[int, list[float]] = {1: [0.0] * 5, self.wide: [0.0] * 5}
         if earlier is not None and earlier[0] == self.wide:
             # The phases an earlier epoch (too short to finish them) completed count.
             self.i, self.rates = earlier[1], earlier[2]
-        self._mark: tuple[float, int, int, int, int] | None = None
+        self._mark: tuple[float, int, int, int, int, int] | None = None
         stream.set_workers(self.phases[self.i])
 
     def step(self) -> bool:
         """Counts the batches taken so far; moves to the next phase when this one is long enough."""
         st = self.stream._stats
         now = time.perf_counter()
-        snap = (now, st.samples + st.skipped, st.busy_ns, st.batches, st.cpu_ns)
+        snap = (now, st.samples + st.skipped, st.busy_ns, st.batches, st.cpu_ns, st.wait_ns)
         if self._mark is None:
             self._mark = snap  # (the first batch after a change settles the workers)
             return False
-        t0, n0, b0, k0, c0 = self._mark
+        t0, n0, b0, k0, c0, w0 = self._mark
         if now - t0 < PHASE_S or snap[3] - k0 < PHASE_BATCHES:
             return False
         acc = self.rates[self.phases[self.i]]
         acc[0] += snap[1] - n0
-        acc[1] += (snap[2] - b0) / 1e9
-        acc[2] += (snap[4] - c0) / 1e9
+        acc[1] += now - t0
+        acc[2] += (snap[2] - b0) / 1e9
+        acc[3] += (snap[4] - c0) / 1e9
+        acc[4] += (snap[5] - w0) / 1e9
         self.i += 1
         self._mark = None
         if self.i == len(self.phases):
@@ -119,16 +125,23 @@ class ScalingProbe:
 
     @property
     def scaling(self) -> float:
-        """``W'`` times the per-thread rate with ``W'`` threads over one thread's (1: none, ``W'``: full)."""
-        (n1, b1, _), (nw, bw, _) = self.rates[1], self.rates[self.wide]
-        if n1 <= 0 or b1 <= 0 or bw <= 0:
+        """The samples per second with ``W'`` threads over those with one (1: no gain, ``W'``: full)."""
+        n1, t1 = self.rates[1][:2]
+        nw, tw = self.rates[self.wide][:2]
+        if n1 <= 0 or t1 <= 0 or tw <= 0:
             return float(self.wide)
-        return self.wide * (nw / bw) / (n1 / b1)
+        return (nw / tw) / (n1 / t1)
+
+    @property
+    def loop_bound(self) -> bool:
+        """Whether the loop, not the workers, set the pace with ``W'`` threads (it hardly waited for them)."""
+        _, tw, _, _, ww = self.rates[self.wide]
+        return tw > 0 and ww / tw < LOOP_WAIT
 
     @property
     def computing(self) -> float:
         """The share of one thread's working time that is CPU time (not a wait), from the 1-thread phases."""
-        _, b1, c1 = self.rates[1]
+        b1, c1 = self.rates[1][2:4]
         return min(1.0, c1 / b1) if b1 > 0 else 0.0
 
     @property
@@ -154,7 +167,12 @@ class ExecutorChoice:
         g, scaling, computing = probe.gil_held, probe.scaling, probe.computing
         seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
                 f"{g:.0%} of its time")
-        if g > GIL_HIGH:
+        if probe.loop_bound:
+            g = 0.0
+            self.executor = "threads"
+            why = (f"the loop took the batches of {probe.wide} threads as fast as they came (it waited under "
+                   f"{LOOP_WAIT:.0%} of the time): threads are enough")
+        elif g > GIL_HIGH:
             self.executor = "processes"
             why = f"{seen} (over {GIL_HIGH:.0%}): threads wait for each other, processes do not"
         elif probe.workers > cpus and computing > COMPUTING and g > GIL_SOME:
@@ -199,6 +217,9 @@ class AutoTransformStream(TransformStream):
         self._make_tail = make_tail
         self._probe: ScalingProbe | None = (ScalingProbe(head, choice.unfinished) if choice.executor is None
                                             else None)
+        if self._probe is not None:
+            choice.report = {"executor": None, "why": "the scaling probe is running (threads meanwhile; an epoch that "
+                                                      "ends first leaves it to the next)"}
         self._tuner, head.tuner = head.tuner, None  # the count stays put while the probe moves it
         self._closed = False
         self._t0 = time.perf_counter()
@@ -294,5 +315,5 @@ class AutoTransformStream(TransformStream):
         return self._with_extra(s)
 
 
-__all__ = ["PHASE_S", "PHASE_BATCHES", "GIL_HIGH", "GIL_SOME", "COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
+__all__ = ["PHASE_S", "PHASE_BATCHES", "GIL_HIGH", "LOOP_WAIT", "GIL_SOME", "COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
            "AutoTransformStream"]

@@ -48,7 +48,9 @@ from ..errors import SharedMemoryError
 from ..format.owner import owner
 from .stage import TransformSpec, _Stopped, limit_native_threads, run_batch
 
-MAX_SLOTS = 64  # slots per worker: batches the consumer may hold from one worker at once
+# Slots per worker: batches the loop may hold from one worker at once (a worker whose slots
+# are all held waits for one; each holds one batch, so /dev/shm bounds them first).
+MAX_SLOTS = 1024
 _ALIGN = 64
 _IDLE = -1  # jobs[w] of a worker with nothing to do
 
@@ -415,7 +417,8 @@ class WorkerPool:
     @property
     def usable(self) -> bool:
         """Whether a new epoch may use this pool: not shut down or broken, and this process made it."""
-        return not self.broken and self._finalizer.alive and os.getpid() == self.pid
+        return (not self.broken and self._finalizer.alive and os.getpid() == self.pid
+                and all(p.exitcode is None for p in self.procs))  # (a worker killed between epochs)
 
     def busy_with(self) -> Any:
         """The open stream using the pool, if any."""

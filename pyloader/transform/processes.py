@@ -132,10 +132,14 @@ class ProcessTransformStream(TransformStream):
                 tickets = np.arange(w, self._len, workers, dtype=np.int64)
                 rows = (np.concatenate([np.arange(t * batch_size, min((t + 1) * batch_size, n_rows)) for t in tickets])
                         if len(tickets) else np.empty(0, dtype=np.int64))
-                pool.start_job(w, self._jid, JobPayload(
-                    np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
-                    np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec.seed, spec.epoch, spec.seed_globals,
-                    readers=workers))
+                try:
+                    pool.start_job(w, self._jid, JobPayload(
+                        np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
+                        np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec.seed, spec.epoch,
+                        spec.seed_globals, readers=workers))
+                except OSError:  # a broken pipe: the worker died since the pool was checked
+                    self._worker_ended(w)
+                    raise
             self._dispatch()
         except BaseException:
             self.close()

@@ -146,10 +146,6 @@ def test_an_epoch_left_early_leaks_nothing_into_the_next(shards) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, raises=BrokenPipeError, reason=(
-    "a persistent worker that died between epochs is not noticed: the pool stays usable, "
-    "ProcessTransformStream.__init__ sends the job to the dead worker's pipe and the raw "
-    "BrokenPipeError escapes iter(loader), in this epoch and every later one"))
 def test_a_persistent_worker_killed_between_epochs(shards) -> None:
     want = reference(shards, 3)
     ld = loader(shards, persistent_workers=True)
@@ -255,10 +251,6 @@ def test_a_forked_child_makes_its_own_pool(shards) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=pyloader.LoaderTimeoutError, reason=(
-    "a consumer that holds more than MAX_SLOTS (64) batches of one worker process at once "
-    "(list(loader)) waits forever: the worker waits for a free slot (pool._Slots.slot_for) "
-    "and nothing reports it"))
 def test_a_consumer_may_hold_every_batch_of_an_epoch(tmp_path) -> None:
     d = str(tmp_path / "ds")
     with pyloader.ShardWriter(d, FIELDS, shard_bytes=2048) as w:

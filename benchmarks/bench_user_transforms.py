@@ -59,6 +59,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no Rust thread pool 
 import numpy as np
 import torch
 import torch.utils.data
+from bench_transforms import _SYLLABLES, make_jpegs  # (this folder: the same images and syllables)
 from PIL import Image
 
 import pyloader
@@ -183,28 +184,6 @@ def check_values(key: str, batch: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 # -- data -------------------------------------------------------------------------------------------
-def make_jpegs(n: int, seed: int = 0) -> list[bytes]:
-    """``n`` JPEGs (quality 90), 320x240..500x375: smooth gradients, a wave and noise, so they compress like photos."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        w = int(rng.integers(320, 501))
-        h = int(round(w * rng.uniform(0.7, 0.8)))
-        y = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
-        x = np.linspace(0, 1, w, dtype=np.float32)[None, :, None]
-        a, b, c, f = (rng.uniform(-1, 1, (4, 3)) * [[120], [120], [50], [1]]).astype(np.float32)
-        img = 128 + a * x + b * y + c * np.sin((2 + 6 * np.abs(f)) * (x + 0.7 * y) * math.pi)
-        img = img + 9 * rng.standard_normal((h, w, 3), dtype=np.float32)
-        buf = io.BytesIO()
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
-
-
-_SYLLABLES = ["ka", "lo", "re", "mi", "tan", "ser", "ol", "ing", "pre", "com", "ta", "de", "ver", "ent", "al", "ro",
-              "na", "the", "ex", "an", "mo", "ly", "st", "qu", "ment", "ci", "po", "ur", "ble", "tion"]
-
-
 def make_texts(n: int, seed: int = 0) -> list[bytes]:
     """``n`` records of English-like text (1-4 KB): Zipf-distributed pseudo-words (from syllables) in sentences."""
     rng = np.random.default_rng(seed)

@@ -15,6 +15,10 @@ sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)
 not each thread's busy time: under the GIL a thread also waits for it outside the
 transform, between batches, which a per-thread measure would leave out.) Then:
 
+* one worker (``num_workers`` 0 or 1): **threads**. No worker waits for another, and a
+  worker process only adds the copy of each batch into shared memory (measured: one
+  thread made 1.1-1.2x the samples of one process on all three transforms of
+  benchmarks/bench_user_transforms.py). The probe still runs, so ``gil_held`` is reported;
 * the loop waited less than ``LOOP_WAIT`` of the ``W'`` phases: it, not the workers, set
   the pace, and nothing was learned about scaling: **threads** (they are enough);
 
@@ -167,7 +171,11 @@ class ExecutorChoice:
         g, scaling, computing = probe.gil_held, probe.scaling, probe.computing
         seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
                 f"{g:.0%} of its time")
-        if probe.loop_bound:
+        if probe.workers == 1:
+            self.executor = "threads"
+            why = (f"{seen}, but with one worker none waits for another, and a worker process would add a copy "
+                   f"of every batch: threads")
+        elif probe.loop_bound:
             g = 0.0
             self.executor = "threads"
             why = (f"the loop took the batches of {probe.wide} threads as fast as they came (it waited under "

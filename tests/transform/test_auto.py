@@ -112,6 +112,17 @@ def test_a_gil_bound_transform_moves_to_processes_with_the_same_batches(shards) 
     assert not torch.equal(first[0]["r"], second[0]["r"])  # another epoch, other draws
 
 
+@pytest.mark.timeout(120)
+def test_one_worker_stays_on_threads_even_for_a_gil_bound_transform(shards) -> None:
+    ld = loader(shards, transform=gil_bound, num_workers=1)
+    first = epoch(ld)
+    choice = ld.stats()["executor_choice"]
+    assert choice["executor"] == "threads" and "one worker" in choice["why"], choice
+    assert choice["threads_compared"] == [1, 2] and "gil_held" in choice, choice  # (measured all the same)
+    assert ld.stats()["transform_workers"] == 1  # back to the one worker after the probe's 2
+    assert sorted(int(i) for b in first for i in b["label"]) == list(range(N))
+
+
 @pytest.mark.timeout(60)
 def test_a_sleeping_transform_stays_on_threads(shards) -> None:
     ld = loader(shards, transform=sleeping, num_workers=2)

@@ -122,24 +122,21 @@ class TransformEpochs(LoaderCore):
         from ..transform.pool import WorkerPool, pool_key
         from ..transform.processes import ProcessTransformStream
 
-        pool = self._tpool
         keep = self.persistent_workers
-        max_workers = self._ttune.max_processes if self._ttune is not None else workers
-        reuse = (keep and pool is not None and pool.usable and pool.busy_with() is None
-                 and pool.key == pool_key(ds, spec)
-                 and pool.context == self._mp_context and workers <= pool.max_workers)
-        if not reuse:
-            if keep and pool is not None and pool.busy_with() is None:
-                pool.shutdown()  # another transform or dataset: its workers are of no use
-                self._tpool = pool = None
-            new = WorkerPool(ds, spec, workers, context=self._mp_context, max_workers=max(workers, max_workers))
-            owns = not keep or pool is not None  # (a kept pool busy with another iterator stays the kept one)
-            if not owns:
-                self._tpool = new
-            pool = new
-        else:
-            owns = False
-        assert pool is not None
+        max_workers = max(workers, self._ttune.max_processes if self._ttune is not None else workers)
+        kept = self._tpool if keep else None
+        if kept is not None and kept.busy_with() is not None:
+            kept = None  # another live iterator's: this epoch gets a pool of its own
+        elif kept is not None and not (kept.usable and kept.key == pool_key(ds, spec)
+                                       and kept.context == self._mp_context and workers <= kept.max_workers):
+            kept.shutdown()  # a dead worker, another transform or dataset: of no more use
+            self._tpool = kept = None
+        pool = kept
+        if pool is None:
+            pool = WorkerPool(ds, spec, workers, context=self._mp_context, max_workers=max_workers)
+            if keep and self._tpool is None:
+                self._tpool = pool
+        owns = pool is not self._tpool
         return ProcessTransformStream(pool, spec, units, records, gidx, native_bs, self.drop_last, workers=workers,
                                       depth=depth, owns_pool=owns)
 

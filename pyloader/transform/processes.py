@@ -121,7 +121,6 @@ class ProcessTransformStream(TransformStream):
         self._sent = 0
         self._delivered = 0
         self._checked = 0.0  # when _pump last looked at the workers
-        t_start = time.perf_counter()
         try:
             pool.grow(workers)
             clean_stale(pool.dir)
@@ -144,7 +143,6 @@ class ProcessTransformStream(TransformStream):
         except BaseException:
             self.close()
             raise
-        self.startup_s = time.perf_counter() - t_start  # starting (or reusing) the workers and sending the jobs
 
     def _dispatch(self) -> None:
         while self._sent < self._len and self._sent < self._delivered + self._depth:

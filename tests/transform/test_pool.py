@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import gc
-import glob
-import multiprocessing
 import os
 import signal
 import time
@@ -14,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from worker_util import alive, assert_nothing_left, slot_files, wait_gone
 
 import pyloader
-from pyloader.transform.processes import shm_dir, slot_prefix
 
 FIELDS = {"x": ("float32", (4,)), "label": "int64"}
 N = 160
@@ -69,29 +67,6 @@ def reference(path: str, epochs: int) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
-def slot_files() -> list[str]:
-    return glob.glob(os.path.join(shm_dir(), glob.escape(slot_prefix(os.getpid())) + "*"))
-
-
-def wait_gone(pids: set[int], within: float = 5.0) -> set[int]:
-    """The pids still alive after ``within`` seconds (reaping this process's exited children)."""
-    deadline = time.monotonic() + within
-    while True:
-        multiprocessing.active_children()  # joins the children that exited
-        left = {p for p in pids if alive(p)}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(120)
 def test_persistent_workers_serve_every_epoch_and_go_with_the_loader(shards) -> None:
     want = reference(shards, 3)
@@ -104,9 +79,7 @@ def test_persistent_workers_serve_every_epoch_and_go_with_the_loader(shards) -> 
     assert len(seen[0]) == 2 and seen[0] == seen[1] == seen[2]
     assert all(os.getppid() != p and alive(p) for p in seen[0])
     del ld
-    gc.collect()
-    assert not wait_gone(seen[0])
-    assert not slot_files()
+    assert_nothing_left(seen[0])
 
 
 @pytest.mark.timeout(120)
@@ -140,9 +113,7 @@ def test_an_epoch_left_early_leaks_nothing_into_the_next(shards) -> None:
         pids |= p
     assert len(pids) == 2  # one pool all along
     del ld
-    gc.collect()
-    assert not wait_gone(pids)
-    assert not slot_files()
+    assert_nothing_left(pids)
 
 
 @pytest.mark.timeout(120)
@@ -194,9 +165,7 @@ def test_two_live_iterators_of_one_persistent_loader(shards) -> None:
     assert len(pids1) == len(pids2) == 2 and not pids1 & pids2
     assert take(ld)[2] == pids1  # the kept pool serves the next epoch
     del it1, it2, ld
-    gc.collect()
-    assert not wait_gone(pids1 | pids2)
-    assert not slot_files()
+    assert_nothing_left(pids1 | pids2)
 
 
 @pytest.mark.timeout(120)
@@ -245,9 +214,7 @@ def test_a_forked_child_makes_its_own_pool(shards) -> None:
     assert (labels, draws) == want[1]  # (the child read its own epoch 1; the parent's is its own)
     assert pids == parent_pids
     del ld
-    gc.collect()
-    assert not wait_gone(parent_pids | set(child_pids))
-    assert not slot_files()
+    assert_nothing_left(parent_pids | set(child_pids))
 
 
 @pytest.mark.timeout(60)

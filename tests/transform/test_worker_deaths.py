@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import gc
-import glob
 import multiprocessing
 import os
 import signal
@@ -20,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from worker_util import alive, slot_files
 
 import pyloader
-from pyloader.transform.processes import shm_dir, slot_prefix
 
 FIELDS = {"x": ("float32", (4,)), "label": "int64"}
 N = 240
@@ -71,18 +70,6 @@ def workers_by_index(before: set[int]) -> dict[int, int]:
         if p.name.startswith("pyloader-transform-") and p.pid not in before:
             out[int(p.name.rsplit("-", 1)[1])] = p.pid
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
-def slot_files() -> list[str]:
-    return glob.glob(os.path.join(shm_dir(), glob.escape(slot_prefix(os.getpid())) + "*"))
 
 
 def next_until_error(it: Any) -> tuple[pyloader.TransformWorkerError, int]:

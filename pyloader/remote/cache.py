@@ -90,16 +90,11 @@ from ..format.encode import atomic_write as _atomic_write
 from ..format.sizes import format_size, parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
 from . import temps
-from .fs import (
-    FetchError,
-    RetryPolicy,
-    download_into,
-    filesystem,
-    with_retries,
-)
+from .fs import FetchError, RetryPolicy, with_retries
 from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
 from .pins import PINS_FILE, DatasetPins, lock_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
+from .transport import Transport, transport_for
 
 __all__ = ["DISCARD_LOG", "LAYOUT", "DatasetCache", "Entry", "ShardCache", "dataset_key", "default_cache_dir",
            "fsync_dir", "normalize_url", "shard_cache_name"]
@@ -404,12 +399,12 @@ class DatasetCache:
         self.storage_options = storage_options
         self.policy = policy or RetryPolicy.from_env()
         self._pins = DatasetPins(self._pins_path)  # the pins this object holds (a pickled copy holds none)
-        self._fs: Any = None
-        self._fs_pid = -1
+        self._transport: Transport | None = None
+        self._transport_pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
         s = self.__dict__.copy()
-        s["_fs"], s["_fs_pid"] = None, -1
+        s["_transport"], s["_transport_pid"] = None, -1
         return s
 
     # -- layout ------------------------------------------------------------------------
@@ -595,11 +590,12 @@ class DatasetCache:
         return n
 
     # -- fetching (NOTE [cache publish]) ---------------------------------------------------
-    def _filesystem(self) -> Any:
-        if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = filesystem(self.url, self.storage_options, self.policy.stall_timeout)
-            self._fs_pid = os.getpid()
-        return self._fs
+    def transport(self) -> Transport:
+        """How this dataset's shards are downloaded in this process (NOTE [transport choice])."""
+        if self._transport is None or self._transport_pid != os.getpid():
+            self._transport = transport_for(self.url, self.storage_options, stall_timeout=self.policy.stall_timeout)
+            self._transport_pid = os.getpid()
+        return self._transport
 
     def acquire(self, i: int, *, cancel: threading.Event | None = None,
                 on_bytes: Callable[[int], None] | None = None) -> tuple[str, bool]:
@@ -678,9 +674,9 @@ class DatasetCache:
         size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
         reclaim_temps(self.dir, name)
         tmp, fd = "", -1
-        # The filesystem first (its first use imports and connects, which a cancel cannot
+        # The transport first (its first use imports and connects, which a cancel cannot
         # interrupt): a temp then exists only while bytes can flow or be cancelled.
-        fs, root = self._filesystem()
+        transport = self.transport()
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
@@ -694,10 +690,9 @@ class DatasetCache:
                                            f"for {size} bytes ({os.strerror(e.errno)})", shard) from None
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
-            path = root.rstrip("/") + "/" + shard
             for attempt in range(2):
-                with_retries(lambda: download_into(fd, fs, path, size, url=url, shard=shard, cancel=cancel,
-                                                   on_bytes=on_bytes),
+                with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard, cancel=cancel,
+                                                             on_bytes=on_bytes),
                              self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
                 os.fsync(fd)
                 problem = self.content_problem(fd, size, i)

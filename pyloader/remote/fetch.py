@@ -39,7 +39,7 @@ from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump
 from .bad_copies import discard
 from .cache import DatasetCache, ShardCache, normalize_url
 from .download_threads import DownloadThreads
-from .fs import FetchError, RetryPolicy, download_buffer_bytes
+from .fs import FetchError, RetryPolicy
 from .manifest import node_manifest
 from .room import HeldShards, RoomWaits
 from .temps import remove_temps_at_sigterm
@@ -336,7 +336,8 @@ class ShardFetcher:
     @property
     def job_bytes(self) -> int:
         """Memory one running download holds: its read buffer (what an auto-tuned loader counts per job)."""
-        return download_buffer_bytes(self.dcache.url)
+        sizes = [int(s["bytes"]) for s in self.dcache.shards]
+        return self.dcache.transport().buffer_bytes(max(sizes, default=0))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running. True if done."""

@@ -34,7 +34,8 @@ py::dict part_dict(const http::PartResult& r) {
 }
 
 bool failed(const http::PartResult& r) {
-  return r.curl_code > 0 || !r.wrong.empty() || r.write_errno != 0 || (r.curl_code == 0 && (r.status < 200 || r.status > 299));
+  return r.curl_code > 0 || !r.wrong.empty() || r.write_errno != 0 ||
+         (r.curl_code == 0 && (r.status < 200 || r.status > 299));
 }
 
 }  // namespace

@@ -94,8 +94,7 @@ Loaded load() {
   std::string* w = &l.why;
   bool ok = resolve(lib, "curl_global_init", &a.global_init, w) && resolve(lib, "curl_easy_init", &a.easy_init, w) &&
             resolve(lib, "curl_easy_cleanup", &a.easy_cleanup, w) &&
-            resolve(lib, "curl_easy_reset", &a.easy_reset, w) &&
-            resolve(lib, "curl_easy_setopt", &a.easy_setopt, w) &&
+            resolve(lib, "curl_easy_reset", &a.easy_reset, w) && resolve(lib, "curl_easy_setopt", &a.easy_setopt, w) &&
             resolve(lib, "curl_easy_getinfo", &a.easy_getinfo, w) &&
             resolve(lib, "curl_easy_strerror", &a.easy_strerror, w) &&
             resolve(lib, "curl_slist_append", &a.slist_append, w) &&
@@ -362,7 +361,8 @@ Download::Download(const Request& req) {
     p.expect = parts[i].length;
     p.ranged = ranged;
     p.buf = &im.s.buffers[i];
-    if (p.buf->size() != std::max<size_t>(req.write_buffer, 4096)) p.buf->assign(std::max<size_t>(req.write_buffer, 4096), 0);
+    if (p.buf->size() != std::max<size_t>(req.write_buffer, 4096))
+      p.buf->assign(std::max<size_t>(req.write_buffer, 4096), 0);
     if (!im.s.idle.empty()) {
       p.easy = im.s.idle.back();
       im.s.idle.pop_back();

@@ -40,9 +40,9 @@ struct Part {
 
 struct Request {
   std::string url;
-  int fd = -1;              // written with pwrite() at each part's offsets
-  uint64_t size = 0;        // the object's expected size
-  std::vector<Part> parts;  // empty: one GET of the whole object; else one ranged GET each
+  int fd = -1;                       // written with pwrite() at each part's offsets
+  uint64_t size = 0;                 // the object's expected size
+  std::vector<Part> parts;           // empty: one GET of the whole object; else one ranged GET each
   std::vector<std::string> headers;  // "Name: value" lines sent with every request
   double connect_timeout_s = 30;
   double stall_timeout_s = 30;  // no byte for this long ends the part (libcurl's low-speed limit)

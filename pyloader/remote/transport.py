@@ -309,6 +309,6 @@ def transport_for(url: str, storage_options: dict[str, Any] | None, *, stall_tim
     return FsspecTransport(url, storage_options, stall_timeout)
 
 
-__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "WRITE_BUFFER", "Transport", "FsspecTransport", "NativeTransport",
+__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "MAX_PARTS", "WRITE_BUFFER", "Transport", "FsspecTransport", "NativeTransport",
            "HttpStatusError", "CurlError", "CurlPermanentError", "transport_setting", "native_unsupported",
            "transport_for"]

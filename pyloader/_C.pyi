@@ -53,7 +53,7 @@ def http_available() -> tuple[bool, str]:
     """(whether libcurl.so.4 could be loaded, the reason when not)."""
 
 def http_version() -> str:
-    """libcurl's version string, or '' without it."""
+    """The version string of libcurl, or '' without it."""
 
 def http_download(fd: int, url: str, size: int, *, parts: Sequence[tuple[int, int]], headers: Sequence[str],
                   connect_timeout: float, stall_timeout: float, write_buffer: int, cancel: Any,

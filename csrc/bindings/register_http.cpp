@@ -49,7 +49,7 @@ void register_http(py::module_& m) {
         return std::make_pair(ok, why);
       },
       "(whether libcurl.so.4 could be loaded, the reason when not).");
-  m.def("http_version", &http::version, "libcurl's version string, or '' without it.");
+  m.def("http_version", &http::version, "The version string of libcurl, or '' without it.");
   m.def(
       "http_download",
       [](int fd, const std::string& url, uint64_t size, const std::vector<std::pair<uint64_t, uint64_t>>& parts,

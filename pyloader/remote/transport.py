@@ -98,7 +98,7 @@ class FsspecTransport:
         return self._chunk
 
 
-class HttpStatusError(Exception):
+class _HttpStatus(Exception):
     """A non-2xx answer to a native download, shaped for ``fs._failure``: ``status``, ``headers``, ``response``."""
 
     def __init__(self, status: int, retry_after: str, body: bytes) -> None:
@@ -112,11 +112,11 @@ class HttpStatusError(Exception):
         super().__init__(f"HTTP {status}" + (f" ({detail})" if detail else ""))
 
 
-class CurlError(ConnectionError):
+class _CurlError(ConnectionError):
     """A transfer that libcurl ended with an error a retry may fix (refused, reset, resolve...)."""
 
 
-class CurlPermanentError(Exception):
+class _CurlPermanent(Exception):
     """A transfer that libcurl ended with an error a retry does not fix (bad URL, certificate...)."""
 
 
@@ -214,21 +214,21 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
             raise OSError(p["write_errno"], os.strerror(p["write_errno"]))
     for p in ended:
         if p["curl_code"] == 0 and not 200 <= p["status"] <= 299:
-            raise HttpStatusError(p["status"], p["retry_after"], p["error_body"])
+            raise _HttpStatus(p["status"], p["retry_after"], p["error_body"])
     for p in ended:
         code = p["curl_code"]
         if code > 0:
             if p["status"] and not 200 <= p["status"] <= 299 and p["status"] not in (301, 302, 303, 307, 308):
-                raise HttpStatusError(p["status"], p["retry_after"], p["error_body"])
+                raise _HttpStatus(p["status"], p["retry_after"], p["error_body"])
             msg = f"libcurl error {code}: {p['curl_error']}"
             if code == _CURL_TIMEOUT:
                 raise TimeoutError(msg)
             if code in _CURL_TRANSIENT:
-                raise CurlError(msg)
-            raise CurlPermanentError(msg)
+                raise _CurlError(msg)
+            raise _CurlPermanent(msg)
     expected = [n for _, n in parts] if parts else [size]
     if len(ended) < len(results):  # stopped unfinished without a failure: cannot happen but never pass it
-        raise CurlError("the transfer stopped before its end")
+        raise _CurlError("the transfer stopped before its end")
     for p, n in zip(results, expected):
         if p["written"] < n:
             raise _ShortBody(f"the body ended after {p['written']} of {n} bytes")
@@ -309,6 +309,5 @@ def transport_for(url: str, storage_options: dict[str, Any] | None, *, stall_tim
     return FsspecTransport(url, storage_options, stall_timeout)
 
 
-__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "MAX_PARTS", "WRITE_BUFFER", "Transport", "FsspecTransport", "NativeTransport",
-           "HttpStatusError", "CurlError", "CurlPermanentError", "transport_setting", "native_unsupported",
-           "transport_for"]
+__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "MAX_PARTS", "WRITE_BUFFER", "Transport", "FsspecTransport",
+           "NativeTransport", "transport_setting", "native_unsupported", "transport_for"]

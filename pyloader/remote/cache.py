@@ -37,9 +37,16 @@ never mixed. Everything is a plain file in ``root``; nothing lives in /dev/shm.
 
 NOTE [cache publish]: a shard file appears under ``shards/`` only by ``os.replace`` of a
 temp file that was (1) created (``O_EXCL``) under a name no other writer uses, (2)
-exactly the manifest's size, (3) equal to the manifest's XXH64, (4) fsynced, and the
-directory is fsynced after the rename. So a reader that sees the name sees a whole,
-verified file; a partial file only ever exists under ``tmp/``. The shard's ``.lock``
+exactly the manifest's size, (3) equal to the manifest's XXH64. So a reader that sees
+the name sees a whole, verified file; a partial file only ever exists under ``tmp/``.
+Shards are not fsynced: the wait would make the disk's synchronous write bandwidth (600
+MB/s where the link brings 1 GB/s) the bound of every download, and a streamed shard is
+often evicted before the kernel writes it back at all. A crash of the machine may leave a
+published shard torn (its size right, its bytes not); every reader checks each record's
+checksum on first use and a torn copy is discarded and fetched again (NOTE
+[self-healing] in csrc/core/shard_reader.h), and ``pyloader cache verify`` finds it. Files
+whose readers check no record (``"content_hash": false``: cached Parquet files) are
+fsynced before the rename, and their directory after it. The shard's ``.lock``
 flock makes it one download per node, but nothing depends on it: where flock does
 nothing (some NFS, Lustre or GPFS mounts) two processes may download one shard at once,
 each into its own temp, and the second rename replaces a verified file by an identical
@@ -657,6 +664,11 @@ class DatasetCache:
                 _real_dir(self.tmp_dir)  # `clear` removed it meanwhile
         return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
+    @property
+    def _durable(self) -> bool:
+        """Whether a download is fsynced before it is published (NOTE [cache publish])."""
+        return self.manifest.get("content_hash") is False
+
     def _publish(self, tmp: str, final: str) -> None:
         """``os.replace`` of a verified temp onto its published name (NOTE [cache publish])."""
         try:
@@ -666,7 +678,8 @@ class DatasetCache:
                 raise _TempLost() from None
             _real_dir(self.shard_dir)  # `clear` removed it meanwhile
             os.replace(tmp, final)
-        fsync_dir(self.shard_dir)
+        if self._durable:
+            fsync_dir(self.shard_dir)
 
     def _download_locked(self, i: int, cancel: threading.Event | None,
                          on_bytes: Callable[[int], None] | None) -> None:
@@ -694,7 +707,8 @@ class DatasetCache:
                 with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard, cancel=cancel,
                                                              on_bytes=on_bytes),
                              self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
-                os.fsync(fd)
+                if self._durable:  # See NOTE [cache publish]: records checked on use need no fsync
+                    os.fsync(fd)
                 problem = self.content_problem(fd, size, i)
                 if problem is None:
                     break

@@ -30,6 +30,7 @@ py::dict part_dict(const http::PartResult& r) {
   d["error_body"] = py::bytes(r.error_body);
   d["wrong"] = r.wrong;
   d["write_errno"] = r.write_errno;
+  d["xxh64"] = r.hashed ? py::object(py::int_(r.xxh64)) : py::object(py::none());
   return d;
 }
 

@@ -10,6 +10,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "core/xxh64.h"
+
 namespace pyloader {
 namespace http {
 namespace {
@@ -198,6 +200,7 @@ struct Download::Impl {
     std::vector<char>* buf = nullptr;
     size_t fill = 0;
     std::string range;
+    Xxh64Stream hash;
     char errbuf[kErrorSize] = {0};
   };
 
@@ -209,6 +212,7 @@ struct Download::Impl {
   uint64_t unreported = 0;
 
   bool flush(PartState& p) {
+    if (!p.ranged) p.hash.update(p.buf->data(), p.fill);
     size_t done = 0;
     while (done < p.fill) {
       ssize_t n = ::pwrite(req.fd, p.buf->data() + done, p.fill - done, off_t(p.offset + p.res->written + done));
@@ -316,6 +320,10 @@ struct Download::Impl {
     if (a.easy_getinfo(p.easy, kInfoResponseCode, &status) == kOk && status) r.status = int(status);
     if (code == kOk && r.status >= 200 && r.status <= 299 && p.fill && !flush(p)) code = 23;  // CURLE_WRITE_ERROR
     r.curl_code = code;
+    if (!p.ranged && code == kOk && p.hash.length() == r.written) {
+      r.hashed = true;
+      r.xxh64 = p.hash.digest();
+    }
     if (code != kOk) r.curl_error = p.errbuf[0] ? std::string(p.errbuf) : std::string(a.easy_strerror(code));
     p.ended = true;
     a.multi_remove_handle(s.multi, p.easy);

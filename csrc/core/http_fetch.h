@@ -60,6 +60,8 @@ struct PartResult {
   std::string error_body;    // the start of a non-2xx body
   std::string wrong;         // why the part was stopped as wrong ("" if not)
   int write_errno = 0;       // errno of a failed pwrite
+  bool hashed = false;       // whether xxh64 covers every byte written (a whole-object GET)
+  uint64_t xxh64 = 0;        // XXH64 (seed 0) of the bytes written, when hashed
 };
 
 class Download {

@@ -704,12 +704,12 @@ class DatasetCache:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
             for attempt in range(2):
-                with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard, cancel=cancel,
-                                                             on_bytes=on_bytes),
-                             self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
+                digest = with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard,
+                                                                      cancel=cancel, on_bytes=on_bytes),
+                                      self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
                 if self._durable:  # See NOTE [cache publish]: records checked on use need no fsync
                     os.fsync(fd)
-                problem = self.content_problem(fd, size, i)
+                problem = self.content_problem(fd, size, i, digest)
                 if problem is None:
                     break
                 if attempt == 1 or not self.retry_bad_content:
@@ -741,8 +741,11 @@ class DatasetCache:
     # may have been mid-replacement) before content_error() is raised.
     retry_bad_content = True
 
-    def content_problem(self, fd: int, size: int, i: int) -> str | None:
+    def content_problem(self, fd: int, size: int, i: int, digest: int | None = None) -> str | None:
         """None if the ``size`` bytes in ``fd`` are shard ``i`` of the manifest; else what is wrong.
+
+        ``digest``: their XXH64, when the download computed it on the way (NOTE [native
+        transport] in csrc/core/http_fetch.h); else they are read back and hashed.
 
         The one check behind both publishing a download and ``pyloader cache verify``. A
         manifest with ``"content_hash": false`` (cached Parquet files, pyloader.read.parquet)
@@ -753,8 +756,11 @@ class DatasetCache:
         if self.manifest.get("content_hash") is False:
             head, tail = os.pread(fd, 4, 0), os.pread(fd, 4, max(0, size - 4))
             return None if head == tail == b"PAR1" else "not a Parquet file (no PAR1 magic at both ends)"
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else _Empty() as mm:
-            got = _C.xxh64(mm)
+        if digest is not None:
+            got = digest
+        else:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else _Empty() as mm:
+                got = _C.xxh64(mm)
         if got != int(info["xxh64"], 16):
             return f"XXH64 {got:016x}, manifest says {info['xxh64']}"
         return None

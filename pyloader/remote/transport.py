@@ -71,8 +71,11 @@ class Transport(Protocol):
     name: str
 
     def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
-                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> None:
-        """One attempt: object ``key`` (relative to the dataset) into ``fd`` from offset 0, exactly ``size`` bytes."""
+                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
+        """One attempt: object ``key`` (relative to the dataset) into ``fd`` from offset 0, exactly ``size`` bytes.
+
+        Returns the XXH64 of the bytes written when the transport computed it on the way, else None.
+        """
 
     def buffer_bytes(self, size: int) -> int:
         """Memory one download of an object of ``size`` bytes holds (its buffers)."""
@@ -88,10 +91,11 @@ class FsspecTransport:
         self._chunk = _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else 8 << 20
 
     def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
-                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> None:
-        """One attempt through fsspec (``fs.download_into``)."""
+                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
+        """One attempt through fsspec (``fs.download_into``); no hash on the way."""
         path = self.root.rstrip("/") + "/" + key
         download_into(fd, self.fs, path, size, url=url, shard=shard, cancel=cancel, on_bytes=on_bytes)
+        return None
 
     def buffer_bytes(self, size: int) -> int:
         """The read chunk of one download."""
@@ -167,8 +171,8 @@ class NativeTransport:
         return max(1, len(_parts(size)) if self.ranges else 1) * (WRITE_BUFFER + _CURL_BUFFER)
 
     def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
-                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> None:
-        """One attempt (See NOTE [transport choice] for what it raises)."""
+                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
+        """One attempt (See NOTE [transport choice] for what it raises); a whole GET's XXH64 (NOTE [native transport])."""
         target = self.target(key)
         parts = _parts(size) if self.ranges else []
         while True:
@@ -180,7 +184,8 @@ class NativeTransport:
                                    errno.ECANCELED)
             try:
                 _judge(r["parts"], parts, size, url=url, shard=shard)
-                return
+                digest: int | None = r["parts"][0]["xxh64"] if not parts else None
+                return digest
             except _NoRanges:
                 self.ranges = False  # the server sends whole objects: one GET from now on
                 parts = []

@@ -27,6 +27,7 @@ py::dict part_dict(const http::PartResult& r) {
   d["content_length"] = r.content_length;
   d["range_total"] = r.range_total;
   d["retry_after"] = r.retry_after;
+  d["bucket_region"] = r.bucket_region;
   d["error_body"] = py::bytes(r.error_body);
   d["wrong"] = r.wrong;
   d["write_errno"] = r.write_errno;

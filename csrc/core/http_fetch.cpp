@@ -264,6 +264,7 @@ struct Download::Impl {
       r.status = sp ? int(parse_u63(sp + 1, len - size_t(sp + 1 - data), nullptr)) : 0;
       r.content_length = r.range_total = -1;
       r.retry_after.clear();
+      r.bucket_region.clear();
       p.checked = false;
     } else if (iequal_prefix(data, len, "content-length", &v)) {
       r.content_length = parse_u63(data + v, len - v, nullptr);
@@ -279,6 +280,8 @@ struct Download::Impl {
       }
     } else if (iequal_prefix(data, len, "retry-after", &v)) {
       r.retry_after = trimmed(data + v, len - v);
+    } else if (iequal_prefix(data, len, "x-amz-bucket-region", &v)) {
+      r.bucket_region = trimmed(data + v, len - v);
     } else if (len <= 2 && r.status >= 200 && r.status <= 299) {  // the end of a final response's headers
       if (r.range_total == -2) {
         r.wrong = "answered a range other than the one asked for";

@@ -57,6 +57,7 @@ struct PartResult {
   int64_t content_length = -1;
   int64_t range_total = -1;  // the "/total" of Content-Range
   std::string retry_after;   // the Retry-After header as sent
+  std::string bucket_region;  // S3's x-amz-bucket-region header as sent
   std::string error_body;    // the start of a non-2xx body
   std::string wrong;         // why the part was stopped as wrong ("" if not)
   int write_errno = 0;       // errno of a failed pwrite

@@ -48,7 +48,10 @@ _CURL_BUFFER = 512 << 10  # libcurl's receive buffer per part
 # partial file, HTTP/2 framing, TLS connect, nothing received, send and receive errors.
 _CURL_TRANSIENT = {5, 6, 7, 16, 18, 35, 52, 55, 56, 92, 95}
 _CURL_TIMEOUT = 28
+_WRONG_REGION_CODES = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IncorrectEndpoint",
+                       "AuthorizationQueryParametersError"}
 _CURL_NATIVE_PROTOCOLS = ("http", "https", "s3", "s3a")
+_REGION = re.compile(r"[a-z]{2}(-[a-z]+)+-\d{1,2}")  # what an S3 error may name as a region
 # storage_options keys of fsspec's cache layer that change nothing about the bytes.
 _NEUTRAL_KEYS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
 _S3_KEYS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs", "requester_pays",
@@ -105,7 +108,7 @@ class FsspecTransport:
 class _HttpStatus(Exception):
     """A non-2xx answer to a native download, shaped for ``fs._failure``: ``status``, ``headers``, ``response``."""
 
-    def __init__(self, status: int, retry_after: str, body: bytes) -> None:
+    def __init__(self, status: int, retry_after: str, body: bytes, bucket_region: str = "") -> None:
         self.status = status
         self.headers = {"Retry-After": retry_after} if retry_after else {}
         text = body[:4096].decode("utf-8", "replace")
@@ -113,6 +116,8 @@ class _HttpStatus(Exception):
         self.response: dict[str, Any] | None = {"Error": {"Code": code, "Message": message},
                                                 "ResponseMetadata": {"HTTPStatusCode": status}} if code else None
         detail = f"{code}: {message}" if code else _first_line(text)
+        # S3's answer to a request signed for another region names the bucket's region.
+        self.region = bucket_region or _xml_field(text, "Region") if code in _WRONG_REGION_CODES else ""
         super().__init__(f"HTTP {status}" + (f" ({detail})" if detail else ""))
 
 
@@ -155,6 +160,7 @@ class NativeTransport:
         self.headers = [f"{k}: {v}" for k, v in (opts.get("headers") or {}).items()]
         self.connect_timeout, self.stall_timeout = connect_timeout, stall_timeout
         self.base = url.rstrip("/")
+        self._opts = opts
         self._presigner = _S3Presigner(opts) if self.proto in ("s3", "s3a") else None
         self.ranges = True  # False once the server answered a ranged GET with the whole object
 
@@ -189,6 +195,14 @@ class NativeTransport:
             except _NoRanges:
                 self.ranges = False  # the server sends whole objects: one GET from now on
                 parts = []
+            except _HttpStatus as e:
+                # A bucket in another region than the one signed for (no region configured):
+                # sign for the region S3 names, once, as s3fs and boto do.
+                p = self._presigner
+                if p is None or not e.region or e.region == p.region or not _REGION.fullmatch(e.region):
+                    raise
+                self._presigner = _S3Presigner(self._opts, region=e.region)
+                target = self.target(key)
 
 
 class _NoRanges(Exception):
@@ -219,12 +233,12 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
             raise OSError(p["write_errno"], os.strerror(p["write_errno"]))
     for p in ended:
         if p["curl_code"] == 0 and not 200 <= p["status"] <= 299:
-            raise _HttpStatus(p["status"], p["retry_after"], p["error_body"])
+            raise _HttpStatus(p["status"], p["retry_after"], p["error_body"], p["bucket_region"])
     for p in ended:
         code = p["curl_code"]
         if code > 0:
             if p["status"] and not 200 <= p["status"] <= 299 and p["status"] not in (301, 302, 303, 307, 308):
-                raise _HttpStatus(p["status"], p["retry_after"], p["error_body"])
+                raise _HttpStatus(p["status"], p["retry_after"], p["error_body"], p["bucket_region"])
             msg = f"libcurl error {code}: {p['curl_error']}"
             if code == _CURL_TIMEOUT:
                 raise TimeoutError(msg)
@@ -242,7 +256,7 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
 class _S3Presigner:
     """Presigned GET URLs for ``s3://`` objects, from botocore and s3fs-style ``storage_options``."""
 
-    def __init__(self, opts: dict[str, Any]) -> None:
+    def __init__(self, opts: dict[str, Any], region: str | None = None) -> None:
         import botocore.session
         from botocore import UNSIGNED
         from botocore.config import Config
@@ -250,14 +264,16 @@ class _S3Presigner:
         client_kw = dict(opts.get("client_kwargs") or {})
         endpoint = opts.get("endpoint_url") or client_kw.pop("endpoint_url", None) \
             or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        region = client_kw.pop("region_name", None)
+        region = region or client_kw.pop("region_name", None)
+        client_kw.pop("region_name", None)
         session = botocore.session.Session(profile=opts.get("profile"))
+        self.region = region or session.get_config_variable("region") or "us-east-1"
         cfg: dict[str, Any] = dict(opts.get("config_kwargs") or {})
         cfg.setdefault("signature_version", UNSIGNED if opts.get("anon") else "s3v4")
         if endpoint:
             cfg.setdefault("s3", {"addressing_style": "path"})
         self.client = session.create_client(
-            "s3", endpoint_url=endpoint, region_name=region or session.get_config_variable("region") or "us-east-1",
+            "s3", endpoint_url=endpoint, region_name=self.region,
             aws_access_key_id=opts.get("key") or client_kw.pop("aws_access_key_id", None),
             aws_secret_access_key=opts.get("secret") or client_kw.pop("aws_secret_access_key", None),
             aws_session_token=opts.get("token") or client_kw.pop("aws_session_token", None),

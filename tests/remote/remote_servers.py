@@ -154,7 +154,7 @@ class FaultServer:
                 return
             if fault is not None and fault.kind == "status":
                 status = fault.status
-                self._status(h, fault.status, fault.retry_after)
+                self._status(h, fault.status, fault.retry_after, fault.data or None)
                 return
             if fault is not None and fault.kind == "redirect":  # data: the Location
                 status = 302
@@ -208,8 +208,9 @@ class FaultServer:
                 self.log.append((time.monotonic(), "HEAD" if head else "GET", path, status))
 
     @staticmethod
-    def _status(h: BaseHTTPRequestHandler, code: int, retry_after: str | None = None) -> None:
-        body = f"status {code}".encode()
+    def _status(h: BaseHTTPRequestHandler, code: int, retry_after: str | None = None,
+                body: bytes | None = None) -> None:
+        body = body or f"status {code}".encode()
         h.send_response(code)
         if retry_after is not None:
             h.send_header("Retry-After", retry_after)

@@ -251,3 +251,23 @@ def test_s3_through_presigned_urls(srv_root, cache_dir):
             d.ensure(4)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(60)
+def test_s3_signs_again_for_the_region_the_bucket_is_in(server, srv_root, tmp_path):
+    pytest.importorskip("botocore")
+    key = "shard-000001.pyl"  # bucket "ds", path-style on the fault server
+    size = os.path.getsize(os.path.join(srv_root, "ds", key))
+    t = tr.transport_for("s3://ds", {"key": "k", "secret": "s", "endpoint_url": server.url,
+                                     "client_kwargs": {"region_name": "us-east-1"}}, stall_timeout=1)
+    assert isinstance(t, tr.NativeTransport)
+    wrong = (b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region 'us-east-1' is wrong; "
+             b"expecting '%s'</Message><Region>%s</Region></Error>")
+    server.inject("ds/" + key, Fault("status", status=400, data=wrong % (b"eu-west-2", b"eu-west-2")))
+    with open(os.path.join(srv_root, "ds", key), "rb") as f:
+        assert _get(t, tmp_path, key, size) == f.read()
+    assert "eu-west-2" in t.target(key) and t._presigner is not None and t._presigner.region == "eu-west-2"
+    # A region that is no region is not signed for: the error stands.
+    server.inject("ds/" + key, Fault("status", status=400, data=wrong % (b"x/../y", b"x/../y")))
+    with pytest.raises(Exception, match="HTTP 400 .AuthorizationHeaderMalformed"):
+        _get(t, tmp_path, key, size)

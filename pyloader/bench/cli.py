@@ -232,7 +232,8 @@ def _print_bench(r: dict[str, Any]) -> None:
     rf = st.get("remote_fetch")
     if rf:
         speed = f"{rf['gbps']:.3f} GB/s" if rf["gbps"] else "all cached"
-        rows.append((f"remote fetch ({rf['shards_downloaded']} shards)", speed, rf["cpu_s"]))
+        how = f", {rf['transport']}, {rf['jobs']} at once" if rf.get("transport") else ""
+        rows.append((f"remote fetch ({rf['shards_downloaded']} shards{how})", speed, rf["cpu_s"]))
     rows.append((f"storage read ({st['storage_read'].get('threads', 1)} thr)",
                  f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"]))
     if st["decode"]:

@@ -218,7 +218,9 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
         stages["remote_fetch"] = {"gbps": got["bytes"] / t.wall / 1e9 if got["bytes"] else None,
                                   "bytes": got["bytes"], "shards_downloaded": got["downloaded"],
                                   "shards_cached": len(ds.shard_paths) - got["downloaded"],
-                                  "wall_s": t.wall, "cpu_s": t.cpu}
+                                  "wall_s": t.wall, "cpu_s": t.cpu, "transport": ds._remote.transport().name,
+                                  "jobs": ds.fetch_jobs,
+                                  "cpu_s_per_gb": t.cpu / (got["bytes"] / 1e9) if got["bytes"] else None}
     local = ds.local_files()
     progress(f"stage 1/5: storage read ({n} threads)")
     with B.CpuTimer() as t:

@@ -23,6 +23,7 @@ def test_bench_remote_url_fetches_each_shard_once(server, cache_dir) -> None:
     n = r["dataset"]["shards"]
     assert fetch["shards_downloaded"] == n and fetch["shards_cached"] == 0
     assert fetch["bytes"] == r["dataset"]["bytes"]
+    assert fetch["transport"] == "native" and fetch["jobs"] >= 4 and fetch["cpu_s_per_gb"] > 0
     shard_gets = {k: v for k, v in server.gets.items() if k.endswith(".pyl")}
     assert len(shard_gets) == n and all(v == 1 for v in shard_gets.values()), shard_gets
     # A second run finds everything in the cache and downloads nothing.

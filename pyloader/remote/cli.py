@@ -47,7 +47,7 @@ from ..format.sizes import format_size, parse_size
 from ..read import order as _plan
 from .bad_copies import remove_entry, verify_entry
 from .cache import ShardCache, dataset_key
-from .fetch import ShardFetcher, first_touch_order, open_remote
+from .fetch import ShardFetcher, auto_fetch_jobs, first_touch_order, open_remote
 from .fs import RetryPolicy, is_remote
 
 EXIT_PARTIAL = EXIT_FAILED  # done in part: some shards failed (NOTE [exit codes])
@@ -79,6 +79,15 @@ def _int_at_least(lo: int, what: str) -> Callable[[str], int]:
 
 
 _positive = _int_at_least(1, "positive")
+
+
+def _jobs_arg(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive int, got {text!r}") from None
 _nonneg = _int_at_least(0, "non-negative")
 
 
@@ -99,7 +108,8 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
                        description=EXIT_HELP)
     w.add_argument("url", help="dataset URL (s3://, gs://, https://, ...)")
     common(w)
-    w.add_argument("--jobs", type=_positive, default=8, help="parallel downloads (default 8)")
+    w.add_argument("--jobs", type=_jobs_arg, default="auto",
+                   help="parallel downloads (default auto: 8, or more for small shards, to keep 16 MiB in flight)")
     w.add_argument("--limit", type=_size_arg, default=None, help="cache size limit, e.g. 200G (LRU eviction)")
     w.add_argument("--nodes", type=_positive, default=1, help="nodes in the job (default 1: warm everything)")
     w.add_argument("--node-rank", type=_nonneg, default=0, help="this node's index")
@@ -315,7 +325,9 @@ def _warm(args: argparse.Namespace) -> int:
                               f"{format_size(total)}, or warm this node's share only (--nodes, --node-rank)")
     was_cached = {i for i in order if dcache.is_published(i)}
     cached_before = len(was_cached)
-    fetcher = ShardFetcher(dcache, None, jobs=args.jobs)
+    # --jobs auto: See NOTE [fetch jobs]; a warm has no reader to leave CPU to: at least 8.
+    jobs = max(8, auto_fetch_jobs([int(s["bytes"]) for s in dcache.shards])) if args.jobs == "auto" else args.jobs
+    fetcher = ShardFetcher(dcache, None, jobs=jobs)
     prog = _Progress(len(order), total, fetcher, args.progress or not (args.quiet or args.json))
     fetcher.on_done = prog.shard_done
     t0 = time.monotonic()
@@ -336,9 +348,11 @@ def _warm(args: argparse.Namespace) -> int:
     result = {"url": dcache.url, "cache_dir": dcache.cache.base, "selected_shards": len(order),
               "selected_bytes": total, "cached_before": cached_before, "downloaded": fetcher.downloaded,
               "bytes_downloaded": good, "bytes_received": fetcher.bytes, "failed": failed, "seconds": dt,
-              "bytes_per_s": fetcher.bytes / dt if dt > 0 else 0.0}
+              "bytes_per_s": fetcher.bytes / dt if dt > 0 else 0.0, "jobs": jobs,
+              "transport": dcache.transport().name}
     text = (f"{dcache.url}: {len(order)} shards ({_fmt_bytes(total)}) selected, {cached_before} already cached, "
-            f"{fetcher.downloaded} downloaded ({_fmt_bytes(good)} in {dt:.1f} s), {len(failed)} failed")
+            f"{fetcher.downloaded} downloaded ({_fmt_bytes(good)} in {dt:.1f} s; {jobs} at once, "
+            f"{dcache.transport().name} transport), {len(failed)} failed")
     for f in failed:
         text += f"\n  failed: {f['error']}"
     _emit(args, result, text)

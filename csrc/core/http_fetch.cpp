@@ -37,7 +37,7 @@ constexpr int kOk = 0;
 
 // Option numbers (type base + index, as curl.h computes them).
 constexpr int kOptWriteData = 10001, kOptUrl = 10002, kOptRange = 10007, kOptErrorBuffer = 10010;
-constexpr int kOptUserAgent = 10018, kOptHttpHeader = 10023, kOptHeaderData = 10029;
+constexpr int kOptUserAgent = 10018, kOptHttpHeader = 10023, kOptHeaderData = 10029, kOptCaInfo = 10065;
 constexpr int kOptWriteFunction = 20011, kOptHeaderFunction = 20079;
 constexpr int kOptLowSpeedLimit = 19, kOptLowSpeedTime = 20, kOptFollowLocation = 52, kOptMaxRedirs = 68;
 constexpr int kOptHttpGet = 80, kOptBufferSize = 98, kOptNoSignal = 99, kOptConnectTimeoutMs = 156;
@@ -398,6 +398,7 @@ Download::Download(const Request& req) {
     a.easy_setopt(e, kOptUserAgent, "pyloader");
     a.easy_setopt(e, kOptErrorBuffer, p.errbuf);
     if (im.headers) a.easy_setopt(e, kOptHttpHeader, im.headers);
+    if (!im.req.ca_file.empty()) a.easy_setopt(e, kOptCaInfo, im.req.ca_file.c_str());
     a.easy_setopt(e, kOptHeaderFunction, &Impl::on_header);
     a.easy_setopt(e, kOptHeaderData, &p);
     a.easy_setopt(e, kOptWriteFunction, &Impl::on_body);
@@ -409,7 +410,15 @@ Download::Download(const Request& req) {
   }
   for (Impl::PartState& p : im.parts) {
     CURLMcode mc = a.multi_add_handle(im.s.multi, p.easy);
-    if (mc != 0) throw std::runtime_error(std::string("curl_multi_add_handle: ") + a.multi_strerror(mc));
+    if (mc != 0) {
+      // The destructor does not run for a constructor that throws: detach what was added
+      // (the multi handle would otherwise drive transfers whose state is gone).
+      stop();
+      for (Impl::PartState& q : im.parts) im.s.idle.push_back(q.easy);
+      if (im.headers) a.slist_free_all(im.headers);
+      impl_.reset();
+      throw std::runtime_error(std::string("curl_multi_add_handle: ") + a.multi_strerror(mc));
+    }
     p.added = true;
   }
 }

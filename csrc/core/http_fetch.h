@@ -46,6 +46,7 @@ struct Request {
   std::vector<std::string> headers;  // "Name: value" lines sent with every request
   double connect_timeout_s = 30;
   double stall_timeout_s = 30;  // no byte for this long ends the part (libcurl's low-speed limit)
+  std::string ca_file;          // the CA bundle to verify TLS peers with ("": libcurl's default)
   size_t write_buffer = 1 << 20;
 };
 

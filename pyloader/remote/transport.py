@@ -48,6 +48,7 @@ _CURL_BUFFER = 512 << 10  # libcurl's receive buffer per part
 # partial file, HTTP/2 framing, TLS connect, nothing received, send and receive errors.
 _CURL_TRANSIENT = {5, 6, 7, 16, 18, 35, 52, 55, 56, 92, 95}
 _CURL_TIMEOUT = 28
+_CA_VARIABLES = ("AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "CURL_CA_BUNDLE")
 _WRONG_REGION_CODES = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IncorrectEndpoint",
                        "AuthorizationQueryParametersError"}
 _CURL_NATIVE_PROTOCOLS = ("http", "https", "s3", "s3a")
@@ -163,6 +164,8 @@ class NativeTransport:
         self._opts = opts
         self._presigner = _S3Presigner(opts) if self.proto in ("s3", "s3a") else None
         self.ranges = True  # False once the server answered a ranged GET with the whole object
+        # A CA bundle named the way Python's and AWS's clients are told of one (libcurl reads no variable).
+        self.ca_file = next((v for k in _CA_VARIABLES if (v := os.environ.get(k, ""))), "")
 
     def target(self, key: str) -> str:
         """The HTTP(S) URL that the GET of object ``key`` (relative to the dataset) goes to."""
@@ -184,7 +187,7 @@ class NativeTransport:
         while True:
             r = _C.http_download(fd, target, size, parts=parts, headers=self.headers,
                                  connect_timeout=self.connect_timeout, stall_timeout=self.stall_timeout,
-                                 write_buffer=WRITE_BUFFER, cancel=cancel, on_bytes=on_bytes)
+                                 write_buffer=WRITE_BUFFER, ca_file=self.ca_file, cancel=cancel, on_bytes=on_bytes)
             if r["cancelled"]:
                 raise _fetch_error(FetchError, f"downloading {url} (shard {shard!r}): cancelled", url, shard,
                                    errno.ECANCELED)

@@ -1,0 +1,499 @@
+"""The node cache's index: what it holds, in LRU order, shared by the node's processes.
+
+NOTE [cache index]: making room for a download (``ShardCache.make_room``, under the
+space lock) needs the bytes the cache holds and, once it is full, its shards in LRU
+order, unreferenced first. Listing every dataset, manifest, shard and temp for that
+costs milliseconds per download and grows with the cache, so the space lock keeps an
+index instead: ``<root>/index``, a journal of text lines, each ending in the XXH64 of
+the rest, appended only under the space lock:
+
+* ``H`` (the first line): format version, the (device, inode) of the cache root and
+  when the directory was last listed;
+* ``A key name bytes mtime_ns ino ref`` a published shard (added or updated),
+  ``D key name`` one gone;
+* ``R key temp name bytes ref`` a download's temp file (its bytes reserved),
+  ``Q key temp`` one settled.
+
+Each process keeps the state in memory (a dict and a heap by ``(referenced,
+mtime)``) and, under the space lock, reads only the lines appended since it last
+looked: one ``lstat`` of the index and one ``pread``. A journal longer than three lines
+per live entry is rewritten as a snapshot (a new file renamed over the old; the other
+processes see the new inode and read it once), so the work per download is O(1)
+amortized, whatever the size of the cache. A journal rather than a shared mmap'd table:
+appends are atomic enough to check line by line, a reader never sees a half-updated
+structure, and a torn or hostile file is detected by its checksums and thrown away.
+
+Changes made outside the space lock are not journaled, and are found instead:
+
+* a download publishes by rename without the lock: its ``R`` line stays until a
+  holder of the lock settles it (``resolve_pending``: temp still there, published, or
+  gone), which it does when the cache looks full or many are open. A temp counts its
+  full size from its reservation to its settling, published or not, so these bytes are
+  never missed;
+* a reader's pin refreshes the shard's mtime (NOTE [cache pins] in
+  pyloader/remote/pins.py): the heap is corrected lazily, each candidate's mtime is
+  checked by ``lstat`` before it is evicted and a newer one puts it back. Mtimes only
+  move forward under the protocol, so the order is exactly LRU;
+* a file removed behind the cache's back (``discard``, a person) is dropped when it
+  comes up as a candidate; a cache that still looks full is listed again before
+  ``make_room`` says it is full, so an index that overcounts never refuses a download;
+* the directory is listed again (``rebuild``) on first use, when the index is missing,
+  unreadable, fails a checksum or names an invalid path, belongs to another root
+  (a copied cache), was last listed ``REFRESH_S`` ago, or was dropped (``invalidate``)
+  by ``evict``, ``clear`` or a dataset's new manifest (which changes what is referenced).
+  So what the protocol cannot see (files added by hand or by an older pyloader, an mtime
+  set back) is counted again within ``REFRESH_S``: that is the bounded drift.
+
+A process killed mid-update leaves either a torn last line (the next holder of the lock
+truncates it) or an unjournaled change, which the rules above settle: an eviction whose
+``D`` line is missing is a vanished candidate, a download killed after its rename is a
+temp that is gone and a shard that is there. Nothing read from the index becomes a path
+unchecked: a key and a name are each one file-name component, and a candidate is removed
+only if its dataset's directories are real directories (NOTE [cache paths] in
+pyloader/remote/cache.py) and it is not a directory itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import os
+import re
+import stat
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterable
+
+import pyloader._C as _C
+
+__all__ = ["INDEX_FILE", "REFRESH_S", "CacheIndex", "index_for"]
+
+INDEX_FILE = "index"
+REFRESH_S = 600.0  # the longest the index goes without a listing of the directory
+_MAGIC = b"pyloader-cache-index"
+_VERSION = b"1"
+_MAX_BYTES = 1 << 50
+_MAX_INT = 1 << 64
+_PENDING_SETTLE = 64  # open reservations past which they are settled on every make_room
+_PLAIN = re.compile(r"[A-Za-z0-9_.~+=,@-]+")
+
+
+class _Bad(Exception):
+    """A line of the index is torn, corrupt or names an invalid path: rebuild from the directory."""
+
+
+def _enc(s: str) -> bytes:
+    return (s if _PLAIN.fullmatch(s) else urllib.parse.quote(s, safe="", errors="surrogateescape")).encode("ascii")
+
+
+def _dec(b: bytes) -> str:
+    s = b.decode("ascii")
+    s = urllib.parse.unquote(s, errors="surrogateescape") if "%" in s else s
+    if not s or "/" in s or "\0" in s or s in (".", "..") or len(os.fsencode(s)) > 255:
+        raise _Bad(f"not one file-name component: {s!r}")
+    return s
+
+
+def _int(b: bytes, top: int = _MAX_INT) -> int:
+    if not b.isdigit() or len(b) > 20:
+        raise _Bad(f"not a count: {b!r}")
+    v = int(b)
+    if v >= top:
+        raise _Bad(f"out of range: {v}")
+    return v
+
+
+def _line(*fields: bytes) -> bytes:
+    body = b" ".join(fields)
+    return body + b" %016x\n" % _C.xxh64(body)
+
+
+def _real_dir(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode)
+
+
+class CacheIndex:
+    """This process's copy of the index of cache layout ``root`` (NOTE [cache index]).
+
+    Every method runs with the space lock held (so one thread of one process at a time).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.path = os.path.join(root, INDEX_FILE)
+        self._fd = -1
+        self._reset()
+
+    # -- state -----------------------------------------------------------------------
+    def _reset(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = -1
+        self._pid = os.getpid()
+        self._id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read
+        self._off = 0  # bytes of it applied
+        self._lines = 0
+        self.scanned_at_ns = 0
+        self._entries: dict[tuple[str, str], list[int]] = {}  # (key, name) -> [bytes, mtime_ns, ino, ref]
+        self._pending: dict[tuple[str, str], tuple[str, int, int]] = {}  # (key, temp) -> (name, bytes, ref)
+        self._heap: list[tuple[int, int, str, str]] = []  # (ref, mtime_ns, key, name); lazily deleted
+        self.used = 0
+        self._out: list[bytes] = []
+
+    @property
+    def shards(self) -> int:
+        """Published shards in the index."""
+        return len(self._entries)
+
+    def _put(self, key: str, name: str, size: int, mtime: int, ino: int, ref: int) -> None:
+        old = self._entries.get((key, name))
+        if old is not None:
+            self.used -= old[0]
+        self._entries[(key, name)] = [size, mtime, ino, ref]
+        self.used += size
+        heapq.heappush(self._heap, (ref, mtime, key, name))
+
+    def _drop(self, key: str, name: str) -> None:
+        old = self._entries.pop((key, name), None)
+        if old is not None:
+            self.used -= old[0]
+
+    def _reserve(self, key: str, temp: str, name: str, size: int, ref: int) -> None:
+        self._settle(key, temp)
+        self._pending[(key, temp)] = (name, size, ref)
+        self.used += size
+
+    def _settle(self, key: str, temp: str) -> None:
+        old = self._pending.pop((key, temp), None)
+        if old is not None:
+            self.used -= old[1]
+
+    def _apply(self, line: bytes) -> None:
+        """Applies one line (with its newline); raises _Bad for one that is corrupt or names an invalid path."""
+        if not line.endswith(b"\n"):
+            raise _Bad("torn line")
+        line = line[:-1]
+        f = line.split(b" ")
+        if len(f) < 2 or len(f[-1]) != 16 or _C.xxh64(line[:-17]) != int(f[-1], 16):
+            raise _Bad("checksum mismatch")
+        op = f[0]
+        if op == b"A" and len(f) == 8:
+            self._put(_dec(f[1]), _dec(f[2]), _int(f[3], _MAX_BYTES), _int(f[4]), _int(f[5]), _int(f[6], 2))
+        elif op == b"D" and len(f) == 4:
+            self._drop(_dec(f[1]), _dec(f[2]))
+        elif op == b"R" and len(f) == 7:
+            self._reserve(_dec(f[1]), _dec(f[2]), _dec(f[3]) if f[3] != b"-" else "", _int(f[4], _MAX_BYTES),
+                          _int(f[5], 2))
+        elif op == b"Q" and len(f) == 4:
+            self._settle(_dec(f[1]), _dec(f[2]))
+        else:
+            raise _Bad(f"unknown line {op!r}")
+
+    def _emit(self, line: bytes) -> None:
+        self._apply(line)
+        self._out.append(line)
+
+    # -- reading ---------------------------------------------------------------------
+    def sync(self) -> bool:
+        """Brings this copy up to date with the file; False if the directory must be listed (``rebuild``)."""
+        if self._pid != os.getpid():
+            self._fd = -1  # the parent's descriptor: our copy of it is closed below with the state
+            self._reset()
+        self._out = []
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            self._reset()
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            if self._id != (st.st_dev, st.st_ino) or st.st_size < self._off:
+                self._reset()
+                if not self._open_current():
+                    return False
+                st = os.fstat(self._fd)
+            if st.st_size > self._off:
+                self._read_tail(st.st_size)
+        except (_Bad, UnicodeDecodeError, ValueError):
+            self._reset()
+            return False
+        except OSError:
+            self._reset()
+            return False
+        age = time.time_ns() - self.scanned_at_ns
+        return -60e9 < age < REFRESH_S * 1e9  # (a listing "from the future" is not trusted either)
+
+    def _open_current(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+        st = os.fstat(fd)
+        self._fd, self._id = fd, (st.st_dev, st.st_ino)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Bad("not a regular file")
+        head = os.pread(fd, 256, 0)
+        end = head.find(b"\n")
+        if end < 0:
+            raise _Bad("no header")
+        line = head[:end]
+        f = line.split(b" ")
+        if len(f) != 7 or f[0] != b"H" or f[1] != _MAGIC or f[2] != _VERSION or len(f[-1]) != 16 \
+                or _C.xxh64(line[:-17]) != int(f[-1], 16):
+            raise _Bad("bad header")
+        rst = os.stat(self.root)
+        if (_int(f[3]), _int(f[4])) != (rst.st_dev, rst.st_ino):
+            raise _Bad("the index of another cache root")
+        self.scanned_at_ns = _int(f[5])
+        self._off, self._lines = end + 1, 1
+        return True
+
+    def _read_tail(self, size: int) -> None:
+        data = os.pread(self._fd, size - self._off, self._off)
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].split(b"\n")[:-1]:
+            self._apply(line + b"\n")
+            self._lines += 1
+        self._off += end
+        if end < len(data):
+            # A torn last line: its writer died mid-append while holding the lock we hold now.
+            os.ftruncate(self._fd, self._off)
+
+    # -- writing ---------------------------------------------------------------------
+    def commit(self) -> None:
+        """Appends the lines this holder of the lock emitted; rewrites a long journal as a snapshot."""
+        if not self._out or self._fd < 0:
+            self._out = []
+            return
+        data, n = b"".join(self._out), len(self._out)
+        self._out = []
+        try:
+            wrote = os.write(self._fd, data)
+            if wrote != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            self._off += wrote
+            self._lines += n
+            if os.fstat(self._fd).st_size != self._off:  # someone wrote without the lock (no flock here)
+                self._reset()
+                return
+            if self._lines > max(4096, 3 * (len(self._entries) + len(self._pending))):
+                self._write_snapshot(self.scanned_at_ns)
+        except OSError:
+            self.invalidate()  # a full disk: the next holder of the lock lists the directory
+
+    def _write_snapshot(self, scanned_at_ns: int) -> None:
+        rst = os.stat(self.root)
+        tmp = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            lines = [_line(b"H", _MAGIC, _VERSION, b"%d" % rst.st_dev, b"%d" % rst.st_ino, b"%d" % scanned_at_ns)]
+            lines += [_line(b"A", _enc(k), _enc(n), b"%d" % e[0], b"%d" % e[1], b"%d" % e[2], b"%d" % e[3])
+                      for (k, n), e in self._entries.items()]
+            lines += [_line(b"R", _enc(k), _enc(t), _enc(p[0]) if p[0] else b"-", b"%d" % p[1], b"%d" % p[2])
+                      for (k, t), p in self._pending.items()]
+            data = b"".join(lines)
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if self._fd >= 0:
+            os.close(self._fd)
+        st = os.fstat(fd)
+        self._fd, self._id, self._off, self._lines = fd, (st.st_dev, st.st_ino), len(data), len(lines)
+        self.scanned_at_ns = scanned_at_ns
+        self._heap = [(e[3], e[1], k, n) for (k, n), e in self._entries.items()]
+        heapq.heapify(self._heap)
+
+    def rebuild(self, temps: Iterable[tuple[str, str, int]],
+                entries: Iterable[tuple[str, str, int, int, int, bool]], scanned_at_ns: int) -> None:
+        """Replaces the index by a listing of the directory taken at ``scanned_at_ns``.
+
+        ``temps``: (key, temp name, bytes); ``entries``: (key, name, bytes, mtime_ns, inode,
+        referenced). Names that are not one component are left out. Where the file cannot
+        be written (a full disk) the state serves this holder of the lock, and the next
+        lists the directory again.
+        """
+        self._reset()
+        for key, temp, size in temps:
+            try:
+                _dec(_enc(key)), _dec(_enc(temp))
+            except _Bad:
+                continue
+            self._reserve(key, temp, _temp_shard(temp), max(0, size), 1)
+        for key, name, size, mtime, ino, ref in entries:
+            try:
+                _dec(_enc(key)), _dec(_enc(name))
+            except _Bad:
+                continue
+            self._put(key, name, max(0, size), max(0, mtime), max(0, ino), int(bool(ref)))
+        self._remove_left_snapshots()
+        try:
+            self._write_snapshot(scanned_at_ns)
+        except OSError:
+            if self._fd >= 0:
+                os.close(self._fd)
+            self._fd, self._id = -1, None
+
+    def _remove_left_snapshots(self) -> None:
+        # Snapshots are written only under the space lock: one still here was left by a crash.
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for n in names:
+            if n.startswith(INDEX_FILE + ".") and n.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(self.root, n))
+                except OSError:
+                    pass
+
+    def invalidate(self) -> None:
+        """Drops the index file: the next holder of the lock lists the directory."""
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        self._reset()
+
+    # -- the accounting --------------------------------------------------------------
+    def reserve(self, key: str, temp: str, name: str, size: int) -> None:
+        """Counts ``size`` bytes for download temp ``temp`` of shard file ``name`` in dataset ``key``.
+
+        Without a loaded copy (a process that never makes room) the line is only appended
+        to an index that exists.
+        """
+        line = _line(b"R", _enc(key), _enc(temp), _enc(name), b"%d" % size, b"1")
+        if self._fd >= 0 and self._pid == os.getpid() and self.sync():
+            self._emit(line)
+            self.commit()
+            return
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return  # no index yet: the first process that makes room lists the directory
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.write(fd, line)
+        except OSError:
+            self.invalidate()
+        finally:
+            os.close(fd)
+
+    def resolve_pending(self) -> None:
+        """Settles the reservations whose temp is gone: published (now a shard) or given up."""
+        for (key, temp), (name, _size, ref) in list(self._pending.items()):
+            d = os.path.join(self.root, key)
+            if os.path.lexists(os.path.join(d, "tmp", temp)):
+                continue
+            if name:
+                try:
+                    st = os.lstat(os.path.join(d, "shards", name))
+                    if not stat.S_ISDIR(st.st_mode):
+                        self._emit(_line(b"A", _enc(key), _enc(name), b"%d" % st.st_size, b"%d" % st.st_mtime_ns,
+                                         b"%d" % st.st_ino, b"%d" % ref))
+                except OSError:
+                    pass
+            self._emit(_line(b"Q", _enc(key), _enc(temp)))
+
+    @property
+    def pending(self) -> int:
+        """Open reservations (downloads in progress or not yet settled)."""
+        return len(self._pending)
+
+    def settle_if_many(self) -> None:
+        """Settles the reservations once there are many (a process that never fills the cache)."""
+        if len(self._pending) > _PENDING_SETTLE:
+            self.resolve_pending()
+
+    def evict_lru(self, fits: Callable[[int], bool], evict: Callable[[str, str, str], bool]) -> int:
+        """Evicts shards, unreferenced first then least recently used, until ``fits(used)``.
+
+        ``evict(dataset dir, name, path)`` removes one unless it is in use (False). Returns
+        the bytes held after.
+        """
+        kept: list[tuple[int, int, str, str]] = []
+        dirs: dict[str, bool] = {}
+        while self._heap and not fits(self.used):
+            item = heapq.heappop(self._heap)
+            ref, mtime, key, name = item
+            e = self._entries.get((key, name))
+            if e is None or e[1] != mtime or e[3] != ref:
+                continue  # an older position of an entry since updated or dropped
+            d = os.path.join(self.root, key)
+            if key not in dirs:
+                dirs[key] = _real_dir(d) and _real_dir(os.path.join(d, "shards"))
+            path = os.path.join(d, "shards", name)
+            try:
+                st = os.lstat(path) if dirs[key] else None
+            except FileNotFoundError:
+                st = None
+            if st is None or stat.S_ISDIR(st.st_mode):
+                self._emit(_line(b"D", _enc(key), _enc(name)))  # gone behind our back (or never ours)
+                continue
+            if st.st_mtime_ns != mtime or st.st_size != e[0] or st.st_ino != e[2]:
+                # used since it was indexed (a pin), or replaced: back at its true place
+                self._emit(_line(b"A", _enc(key), _enc(name), b"%d" % st.st_size, b"%d" % st.st_mtime_ns,
+                                 b"%d" % st.st_ino, b"%d" % ref))
+                continue
+            if evict(d, name, path):
+                self._emit(_line(b"D", _enc(key), _enc(name)))
+            else:
+                kept.append(item)
+        for item in kept:
+            heapq.heappush(self._heap, item)
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._heap = [(e[3], e[1], k, n) for (k, n), e in self._entries.items()]
+            heapq.heapify(self._heap)
+        return self.used
+
+
+def _temp_shard(temp: str) -> str:
+    """The shard file a temp's name names (See NOTE [cache publish] in pyloader/remote/cache.py); "" if shortened."""
+    parts = temp.rsplit(".", 4)
+    if len(parts) == 5 and parts[4] == "part":
+        stem = parts[0]
+    else:
+        parts = temp.rsplit(".", 3)
+        if len(parts) != 4 or parts[3] != "part":
+            return ""
+        stem = parts[0]
+    if len(stem) == 117 and stem[100] == "~":
+        return ""  # a long name shortened (temps.temp_stem): the shard is found at the next listing
+    return stem
+
+
+_indexes: dict[str, CacheIndex] = {}
+
+
+def index_for(root: str) -> CacheIndex:
+    """This process's ``CacheIndex`` of cache layout ``root`` (a forked child starts its own)."""
+    idx = _indexes.get(root)
+    if idx is None or idx._pid != os.getpid():
+        idx = _indexes[root] = CacheIndex(root)
+    return idx
+
+
+def _forget_indexes_in_child() -> None:
+    for idx in _indexes.values():
+        if idx._fd >= 0:
+            try:
+                os.close(idx._fd)
+            except OSError:
+                pass
+            idx._fd = -1
+    _indexes.clear()
+
+
+os.register_at_fork(after_in_child=_forget_indexes_in_child)

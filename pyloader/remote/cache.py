@@ -315,7 +315,7 @@ class ShardCache:
         used = idx.used
         if used + need > limit:
             idx.resolve_pending()
-            if idx.used + need > limit and self.clean_stale():  # dead writers' temps count against the limit too
+            if idx.pending and idx.used + need > limit and self.clean_stale():  # dead writers' temps count too
                 idx.resolve_pending()
             used = idx.evict_lru(lambda u: u + need <= limit, evict_unpinned)
             if used + need > limit and not listed:  # what the index holds may be gone: list and retry

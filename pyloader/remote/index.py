@@ -76,7 +76,7 @@ _VERSION = b"1"
 _MAX_BYTES = 1 << 50
 _MAX_INT = 1 << 64
 _PENDING_SETTLE = 64  # open reservations past which they are settled on every make_room
-_PLAIN = re.compile(r"[A-Za-z0-9_.~+=,@-]+")
+_PLAIN = re.compile(r"[A-Za-z0-9_.~+=,@%-]+")  # written as is; any other name as "!" + its quote()
 
 
 class _Bad(Exception):
@@ -84,12 +84,15 @@ class _Bad(Exception):
 
 
 def _enc(s: str) -> bytes:
-    return (s if _PLAIN.fullmatch(s) else urllib.parse.quote(s, safe="", errors="surrogateescape")).encode("ascii")
+    if _PLAIN.fullmatch(s):
+        return s.encode("ascii")
+    return b"!" + urllib.parse.quote(s, safe="", errors="surrogateescape").encode("ascii")
 
 
 def _dec(b: bytes) -> str:
     s = b.decode("ascii")
-    s = urllib.parse.unquote(s, errors="surrogateescape") if "%" in s else s
+    if s[:1] == "!":
+        s = urllib.parse.unquote(s[1:], errors="surrogateescape")
     if not s or "/" in s or "\0" in s or s in (".", "..") or len(os.fsencode(s)) > 255:
         raise _Bad(f"not one file-name component: {s!r}")
     return s
@@ -197,9 +200,13 @@ class CacheIndex:
         else:
             raise _Bad(f"unknown line {op!r}")
 
-    def _emit(self, line: bytes) -> None:
-        self._apply(line)
-        self._out.append(line)
+    def _emit_put(self, key: str, name: str, size: int, mtime: int, ino: int, ref: int) -> None:
+        self._put(key, name, size, mtime, ino, ref)
+        self._out.append(_line(b"A", _enc(key), _enc(name), b"%d" % size, b"%d" % mtime, b"%d" % ino, b"%d" % ref))
+
+    def _emit_drop(self, key: str, name: str) -> None:
+        self._drop(key, name)
+        self._out.append(_line(b"D", _enc(key), _enc(name)))
 
     # -- reading ---------------------------------------------------------------------
     def sync(self) -> bool:
@@ -376,7 +383,8 @@ class CacheIndex:
         """
         line = _line(b"R", _enc(key), _enc(temp), _enc(name), b"%d" % size, b"1")
         if self._fd >= 0 and self._pid == os.getpid() and self.sync():
-            self._emit(line)
+            self._reserve(key, temp, name, size, 1)
+            self._out.append(line)
             self.commit()
             return
         try:
@@ -401,11 +409,11 @@ class CacheIndex:
                 try:
                     st = os.lstat(os.path.join(d, "shards", name))
                     if not stat.S_ISDIR(st.st_mode):
-                        self._emit(_line(b"A", _enc(key), _enc(name), b"%d" % st.st_size, b"%d" % st.st_mtime_ns,
-                                         b"%d" % st.st_ino, b"%d" % ref))
+                        self._emit_put(key, name, st.st_size, st.st_mtime_ns, st.st_ino, ref)
                 except OSError:
                     pass
-            self._emit(_line(b"Q", _enc(key), _enc(temp)))
+            self._settle(key, temp)
+            self._out.append(_line(b"Q", _enc(key), _enc(temp)))
 
     @property
     def pending(self) -> int:
@@ -440,15 +448,14 @@ class CacheIndex:
             except FileNotFoundError:
                 st = None
             if st is None or stat.S_ISDIR(st.st_mode):
-                self._emit(_line(b"D", _enc(key), _enc(name)))  # gone behind our back (or never ours)
+                self._emit_drop(key, name)  # gone behind our back (or never ours)
                 continue
             if st.st_mtime_ns != mtime or st.st_size != e[0] or st.st_ino != e[2]:
                 # used since it was indexed (a pin), or replaced: back at its true place
-                self._emit(_line(b"A", _enc(key), _enc(name), b"%d" % st.st_size, b"%d" % st.st_mtime_ns,
-                                 b"%d" % st.st_ino, b"%d" % ref))
+                self._emit_put(key, name, st.st_size, st.st_mtime_ns, st.st_ino, ref)
                 continue
             if evict(d, name, path):
-                self._emit(_line(b"D", _enc(key), _enc(name)))
+                self._emit_drop(key, name)
             else:
                 kept.append(item)
         for item in kept:

@@ -4,6 +4,7 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pyloader`` or ``~/.cache/pyloader``)::
 
     root/v1/space.lock                  flock: held while accounting space / evicting
+    root/v1/index                       what the cache holds, in LRU order (NOTE [cache index] in index.py)
     root/v1/<key>/url                   the dataset URL (key = XXH64 of the URL)
     root/v1/<key>/manifest.json         the manifest copy the shards below were checked against
     root/v1/<key>/shards/<name>         published shards; name = quote(path) + "." + manifest xxh64
@@ -318,7 +319,8 @@ class ShardCache:
             if idx.pending and idx.used + need > limit and self.clean_stale():  # dead writers' temps count too
                 idx.resolve_pending()
             used = idx.evict_lru(lambda u: u + need <= limit, evict_unpinned)
-            if used + need > limit and not listed:  # what the index holds may be gone: list and retry
+            if used + need > limit and not listed and time.time_ns() - idx.scanned_at_ns > 1e9:
+                # What the index holds may be gone: list the directory (at most once a second) and retry.
                 idx.commit()
                 self._rebuild(idx)
                 used = idx.evict_lru(lambda u: u + need <= limit, evict_unpinned)
@@ -701,6 +703,8 @@ class DatasetCache:
         # The filesystem first (its first use imports and connects, which a cancel cannot
         # interrupt): a temp then exists only while bytes can flow or be cancelled.
         fs, root = self._filesystem()
+        if self.cache.limit is not None:
+            index_for(self.cache.root).preload()  # a first read of the index, before the lock (NOTE [cache index])
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)

@@ -60,6 +60,7 @@ import heapq
 import os
 import re
 import stat
+import threading
 import time
 import urllib.parse
 import uuid
@@ -130,6 +131,8 @@ class CacheIndex:
         self.root = root
         self.path = os.path.join(root, INDEX_FILE)
         self._fd = -1
+        self._pre: CacheIndex | None = None  # a copy read without the lock, for the next holder to take
+        self._pre_mu = threading.Lock()
         self._reset()
 
     # -- state -----------------------------------------------------------------------
@@ -150,6 +153,7 @@ class CacheIndex:
         self._heap: list[tuple[int, int, str, str]] = []  # (ref, mtime_ns, key, name); lazily deleted
         self.used = 0
         self._out: list[bytes] = []
+        self._bulk = False  # loading many lines: the heap is built once at the end
 
     @property
     def shards(self) -> int:
@@ -162,7 +166,8 @@ class CacheIndex:
             self.used -= old[0]
         self._entries[(key, name)] = [size, mtime, ino, ref]
         self.used += size
-        heapq.heappush(self._heap, (ref, mtime, key, name))
+        if not self._bulk:
+            heapq.heappush(self._heap, (ref, mtime, key, name))
 
     def _drop(self, key: str, name: str) -> None:
         old = self._entries.pop((key, name), None)
@@ -209,11 +214,48 @@ class CacheIndex:
         self._out.append(_line(b"D", _enc(key), _enc(name)))
 
     # -- reading ---------------------------------------------------------------------
-    def sync(self) -> bool:
-        """Brings this copy up to date with the file; False if the directory must be listed (``rebuild``)."""
+    def preload(self) -> None:
+        """Reads the index once without the space lock, so that the lock is held only for the lines after.
+
+        For a process's first use: the lines are checked as always; a torn last line is
+        left to the next holder of the lock.
+        """
+        if self._fd >= 0 or self._pre is not None:
+            return
+        fresh = CacheIndex(self.root)  # its own state: a thread holding the lock may be using ours
+        if not fresh.sync(locked=False):
+            fresh._reset()
+            return
+        old = self._swap_preloaded(fresh)
+        if old is not None:
+            old._reset()
+
+    def _swap_preloaded(self, new: CacheIndex | None) -> CacheIndex | None:
+        with self._pre_mu:
+            old, self._pre = self._pre, new
+        return old
+
+    def _take_preloaded(self) -> None:
+        pre = self._swap_preloaded(None)
+        if pre is None:
+            return
+        if self._fd >= 0 or pre._pid != os.getpid():
+            pre._reset()
+            return
+        for name in ("_fd", "_id", "_off", "_lines", "scanned_at_ns", "_entries", "_pending", "_heap", "used"):
+            setattr(self, name, getattr(pre, name))
+        pre._fd = -1
+
+    def sync(self, *, locked: bool = True) -> bool:
+        """Brings this copy up to date with the file; False if the directory must be listed (``rebuild``).
+
+        ``locked``: the space lock is held (so a torn last line is a dead writer's, and is cut).
+        """
         if self._pid != os.getpid():
             self._fd = -1  # the parent's descriptor: our copy of it is closed below with the state
             self._reset()
+        if locked:
+            self._take_preloaded()
         self._out = []
         try:
             st = os.lstat(self.path)
@@ -229,7 +271,7 @@ class CacheIndex:
                     return False
                 st = os.fstat(self._fd)
             if st.st_size > self._off:
-                self._read_tail(st.st_size)
+                self._read_tail(st.st_size, locked)
         except (_Bad, UnicodeDecodeError, ValueError):
             self._reset()
             return False
@@ -261,14 +303,22 @@ class CacheIndex:
         self._off, self._lines = end + 1, 1
         return True
 
-    def _read_tail(self, size: int) -> None:
+    def _read_tail(self, size: int, locked: bool) -> None:
         data = os.pread(self._fd, size - self._off, self._off)
         end = data.rfind(b"\n") + 1
-        for line in data[:end].split(b"\n")[:-1]:
-            self._apply(line + b"\n")
-            self._lines += 1
+        lines = data[:end].split(b"\n")[:-1]
+        self._bulk = len(lines) > 1024
+        try:
+            for line in lines:
+                self._apply(line + b"\n")
+        finally:
+            if self._bulk:
+                self._bulk = False
+                self._heap = [(e[3], e[1], k, n) for (k, n), e in self._entries.items()]
+                heapq.heapify(self._heap)
+        self._lines += len(lines)
         self._off += end
-        if end < len(data):
+        if end < len(data) and locked:
             # A torn last line: its writer died mid-append while holding the lock we hold now.
             os.ftruncate(self._fd, self._off)
 

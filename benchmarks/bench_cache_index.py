@@ -6,11 +6,12 @@ whose limit its ``N`` cached shards fill exactly (sparse files, created fast), t
 ``DatasetCache.ensure`` of 4 KiB shards from an in-memory fsspec source (so the network is
 not the limit), one after another, at most as many as are cached (the manifest names the
 cached shards and those to download): every download evicts one shard (NOTE [cache index] in
-pyloader/remote/index.py). The space lock's hold times are taken around ``SpaceLock``. The
+pyloader/remote/index.py); ``--procs`` forked processes share the work. The space lock's hold
+times are taken around ``SpaceLock``. The
 first download (which lists the cache once where an index is used) is reported apart.
 
 Usage: python benchmarks/bench_cache_index.py [--baseline /work/main] [--shards 1000,10000,100000]
-       [--seconds 4] [--repeat 2] [--dir /dev/shm] [--quick]
+       [--seconds 4] [--repeat 2] [--dir /dev/shm] [--procs 1] [--quick]
 Writes bench_results/cache_index.json.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -30,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _point(cached: int, seconds: float, max_downloads: int, where: str) -> dict[str, object]:
+def _point(cached: int, seconds: float, max_downloads: int, where: str, procs: int) -> dict[str, object]:
     """One measurement in this process, with whatever pyloader PYTHONPATH imports."""
     import fsspec
     import numpy as np
@@ -91,33 +93,70 @@ def _point(cached: int, seconds: float, max_downloads: int, where: str) -> dict[
         t0 = time.perf_counter()
         d.ensure(cached)  # the first download: lists the cache once where an index is used
         first_s = time.perf_counter() - t0
-        holds.clear()
-        n, t0 = 0, time.perf_counter()
-        while n < max_downloads and (time.perf_counter() - t0 < seconds or n < 5):
-            d.ensure(cached + 1 + n)
-            n += 1
-        dt = time.perf_counter() - t0
+
+        def downloads(first: int, step: int, t0: float) -> int:
+            n = 0
+            for i in range(cached + 1 + procs + first, total, step):
+                if time.perf_counter() - t0 >= seconds and n >= 5:
+                    break
+                d.ensure(i)
+                n += 1
+            return n
+
+        child_first_s = 0.0  # the slowest forked process's first download (it reads the index once)
+        if procs == 1:
+            d.ensure(cached + 1)
+            holds.clear()
+            t0 = time.perf_counter()
+            n = downloads(0, 1, t0)
+            dt = time.perf_counter() - t0
+        else:  # forked processes sharing the cache (and the in-memory source), each its own shards
+            ctx = multiprocessing.get_context("fork")
+            q, ready = ctx.Queue(), ctx.Barrier(procs)
+
+            def child(k: int) -> None:
+                w0 = time.perf_counter()
+                d.ensure(cached + 1 + k)  # its first download: it reads the index once
+                warm = time.perf_counter() - w0
+                ready.wait()
+                holds.clear()
+                t0 = time.perf_counter()
+                c = downloads(k, procs, t0)
+                q.put((c, holds, t0, time.perf_counter(), warm))
+
+            ps = [ctx.Process(target=child, args=(k,)) for k in range(procs)]
+            for p in ps:
+                p.start()
+            got = [q.get(timeout=600) for _ in ps]
+            for p in ps:
+                p.join()
+            n = sum(g[0] for g in got)
+            holds[:] = [h for g in got for h in g[1]]
+            dt = max(g[3] for g in got) - min(g[2] for g in got)
+            child_first_s = max(g[4] for g in got)
         files = len(os.listdir(d.shard_dir))
         usage = cache.usage()
         assert files == cached and usage <= cache.limit, (files, cached, usage, cache.limit)
-        # The oldest shards went first: every one of the first n + 1 is gone, the rest are there.
-        assert not any(os.path.exists(d.shard_file(i)) for i in range(n + 1))
-        assert all(os.path.exists(d.shard_file(i)) for i in range(n + 1, cached))
+        if procs == 1:  # the oldest shards went first: one per download, the rest are there
+            gone = n + 2  # with the first download and the warm-up
+            assert not any(os.path.exists(d.shard_file(i)) for i in range(gone))
+            assert all(os.path.exists(d.shard_file(i)) for i in range(gone, cached))
         hs = sorted(holds)
         return {"cached_shards": cached, "downloads": n, "seconds": dt, "downloads_per_s": n / dt,
                 "lock_hold_mean_us": 1e6 * sum(hs) / n, "lock_hold_p50_us": 1e6 * hs[len(hs) // 2],
                 "lock_hold_p99_us": 1e6 * hs[min(len(hs) - 1, int(0.99 * len(hs)))], "lock_hold_max_us": 1e6 * hs[-1],
                 "lock_takes_per_download": len(hs) / n, "first_download_s": first_s, "fill_s": fill_s,
-                "shard_bytes": size, "manifest_shards": total, "pyloader": os.path.dirname(pyloader.__file__)}
+                "child_first_download_s": child_first_s, "shard_bytes": size, "manifest_shards": total,
+                "processes": procs, "pyloader": os.path.dirname(pyloader.__file__)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(checkout: str, cached: int, seconds: float, max_downloads: int, where: str) -> dict[str, object]:
+def _run(checkout: str, cached: int, seconds: float, max_downloads: int, where: str, procs: int) -> dict[str, object]:
     env = dict(os.environ)
     env["PYTHONPATH"] = checkout
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--point", str(cached), "--seconds", str(seconds),
-                          "--max-downloads", str(max_downloads), "--dir", where], env=env, capture_output=True, text=True,
+                          "--max-downloads", str(max_downloads), "--dir", where, "--procs", str(procs)], env=env, capture_output=True, text=True,
                          cwd=tempfile.gettempdir())
     if out.returncode != 0:
         raise RuntimeError(f"{checkout}, {cached} cached shards: {out.stderr[-3000:]}")
@@ -136,11 +175,12 @@ def main() -> int:
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                     help="where the cache is made (default /dev/shm: the bookkeeping, not the disk's fsyncs, "
                          "is what is measured)")
+    ap.add_argument("--procs", type=int, default=1, help="processes downloading at once into the one cache")
     ap.add_argument("--point", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "cache_index.json"))
     args = ap.parse_args()
     if args.point is not None:
-        print(json.dumps(_point(args.point, args.seconds, args.max_downloads, args.dir)))
+        print(json.dumps(_point(args.point, args.seconds, args.max_downloads, args.dir, args.procs)))
         return 0
     sizes = [1000, 10000] if args.quick else [int(x) for x in args.shards.split(",")]
     repeat, seconds = (1, 1.0) if args.quick else (args.repeat, args.seconds)
@@ -151,12 +191,12 @@ def main() -> int:
     for _ in range(repeat):
         for n in sizes:
             for name, path in checkouts.items():  # side by side: the two checkouts alternate
-                rows[name][n].append(_run(path, n, seconds, args.max_downloads, args.dir))
+                rows[name][n].append(_run(path, n, seconds, args.max_downloads, args.dir, args.procs))
 
     def med(name: str, n: int, key: str) -> float:
         return statistics.median(float(r[key]) for r in rows[name][n])  # type: ignore[arg-type]
 
-    result = {"config": {"shards": sizes, "seconds": seconds, "repeat": repeat, "checkouts": checkouts,
+    result = {"config": {"shards": sizes, "seconds": seconds, "repeat": repeat, "checkouts": checkouts, "procs": args.procs,
                          "cache_dir_in": args.dir},
               "environment": {"python": platform.python_version(), "machine": platform.machine(),
                               "cpus": os.cpu_count()},

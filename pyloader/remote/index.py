@@ -76,6 +76,7 @@ _MAGIC = b"pyloader-cache-index"
 _VERSION = b"1"
 _MAX_BYTES = 1 << 50
 _MAX_INT = 1 << 64
+_MAX_FILE = 1 << 30  # an index larger than this is not read (about ten million lines)
 _PENDING_SETTLE = 64  # open reservations past which they are settled on every make_room
 _PLAIN = re.compile(r"[A-Za-z0-9_.~+=,@%-]+")  # written as is; any other name as "!" + its quote()
 
@@ -124,7 +125,8 @@ def _real_dir(path: str) -> bool:
 class CacheIndex:
     """This process's copy of the index of cache layout ``root`` (NOTE [cache index]).
 
-    Every method runs with the space lock held (so one thread of one process at a time).
+    Every method but ``preload`` runs with the space lock held (so one thread of one
+    process at a time); ``preload`` reads into a copy of its own.
     """
 
     def __init__(self, root: str) -> None:
@@ -262,7 +264,7 @@ class CacheIndex:
         except OSError:
             self._reset()
             return False
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_FILE:
             return False
         try:
             if self._id != (st.st_dev, st.st_ino) or st.st_size < self._off:

@@ -301,10 +301,7 @@ class ShardCache:
         return SpaceLock(self.root, timeout)
 
     def make_room(self, need: int, *, shard: str | None = None) -> None:
-        """With the space lock held: evicts LRU unpinned shards until ``need`` more bytes fit the limit.
-
-        Accounts from the node's index of the cache (NOTE [cache index] in pyloader/remote/index.py).
-        """
+        """With the space lock held: evicts LRU unpinned shards until ``need`` bytes fit (NOTE [cache index] in index.py)."""
         if self.limit is None:
             return
         if need > self.limit:
@@ -322,7 +319,7 @@ class ShardCache:
             if used + need > limit and not listed and time.time_ns() - idx.scanned_at_ns > 1e9:
                 # What the index holds may be gone: list the directory (at most once a second) and retry.
                 idx.commit()
-                self._rebuild(idx)
+                idx.rebuild(*self._listing(), time.time_ns())
                 used = idx.evict_lru(lambda u: u + need <= limit, evict_unpinned)
         else:
             idx.settle_if_many()
@@ -337,19 +334,20 @@ class ShardCache:
         idx = index_for(self.root)
         if idx.sync():
             return idx, False
-        self._rebuild(idx)
+        idx.rebuild(*self._listing(), time.time_ns())
         return idx, True
 
-    def _rebuild(self, idx: CacheIndex) -> None:
-        """Lists the directory into ``idx`` (temps first, as ``_held``)."""
-        now = time.time_ns()
+    def _listing(self) -> tuple[list[tuple[str, str, int]], list[tuple[str, str, int, int, int, bool]]]:
+        """The directory as the index holds it: temps, then shards (the order of ``_held``)."""
         tmps = [(os.path.basename(d), os.path.basename(p), size) for d, p, size in self.temp_files()]
-        idx.rebuild(tmps, ((e.dataset.key, e.name, e.bytes, e.mtime_ns, e.ino, e.referenced)
-                           for e in self.entries()), now)
+        return tmps, [(e.dataset.key, e.name, e.bytes, e.mtime_ns, e.ino, e.referenced) for e in self.entries()]
 
-    def reserved(self, key: str, temp: str, name: str, size: int) -> None:
-        """With the space lock held: counts a new download temp in the index (NOTE [cache index])."""
-        index_for(self.root).reserve(key, temp, name, size)
+    def index_ahead(self) -> None:
+        """Before the space lock: a process's first read of the index, or a listing due (NOTE [cache index])."""
+        idx = index_for(self.root)
+        idx.preload()
+        if idx.refresh_due():
+            idx.refresh_ahead(self._listing)
 
     def evict(self, *, to_bytes: int = 0, url: str | None = None) -> tuple[list[Entry], list[Entry]]:
         """Evicts unpinned shards, LRU first, until usage <= ``to_bytes``. Returns (evicted, skipped as in use)."""
@@ -704,13 +702,13 @@ class DatasetCache:
         # interrupt): a temp then exists only while bytes can flow or be cancelled.
         fs, root = self._filesystem()
         if self.cache.limit is not None:
-            index_for(self.cache.root).preload()  # a first read of the index, before the lock (NOTE [cache index])
+            self.cache.index_ahead()
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
                 tmp, fd = self._create_temp(name)
                 track_temp(tmp)
-                self.cache.reserved(self.key, os.path.basename(tmp), name, size)
+                index_for(self.cache.root).reserve(self.key, os.path.basename(tmp), name, size)  # See NOTE [cache index]
                 try:
                     os.posix_fallocate(fd, 0, size)  # reserve now: a full disk fails here, cleanly
                 except OSError as e:

@@ -42,7 +42,13 @@ Changes made outside the space lock are not journaled, and are found instead:
   (a copied cache), was last listed ``REFRESH_S`` ago, or was dropped (``invalidate``)
   by ``evict``, ``clear`` or a dataset's new manifest (which changes what is referenced).
   So what the protocol cannot see (files added by hand or by an older pyloader, an mtime
-  set back) is counted again within ``REFRESH_S``: that is the bounded drift.
+  set back) is counted again within ``REFRESH_S``: that is the bounded drift. A process
+  about to download lists the directory *before* taking the lock once its copy is 80%
+  of ``REFRESH_S`` old (``refresh_ahead``): the next holder of the lock replays onto that
+  listing the journal lines written since it began, so a large cache is listed without
+  holding the lock; only the first listing of a cache, or one after ``invalidate``, is
+  taken under it. A process's first read of the index is also taken before the lock
+  (``preload``).
 
 A process killed mid-update leaves either a torn last line (the next holder of the lock
 truncates it) or an unjournaled change, which the rules above settle: an eviction whose
@@ -122,39 +128,19 @@ def _real_dir(path: str) -> bool:
     return stat.S_ISDIR(st.st_mode)
 
 
-class CacheIndex:
-    """This process's copy of the index of cache layout ``root`` (NOTE [cache index]).
-
-    Every method but ``preload`` runs with the space lock held (so one thread of one
-    process at a time); ``preload`` reads into a copy of its own.
-    """
+class _State:
+    """What the index holds, in memory: shards, reservations, bytes, the LRU heap (NOTE [cache index])."""
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.path = os.path.join(root, INDEX_FILE)
-        self._fd = -1
-        self._pre: CacheIndex | None = None  # a copy read without the lock, for the next holder to take
-        self._pre_mu = threading.Lock()
         self._reset()
 
-    # -- state -----------------------------------------------------------------------
     def _reset(self) -> None:
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-        self._fd = -1
-        self._pid = os.getpid()
-        self._id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read
-        self._off = 0  # bytes of it applied
-        self._lines = 0
-        self.scanned_at_ns = 0
         self._entries: dict[tuple[str, str], list[int]] = {}  # (key, name) -> [bytes, mtime_ns, ino, ref]
         self._pending: dict[tuple[str, str], tuple[str, int, int]] = {}  # (key, temp) -> (name, bytes, ref)
         self._heap: list[tuple[int, int, str, str]] = []  # (ref, mtime_ns, key, name); lazily deleted
         self.used = 0
-        self._out: list[bytes] = []
+        self._out: list[bytes] = []  # lines to append at commit
         self._bulk = False  # loading many lines: the heap is built once at the end
 
     @property
@@ -215,6 +201,121 @@ class CacheIndex:
         self._drop(key, name)
         self._out.append(_line(b"D", _enc(key), _enc(name)))
 
+    def _fill(self, temps: Iterable[tuple[str, str, int]],
+              entries: Iterable[tuple[str, str, int, int, int, bool]]) -> None:
+        self._reset()
+        for key, temp, size in temps:
+            try:
+                _dec(_enc(key)), _dec(_enc(temp))
+            except _Bad:
+                continue
+            self._reserve(key, temp, _temp_shard(temp), max(0, size), 1)
+        for key, name, size, mtime, ino, ref in entries:
+            try:
+                _dec(_enc(key)), _dec(_enc(name))
+            except _Bad:
+                continue
+            self._put(key, name, max(0, size), max(0, mtime), max(0, ino), int(bool(ref)))
+
+    def resolve_pending(self) -> None:
+        """Settles the reservations whose temp is gone: published (now a shard) or given up."""
+        for (key, temp), (name, _size, ref) in list(self._pending.items()):
+            d = os.path.join(self.root, key)
+            if os.path.lexists(os.path.join(d, "tmp", temp)):
+                continue
+            if name:
+                try:
+                    st = os.lstat(os.path.join(d, "shards", name))
+                    if not stat.S_ISDIR(st.st_mode):
+                        self._emit_put(key, name, st.st_size, st.st_mtime_ns, st.st_ino, ref)
+                except OSError:
+                    pass
+            self._settle(key, temp)
+            self._out.append(_line(b"Q", _enc(key), _enc(temp)))
+
+    @property
+    def pending(self) -> int:
+        """Open reservations (downloads in progress or not yet settled)."""
+        return len(self._pending)
+
+    def settle_if_many(self) -> None:
+        """Settles the reservations once there are many (a process that never fills the cache)."""
+        if len(self._pending) > _PENDING_SETTLE:
+            self.resolve_pending()
+
+    def evict_lru(self, fits: Callable[[int], bool], evict: Callable[[str, str, str], bool]) -> int:
+        """Evicts shards, unreferenced first then least recently used, until ``fits(used)``.
+
+        ``evict(dataset dir, name, path)`` removes one unless it is in use (False). Returns
+        the bytes held after.
+        """
+        kept: list[tuple[int, int, str, str]] = []
+        dirs: dict[str, bool] = {}
+        while self._heap and not fits(self.used):
+            item = heapq.heappop(self._heap)
+            ref, mtime, key, name = item
+            e = self._entries.get((key, name))
+            if e is None or e[1] != mtime or e[3] != ref:
+                continue  # an older position of an entry since updated or dropped
+            d = os.path.join(self.root, key)
+            if key not in dirs:
+                dirs[key] = _real_dir(d) and _real_dir(os.path.join(d, "shards"))
+            path = os.path.join(d, "shards", name)
+            try:
+                st = os.lstat(path) if dirs[key] else None
+            except FileNotFoundError:
+                st = None
+            if st is None or stat.S_ISDIR(st.st_mode):
+                self._emit_drop(key, name)  # gone behind our back (or never ours)
+                continue
+            if st.st_mtime_ns != mtime or st.st_size != e[0] or st.st_ino != e[2]:
+                # used since it was indexed (a pin), or replaced: back at its true place
+                self._emit_put(key, name, st.st_size, st.st_mtime_ns, st.st_ino, ref)
+                continue
+            if evict(d, name, path):
+                self._emit_drop(key, name)
+            else:
+                kept.append(item)
+        for item in kept:
+            heapq.heappush(self._heap, item)
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._heap = [(e[3], e[1], k, n) for (k, n), e in self._entries.items()]
+            heapq.heapify(self._heap)
+        return self.used
+
+
+class CacheIndex(_State):
+    """This process's copy of the index of cache layout ``root`` (NOTE [cache index]).
+
+    Every method but ``preload`` runs with the space lock held (so one thread of one
+    process at a time); ``preload`` reads into a copy of its own.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, INDEX_FILE)
+        self._fd = -1
+        self._pre: CacheIndex | None = None  # a copy read without the lock, for the next holder to take
+        # a listing taken without the lock: (state, its file, fd, bytes, lines, the journal's end when it began)
+        self._refresh: tuple[CacheIndex, str, int, int, int, tuple[int, int, int]] | None = None
+        self._refreshing = False
+        self._pre_mu = threading.Lock()
+        super().__init__(root)
+
+    def _reset(self) -> None:
+        """Forgets the state and the file (closing this process's descriptor of it)."""
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = -1
+        self._pid = os.getpid()
+        self._id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read
+        self._off = 0  # bytes of it applied
+        self._lines = 0
+        self.scanned_at_ns = 0
+        super()._reset()
+
     # -- reading ---------------------------------------------------------------------
     def preload(self) -> None:
         """Reads the index once without the space lock, so that the lock is held only for the lines after.
@@ -225,9 +326,8 @@ class CacheIndex:
         if self._fd >= 0 or self._pre is not None:
             return
         fresh = CacheIndex(self.root)  # its own state: a thread holding the lock may be using ours
-        if not fresh.sync(locked=False):
-            fresh._reset()
-            return
+        if not fresh.sync(locked=False) and fresh._fd < 0:
+            return  # (a copy only due for a listing is kept: refresh_ahead lists it)
         old = self._swap_preloaded(fresh)
         if old is not None:
             old._reset()
@@ -258,6 +358,7 @@ class CacheIndex:
             self._reset()
         if locked:
             self._take_preloaded()
+            self._take_refresh()
         self._out = []
         try:
             st = os.lstat(self.path)
@@ -346,34 +447,128 @@ class CacheIndex:
         except OSError:
             self.invalidate()  # a full disk: the next holder of the lock lists the directory
 
-    def _write_snapshot(self, scanned_at_ns: int) -> None:
+    def _write_file(self, tmp: str, scanned_at_ns: int) -> tuple[int, int, int]:
+        """Writes this state as a snapshot into new file ``tmp``: (its fd, bytes, lines)."""
         rst = os.stat(self.root)
-        tmp = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             lines = [_line(b"H", _MAGIC, _VERSION, b"%d" % rst.st_dev, b"%d" % rst.st_ino, b"%d" % scanned_at_ns)]
-            lines += [_line(b"A", _enc(k), _enc(n), b"%d" % e[0], b"%d" % e[1], b"%d" % e[2], b"%d" % e[3])
-                      for (k, n), e in self._entries.items()]
+            enc: dict[str, bytes] = {}  # a dataset's key, encoded once
+            lines += [_line(b"A", enc.get(k) or enc.setdefault(k, _enc(k)), _enc(n), b"%d" % e[0], b"%d" % e[1],
+                            b"%d" % e[2], b"%d" % e[3]) for (k, n), e in self._entries.items()]
             lines += [_line(b"R", _enc(k), _enc(t), _enc(p[0]) if p[0] else b"-", b"%d" % p[1], b"%d" % p[2])
                       for (k, t), p in self._pending.items()]
             data = b"".join(lines)
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short write")
+        except BaseException:
+            _discard(fd, tmp)
+            raise
+        return fd, len(data), len(lines)
+
+    def _write_snapshot(self, scanned_at_ns: int) -> None:
+        tmp = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd, size, lines = self._write_file(tmp, scanned_at_ns)
+        try:
             os.replace(tmp, self.path)
         except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _discard(fd, tmp)
             raise
+        self._adopt_file(fd, size, lines, scanned_at_ns)
+
+    def _adopt_file(self, fd: int, size: int, lines: int, scanned_at_ns: int) -> None:
         if self._fd >= 0:
             os.close(self._fd)
         st = os.fstat(fd)
-        self._fd, self._id, self._off, self._lines = fd, (st.st_dev, st.st_ino), len(data), len(lines)
+        self._fd, self._id, self._off, self._lines = fd, (st.st_dev, st.st_ino), size, lines
         self.scanned_at_ns = scanned_at_ns
         self._heap = [(e[3], e[1], k, n) for (k, n), e in self._entries.items()]
         heapq.heapify(self._heap)
+
+    # -- a listing ahead of the lock -------------------------------------------------
+    def refresh_due(self) -> bool:
+        """Whether this process's copy (or the one it preloaded) is due for a listing, ``REFRESH_S`` near."""
+        pre = self._pre
+        seen = max(self.scanned_at_ns if self._fd >= 0 else 0, pre.scanned_at_ns if pre is not None else 0)
+        return seen > 0 and self._refresh is None and time.time_ns() - seen > 0.8 * REFRESH_S * 1e9
+
+    def refresh_ahead(self, listing: Callable[[], tuple[list[tuple[str, str, int]],
+                                                        list[tuple[str, str, int, int, int, bool]]]]) -> None:
+        """Lists the directory without the space lock, for the next holder to take with the lines since.
+
+        The end of the journal is marked first (a line boundary); the holder of the lock
+        replays the lines after the mark onto the listing (they are idempotent: the state
+        they leave does not depend on whether the listing saw their change already),
+        appends them to the new file and renames it over the index, so the lock is held
+        for the lines written meanwhile, not for the listing.
+        """
+        with self._pre_mu:
+            if self._refreshing:
+                return
+            self._refreshing = True
+        try:
+            mark = self._journal_end()
+            if mark is None:
+                return
+            now = time.time_ns()
+            temps, entries = listing()
+            fresh = CacheIndex(self.root)
+            fresh._fill(temps, entries)
+            tmp = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.refresh"
+            fd, size, lines = fresh._write_file(tmp, now)
+            fresh.scanned_at_ns = now
+            with self._pre_mu:
+                old, self._refresh = self._refresh, (fresh, tmp, fd, size, lines, mark)
+            if old is not None:
+                _discard(old[2], old[1])
+        except OSError:
+            return
+        finally:
+            self._refreshing = False
+
+    def _journal_end(self) -> tuple[int, int, int] | None:
+        """(st_dev, st_ino, offset just past the last whole line) of the index file, or None."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            tail = os.pread(fd, 1 << 16, max(0, st.st_size - (1 << 16)))
+            cut = tail.rfind(b"\n")
+            if cut < 0:
+                return None
+            return st.st_dev, st.st_ino, st.st_size - len(tail) + cut + 1
+        finally:
+            os.close(fd)
+
+    def _take_refresh(self) -> None:
+        with self._pre_mu:
+            r, self._refresh = self._refresh, None
+        if r is None:
+            return
+        fresh, tmp, fd, size, lines, (dev, ino, off) = r
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size < off or fresh._pid != os.getpid():
+                raise _Bad("the index was replaced since the listing began")
+            rfd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                data = os.pread(rfd, st.st_size - off, off)
+            finally:
+                os.close(rfd)
+            data = data[: data.rfind(b"\n") + 1]
+            for line in data.split(b"\n")[:-1]:
+                fresh._apply(line + b"\n")
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            os.replace(tmp, self.path)
+        except (_Bad, OSError, ValueError):
+            _discard(fd, tmp)
+            return
+        self._reset()
+        self._entries, self._pending, self.used = fresh._entries, fresh._pending, fresh.used
+        self._adopt_file(fd, size + len(data), lines + data.count(b"\n"), fresh.scanned_at_ns)
 
     def rebuild(self, temps: Iterable[tuple[str, str, int]],
                 entries: Iterable[tuple[str, str, int, int, int, bool]], scanned_at_ns: int) -> None:
@@ -384,19 +579,7 @@ class CacheIndex:
         be written (a full disk) the state serves this holder of the lock, and the next
         lists the directory again.
         """
-        self._reset()
-        for key, temp, size in temps:
-            try:
-                _dec(_enc(key)), _dec(_enc(temp))
-            except _Bad:
-                continue
-            self._reserve(key, temp, _temp_shard(temp), max(0, size), 1)
-        for key, name, size, mtime, ino, ref in entries:
-            try:
-                _dec(_enc(key)), _dec(_enc(name))
-            except _Bad:
-                continue
-            self._put(key, name, max(0, size), max(0, mtime), max(0, ino), int(bool(ref)))
+        self._fill(temps, entries)
         self._remove_left_snapshots()
         try:
             self._write_snapshot(scanned_at_ns)
@@ -411,12 +594,17 @@ class CacheIndex:
             names = os.listdir(self.root)
         except OSError:
             return
+        now = time.time()
         for n in names:
-            if n.startswith(INDEX_FILE + ".") and n.endswith(".tmp"):
-                try:
-                    os.unlink(os.path.join(self.root, n))
-                except OSError:
-                    pass
+            if not n.startswith(INDEX_FILE + "."):
+                continue
+            p = os.path.join(self.root, n)
+            try:
+                # A listing ahead of the lock (.refresh) is its writer's until it is REFRESH_S old.
+                if n.endswith(".tmp") or n.endswith(".refresh") and now - os.lstat(p).st_mtime > REFRESH_S:
+                    os.unlink(p)
+            except OSError:
+                pass
 
     def invalidate(self) -> None:
         """Drops the index file: the next holder of the lock lists the directory."""
@@ -451,71 +639,12 @@ class CacheIndex:
         finally:
             os.close(fd)
 
-    def resolve_pending(self) -> None:
-        """Settles the reservations whose temp is gone: published (now a shard) or given up."""
-        for (key, temp), (name, _size, ref) in list(self._pending.items()):
-            d = os.path.join(self.root, key)
-            if os.path.lexists(os.path.join(d, "tmp", temp)):
-                continue
-            if name:
-                try:
-                    st = os.lstat(os.path.join(d, "shards", name))
-                    if not stat.S_ISDIR(st.st_mode):
-                        self._emit_put(key, name, st.st_size, st.st_mtime_ns, st.st_ino, ref)
-                except OSError:
-                    pass
-            self._settle(key, temp)
-            self._out.append(_line(b"Q", _enc(key), _enc(temp)))
-
-    @property
-    def pending(self) -> int:
-        """Open reservations (downloads in progress or not yet settled)."""
-        return len(self._pending)
-
-    def settle_if_many(self) -> None:
-        """Settles the reservations once there are many (a process that never fills the cache)."""
-        if len(self._pending) > _PENDING_SETTLE:
-            self.resolve_pending()
-
-    def evict_lru(self, fits: Callable[[int], bool], evict: Callable[[str, str, str], bool]) -> int:
-        """Evicts shards, unreferenced first then least recently used, until ``fits(used)``.
-
-        ``evict(dataset dir, name, path)`` removes one unless it is in use (False). Returns
-        the bytes held after.
-        """
-        kept: list[tuple[int, int, str, str]] = []
-        dirs: dict[str, bool] = {}
-        while self._heap and not fits(self.used):
-            item = heapq.heappop(self._heap)
-            ref, mtime, key, name = item
-            e = self._entries.get((key, name))
-            if e is None or e[1] != mtime or e[3] != ref:
-                continue  # an older position of an entry since updated or dropped
-            d = os.path.join(self.root, key)
-            if key not in dirs:
-                dirs[key] = _real_dir(d) and _real_dir(os.path.join(d, "shards"))
-            path = os.path.join(d, "shards", name)
-            try:
-                st = os.lstat(path) if dirs[key] else None
-            except FileNotFoundError:
-                st = None
-            if st is None or stat.S_ISDIR(st.st_mode):
-                self._emit_drop(key, name)  # gone behind our back (or never ours)
-                continue
-            if st.st_mtime_ns != mtime or st.st_size != e[0] or st.st_ino != e[2]:
-                # used since it was indexed (a pin), or replaced: back at its true place
-                self._emit_put(key, name, st.st_size, st.st_mtime_ns, st.st_ino, ref)
-                continue
-            if evict(d, name, path):
-                self._emit_drop(key, name)
-            else:
-                kept.append(item)
-        for item in kept:
-            heapq.heappush(self._heap, item)
-        if len(self._heap) > 2 * len(self._entries) + 1024:
-            self._heap = [(e[3], e[1], k, n) for (k, n), e in self._entries.items()]
-            heapq.heapify(self._heap)
-        return self.used
+def _discard(fd: int, tmp: str) -> None:
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
 
 
 def _temp_shard(temp: str) -> str:

@@ -297,3 +297,38 @@ def test_eviction_order_is_the_directorys(tmp_path, cache_dir):
         got.append(expect)
     assert got[:3] == [f"gone-{k}.pyl.{k:016x}" for k in (2, 1, 0)]
     assert got[-3:] == [d.names[i] for i in (0, 1, 2)]
+
+
+@pytest.mark.timeout(90)
+def test_a_listing_taken_ahead_of_the_lock_keeps_what_others_wrote_meanwhile(server, cache_dir, monkeypatch):
+    url = server.url + "/ds"
+    d = open_remote(url, cache_dir=cache_dir)
+    sizes = _sizes(d)
+    limit = sum(sizes) + 10
+    cache = ShardCache(cache_dir, limit=limit)
+    for i in range(8):
+        d.ensure(i)
+    with cache.space_lock():
+        idx, _ = cache._index()
+    with open(d.shard_file(15), "wb") as f:  # outside the protocol: only a listing sees it
+        f.write(b"\0" * sizes[15])
+    monkeypatch.setattr(index_mod, "REFRESH_S", 0.2)
+    time.sleep(0.3)
+    assert idx.refresh_due()
+    cache.index_ahead()  # lists the directory without the lock
+    assert idx._refresh is not None
+    # Another process downloads meanwhile (its index is fresh by the default REFRESH_S).
+    code = ("import sys\nfrom pyloader.remote.fetch import open_remote\n"
+            "d = open_remote(sys.argv[1], cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))\n"
+            "d.ensure(9); d.ensure(10)\n")
+    subprocess.run([sys.executable, "-c", code, url, cache_dir, str(limit)], env=child_env(ROOT), check=True,
+                   timeout=60)
+    monkeypatch.setattr(index_mod, "REFRESH_S", 600.0)
+    with cache.space_lock():
+        idx, listed = cache._index()
+        assert not listed and idx._refresh is None  # the listing taken ahead was adopted
+        head = _read(os.path.join(cache.root, INDEX_FILE)).split(b"\n", 1)[0]
+        assert int(head.split(b" ")[5]) == idx.scanned_at_ns
+    assert _read(os.path.join(cache.root, INDEX_FILE)).count(b"\nR ") >= 2  # the other's lines, replayed
+    _index_matches_directory(cache)
+    assert idx.shards == 11

@@ -674,13 +674,16 @@ def index_for(root: str) -> CacheIndex:
 
 
 def _forget_indexes_in_child() -> None:
+    # The parent's descriptors (its index, a preloaded copy, a listing taken ahead) are its own.
+    fds = []
     for idx in _indexes.values():
-        if idx._fd >= 0:
+        fds += [idx._fd, idx._pre._fd if idx._pre is not None else -1, idx._refresh[2] if idx._refresh else -1]
+    for fd in fds:
+        if fd >= 0:
             try:
-                os.close(idx._fd)
+                os.close(fd)
             except OSError:
                 pass
-            idx._fd = -1
     _indexes.clear()
 
 

@@ -17,6 +17,9 @@ process so that it does not share the client's interpreter lock), all measured i
 5. ``global``: ``shuffle=True`` (global shuffle) with a cache that holds the whole dataset
    (limit 1.1x its size): a cold first epoch, then a second epoch of the same dataset
    object (does it read the cache alone?).
+With ``--transport native fsspec``, passes 2 and 3 run once for each transport (NOTE [transport
+choice] in pyloader/remote/transport.py), side by side. ``--jobs auto`` is what
+``fetch_jobs="auto"`` picks for these shards (NOTE [fetch jobs] in pyloader/remote/fetch.py).
 Passes 1-3 run for each ``--jobs`` value, ``--repeat`` times each (fresh cache each time);
 the table shows the median, and the min-max of the steady rate.
 
@@ -68,7 +71,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
 import pyloader
-from pyloader.remote.fetch import ShardFetcher, open_remote
+from pyloader.remote.fetch import ShardFetcher, auto_fetch_jobs, open_remote
 
 MB = 1e6
 Row = tuple[float, int, int, float, int]  # t, bytes fetched, samples consumed, consumer wait s, cache bytes
@@ -594,7 +597,12 @@ def main() -> int:
     ap.add_argument("--link-mbps", type=float, default=200, help="link bandwidth shared by all connections, MB/s")
     ap.add_argument("--latency-ms", type=float, default=20, help="latency of every request, ms (default 20)")
     ap.add_argument("--cache-fraction", type=float, default=8, help="dataset size / cache limit (default 8)")
-    ap.add_argument("--jobs", type=int, nargs="+", default=[4, 8, 16], help="fetch_jobs values (default 4 8 16)")
+    ap.add_argument("--jobs", nargs="+", default=["4", "8", "16"],
+                    help="fetch_jobs values, or auto (what ShardDataset's default picks for these shards; default "
+                         "4 8 16)")
+    ap.add_argument("--transport", nargs="+", default=["native"], choices=["native", "fsspec"],
+                    help="transports to compare (PYLOADER_TRANSPORT; default native): the fetch only and window "
+                         "passes run once for each, the paced and global passes with the first")
     ap.add_argument("--repeat", type=int, default=3, help="passes of raw, fetch only and window per jobs value")
     ap.add_argument("--window", type=int, default=0,
                     help="window shuffle size, samples (default: the largest power of two up to 4096 whose "
@@ -609,6 +617,11 @@ def main() -> int:
     if args.quick:
         args.total_mb, args.jobs, args.batch, args.repeat = 96, [4], 16, 1
     link, latency, interval = args.link_mbps * MB, args.latency_ms / 1e3, args.sample_ms / 1e3
+    transports = list(dict.fromkeys(args.transport))
+
+    def tag(kind: str, transport: str) -> str:
+        return kind if len(transports) == 1 else f"{kind} [{transport}]"
+
     tmp = tempfile.mkdtemp(prefix="pyloader-bench-stream-")
     srv: ServerProcess | None = None
     try:
@@ -619,6 +632,8 @@ def main() -> int:
                                   int(args.record_kb[0] * 1024), int(args.record_kb[1] * 1024))
         local = pyloader.ShardDataset(local_dir)
         sizes = local.shard_bytes
+        auto = auto_fetch_jobs(sizes)
+        args.jobs = list(dict.fromkeys(auto if j == "auto" else int(j) for j in args.jobs))
         total = sum(sizes)
         limit = int(total / args.cache_fraction)
         names = [os.path.relpath(p, local_dir) for p in local.shard_paths]
@@ -628,7 +643,8 @@ def main() -> int:
               f"{statistics.median(sizes) / MB:.2f}) in {time.perf_counter() - t:.1f} s")
         print(f"link {link / MB:.0f} MB/s shared by all connections, {latency * 1e3:.0f} ms per request; cache limit "
               f"{limit / MB:.1f} MB (dataset / {args.cache_fraction:g}); window {window} samples, batch {args.batch}: "
-              f"working set {wbytes / MB:.1f} MB ({wshards} shards) with the batches read ahead")
+              f"working set {wbytes / MB:.1f} MB ({wshards} shards) with the batches read ahead; fetch_jobs='auto' "
+              f"is {auto} here; transports {', '.join(transports)}")
         cfg = {"dataset_bytes": total, "records": n_records, "shards": len(sizes),
                "shard_bytes_target": int(args.shard_mb * MB), "shard_bytes_min": min(sizes),
                "shard_bytes_median": statistics.median(sizes), "shard_bytes_max": max(sizes),
@@ -659,13 +675,17 @@ def main() -> int:
         for rep in range(args.repeat):  # interleaved, so that a slow spell of the machine hits every kind
             for j in args.jobs:
                 record("raw GETs", j, rep, raw_gets(srv, url, names, j, interval))
-                record("fetch only", j, rep, fetch_only(srv, url, fresh("c-fetch"), limit, j, interval))
-                for e in stream(srv, url, fresh("c-window"), limit, jobs=j, shuffle_mode="window", window=window,
-                                batch=args.batch, step_s=0.0, epochs=1, interval=interval,
-                                profile=args.profile and rep == 0):
-                    record("window", j, rep, e)
+                for tr in transports:
+                    os.environ["PYLOADER_TRANSPORT"] = tr
+                    record(tag("fetch only", tr), j, rep, fetch_only(srv, url, fresh("c-fetch"), limit, j, interval))
+                    for e in stream(srv, url, fresh("c-window"), limit, jobs=j, shuffle_mode="window",
+                                    window=window, batch=args.batch, step_s=0.0, epochs=1, interval=interval,
+                                    profile=args.profile and rep == 0):
+                        record(tag("window", tr), j, rep, e)
+        os.environ["PYLOADER_TRANSPORT"] = transports[0]
         med = {j: statistics.median(p["steady"]["bytes_per_s"] for p in passes
-                                    if p["kind"] == "window" and p["jobs"] == j) for j in args.jobs}
+                                    if p["kind"] == tag("window", transports[0]) and p["jobs"] == j)
+               for j in args.jobs}
         best = max(args.jobs, key=lambda j: med[j])
         if args.paced > 0:
             step = args.batch * (total / n_records) / (args.paced * link)
@@ -688,7 +708,8 @@ def main() -> int:
         print(f"window streaming at >= 90% of the link ({0.9 * link / MB:.0f} MB/s, median steady): "
               + (f"fetch_jobs {', '.join(map(str, reach))}" if reach
                  else f"none of fetch_jobs {', '.join(map(str, args.jobs))}")
-              + f"; best: fetch_jobs {best} ({100 * med[best] / link:.1f}% of the link); load average "
+              + f"; best: fetch_jobs {best} ({100 * med[best] / link:.1f}% of the link; {transports[0]} transport); "
+              f"load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         print(f"wrote {args.out}")
     finally:

@@ -2,7 +2,8 @@
 
 It stands in for object storage in ``bench_cache.py`` and ``bench_stream.py``: GET with
 byte ranges, HEAD, 404; no faults (the tests' servers inject those). It stops by itself
-after ``max_life`` seconds.
+after ``max_life`` seconds. Bodies are sent with ``sendfile``: serve from tmpfs (``/dev/shm``)
+and the bytes come from memory.
 
 ``bandwidth`` is per connection by default. With ``link=True`` it is the bandwidth of
 one link that every connection shares: a token bucket across connections, refilled at
@@ -29,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 _CHUNK = 64 << 10
+_SENDFILE_CHUNK = 1 << 20  # per send on a link-throttled server (at most half its burst)
 
 
 class TokenBucket:
@@ -141,6 +143,8 @@ class ThrottledServer:
         h.send_header("Content-Type", "application/octet-stream")
         h.send_header("Content-Length", str(end - start))
         h.send_header("Accept-Ranges", "bytes")
+        st = os.stat(local)
+        h.send_header("ETag", f'"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"')  # S3 clients need one
         if status == 206:
             h.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         h.end_headers()
@@ -148,18 +152,26 @@ class ThrottledServer:
             return
         t0 = time.perf_counter()
         sent = 0
+        out = h.connection.fileno()
+        # sendfile: the bytes go from the page cache (tmpfs: memory) to the socket without
+        # passing through this process, so the server costs little CPU per byte.
+        if self.link is not None:
+            chunk = max(_CHUNK, min(_SENDFILE_CHUNK, int(self.link.burst // 2)))
+        else:
+            chunk = 4 << 20 if self.bandwidth == float("inf") else _CHUNK
         try:
             with open(local, "rb") as f:
-                f.seek(start)
                 while sent < end - start:
-                    chunk = f.read(min(_CHUNK, end - start - sent))
+                    n = min(chunk, end - start - sent)
                     if self.link is not None:
-                        wait = self.link.take(len(chunk))
+                        wait = self.link.take(n)
                         if wait > 0:
                             time.sleep(wait)  # the link is busy with other connections' bytes
-                    h.wfile.write(chunk)
-                    sent += len(chunk)
-                    self._count(len(chunk))
+                    n = os.sendfile(out, f.fileno(), start + sent, n)
+                    if n == 0:
+                        break
+                    sent += n
+                    self._count(n)
                     if self.link is None:
                         ahead = sent / self.bandwidth - (time.perf_counter() - t0)
                         if ahead > 0:
@@ -171,7 +183,7 @@ class ThrottledServer:
 def main() -> int:
     ap = argparse.ArgumentParser(description="Serves a directory on 127.0.0.1 with a throttled bandwidth and latency.")
     ap.add_argument("root")
-    ap.add_argument("--bandwidth", type=float, required=True, help="bytes/s (per connection, or of the link)")
+    ap.add_argument("--bandwidth", type=float, required=True, help="bytes/s (per connection, or of the link; inf: unthrottled)")
     ap.add_argument("--latency", type=float, default=0.0, help="seconds before each response")
     ap.add_argument("--link", action="store_true", help="--bandwidth is shared by all connections")
     ap.add_argument("--stats-path", default="/_stats", help="GET it for the counters as JSON")

@@ -6,7 +6,7 @@ releases the GIL. DLPack capsules ("dltensor") keep their batch slot alive until
 made from them is freed (NOTE [DLPack lifetime] in csrc/bindings/dlpack_export.h).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -46,6 +46,19 @@ def lz4_decode_into(src: _BufferLike, dst: _BufferLike, *, repeat: int = 1) -> N
 
     For benchmarks. Releases the GIL.
     """
+
+# register_http.cpp
+
+def http_available() -> tuple[bool, str]:
+    """(whether libcurl.so.4 could be loaded, the reason when not)."""
+
+def http_version() -> str:
+    """The version string of libcurl, or '' without it."""
+
+def http_download(fd: int, url: str, size: int, *, parts: Sequence[tuple[int, int]], headers: Sequence[str],
+                  connect_timeout: float, stall_timeout: float, write_buffer: int, cancel: Any,
+                  on_bytes: Callable[[int], object] | None) -> dict[str, Any]:
+    """One attempt to download `url` (`size` bytes) into `fd` with pwrite()."""
 
 # register_image.cpp
 

@@ -108,7 +108,7 @@ INT_SETTINGS: dict[str, IntRule] = {
     "doc_batch": IntRule(1, 2**31 - 1),
     "lookahead": IntRule(1, 2**31 - 1),
     "pad_id": IntRule(-(2**63), 2**64 - 1, kind="an int"),
-    "fetch_jobs": IntRule(1, 4096),
+    "fetch_jobs": IntRule(1, 4096, message="fetch_jobs must be 'auto' or a positive int, got {value!r}"),
     "num_workers": IntRule(0, 4096, message="num_workers option should be non-negative; use num_workers=0 to "
                                             "disable multiprocessing."),
     "prefetch_factor": IntRule(0, 1 << 20, optional=True, message="prefetch_factor option should be non-negative"),
@@ -118,7 +118,7 @@ INT_SETTINGS: dict[str, IntRule] = {
 
 DEFAULTS: dict[str, Any] = {
     "shuffle": False, "seed": 0, "shuffle_mode": "global", "window": 65536, "partition": "pad",
-    "fetch_jobs": 4, "device_prefetch": 2, "num_threads": 2,
+    "fetch_jobs": "auto", "device_prefetch": 2, "num_threads": 2,
 }
 
 

@@ -12,5 +12,6 @@ void register_copy(pybind11::module_& m);
 void register_image(pybind11::module_& m);
 void register_packer(pybind11::module_& m);
 void register_order(pybind11::module_& m);
+void register_http(pybind11::module_& m);
 
 }  // namespace pyloader

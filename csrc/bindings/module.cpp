@@ -12,6 +12,7 @@ PYBIND11_MODULE(_C, m) {
   pyloader::register_image(m);
   pyloader::register_packer(m);
   pyloader::register_order(m);
+  pyloader::register_http(m);
 }
 
 namespace pyloader {

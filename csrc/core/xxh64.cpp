@@ -31,6 +31,29 @@ inline uint64_t merge_lane(uint64_t acc, uint64_t v) noexcept {
   return acc * kPrime1 + kPrime4;
 }
 
+// The 8-, 4- and 1-byte steps over the last (fewer than 32) bytes, then the avalanche.
+inline uint64_t finish(uint64_t acc, const uint8_t* p, const uint8_t* end) noexcept {
+  for (; end - p >= 8; p += 8) {
+    acc ^= lane_round(0, le64(p));
+    acc = rotl64(acc, 27) * kPrime1 + kPrime4;
+  }
+  if (end - p >= 4) {
+    acc ^= static_cast<uint64_t>(le32(p)) * kPrime1;
+    acc = rotl64(acc, 23) * kPrime2 + kPrime3;
+    p += 4;
+  }
+  for (; p != end; ++p) {
+    acc ^= static_cast<uint64_t>(*p) * kPrime5;
+    acc = rotl64(acc, 11) * kPrime1;
+  }
+  acc ^= acc >> 33;
+  acc *= kPrime2;
+  acc ^= acc >> 29;
+  acc *= kPrime3;
+  acc ^= acc >> 32;
+  return acc;
+}
+
 // Hashes p[0, len); when kCopy, also copies it to out. Shared so that xxh64 and
 // xxh64_copy cannot drift apart.
 template <bool kCopy>
@@ -81,26 +104,7 @@ inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* 
   if constexpr (kCopy) {
     if (end != p) std::memcpy(out, p, static_cast<size_t>(end - p));
   }
-  for (; end - p >= 8; p += 8) {
-    acc ^= lane_round(0, le64(p));
-    acc = rotl64(acc, 27) * kPrime1 + kPrime4;
-  }
-  if (end - p >= 4) {
-    acc ^= static_cast<uint64_t>(le32(p)) * kPrime1;
-    acc = rotl64(acc, 23) * kPrime2 + kPrime3;
-    p += 4;
-  }
-  for (; p != end; ++p) {
-    acc ^= static_cast<uint64_t>(*p) * kPrime5;
-    acc = rotl64(acc, 11) * kPrime1;
-  }
-
-  acc ^= acc >> 33;
-  acc *= kPrime2;
-  acc ^= acc >> 29;
-  acc *= kPrime3;
-  acc ^= acc >> 32;
-  return acc;
+  return finish(acc, p, end);
 }
 
 }  // namespace
@@ -111,6 +115,46 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) noexcept {
 
 uint64_t xxh64_copy(void* dst, const void* src, size_t len, uint64_t seed) noexcept {
   return hash_impl<true>(static_cast<const uint8_t*>(src), len, seed, static_cast<uint8_t*>(dst));
+}
+
+Xxh64Stream::Xxh64Stream(uint64_t seed) noexcept
+    : seed_(seed), v_{seed + kPrime1 + kPrime2, seed + kPrime2, seed, seed - kPrime1} {}
+
+void Xxh64Stream::update(const void* data, size_t len) noexcept {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  total_ += len;
+  if (held_) {  // complete the stripe held from the last call first
+    size_t k = len < 32 - held_ ? len : 32 - held_;
+    std::memcpy(buf_ + held_, p, k);
+    held_ += k;
+    p += k;
+    len -= k;
+    if (held_ < 32) return;
+    stripe(buf_);
+    held_ = 0;
+  }
+  for (; len >= 32; p += 32, len -= 32) stripe(p);
+  if (len) std::memcpy(buf_, p, len);
+  held_ = len;
+}
+
+void Xxh64Stream::stripe(const uint8_t* p) noexcept {
+  v_[0] = lane_round(v_[0], le64(p));
+  v_[1] = lane_round(v_[1], le64(p + 8));
+  v_[2] = lane_round(v_[2], le64(p + 16));
+  v_[3] = lane_round(v_[3], le64(p + 24));
+}
+
+uint64_t Xxh64Stream::digest() const noexcept {
+  uint64_t acc;
+  if (total_ >= 32) {
+    acc = rotl64(v_[0], 1) + rotl64(v_[1], 7) + rotl64(v_[2], 12) + rotl64(v_[3], 18);
+    for (uint64_t v : v_) acc = merge_lane(acc, v);
+  } else {
+    acc = seed_ + kPrime5;
+  }
+  acc += total_;
+  return finish(acc, buf_, buf_ + held_);
 }
 
 }  // namespace pyloader

@@ -15,4 +15,22 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) noexcept;
 // so the copy rides along with the hash instead of making a second pass over src.
 uint64_t xxh64_copy(void* dst, const void* src, size_t len, uint64_t seed) noexcept;
 
+// XXH64 of bytes given in pieces: digest() after update() calls over data[0, len) in order
+// equals xxh64(data, len, seed).
+class Xxh64Stream {
+ public:
+  explicit Xxh64Stream(uint64_t seed = 0) noexcept;
+  void update(const void* data, size_t len) noexcept;
+  uint64_t digest() const noexcept;
+  uint64_t length() const noexcept { return total_; }
+
+ private:
+  void stripe(const uint8_t* p) noexcept;
+  uint64_t seed_;
+  uint64_t v_[4];
+  uint64_t total_ = 0;
+  uint8_t buf_[32] = {0};
+  size_t held_ = 0;
+};
+
 }  // namespace pyloader

@@ -237,7 +237,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         remote_options = RemoteOptions(cache_dir=cache_dir, cache_limit=cache_limit, fetch_jobs=fetch_jobs,
                                        storage_options=storage_options)
         self.nulls = check_choice("nulls", nulls, ("error", "zero"))
-        self.fetch_jobs = remote_options.fetch_jobs
+        self.fetch_jobs = remote_options.jobs_for([])
         self._cache: DatasetCache | None = None
         self._readiness: _Readiness | None = None
         self._fetcher: Any = None

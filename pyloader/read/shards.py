@@ -430,7 +430,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
             on another.
         cache_dir, cache_limit, fetch_jobs, storage_options: for remote (fsspec) URLs such
             as ``s3://``, ``gs://``, ``https://``: shards are fetched ahead of the reader,
-            in plan order, ``fetch_jobs`` at a time, into the node cache at ``cache_dir``
+            in plan order, ``fetch_jobs`` at a time (``"auto"``: enough to keep 16 MiB in
+            flight, 4 to 32; NOTE [fetch jobs] in ``pyloader.remote.fetch``), into the node cache at ``cache_dir``
             (default ``$PYLOADER_CACHE_DIR``, else the user's cache dir), whose size is
             capped at ``cache_limit`` bytes (or ``"20G"``); ``storage_options`` go to
             fsspec. See ``pyloader.remote.cache``. A reader holds only its working set in
@@ -468,7 +469,7 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
     def __init__(self, path: str | os.PathLike[str], *, shuffle: bool = False, seed: int = 0,
                  shuffle_mode: str = "global", window: int = 65536, rank: int | None = None,
                  world_size: int | None = None, partition: str = "pad", cache_dir: str | os.PathLike[str] | None = None,
-                 cache_limit: int | str | None = None, fetch_jobs: int = 4,
+                 cache_limit: int | str | None = None, fetch_jobs: int | str = "auto",
                  storage_options: dict[str, Any] | None = None, transform: Any = None,
                  decode: Any = None, max_value_bytes: int | str = DEFAULT_MAX_VALUE_BYTES) -> None:
         super().__init__()
@@ -483,7 +484,6 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         self.url = os.fspath(path)
         self._remote: Any = None  # the node cache of a remote dataset (pyloader.remote.cache.DatasetCache)
         self._fetcher: Any = None
-        self.fetch_jobs = remote.fetch_jobs
         if is_remote(self.url):
             self._remote = remote.open(self.url)
             mpath, data = self._remote.url + "/" + MANIFEST_NAME, self._remote.manifest_bytes
@@ -507,6 +507,7 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         prefix = os.path.join(self.root, "")
         self.shard_paths = [prefix + s["path"] for s in shards]
         self.shard_bytes = [int(s["bytes"]) for s in shards]
+        self.fetch_jobs = remote.jobs_for(self.shard_bytes)
         self.records_per_shard = [int(s["records"]) for s in shards]
         self.unit_records = self.records_per_shard  # UnitDataset plans by shard
         self.num_records = int(self.manifest["records"])

@@ -21,7 +21,7 @@ from ..contract import DEFAULTS, OrderSpec, Plan, PlannedDataset, check_callable
 from ..format.sizes import parse_size
 from ..remote.budget import readers_on_node
 from ..remote.cache import DatasetCache
-from ..remote.fetch import open_remote
+from ..remote.fetch import auto_fetch_jobs, open_remote
 from . import order as _order
 
 # Records per internal batch when yielding single samples to torch's DataLoader.
@@ -33,14 +33,15 @@ class RemoteOptions:
     """The node-cache keywords of ``ShardDataset`` and ``ParquetDataset``, checked once (NOTE [one rule per setting]).
 
     ``cache_dir`` (default ``$PYLOADER_CACHE_DIR``, else the user's cache dir),
-    ``cache_limit`` (bytes, or a size such as ``"20G"``), ``fetch_jobs`` (downloads at once)
-    and ``storage_options`` (for fsspec). Checked for local data too: a bad value fails
+    ``cache_limit`` (bytes, or a size such as ``"20G"``), ``fetch_jobs`` (downloads at once,
+    or ``"auto"``: See NOTE [fetch jobs] in pyloader/remote/fetch.py) and ``storage_options``
+    (for fsspec and the native transport). Checked for local data too: a bad value fails
     whichever dataset gets it.
     """
 
     cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | str | None = None
-    fetch_jobs: int = DEFAULTS["fetch_jobs"]
+    fetch_jobs: int | str = DEFAULTS["fetch_jobs"]
     storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -55,11 +56,16 @@ class RemoteOptions:
                 put(self, "cache_limit", parse_size(self.cache_limit))
             except ValueError as e:
                 raise ValueError(f"cache_limit: {e}") from None
-        put(self, "fetch_jobs", check_count("fetch_jobs", self.fetch_jobs))
+        if self.fetch_jobs != "auto":
+            put(self, "fetch_jobs", check_count("fetch_jobs", self.fetch_jobs))
         if self.storage_options is not None:
             if not isinstance(self.storage_options, Mapping):
                 raise ValueError(f"storage_options must be a dict or None, got {self.storage_options!r}")
             put(self, "storage_options", dict(self.storage_options))
+
+    def jobs_for(self, sizes: list[int]) -> int:
+        """``fetch_jobs``, with ``"auto"`` resolved for shards of ``sizes`` bytes (NOTE [fetch jobs])."""
+        return auto_fetch_jobs(sizes) if self.fetch_jobs == "auto" else int(self.fetch_jobs)
 
     def open(self, url: str, **kwargs: Any) -> DatasetCache:
         """``url`` bound to the node cache with these options (``pyloader.remote.fetch.open_remote``)."""

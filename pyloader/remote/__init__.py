@@ -3,6 +3,7 @@
 | file | what it is for |
 |---|---|
 | ``fs.py`` | fsspec access: filesystems with timeouts, retries, per-host throttling (``HostLimiter``), whole-object reads, cancellable downloads into a file |
+| ``transport.py`` | how a download's bytes move: the native libcurl client for ``http(s)://`` and ``s3://`` (presigned), fsspec for the rest (NOTE [transport choice]) |
 | ``throttle.py`` | per-host request limits: one adaptive window of requests in flight per host (``HostLimiter``; NOTE [fetch throttling]) |
 | ``locks.py`` | lock files: ``open_lockfile`` / ``close_lockfile`` (closed in a forked child: NOTE [lock files across fork]), flock with a timeout (``Flock``), OFD byte locks, the node-wide ``SpaceLock`` |
 | ``pins.py`` | pins: one byte of a dataset's ``pins.lock`` per shard a process may have mapped (``DatasetPins``; NOTE [cache pins]) |
@@ -22,4 +23,4 @@ Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli
 
 
 __all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest", "pins",
-           "room", "temps", "throttle"]  # its modules (pdoc documents the modules named here)
+           "room", "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)

@@ -38,9 +38,16 @@ never mixed. Everything is a plain file in ``root``; nothing lives in /dev/shm.
 
 NOTE [cache publish]: a shard file appears under ``shards/`` only by ``os.replace`` of a
 temp file that was (1) created (``O_EXCL``) under a name no other writer uses, (2)
-exactly the manifest's size, (3) equal to the manifest's XXH64, (4) fsynced, and the
-directory is fsynced after the rename. So a reader that sees the name sees a whole,
-verified file; a partial file only ever exists under ``tmp/``. The shard's ``.lock``
+exactly the manifest's size, (3) equal to the manifest's XXH64. So a reader that sees
+the name sees a whole, verified file; a partial file only ever exists under ``tmp/``.
+Shards are not fsynced: the wait would make the disk's synchronous write bandwidth (600
+MB/s where the link brings 1 GB/s) the bound of every download, and a streamed shard is
+often evicted before the kernel writes it back at all. A crash of the machine may leave a
+published shard torn (its size right, its bytes not); every reader checks each record's
+checksum on first use and a torn copy is discarded and fetched again (NOTE
+[self-healing] in csrc/core/shard_reader.h), and ``pyloader cache verify`` finds it. Files
+whose readers check no record (``"content_hash": false``: cached Parquet files) are
+fsynced before the rename, and their directory after it. The shard's ``.lock``
 flock makes it one download per node, but nothing depends on it: where flock does
 nothing (some NFS, Lustre or GPFS mounts) two processes may download one shard at once,
 each into its own temp, and the second rename replaces a verified file by an identical
@@ -92,17 +99,12 @@ from ..format.encode import atomic_write as _atomic_write
 from ..format.sizes import format_size, parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
 from . import temps
-from .fs import (
-    FetchError,
-    RetryPolicy,
-    download_into,
-    filesystem,
-    with_retries,
-)
+from .fs import FetchError, RetryPolicy, with_retries
 from .index import CacheIndex, index_for
 from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
 from .pins import PINS_FILE, DatasetPins, evict_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
+from .transport import Transport, transport_for
 
 __all__ = ["DISCARD_LOG", "LAYOUT", "DatasetCache", "Entry", "ShardCache", "dataset_key", "default_cache_dir",
            "fsync_dir", "normalize_url", "shard_cache_name"]
@@ -332,22 +334,12 @@ class ShardCache:
     def _index(self) -> tuple[CacheIndex, bool]:
         """This process's index, brought up to date under the space lock: (index, listed just now?)."""
         idx = index_for(self.root)
-        if idx.sync():
-            return idx, False
-        idx.rebuild(*self._listing(), time.time_ns())
-        return idx, True
+        return idx, idx.sync_or_list(self._listing)
 
     def _listing(self) -> tuple[list[tuple[str, str, int]], list[tuple[str, str, int, int, int, bool]]]:
         """The directory as the index holds it: temps, then shards (the order of ``_held``)."""
         tmps = [(os.path.basename(d), os.path.basename(p), size) for d, p, size in self.temp_files()]
         return tmps, [(e.dataset.key, e.name, e.bytes, e.mtime_ns, e.ino, e.referenced) for e in self.entries()]
-
-    def index_ahead(self) -> None:
-        """Before the space lock: a process's first read of the index, or a listing due (NOTE [cache index])."""
-        idx = index_for(self.root)
-        idx.preload()
-        if idx.refresh_due():
-            idx.refresh_ahead(self._listing)
 
     def evict(self, *, to_bytes: int = 0, url: str | None = None) -> tuple[list[Entry], list[Entry]]:
         """Evicts unpinned shards, LRU first, until usage <= ``to_bytes``. Returns (evicted, skipped as in use)."""
@@ -435,12 +427,12 @@ class DatasetCache:
         self.storage_options = storage_options
         self.policy = policy or RetryPolicy.from_env()
         self._pins = DatasetPins(self._pins_path)  # the pins this object holds (a pickled copy holds none)
-        self._fs: Any = None
-        self._fs_pid = -1
+        self._transport: Transport | None = None
+        self._transport_pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
         s = self.__dict__.copy()
-        s["_fs"], s["_fs_pid"] = None, -1
+        s["_transport"], s["_transport_pid"] = None, -1
         return s
 
     # -- layout ------------------------------------------------------------------------
@@ -615,11 +607,12 @@ class DatasetCache:
         return n
 
     # -- fetching (NOTE [cache publish]) ---------------------------------------------------
-    def _filesystem(self) -> Any:
-        if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = filesystem(self.url, self.storage_options, self.policy.stall_timeout)
-            self._fs_pid = os.getpid()
-        return self._fs
+    def transport(self) -> Transport:
+        """How this dataset's shards are downloaded in this process (NOTE [transport choice])."""
+        if self._transport is None or self._transport_pid != os.getpid():
+            self._transport = transport_for(self.url, self.storage_options, stall_timeout=self.policy.stall_timeout)
+            self._transport_pid = os.getpid()
+        return self._transport
 
     def acquire(self, i: int, *, cancel: threading.Event | None = None,
                 on_bytes: Callable[[int], None] | None = None) -> tuple[str, bool]:
@@ -681,6 +674,11 @@ class DatasetCache:
                 _real_dir(self.tmp_dir)  # `clear` removed it meanwhile
         return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
+    @property
+    def _durable(self) -> bool:
+        """Whether a download is fsynced before it is published (NOTE [cache publish])."""
+        return self.manifest.get("content_hash") is False
+
     def _publish(self, tmp: str, final: str) -> None:
         """``os.replace`` of a verified temp onto its published name (NOTE [cache publish])."""
         try:
@@ -690,7 +688,8 @@ class DatasetCache:
                 raise _TempLost() from None
             _real_dir(self.shard_dir)  # `clear` removed it meanwhile
             os.replace(tmp, final)
-        fsync_dir(self.shard_dir)
+        if self._durable:
+            fsync_dir(self.shard_dir)
 
     def _download_locked(self, i: int, cancel: threading.Event | None,
                          on_bytes: Callable[[int], None] | None) -> None:
@@ -698,11 +697,11 @@ class DatasetCache:
         size, shard, url = int(info["bytes"]), info["path"], self.shard_url(i)
         reclaim_temps(self.dir, name)
         tmp, fd = "", -1
-        # The filesystem first (its first use imports and connects, which a cancel cannot
+        # The transport first (its first use imports and connects, which a cancel cannot
         # interrupt): a temp then exists only while bytes can flow or be cancelled.
-        fs, root = self._filesystem()
-        if self.cache.limit is not None:
-            self.cache.index_ahead()
+        transport = self.transport()
+        if self.cache.limit is not None:  # before the lock: See NOTE [cache index]
+            index_for(self.cache.root).ahead(self.cache._listing)
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
@@ -717,13 +716,13 @@ class DatasetCache:
                                            f"for {size} bytes ({os.strerror(e.errno)})", shard) from None
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
-            path = root.rstrip("/") + "/" + shard
             for attempt in range(2):
-                with_retries(lambda: download_into(fd, fs, path, size, url=url, shard=shard, cancel=cancel,
-                                                   on_bytes=on_bytes),
-                             self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
-                os.fsync(fd)
-                problem = self.content_problem(fd, size, i)
+                digest = with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard,
+                                                                      cancel=cancel, on_bytes=on_bytes),
+                                      self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
+                if self._durable:  # See NOTE [cache publish]: records checked on use need no fsync
+                    os.fsync(fd)
+                problem = self.content_problem(fd, size, i, digest)
                 if problem is None:
                     break
                 if attempt == 1 or not self.retry_bad_content:
@@ -755,8 +754,11 @@ class DatasetCache:
     # may have been mid-replacement) before content_error() is raised.
     retry_bad_content = True
 
-    def content_problem(self, fd: int, size: int, i: int) -> str | None:
+    def content_problem(self, fd: int, size: int, i: int, digest: int | None = None) -> str | None:
         """None if the ``size`` bytes in ``fd`` are shard ``i`` of the manifest; else what is wrong.
+
+        ``digest``: their XXH64, when the download computed it on the way (NOTE [native
+        transport] in csrc/core/http_fetch.h); else they are read back and hashed.
 
         The one check behind both publishing a download and ``pyloader cache verify``. A
         manifest with ``"content_hash": false`` (cached Parquet files, pyloader.read.parquet)
@@ -767,8 +769,11 @@ class DatasetCache:
         if self.manifest.get("content_hash") is False:
             head, tail = os.pread(fd, 4, 0), os.pread(fd, 4, max(0, size - 4))
             return None if head == tail == b"PAR1" else "not a Parquet file (no PAR1 magic at both ends)"
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else _Empty() as mm:
-            got = _C.xxh64(mm)
+        if digest is not None:
+            got = digest
+        else:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else _Empty() as mm:
+                got = _C.xxh64(mm)
         if got != int(info["xxh64"], 16):
             return f"XXH64 {got:016x}, manifest says {info['xxh64']}"
         return None

@@ -39,12 +39,13 @@ from ..format.spec import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dump
 from .bad_copies import discard
 from .cache import DatasetCache, ShardCache, normalize_url
 from .download_threads import DownloadThreads
-from .fs import FetchError, RetryPolicy, download_buffer_bytes
+from .fs import FetchError, RetryPolicy
 from .manifest import node_manifest
 from .room import HeldShards, RoomWaits
 from .temps import remove_temps_at_sigterm
 
-__all__ = ["ShardFetcher", "first_touch_order", "open_remote", "working_set"]
+__all__ = ["FETCH_IN_FLIGHT", "FETCH_JOBS_MAX", "FETCH_JOBS_MIN", "ShardFetcher", "auto_fetch_jobs",
+           "first_touch_order", "open_remote", "working_set"]
 
 _IDLE, _QUEUED, _RUNNING, _DONE, _FAILED = range(5)
 
@@ -110,6 +111,27 @@ def working_set(shard_idx: np.ndarray | Sequence[int], sizes: np.ndarray, horizo
     bytes_at = np.cumsum(live_bytes[:-1])
     k = int(np.argmax(bytes_at))
     return int(bytes_at[k]), int(np.cumsum(live_count[:-1])[k])
+
+
+# NOTE [fetch jobs]: ``fetch_jobs="auto"`` (the default) runs enough downloads at once to
+# keep ``FETCH_IN_FLIGHT`` bytes on their way: a request's latency (10-50 ms to an object
+# store) is paid per shard, so small shards need many at once to fill a link (at 10 ms per
+# request, 4 downloads of 256 KiB shards carry at most ~85 MB/s however fast the link).
+# From the median shard size: ceil(FETCH_IN_FLIGHT / median), at least FETCH_JOBS_MIN and at
+# most FETCH_JOBS_MAX. The host's AIMD window (NOTE [fetch throttling]) still bounds what
+# is in flight when the server pushes back, and a loader's autotune moves the count from
+# there (NOTE [autotune] in pyloader/loader/autotune.py).
+FETCH_IN_FLIGHT = 16 << 20
+FETCH_JOBS_MIN = 4
+FETCH_JOBS_MAX = 32
+
+
+def auto_fetch_jobs(sizes: Sequence[int] | np.ndarray) -> int:
+    """The downloads at once for shards of ``sizes`` bytes (NOTE [fetch jobs])."""
+    if len(sizes) == 0:
+        return FETCH_JOBS_MIN
+    median = max(1, int(np.median(np.asarray(sizes, dtype=np.int64))))
+    return max(FETCH_JOBS_MIN, min(FETCH_JOBS_MAX, -(-FETCH_IN_FLIGHT // median)))
 
 
 def first_touch_order(shard_idx: Iterable[int] | np.ndarray) -> list[int]:
@@ -336,7 +358,8 @@ class ShardFetcher:
     @property
     def job_bytes(self) -> int:
         """Memory one running download holds: its read buffer (what an auto-tuned loader counts per job)."""
-        return download_buffer_bytes(self.dcache.url)
+        sizes = [int(s["bytes"]) for s in self.dcache.shards]
+        return self.dcache.transport().buffer_bytes(max(sizes, default=0))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running. True if done."""

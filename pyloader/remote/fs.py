@@ -501,11 +501,6 @@ class _SyncStream:
             self.f.close()
 
 
-def download_buffer_bytes(url: str) -> int:
-    """The read buffer one download of ``url`` holds (its chunk size)."""
-    return _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else _OTHER_CHUNK
-
-
 def _open_stream(fs: Any, path: str, size: int, cancel: threading.Event | None) -> tuple[_AsyncStream | _SyncStream,
                                                                                          int]:
     """(stream, chunk size) for one download of ``path`` (NOTE [download cancel])."""
@@ -576,4 +571,4 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
 
 
 __all__ = ["is_remote", "filesystem", "RetryPolicy", "classify", "is_throttle",
-           "with_retries", "read_object", "download_buffer_bytes", "download_into"]
+           "with_retries", "read_object", "download_into"]

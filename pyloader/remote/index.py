@@ -486,6 +486,22 @@ class CacheIndex(_State):
         heapq.heapify(self._heap)
 
     # -- a listing ahead of the lock -------------------------------------------------
+    def ahead(self, listing: Callable[[], tuple[list[tuple[str, str, int]],
+                                                list[tuple[str, str, int, int, int, bool]]]]) -> None:
+        """Before the space lock: a process's first read of the index, or a listing due (``refresh_ahead``)."""
+        self.preload()
+        if self.refresh_due():
+            self.refresh_ahead(listing)
+
+    def sync_or_list(self, listing: Callable[[], tuple[list[tuple[str, str, int]],
+                                                       list[tuple[str, str, int, int, int, bool]]]]) -> bool:
+        """``sync``, else ``rebuild`` from ``listing()``; whether the directory was listed."""
+        if self.sync():
+            return False
+        now = time.time_ns()
+        self.rebuild(*listing(), now)
+        return True
+
     def refresh_due(self) -> bool:
         """Whether this process's copy (or the one it preloaded) is due for a listing, ``REFRESH_S`` near."""
         pre = self._pre

@@ -24,7 +24,7 @@ from typing import Any
 class Fault:
     """One injected behaviour. ``times`` responses get it (None: every response)."""
 
-    kind: str  # status | drop | truncate | flip | stall | reset | replace
+    kind: str  # status | drop | truncate | flip | stall | reset | replace | norange | redirect
     status: int = 500
     retry_after: str | None = None
     seconds: float = 0.0
@@ -156,9 +156,16 @@ class FaultServer:
                 status = fault.status
                 self._status(h, fault.status, fault.retry_after)
                 return
+            if fault is not None and fault.kind == "redirect":  # data: the Location
+                status = 302
+                h.send_response(302)
+                h.send_header("Location", fault.data.decode())
+                h.send_header("Content-Length", "0")
+                h.end_headers()
+                return
             start, end = 0, len(data)
             rng = h.headers.get("Range")
-            if rng and rng.startswith("bytes="):
+            if rng and rng.startswith("bytes=") and not (fault is not None and fault.kind == "norange"):
                 a, _, b = rng[6:].partition("-")
                 start = int(a) if a else max(0, len(data) - int(b))
                 end = min(len(data), int(b) + 1) if a and b else len(data)

@@ -315,7 +315,7 @@ def test_a_listing_taken_ahead_of_the_lock_keeps_what_others_wrote_meanwhile(ser
     monkeypatch.setattr(index_mod, "REFRESH_S", 0.2)
     time.sleep(0.3)
     assert idx.refresh_due()
-    cache.index_ahead()  # lists the directory without the lock
+    index_for(cache.root).ahead(cache._listing)  # lists the directory without the lock
     assert idx._refresh is not None
     # Another process downloads meanwhile (its index is fresh by the default REFRESH_S).
     code = ("import sys\nfrom pyloader.remote.fetch import open_remote\n"

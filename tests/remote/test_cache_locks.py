@@ -21,7 +21,6 @@ from remote_util import N_RECORDS, child_env, labels, temp_files
 
 import pyloader
 from pyloader.format.owner import owner
-from pyloader.remote import cache as cache_mod
 from pyloader.remote import locks, temps
 from pyloader.remote.bad_copies import discard, verify_entry
 from pyloader.remote.cache import ShardCache
@@ -260,7 +259,8 @@ def test_temps_are_reclaimed_by_their_writers_liveness(server, cache_dir):
 @pytest.mark.timeout(60)
 def test_a_writer_whose_temp_is_removed_downloads_again(server, cache_dir, monkeypatch):
     d = open_remote(server.url + "/ds", cache_dir=cache_dir)
-    real, calls = cache_mod.download_into, []
+    transport = d.transport()
+    real, calls = transport.download_into, []
 
     def download_then_lose_the_temp(fd, *a, **k):
         real(fd, *a, **k)
@@ -269,7 +269,7 @@ def test_a_writer_whose_temp_is_removed_downloads_again(server, cache_dir, monke
             for n in os.listdir(d.tmp_dir):
                 os.unlink(os.path.join(d.tmp_dir, n))
 
-    monkeypatch.setattr(cache_mod, "download_into", download_then_lose_the_temp)
+    monkeypatch.setattr(transport, "download_into", download_then_lose_the_temp)
     assert d.ensure(5) == (d.shard_file(5), True)
     assert len(calls) == 2 and verify_entry(d, next(e for e in d.entries() if e.name == d.names[5])) is None
     assert temp_files(cache_dir) == []

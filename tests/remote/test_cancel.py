@@ -25,6 +25,13 @@ BIG = "big.bin"
 BIG_SIZE = 3 << 20  # three HTTP chunks
 
 
+@pytest.fixture(autouse=True, params=["native", "fsspec"])
+def transport(request, monkeypatch) -> str:
+    """Each test through both transports (NOTE [transport choice]): the same behaviour is asked of either."""
+    monkeypatch.setenv("PYLOADER_TRANSPORT", request.param)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def slow_stall_timeout(monkeypatch):
     # A cancel must not wait for the stall timeout: make that long.

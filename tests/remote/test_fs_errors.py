@@ -18,6 +18,13 @@ from pyloader.remote.fetch import open_remote
 SHARD1 = "ds/shard-000001.pyl"
 
 
+@pytest.fixture(autouse=True, params=["native", "fsspec"])
+def transport(request, monkeypatch) -> str:
+    """Each test through both transports (NOTE [transport choice]): the same behaviour is asked of either."""
+    monkeypatch.setenv("PYLOADER_TRANSPORT", request.param)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def fresh_limiters():
     rthrottle.forget_limiters()  # a port reused from an earlier test must not inherit its throttling

@@ -1,0 +1,90 @@
+// HTTP(S) downloads straight into a file descriptor through the system's libcurl, loaded
+// at run time from libcurl.so.4 and never linked (like the CUDA driver), so one build runs
+// with and without it; without it the Python side downloads through fsspec.
+//
+// NOTE [native transport]: one download is one attempt: a GET of the whole object, or one
+// ranged GET per part, all driven by one multi handle on the calling thread and written
+// with pwrite() at their offsets through a staging buffer per part (libcurl hands the body
+// over in 16 KiB pieces; writing those one by one costs more CPU than the transfer). The
+// caller drives it in slices (`step`) and, between slices, sees the bytes written and may
+// cancel. Nothing is retried here and nothing is judged: each part reports its status line,
+// the headers that matter (Content-Length, Content-Range, Retry-After), the start of an
+// error body and libcurl's error, and the Python side classifies them (NOTE [fetch
+// retries] in pyloader/remote/fs.py). A part stops as soon as it cannot be right (a body
+// larger than asked, a 200 to a ranged request, a total size other than the expected one),
+// so a changed object is never written past the bytes it was asked for. Each thread keeps
+// its own multi handle and easy handles, so connections (and TLS sessions) are reused by
+// the next download on that thread; a forked child never touches its parent's handles
+// (their sockets are the parent's): it leaks them and starts anew. Only http and https
+// are followed, redirects included.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pyloader {
+namespace http {
+
+// Whether libcurl.so.4 could be loaded (the reason in *why when not).
+bool available(std::string* why = nullptr);
+// libcurl's version string ("libcurl/7.88.1 OpenSSL/3.0 ..."), or "" without it.
+std::string version();
+
+struct Part {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+struct Request {
+  std::string url;
+  int fd = -1;                       // written with pwrite() at each part's offsets
+  uint64_t size = 0;                 // the object's expected size
+  std::vector<Part> parts;           // empty: one GET of the whole object; else one ranged GET each
+  std::vector<std::string> headers;  // "Name: value" lines sent with every request
+  double connect_timeout_s = 30;
+  double stall_timeout_s = 30;  // no byte for this long ends the part (libcurl's low-speed limit)
+  size_t write_buffer = 1 << 20;
+};
+
+struct PartResult {
+  int status = 0;          // the final response's status code (0: none came)
+  uint64_t written = 0;    // body bytes written to fd
+  int curl_code = -1;      // libcurl's CURLcode (0: the transfer ended cleanly; -1: not finished)
+  std::string curl_error;  // its message
+  int64_t content_length = -1;
+  int64_t range_total = -1;  // the "/total" of Content-Range
+  std::string retry_after;   // the Retry-After header as sent
+  std::string error_body;    // the start of a non-2xx body
+  std::string wrong;         // why the part was stopped as wrong ("" if not)
+  int write_errno = 0;       // errno of a failed pwrite
+  bool hashed = false;       // whether xxh64 covers every byte written (a whole-object GET)
+  uint64_t xxh64 = 0;        // XXH64 (seed 0) of the bytes written, when hashed
+};
+
+class Download {
+ public:
+  // Starts every part; throws std::runtime_error when libcurl is unavailable.
+  explicit Download(const Request& req);
+  ~Download();
+  Download(const Download&) = delete;
+  Download& operator=(const Download&) = delete;
+
+  // Drives the transfers for at most `ms` milliseconds; true once every part has ended.
+  bool step(int ms);
+  // Body bytes written since the last call.
+  uint64_t take_written();
+  // Ends every part still running (curl_code stays -1 for those).
+  void stop();
+  const std::vector<PartResult>& results() const { return results_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::vector<PartResult> results_;
+};
+
+}  // namespace http
+}  // namespace pyloader

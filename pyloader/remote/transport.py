@@ -1,0 +1,318 @@
+"""How a download's bytes move: pyloader's native HTTP client, or fsspec.
+
+NOTE [transport choice]: a shard download is one of two transports, chosen per dataset:
+  - *native* (``NativeTransport``): the system's libcurl driven from the extension
+    (NOTE [native transport] in csrc/core/http_fetch.h). Bytes go from the socket into the
+    cache's temp file without passing through Python or an event loop, large objects as
+    parallel ranged GETs (``RANGE_MIN`` and up, parts of at least ``PART_MIN``). It serves
+    ``http(s)://`` URLs and ``s3://`` ones, the latter through a URL presigned by botocore
+    for each download (credentials, region, endpoint and addressing are botocore's, from
+    the same ``storage_options`` s3fs takes);
+  - *fsspec* (``FsspecTransport``): every other protocol, and any dataset whose
+    ``storage_options`` say something the native transport does not translate (an aiohttp
+    session option, an s3fs option other than credentials, endpoint, region and
+    requester-pays).
+``PYLOADER_TRANSPORT`` picks: ``auto`` (the default: native where it applies and libcurl
+loads, else fsspec), ``native`` (an error where it does not apply) or ``fsspec``. Manifests
+are always read through fsspec (one small GET per node). Both transports raise the same
+failures for the same conditions, classified by ``fs._failure`` (NOTE [fetch retries]):
+an HTTP status as an exception with ``status``, ``headers`` (Retry-After) and, for S3,
+the error ``Code`` of its XML body; a libcurl transfer error as a ``ConnectionError`` or
+``TimeoutError`` (transient) or a permanent error; a short body as ``_ShortBody``; a
+larger or other-sized object as ``RemoteChangedError``; a cancel as ``FetchError``
+(ECANCELED), seen within ``CANCEL_POLL_S``; a failed write as the ``OSError`` it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import pyloader._C as _C
+
+from ..errors import FetchError, RemoteChangedError
+from .fs import _HTTP_CHUNK, _fetch_error, _ShortBody, download_into, filesystem
+
+TRANSPORTS = ("auto", "native", "fsspec")
+RANGE_MIN = 64 << 20  # objects at least this big are fetched as parallel ranged GETs
+PART_MIN = 16 << 20  # ... in parts of at least this many bytes
+MAX_PARTS = 8
+WRITE_BUFFER = 1 << 20  # the staging buffer of each part (See NOTE [native transport])
+_CURL_BUFFER = 512 << 10  # libcurl's receive buffer per part
+# libcurl error codes whose failure a retry may fix: proxy and host resolution, connect,
+# partial file, HTTP/2 framing, TLS connect, nothing received, send and receive errors.
+_CURL_TRANSIENT = {5, 6, 7, 16, 18, 35, 52, 55, 56, 92, 95}
+_CURL_TIMEOUT = 28
+_CURL_NATIVE_PROTOCOLS = ("http", "https", "s3", "s3a")
+# storage_options keys of fsspec's cache layer that change nothing about the bytes.
+_NEUTRAL_KEYS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+_S3_KEYS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs", "requester_pays",
+            "profile"}
+_S3_CLIENT_KEYS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
+                   "aws_session_token", "verify"}
+
+
+def transport_setting() -> str:
+    """``PYLOADER_TRANSPORT`` (NOTE [transport choice]): ``auto`` unless set."""
+    v = os.environ.get("PYLOADER_TRANSPORT", "").strip().lower() or "auto"
+    if v not in TRANSPORTS:
+        raise ValueError(f"PYLOADER_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {v!r}")
+    return v
+
+
+class Transport(Protocol):
+    """What the cache downloads through (NOTE [transport choice])."""
+
+    name: str
+
+    def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
+                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
+        """One attempt: object ``key`` (relative to the dataset) into ``fd`` from offset 0, exactly ``size`` bytes.
+
+        Returns the XXH64 of the bytes written when the transport computed it on the way, else None.
+        """
+
+    def buffer_bytes(self, size: int) -> int:
+        """Memory one download of an object of ``size`` bytes holds (its buffers)."""
+
+
+class FsspecTransport:
+    """Downloads through an fsspec filesystem (NOTE [download cancel] in ``fs.py``)."""
+
+    name = "fsspec"
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None, stall_timeout: float) -> None:
+        self.fs, self.root = filesystem(url, storage_options, stall_timeout)
+        self._chunk = _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else 8 << 20
+
+    def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
+                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
+        """One attempt through fsspec (``fs.download_into``); no hash on the way."""
+        path = self.root.rstrip("/") + "/" + key
+        download_into(fd, self.fs, path, size, url=url, shard=shard, cancel=cancel, on_bytes=on_bytes)
+        return None
+
+    def buffer_bytes(self, size: int) -> int:
+        """The read chunk of one download."""
+        return self._chunk
+
+
+class _HttpStatus(Exception):
+    """A non-2xx answer to a native download, shaped for ``fs._failure``: ``status``, ``headers``, ``response``."""
+
+    def __init__(self, status: int, retry_after: str, body: bytes) -> None:
+        self.status = status
+        self.headers = {"Retry-After": retry_after} if retry_after else {}
+        text = body[:4096].decode("utf-8", "replace")
+        code, message = _xml_field(text, "Code"), _xml_field(text, "Message")
+        self.response: dict[str, Any] | None = {"Error": {"Code": code, "Message": message},
+                                                "ResponseMetadata": {"HTTPStatusCode": status}} if code else None
+        detail = f"{code}: {message}" if code else _first_line(text)
+        super().__init__(f"HTTP {status}" + (f" ({detail})" if detail else ""))
+
+
+class _CurlError(ConnectionError):
+    """A transfer that libcurl ended with an error a retry may fix (refused, reset, resolve...)."""
+
+
+class _CurlPermanent(Exception):
+    """A transfer that libcurl ended with an error a retry does not fix (bad URL, certificate...)."""
+
+
+def _xml_field(text: str, name: str) -> str:
+    m = re.search(rf"<{name}>([^<]{{1,200}})</{name}>", text)
+    return m.group(1) if m else ""
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return "".join(c if c.isprintable() else "?" for c in line[:120])
+
+
+def _parts(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the ranged GETs of an object of ``size`` bytes; [] for one whole GET."""
+    if size < RANGE_MIN:
+        return []
+    n = max(1, min(MAX_PARTS, size // PART_MIN))
+    step = -(-size // n)
+    return [(o, min(step, size - o)) for o in range(0, size, step)]
+
+
+class NativeTransport:
+    """Downloads through the extension's libcurl client (NOTE [transport choice])."""
+
+    name = "native"
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None, *, connect_timeout: float,
+                 stall_timeout: float) -> None:
+        self.proto = url.split("://", 1)[0].lower()
+        opts = dict(storage_options or {})
+        self.headers = [f"{k}: {v}" for k, v in (opts.get("headers") or {}).items()]
+        self.connect_timeout, self.stall_timeout = connect_timeout, stall_timeout
+        self.base = url.rstrip("/")
+        self._presigner = _S3Presigner(opts) if self.proto in ("s3", "s3a") else None
+        self.ranges = True  # False once the server answered a ranged GET with the whole object
+
+    def target(self, key: str) -> str:
+        """The HTTP(S) URL that the GET of object ``key`` (relative to the dataset) goes to."""
+        if self._presigner is not None:
+            bucket_key = self.base.split("://", 1)[1] + "/" + key
+            bucket, _, obj = bucket_key.partition("/")
+            return self._presigner.url(bucket, obj)
+        return self.base + "/" + quote(key, safe="/~!$&'()*+,;=:@")
+
+    def buffer_bytes(self, size: int) -> int:
+        """A staging buffer and libcurl's receive buffer per part."""
+        return max(1, len(_parts(size)) if self.ranges else 1) * (WRITE_BUFFER + _CURL_BUFFER)
+
+    def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
+                      cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
+        """One attempt (See NOTE [transport choice] for what it raises); a whole GET's XXH64 (NOTE [native transport])."""
+        target = self.target(key)
+        parts = _parts(size) if self.ranges else []
+        while True:
+            r = _C.http_download(fd, target, size, parts=parts, headers=self.headers,
+                                 connect_timeout=self.connect_timeout, stall_timeout=self.stall_timeout,
+                                 write_buffer=WRITE_BUFFER, cancel=cancel, on_bytes=on_bytes)
+            if r["cancelled"]:
+                raise _fetch_error(FetchError, f"downloading {url} (shard {shard!r}): cancelled", url, shard,
+                                   errno.ECANCELED)
+            try:
+                _judge(r["parts"], parts, size, url=url, shard=shard)
+                digest: int | None = r["parts"][0]["xxh64"] if not parts else None
+                return digest
+            except _NoRanges:
+                self.ranges = False  # the server sends whole objects: one GET from now on
+                parts = []
+
+
+class _NoRanges(Exception):
+    pass
+
+
+def _changed(url: str, shard: str, size: int, actual: int | None) -> FetchError:
+    what = f"is {actual} bytes, not the manifest's {size}" if actual is not None and actual < size else \
+        f"is larger than the manifest's {size} bytes"
+    return _fetch_error(RemoteChangedError, f"{url}: shard {shard!r} {what}: the object changed after the manifest "
+                        "was read; re-open the dataset to read the new manifest", url, shard)
+
+
+def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: int, *, url: str, shard: str) -> None:
+    """Raises the failure of one native attempt, if any (See NOTE [transport choice])."""
+    ended = [p for p in results if p["curl_code"] >= 0]
+    for p in ended:  # what the object is decides first: a changed object is final
+        wrong = p["wrong"]
+        if not wrong:
+            continue
+        if parts and ("ranged request" in wrong or "range other" in wrong or "body is" in wrong):
+            raise _NoRanges()
+        if p["range_total"] >= 0 and p["range_total"] != size:
+            raise _changed(url, shard, size, p["range_total"])
+        raise _changed(url, shard, size, None)
+    for p in ended:
+        if p["write_errno"]:
+            raise OSError(p["write_errno"], os.strerror(p["write_errno"]))
+    for p in ended:
+        if p["curl_code"] == 0 and not 200 <= p["status"] <= 299:
+            raise _HttpStatus(p["status"], p["retry_after"], p["error_body"])
+    for p in ended:
+        code = p["curl_code"]
+        if code > 0:
+            if p["status"] and not 200 <= p["status"] <= 299 and p["status"] not in (301, 302, 303, 307, 308):
+                raise _HttpStatus(p["status"], p["retry_after"], p["error_body"])
+            msg = f"libcurl error {code}: {p['curl_error']}"
+            if code == _CURL_TIMEOUT:
+                raise TimeoutError(msg)
+            if code in _CURL_TRANSIENT:
+                raise _CurlError(msg)
+            raise _CurlPermanent(msg)
+    expected = [n for _, n in parts] if parts else [size]
+    if len(ended) < len(results):  # stopped unfinished without a failure: cannot happen but never pass it
+        raise _CurlError("the transfer stopped before its end")
+    for p, n in zip(results, expected):
+        if p["written"] < n:
+            raise _ShortBody(f"the body ended after {p['written']} of {n} bytes")
+
+
+class _S3Presigner:
+    """Presigned GET URLs for ``s3://`` objects, from botocore and s3fs-style ``storage_options``."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        import botocore.session
+        from botocore import UNSIGNED
+        from botocore.config import Config
+
+        client_kw = dict(opts.get("client_kwargs") or {})
+        endpoint = opts.get("endpoint_url") or client_kw.pop("endpoint_url", None) \
+            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = client_kw.pop("region_name", None)
+        session = botocore.session.Session(profile=opts.get("profile"))
+        cfg: dict[str, Any] = dict(opts.get("config_kwargs") or {})
+        cfg.setdefault("signature_version", UNSIGNED if opts.get("anon") else "s3v4")
+        if endpoint:
+            cfg.setdefault("s3", {"addressing_style": "path"})
+        self.client = session.create_client(
+            "s3", endpoint_url=endpoint, region_name=region or session.get_config_variable("region") or "us-east-1",
+            aws_access_key_id=opts.get("key") or client_kw.pop("aws_access_key_id", None),
+            aws_secret_access_key=opts.get("secret") or client_kw.pop("aws_secret_access_key", None),
+            aws_session_token=opts.get("token") or client_kw.pop("aws_session_token", None),
+            config=Config(**cfg), **{k: v for k, v in client_kw.items() if k == "verify"})
+        self.params = {"RequestPayer": "requester"} if opts.get("requester_pays") else {}
+
+    def url(self, bucket: str, key: str) -> str:
+        u: str = self.client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key, **self.params},
+                                                   ExpiresIn=3600)
+        return u
+
+
+def native_unsupported(url: str, storage_options: dict[str, Any] | None) -> str | None:
+    """Why the native transport cannot serve ``url`` with these options, or None (NOTE [transport choice])."""
+    proto = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if proto not in _CURL_NATIVE_PROTOCOLS:
+        return f"the native transport serves {', '.join(_CURL_NATIVE_PROTOCOLS)} URLs, not {proto}://"
+    ok, why = _C.http_available()
+    if not ok:
+        return why
+    opts = {k: v for k, v in (storage_options or {}).items() if k not in _NEUTRAL_KEYS}
+    if proto in ("http", "https"):
+        extra = sorted(set(opts) - {"headers"})
+        headers = opts.get("headers") or {}
+        if extra:
+            return f"storage_options {extra} are aiohttp/fsspec settings the native transport does not translate"
+        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) and "\n" not in k + v
+                                                    and "\r" not in k + v for k, v in headers.items()):
+            return "storage_options['headers'] must be a dict of one-line strings"
+        return None
+    extra = sorted(set(opts) - _S3_KEYS)
+    client_extra = sorted(set(opts.get("client_kwargs") or {}) - _S3_CLIENT_KEYS)
+    if extra or client_extra:
+        return f"storage_options {extra + client_extra} are s3fs settings the native transport does not translate"
+    try:
+        import botocore  # noqa: F401
+    except ImportError:
+        return "botocore is not installed"
+    return None
+
+
+def transport_for(url: str, storage_options: dict[str, Any] | None, *, stall_timeout: float,
+                  setting: str | None = None) -> Transport:
+    """The transport of dataset ``url`` (NOTE [transport choice]); ValueError for ``native`` where it cannot serve."""
+    setting = setting or transport_setting()
+    if setting != "fsspec":
+        why = native_unsupported(url, storage_options)
+        if why is None:
+            return NativeTransport(url, storage_options, connect_timeout=max(stall_timeout, 1.0),
+                                   stall_timeout=stall_timeout)
+        if setting == "native":
+            raise ValueError(f"PYLOADER_TRANSPORT=native cannot download {url}: {why}; unset PYLOADER_TRANSPORT "
+                             "(auto) to use fsspec for it")
+    return FsspecTransport(url, storage_options, stall_timeout)
+
+
+__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "MAX_PARTS", "WRITE_BUFFER", "Transport", "FsspecTransport",
+           "NativeTransport", "transport_setting", "native_unsupported", "transport_for"]

@@ -9,6 +9,7 @@
 | ``pins.py`` | pins: one byte of a dataset's ``pins.lock`` per shard a process may have mapped (``DatasetPins``; NOTE [cache pins]) |
 | ``temps.py`` | temp files of downloads: their names and owners, which writers are gone, reclaiming them, removal at SIGTERM (NOTE [temps at SIGTERM]) |
 | ``cache.py`` | the node cache: paths (NOTE [cache paths]), publish (NOTE [cache publish]), limits and LRU eviction |
+| ``index.py`` | the index of the node cache shared by its processes: bytes held and LRU order, O(1) per download (NOTE [cache index]) |
 | ``bad_copies.py`` | cached copies that fail their check: ``verify_entry``, ``remove_entry``, ``discard`` |
 | ``manifest.py`` | ``node_manifest``: a manifest fetched once per node, not per rank (NOTE [manifest once per node]) |
 | ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``working_set``, ``ShardFetcher`` (prefetch in plan order within a byte budget, releases, self-healing: NOTE [streaming]) |
@@ -21,5 +22,5 @@ Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli
 """
 
 
-__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "locks", "manifest", "pins", "room",
-           "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)
+__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest", "pins",
+           "room", "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)

@@ -4,6 +4,7 @@ Layout (``root`` is ``cache_dir`` argument, else ``$PYLOADER_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pyloader`` or ``~/.cache/pyloader``)::
 
     root/v1/space.lock                  flock: held while accounting space / evicting
+    root/v1/index                       what the cache holds, in LRU order (NOTE [cache index] in index.py)
     root/v1/<key>/url                   the dataset URL (key = XXH64 of the URL)
     root/v1/<key>/manifest.json         the manifest copy the shards below were checked against
     root/v1/<key>/shards/<name>         published shards; name = quote(path) + "." + manifest xxh64
@@ -85,6 +86,7 @@ import os
 import re
 import stat
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,8 +100,9 @@ from ..format.sizes import format_size, parse_size
 from ..format.spec import MANIFEST_NAME, parse_manifest
 from . import temps
 from .fs import FetchError, RetryPolicy, with_retries
+from .index import CacheIndex, index_for
 from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
-from .pins import PINS_FILE, DatasetPins, lock_unpinned
+from .pins import PINS_FILE, DatasetPins, evict_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
 from .transport import Transport, transport_for
 
@@ -208,6 +211,7 @@ class Entry:
     mtime: float
     referenced: bool  # named by the dataset's current manifest
     ino: int = 0  # the file's inode when listed (0: unknown); remove_entry removes only that file
+    mtime_ns: int = 0  # ``mtime`` in nanoseconds (0: unknown)
 
 
 class ShardCache:
@@ -299,28 +303,43 @@ class ShardCache:
         return SpaceLock(self.root, timeout)
 
     def make_room(self, need: int, *, shard: str | None = None) -> None:
-        """With the space lock held: evicts LRU unpinned shards until ``need`` more bytes fit the limit."""
+        """With the space lock held: evicts LRU unpinned shards until ``need`` bytes fit (NOTE [cache index] in index.py)."""
         if self.limit is None:
             return
         if need > self.limit:
             raise CacheLimitError(f"shard {shard!r} ({format_size(need)}) is larger than the cache limit of "
                                   f"{format_size(self.limit)} ({self.base}); set the limit (cache_limit=, --limit) "
                                   f"to at least {format_size(need)}")
-        entries, used = self._held()
-        if used + need <= self.limit:
-            return
-        if self.clean_stale():  # dead writers' temps count against the limit too
-            entries, used = self._held()
-        # Shards the current manifests no longer name go first, then least recently used.
-        for e in sorted(entries, key=lambda e: (e.referenced, e.mtime)):
-            if used + need <= self.limit:
-                break
-            if e.dataset.evict_entry(e):
-                used -= e.bytes
-        if used + need > self.limit:
-            raise cache_error(errno.ENOSPC, f"cache {self.base} is full: {used} of {self.limit} bytes are held "
+        limit = self.limit
+        idx, listed = self._index()
+        used = idx.used
+        if used + need > limit:
+            idx.resolve_pending()
+            if idx.pending and idx.used + need > limit and self.clean_stale():  # dead writers' temps count too
+                idx.resolve_pending()
+            used = idx.evict_lru(lambda u: u + need <= limit, evict_unpinned)
+            if used + need > limit and not listed and time.time_ns() - idx.scanned_at_ns > 1e9:
+                # What the index holds may be gone: list the directory (at most once a second) and retry.
+                idx.commit()
+                idx.rebuild(*self._listing(), time.time_ns())
+                used = idx.evict_lru(lambda u: u + need <= limit, evict_unpinned)
+        else:
+            idx.settle_if_many()
+        idx.commit()
+        if used + need > limit:
+            raise cache_error(errno.ENOSPC, f"cache {self.base} is full: {used} of {limit} bytes are held "
                                f"by shards in use or being downloaded; cannot fit shard {shard!r} ({need} bytes). "
                                "Raise the limit or read fewer shards at once.", shard)
+
+    def _index(self) -> tuple[CacheIndex, bool]:
+        """This process's index, brought up to date under the space lock: (index, listed just now?)."""
+        idx = index_for(self.root)
+        return idx, idx.sync_or_list(self._listing)
+
+    def _listing(self) -> tuple[list[tuple[str, str, int]], list[tuple[str, str, int, int, int, bool]]]:
+        """The directory as the index holds it: temps, then shards (the order of ``_held``)."""
+        tmps = [(os.path.basename(d), os.path.basename(p), size) for d, p, size in self.temp_files()]
+        return tmps, [(e.dataset.key, e.name, e.bytes, e.mtime_ns, e.ino, e.referenced) for e in self.entries()]
 
     def evict(self, *, to_bytes: int = 0, url: str | None = None) -> tuple[list[Entry], list[Entry]]:
         """Evicts unpinned shards, LRU first, until usage <= ``to_bytes``. Returns (evicted, skipped as in use)."""
@@ -338,6 +357,7 @@ class ShardCache:
                     used -= e.bytes
                 else:
                     busy.append(e)
+            index_for(self.root).invalidate()  # listed again at the next make_room (NOTE [cache index])
             return evicted, busy
 
     def clean_stale(self) -> int:
@@ -361,6 +381,7 @@ class ShardCache:
                     else:
                         busy += 1
                 removed += d.remove_if_idle()
+            index_for(self.root).invalidate()  # See NOTE [cache index]
         return removed, busy
 
     def stats(self) -> dict[str, Any]:
@@ -467,10 +488,14 @@ class DatasetCache:
             try:
                 with open(path, "rb") as f:
                     same = f.read() == self.manifest_bytes
+                replaced = not same
             except FileNotFoundError:
-                same = False
+                same = replaced = False
             if not same:
                 _atomic_write(path, [self.manifest_bytes])
+            if replaced:  # what is referenced changed: the index is listed again (NOTE [cache index])
+                with self.cache.space_lock():
+                    index_for(self.cache.root).invalidate()
             path = os.path.join(self.dir, "url")
             if not os.path.lexists(path):
                 _atomic_write(path, [self.url.encode("utf-8") + b"\n"])
@@ -507,7 +532,7 @@ class DatasetCache:
                 st = os.lstat(p)  # a link is listed as itself, and fails verify_entry
             except FileNotFoundError:
                 continue
-            out.append(Entry(self, n, p, st.st_size, st.st_mtime, n in refs, st.st_ino))
+            out.append(Entry(self, n, p, st.st_size, st.st_mtime, n in refs, st.st_ino, st.st_mtime_ns))
         return out
 
     # -- pins (NOTE [cache pins]) --------------------------------------------------------
@@ -534,22 +559,7 @@ class DatasetCache:
 
     def evict_entry(self, e: Entry) -> bool:
         """Removes one published shard unless a reader pins it or a downloader holds it."""
-        lfd = open_lockfile(self.lock_path(e.name))
-        pfd = open_lockfile(self._pins_path)
-        try:
-            if lfd is None or pfd is None:
-                return False
-            if not try_flock(lfd, fcntl.LOCK_EX) or not lock_unpinned(pfd, e.name):
-                return False
-            try:
-                os.unlink(e.path)
-            except FileNotFoundError:
-                pass
-            return True
-        finally:
-            for fd in (lfd, pfd):
-                if fd is not None:
-                    close_lockfile(fd)  # the only fd of its open file description: its locks go with it
+        return evict_unpinned(self.dir, e.name, e.path)
 
     def remove_if_idle(self) -> int:
         """Removes this dataset's directory if it holds no shards or temp files. Returns files removed."""
@@ -690,11 +700,14 @@ class DatasetCache:
         # The transport first (its first use imports and connects, which a cancel cannot
         # interrupt): a temp then exists only while bytes can flow or be cancelled.
         transport = self.transport()
+        if self.cache.limit is not None:  # before the lock: See NOTE [cache index]
+            index_for(self.cache.root).ahead(self.cache._listing)
         try:
             with self.cache.space_lock():
                 self.cache.make_room(size, shard=shard)
                 tmp, fd = self._create_temp(name)
                 track_temp(tmp)
+                index_for(self.cache.root).reserve(self.key, os.path.basename(tmp), name, size)  # See NOTE [cache index]
                 try:
                     os.posix_fallocate(fd, 0, size)  # reserve now: a full disk fails here, cleanly
                 except OSError as e:

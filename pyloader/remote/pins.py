@@ -35,9 +35,9 @@ from typing import Any
 
 import pyloader._C as _C
 
-from .locks import LOCK_POLL_S, byte_held, byte_lock, cache_error, close_lockfile, open_lockfile, same_file
+from .locks import LOCK_POLL_S, byte_held, byte_lock, cache_error, close_lockfile, open_lockfile, same_file, try_flock
 
-__all__ = ["PINS_FILE", "DatasetPins", "lock_unpinned", "pin_offset"]
+__all__ = ["PINS_FILE", "DatasetPins", "evict_unpinned", "lock_unpinned", "pin_offset"]
 
 PINS_FILE = "pins.lock"
 
@@ -150,6 +150,26 @@ def lock_unpinned(fd: int, name: str) -> bool:
     lock goes when it is closed (See NOTE [cache pins]).
     """
     return byte_lock(fd, fcntl.F_WRLCK, pin_offset(name))
+
+
+def evict_unpinned(ddir: str, name: str, path: str) -> bool:
+    """Removes shard file ``name`` (at ``path``) of dataset dir ``ddir`` unless a reader pins it or a downloader holds it."""
+    lfd = open_lockfile(os.path.join(ddir, "locks", name + ".lock"))
+    pfd = open_lockfile(os.path.join(ddir, PINS_FILE))
+    try:
+        if lfd is None or pfd is None:
+            return False
+        if not try_flock(lfd, fcntl.LOCK_EX) or not lock_unpinned(pfd, name):
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return True
+    finally:
+        for fd in (lfd, pfd):
+            if fd is not None:
+                close_lockfile(fd)  # the only fd of its open file description: its locks go with it
 
 
 class DatasetPins:

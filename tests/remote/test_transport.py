@@ -237,17 +237,17 @@ def test_s3_through_presigned_urls(srv_root, cache_dir):
         opts = srv.storage_options()
         s3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name="us-east-1", aws_access_key_id="testing",
                           aws_secret_access_key="testing")
-        s3.create_bucket(Bucket="bucket")
+        s3.create_bucket(Bucket="transport")  # moto's buckets outlive its server: a name of its own
         src = os.path.join(srv_root, "ds")
         for name in sorted(os.listdir(src)):
-            s3.upload_file(os.path.join(src, name), "bucket", f"ds/{name}")
-        d = open_remote("s3://bucket/ds", cache_dir=cache_dir, storage_options=opts)
+            s3.upload_file(os.path.join(src, name), "transport", f"ds/{name}")
+        d = open_remote("s3://transport/ds", cache_dir=cache_dir, storage_options=opts)
         assert d.transport().name == "native"
         assert d.ensure(3) == (d.shard_file(3), True)
         with open(d.shard_file(3), "rb") as f, open(os.path.join(src, d.shards[3]["path"]), "rb") as g:
             assert f.read() == g.read()
-        s3.delete_object(Bucket="bucket", Key="ds/" + d.shards[4]["path"])
-        with pytest.raises(FetchNotFoundError, match=r"s3://bucket/ds/shard-000004.pyl.*NoSuchKey.*permanent"):
+        s3.delete_object(Bucket="transport", Key="ds/" + d.shards[4]["path"])
+        with pytest.raises(FetchNotFoundError, match=r"s3://transport/ds/shard-000004.pyl.*NoSuchKey.*permanent"):
             d.ensure(4)
     finally:
         srv.stop()

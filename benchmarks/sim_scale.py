@@ -267,7 +267,7 @@ def reads_section(a: argparse.Namespace, horizon: int) -> dict[str, Any]:
         rows = [node_reads(a, mode, node, sizes, horizon) for node in sampled_nodes(a.nodes, k)]
         node_shards = float(np.mean([r["node_shards"] for r in rows]))
         out[mode] = {
-            "how": f"measured: pyloader.read.order.plan of every rank of nodes "
+            "how": f"computed: pyloader.read.order.plan of every rank of nodes "
                    f"{[r['node'] for r in rows]} at world size {world}",
             "nodes": rows, "node_shards": node_shards, "node_shards_max": max(r["node_shards"] for r in rows),
             "shards_per_rank": float(np.mean([x for r in rows for x in r["shards_per_rank"]])),
@@ -492,7 +492,7 @@ def plan_section(a: argparse.Namespace, opened: dict[str, Any]) -> dict[str, Any
 def cache_section(a: argparse.Namespace, reads: dict[str, Any], horizon: int) -> dict[str, Any]:
     w = reads["window"]
     per_rank = w["working_set_bytes_per_rank"]
-    return {"how": f"measured: pyloader.remote.fetch.working_set of the plans above, horizon {horizon} samples "
+    return {"how": f"computed: pyloader.remote.fetch.working_set of the plans above, horizon {horizon} samples "
                    f"((2 x threads + threads) x batch_size, threads={a.threads}, batch_size={a.batch_size})",
             "per_rank_bytes": per_rank, "per_rank_shards": w["working_set_shards_per_rank"],
             "cache_limit_asked_per_node": per_rank * a.ranks,
@@ -553,7 +553,7 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> str:
               f"{_fmt_bytes(rd['share_bytes_per_node'])} per node; {rd['samples_per_rank']} samples per rank)"]
     rows = []
     for name, x in (("window", w), ("global", g)):
-        how = "measured (plans)" if x["how"].startswith("measured") else "computed (expected)"
+        how = "computed (plans)" if "order.plan" in x["how"] else "computed (expected)"
         rows.append((f"{name}: shards per rank / per node", f"{x['shards_per_rank']:.1f} / {x['node_shards']:.1f}",
                      how))
         rows.append((f"{name}: bytes per node, x share", f"{_fmt_bytes(x['node_bytes'])}, "
@@ -597,10 +597,10 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> str:
     lines.append(_table(rows))
     lines += ["", "cache working set (window mode)"]
     lines.append(_table([
-        ("per rank", f"{_fmt_bytes(c['per_rank_bytes'])}", f"measured ({c['per_rank_shards']} shards)"),
+        ("per rank", f"{_fmt_bytes(c['per_rank_bytes'])}", f"computed: working_set ({c['per_rank_shards']} shards)"),
         ("cache_limit the share check asks per node", f"{_fmt_bytes(c['cache_limit_asked_per_node'])}",
          "computed: per rank x ranks"),
-        ("node downloads per epoch", f"{_fmt_bytes(c['node_epoch_download_bytes'])}", "measured (plans)"),
+        ("node downloads per epoch", f"{_fmt_bytes(c['node_epoch_download_bytes'])}", "computed (plans)"),
     ]))
     lines += ["", f"limits (node RAM {a.node_ram_gb:g} GB: a tenth of it; node cache {a.node_cache_gb:g} GB)"]
     lines.append(_table([(x["what"], f"{x['value']:.3g}", f"limit {x['limit']:.3g}"

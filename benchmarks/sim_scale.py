@@ -588,6 +588,8 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> str:
     if "seconds" in p["plan_global"]:
         rows.append(("plan, global", f"{p['plan_global']['seconds'] * 1e3:.0f} ms",
                      f"measured, {_fmt_bytes(p['plan_global']['peak_rss_bytes'])} peak"))
+    rows.append(("ShardDataset.plan(), window", f"{p['dataset_plan_s']['value'] * 1e3:.0f} ms",
+                 "measured, over the manifest above"))
     res = p["resume_window"]
     rows.append(("resume_plan, window", f"{res['seconds']:.1f} s",
                  f"{res['how'].split(':')[0]}, {_fmt_bytes(res['peak_rss_bytes'])} peak per rank, "

@@ -17,7 +17,9 @@ Every number is either *computed* from pyloader's own code and documented behavi
    against S3's 5,500 GET/HEAD per second per partitioned prefix; and a discrete-event
    simulation that drives the real ``HostLimiter`` (pyloader/remote/throttle.py) and the real
    ``RetryPolicy.throttle_pause`` (fs.py) of every rank's process against a server that
-   answers SlowDown above the prefix limit: window, GETs/s achieved, throttles;
+   answers SlowDown above the prefix limit: window, GETs/s achieved, throttles. A download
+   is as many GETs as the transport makes of it (``--transport native``, the default where
+   libcurl loads: parallel ranged GETs for a shard of 64 MiB or more; ``fsspec``: one);
 4. planning time and state size per rank, measured: ``plan`` of one rank (window and
    global), ``resume_plan`` after a stop (its time and peak memory, in a fresh process),
    ``DataLoader.state_dict()`` of a ``ShardDataset`` over a manifest of ``--shards`` entries;
@@ -290,14 +292,17 @@ def rate_section(a: argparse.Namespace, reads: dict[str, Any]) -> dict[str, Any]
         epoch_s = share_bytes / rate
         row: dict[str, Any] = {"node_mb_s": mbs, "epoch_s": epoch_s}
         for mode in ("window", "global"):
-            gets = a.nodes * reads[mode]["node_shards"] / epoch_s
+            downloads = a.nodes * reads[mode]["node_shards"] / epoch_s
+            gets = downloads * a.parts
+            row[f"{mode}_downloads_per_s"] = downloads
             row[f"{mode}_gets_per_s"] = gets
             row[f"{mode}_gets_per_s_per_prefix"] = gets / a.prefixes
             row[f"{mode}_prefixes_needed"] = math.ceil(gets / S3_GET_PER_PREFIX)
             row[f"{mode}_node_download_mb_s"] = reads[mode]["node_shards"] * a.shard_bytes / epoch_s / 1e6
         rows.append(row)
-    top = S3_GET_PER_PREFIX * a.prefixes * share_bytes / (a.nodes * reads["window"]["node_shards"]) / 1e6
-    return {"how": "computed: nodes x shards each node downloads per epoch / epoch seconds", "rows": rows,
+    top = S3_GET_PER_PREFIX * a.prefixes * share_bytes / (a.nodes * reads["window"]["node_shards"] * a.parts) / 1e6
+    return {"how": f"computed: nodes x shards each node downloads per epoch / epoch seconds, x {a.parts} GET "
+                   f"requests per download ({a.transport} transport)", "rows": rows,
             "window_max_node_mb_s_for_prefixes": top}
 
 
@@ -323,15 +328,21 @@ class _Client:
         self.pause_until = 0.0
         self.wake_at = -1.0
         self.slots: dict[int, Any] = {}
+        self.parts = 1  # GETs per download: the transport's ranged parts, until a throttle (NOTE [transport choice])
 
 
 def simulate(a: argparse.Namespace, clients: int, offered: float, prefixes: int, seconds: float) -> dict[str, Any]:
     """Drives one real ``HostLimiter`` per reader process against a throttling store (see the module docstring).
 
-    ``offered``: shard GETs per second all readers need; ``clients`` readers share it. The
-    store admits ``S3_GET_PER_PREFIX`` GETs per second per prefix (a token bucket holding
-    one second of them) and answers the rest ``SlowDown`` after ``--rtt``; an admitted GET
-    takes ``--rtt`` plus the shard at ``--conn-mb-s``.
+    ``offered``: shard downloads per second all readers need; ``clients`` readers share it.
+    A download is ``a.parts`` GET requests at once (the native transport's ranged parts,
+    or one whole GET), holding one place in its reader's window. The store admits
+    ``S3_GET_PER_PREFIX`` requests per second per prefix (a token bucket holding one second
+    of them) and answers the rest ``SlowDown`` after ``--rtt``; an admitted request takes
+    ``--rtt`` plus its part at ``--conn-mb-s``. A download with a throttled part is a
+    throttled attempt once its parts have ended, and is tried again whole; from then on the
+    reader's transport makes one GET per download (See NOTE [transport choice]), unless
+    ``--keep-ranges`` (the behaviour before that rule).
     """
     from pyloader.remote import throttle
     from pyloader.remote.fs import RetryPolicy
@@ -351,6 +362,8 @@ def simulate(a: argparse.Namespace, clients: int, offered: float, prefixes: int,
             lim.report_first_s = float("inf")  # no throttling reports from 1000s of simulated processes
         per = offered / scale / n
         cs = [_Client(lim, a.fetch_jobs, per, rng.random() / per if per > 0 else 0.0) for lim in lims]
+        for c in cs:
+            c.parts = a.parts
         tokens = [limit] * prefixes
         last_fill = [0.0] * prefixes
         cancel = threading.Event()
@@ -374,7 +387,12 @@ def simulate(a: argparse.Namespace, clients: int, offered: float, prefixes: int,
         floor_share = [0.0] * bins
         next_sample = 0
         tokseq = 0
-        dur_ok = a.rtt + a.shard_bytes / (a.conn_mb_s * 1e6)
+        def duration(parts: int) -> float:
+            return a.rtt + _ceil_div(a.shard_bytes, parts) / (a.conn_mb_s * 1e6)
+
+        dur_ok = duration(a.parts)
+        req = [0] * bins  # requests the store answered, admitted or not
+        wasted = [0] * bins  # admitted requests of attempts that were throttled
 
         def admit(p: int, t: float) -> bool:
             tokens[p] = min(limit, tokens[p] + (t - last_fill[p]) * limit)
@@ -399,10 +417,14 @@ def simulate(a: argparse.Namespace, clients: int, offered: float, prefixes: int,
                 p = c.queue.pop(0)
                 tokseq += 1
                 c.slots[tokseq] = (cm, granted, p)
-                if admit(p, t):
-                    push(t + dur_ok, DONE_OK, i, tokseq)
+                admitted = sum(admit(p, t) for _ in range(c.parts))
+                b = min(int(t), bins - 1)
+                req[b] += c.parts
+                if admitted == c.parts:
+                    push(t + duration(c.parts), DONE_OK, i, tokseq)
                 else:
-                    push(t + a.rtt, DONE_THROTTLED, i, tokseq)
+                    wasted[b] += admitted
+                    push(t + (duration(c.parts) if admitted else a.rtt), DONE_THROTTLED, i, tokseq)
 
         while ev:
             t, _, kind, i, tok = heapq.heappop(ev)
@@ -429,25 +451,34 @@ def simulate(a: argparse.Namespace, clients: int, offered: float, prefixes: int,
                     c.lim.throttled(granted, pause, "S3 SlowDown")
                     c.pause_until = max(c.pause_until, t + pause)
                     c.queue.insert(0, p)  # the same shard is asked again
+                    if not a.keep_ranges:
+                        c.parts = 1  # NativeTransport.ranges = False: whole GETs from now on
                 cm.__exit__(None, None, None)
             start(i, t)
         backlog = sum(len(c.queue) for c in cs) + sum(len(c.slots) for c in cs)
+        whole = sum(c.parts == 1 for c in cs) / n
     finally:
         throttle.time = real_time
     half = bins // 2
     steady_ok = sum(ok[half:]) / max(1, bins - half) * scale
     steady_thr = sum(thr[half:]) / max(1, bins - half) * scale
+    steady_req = sum(req[half:]) / max(1, bins - half) * scale
+    steady_wasted = sum(wasted[half:]) / max(1, bins - half) * scale
     return {
         "how": f"simulated: {n} real HostLimiter objects{' (1/' + str(scale) + ' of the readers, limit scaled alike)' if scale > 1 else ''}, virtual clock",
         "readers": clients, "simulated_readers": n, "scale": scale, "prefixes": prefixes,
-        "limit_gets_per_s": S3_GET_PER_PREFIX * prefixes, "offered_gets_per_s": offered, "seconds": seconds,
+        "limit_gets_per_s": S3_GET_PER_PREFIX * prefixes, "gets_per_download": a.parts,
+        "offered_downloads_per_s": offered, "offered_gets_per_s": offered * a.parts, "seconds": seconds,
         "success_s": dur_ok, "ok_per_s": [x * scale for x in ok], "throttled_per_s": [x * scale for x in thr],
+        "requests_per_s": [x * scale for x in req], "steady_requests_per_s": steady_req,
+        "steady_wasted_requests_per_s": steady_wasted,
         "window_mean": window_mean, "window_at_1": floor_share,
         "steady_ok_per_s": steady_ok, "steady_throttled_per_s": steady_thr,
         "steady_fraction_of_offered": steady_ok / offered if offered else 0.0,
         "backlog_shards_at_end": backlog * scale,
-        "floor_gets_per_s": clients / dur_ok,
-        "readers_capacity_gets_per_s": clients * a.fetch_jobs / dur_ok,
+        "readers_on_whole_gets_at_end": whole,
+        "floor_gets_per_s": clients * a.parts / dur_ok if a.keep_ranges else clients / duration(1),
+        "readers_capacity_gets_per_s": clients * a.fetch_jobs * a.parts / dur_ok,
     }
 
 
@@ -559,7 +590,8 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> str:
         rows.append((f"{name}: bytes per node, x share", f"{_fmt_bytes(x['node_bytes'])}, "
                      f"{x['amplification']:.2f}x", how))
     lines.append(_table(rows))
-    lines += ["", f"request rate (all shards under {a.prefixes} prefix(es); S3: {S3_GET_PER_PREFIX} GET/s per prefix)"]
+    lines += ["", f"request rate (all shards under {a.prefixes} prefix(es); {a.parts} GET request(s) per download, "
+              f"{a.transport} transport; S3: {S3_GET_PER_PREFIX} GET/s per prefix)"]
     rows = []
     for row in r["rates"]["rows"]:
         rows.append((f"{row['node_mb_s']:g} MB/s per node: epoch {row['epoch_s']:.0f} s",
@@ -569,18 +601,21 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> str:
     lines.append(_table(rows))
     for s in r["sim"]:
         lines += ["", f"AIMD simulation: {s['readers']} readers, {s['prefixes']} prefix(es) "
-                  f"(limit {s['limit_gets_per_s']} GET/s), offered {s['offered_gets_per_s']:.0f} GET/s, "
-                  f"{s['how']}"]
+                  f"(limit {s['limit_gets_per_s']} GET/s), readers need {s['offered_downloads_per_s']:.0f} "
+                  f"downloads/s of {s['gets_per_download']} GET(s) each, {s['how']}"]
         step = max(1, len(s["ok_per_s"]) // 8)
         rows = [(f"t={t:>3d} s", f"{s['ok_per_s'][t]:.0f} ok/s",
-                 f"{s['throttled_per_s'][t]:.0f} throttled/s, window mean {s['window_mean'][t]:.2f}, "
+                 f"{s['throttled_per_s'][t]:.0f} throttled/s, {s['requests_per_s'][t]:.0f} GET/s at the store, "
+                 f"window mean {s['window_mean'][t]:.2f}, "
                  f"{100 * s['window_at_1'][t]:.0f}% at 1") for t in range(0, len(s["ok_per_s"]), step)]
         rows.append(("steady (2nd half)", f"{s['steady_ok_per_s']:.0f} ok/s",
                      f"{100 * s['steady_fraction_of_offered']:.0f}% of offered, "
-                     f"{s['steady_throttled_per_s']:.0f} throttled/s, backlog {s['backlog_shards_at_end']:.0f} "
-                     f"shards"))
+                     f"{s['steady_throttled_per_s']:.0f} throttled/s, {s['steady_requests_per_s']:.0f} GET/s at the "
+                     f"store ({s['steady_wasted_requests_per_s']:.0f} of them admitted for throttled downloads), "
+                     f"backlog {s['backlog_shards_at_end']:.0f} shards"))
         rows.append(("readers at window 1 / all jobs", f"{s['floor_gets_per_s']:.0f} GET/s",
-                     f"/ {s['readers_capacity_gets_per_s']:.0f} GET/s (GETs of {s['success_s']:.2f} s)"))
+                     f"/ {s['readers_capacity_gets_per_s']:.0f} GET/s (downloads of {s['success_s']:.2f} s); "
+                     f"{100 * s['readers_on_whole_gets_at_end']:.0f}% of the readers on whole GETs at the end"))
         lines.append(_table(rows))
     lines += ["", f"planning and state (rank {p['rank']} of {p['world_size']})"]
     rows = [("plan, window", f"{p['plan_window']['seconds'] * 1e3:.0f} ms",
@@ -620,11 +655,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=65536, help="shuffle window in samples (the default of ShardDataset)")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=4, help="DataLoader num_workers (native threads) per rank")
-    ap.add_argument("--fetch-jobs", type=int, default=4, help="downloads in flight per reader (ShardDataset fetch_jobs)")
+    ap.add_argument("--fetch-jobs", type=int, default=None,
+                    help="downloads at once per reader (default: fetch_jobs='auto' for these shards)")
+    ap.add_argument("--transport", choices=("native", "fsspec"), default="native",
+                    help="native: ranged GETs per large shard (the default where libcurl loads); fsspec: one GET")
     ap.add_argument("--sample-nodes", type=int, default=4, help="nodes whose ranks' plans are computed (window mode)")
     ap.add_argument("--start-spread", type=float, default=10.0, help="seconds within which every node starts")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[100.0, 250.0, 1000.0],
                     help="sample MB/s consumed per node, comma-separated; the last one is simulated")
+    ap.add_argument("--keep-ranges", action="store_true",
+                    help="simulate ranged GETs kept after a throttle (the native transport before it fell back)")
     ap.add_argument("--prefixes", type=int, default=1, help="bucket prefixes the shards are spread over")
     ap.add_argument("--conn-mb-s", type=float, default=100.0, help="MB/s of one GET")
     ap.add_argument("--rtt", type=float, default=0.02, help="seconds to a response (a SlowDown, a GET's start)")
@@ -641,11 +681,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     for name in ("nodes", "ranks", "shards", "shard_bytes", "records_per_shard", "window", "batch_size", "threads",
-                 "fetch_jobs", "sample_nodes", "prefixes", "sim_max_clients", "writers"):
+                 "sample_nodes", "prefixes", "sim_max_clients", "writers"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     a.sample_nodes = min(a.sample_nodes, a.nodes)
+    if a.fetch_jobs is not None and a.fetch_jobs < 1:
+        ap.error("--fetch-jobs must be >= 1")
     return a
+
+
+def resolve(a: argparse.Namespace) -> None:
+    """``fetch_jobs="auto"`` and the GETs per download, from pyloader's own rules."""
+    from pyloader.remote import transport
+    from pyloader.remote.fetch import auto_fetch_jobs
+
+    if a.fetch_jobs is None:
+        a.fetch_jobs = auto_fetch_jobs([a.shard_bytes])  # See NOTE [fetch jobs]
+    # See NOTE [transport choice]: large objects as parallel ranged GETs, one attempt for all.
+    a.parts = max(1, len(transport._parts(a.shard_bytes))) if a.transport == "native" else 1
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -653,6 +706,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.child:
         print(json.dumps(_child(json.loads(a.child))))
         return {}
+    resolve(a)
     t_start = time.perf_counter()
     horizon = (2 * a.threads + a.threads) * a.batch_size  # (prefetch + threads) x batch, prefetch = 2 x threads
     world = a.nodes * a.ranks
@@ -670,10 +724,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     r["writes"] = writes_section(a)
     r["reads"] = reads_section(a, horizon)
     r["rates"] = rate_section(a, r["reads"])
-    offered = r["rates"]["rows"][-1]["window_gets_per_s"]
+    offered = r["rates"]["rows"][-1]["window_downloads_per_s"]
     r["sim"] = [simulate(a, world, offered, a.prefixes, a.sim_seconds)]
     need = r["rates"]["rows"][-1]["window_prefixes_needed"]
-    more = max(need + 1, math.ceil(world / r["sim"][0]["success_s"] / S3_GET_PER_PREFIX) + 1)
+    more = max(need + 1, math.ceil(r["sim"][0]["floor_gets_per_s"] / S3_GET_PER_PREFIX) + 1)
     if more > a.prefixes and sum(r["sim"][0]["throttled_per_s"]):
         r["sim"].append(simulate(a, world, offered, more, a.sim_seconds))
     r["plan"] = plan_section(a, opened)

@@ -4,7 +4,10 @@ NOTE [transport choice]: a shard download is one of two transports, chosen per d
   - *native* (``NativeTransport``): the system's libcurl driven from the extension
     (NOTE [native transport] in csrc/core/http_fetch.h). Bytes go from the socket into the
     cache's temp file without passing through Python or an event loop, large objects as
-    parallel ranged GETs (``RANGE_MIN`` and up, parts of at least ``PART_MIN``). It serves
+    parallel ranged GETs (``RANGE_MIN`` and up, parts of at least ``PART_MIN``; whole GETs from
+    the first throttled ranged attempt on: its parts multiply the request rate of a store
+    that already pushes back, and one throttled part fails the attempt and wastes the
+    others, so under a lasting throttle no download would complete). It serves
     ``http(s)://`` URLs and ``s3://`` ones, the latter through a URL presigned by botocore
     for each download (credentials, region, endpoint and addressing are botocore's, from
     the same ``storage_options`` s3fs takes);
@@ -36,7 +39,7 @@ from urllib.parse import quote
 import pyloader._C as _C
 
 from ..errors import FetchError, RemoteChangedError
-from .fs import _HTTP_CHUNK, _fetch_error, _ShortBody, download_into, filesystem
+from .fs import _HTTP_CHUNK, _fetch_error, _ShortBody, download_into, filesystem, is_throttle
 
 TRANSPORTS = ("auto", "native", "fsspec")
 RANGE_MIN = 64 << 20  # objects at least this big are fetched as parallel ranged GETs
@@ -199,6 +202,8 @@ class NativeTransport:
                 self.ranges = False  # the server sends whole objects: one GET from now on
                 parts = []
             except _HttpStatus as e:
+                if parts and is_throttle(e):
+                    self.ranges = False  # a throttling store: one GET per object from now on (NOTE above)
                 # A bucket in another region than the one signed for (no region configured):
                 # sign for the region S3 names, once, as s3fs and boto do.
                 p = self._presigner

@@ -17,7 +17,7 @@ import pyloader._C as _C
 from pyloader.errors import FetchError, FetchNotFoundError, RemoteChangedError
 from pyloader.remote import transport as tr
 from pyloader.remote.fetch import open_remote
-from pyloader.remote.fs import RetryPolicy, with_retries
+from pyloader.remote.fs import RetryPolicy, is_throttle, with_retries
 
 pytestmark = pytest.mark.skipif(not _C.http_available()[0], reason="no libcurl.so.4 here")
 
@@ -113,7 +113,7 @@ def test_a_server_without_ranges_gets_whole_gets_from_then_on(server, srv_root, 
     server.inject(BIG, Fault("norange", times=None))
     assert _get(t, tmp_path, BIG, len(big)) == big
     assert not t.ranges
-    n = len(_ranged_gets(server, BIG, 6))
+    n = len(_ranged_gets(server, BIG, 7))  # 6 ranged GETs answered whole, then one whole GET
     fd = os.open(str(tmp_path / "whole"), os.O_RDWR | os.O_CREAT, 0o644)
     try:  # a whole GET hashes its bytes on the way (NOTE [native transport]): the cache reads nothing back
         assert t.download_into(fd, BIG, len(big), url="u", shard="s", cancel=None, on_bytes=None) == _C.xxh64(big)
@@ -126,6 +126,19 @@ def test_a_server_without_ranges_gets_whole_gets_from_then_on(server, srv_root, 
     finally:
         os.close(fd)
     assert _ranged_gets(server, BIG, n + 1)[n:] == [200]  # one GET of the whole object
+
+
+@pytest.mark.timeout(60)
+def test_a_throttling_server_gets_whole_gets_from_then_on(server, big, small_ranges, tmp_path):
+    t = _native(server)
+    server.inject(BIG, Fault("status", status=503, retry_after="0"))  # one of the 6 parts is throttled
+    with pytest.raises(Exception) as e:
+        _get(t, tmp_path, BIG, len(big))
+    assert is_throttle(e.value)
+    assert not t.ranges
+    assert _get(t, tmp_path, BIG, len(big)) == big
+    # The 6 parts of the throttled attempt, then one GET of the whole object.
+    assert sorted(_ranged_gets(server, BIG, 7)) == [200] + [206] * 5 + [503]
 
 
 @pytest.mark.timeout(60)

@@ -208,6 +208,15 @@ class Shard {
 // Workers hold a shard only while collating a batch that reads it, so an idle shard is
 // never mapped by a worker, and unload() unmaps it at once.
 //
+// NOTE [mapping bound]: a process may hold at most vm.max_map_count mappings (65,530 by
+// default), and a shuffled epoch retains every shard until its last batch, so a local set
+// of more shards than that would fail at mmap. A local set is therefore given `max_mapped`
+// (0: no bound): once more shards than that are mapped, get() unmaps idle shards first
+// (least recently released), then shards that planned batches still need but no worker
+// holds now, least recently used first; a later get() maps and validates such a shard
+// again (its records are verified again too: NOTE [verify once]). Shards held by workers
+// are never unmapped, so the bound can be exceeded by at most what the workers hold.
+//
 // NOTE [self-healing]: in a pending set, a cached copy that fails a checksum (or cannot be
 // opened: vanished, wrong size, corrupt header) is reported once per shard: the set drops
 // its mapping, puts the shard back to pending and records it; the fetcher discards the
@@ -229,7 +238,7 @@ class ShardSet {
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
            std::string schema_blob, bool pending = false, size_t max_idle = 4096,
            std::vector<std::string> shard_schemas = {}, std::vector<uint32_t> schema_of = {},
-           uint64_t max_value_bytes = kDefaultMaxValueBytes);
+           uint64_t max_value_bytes = kDefaultMaxValueBytes, size_t max_mapped = 0);
   ~ShardSet();
   ShardSet(const ShardSet&) = delete;
   ShardSet& operator=(const ShardSet&) = delete;
@@ -266,7 +275,7 @@ class ShardSet {
   std::vector<uint32_t> waiting();
 
   struct Counts {
-    uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0;
+    uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0, remaps = 0;
   };
   Counts counts();
 
@@ -274,6 +283,10 @@ class ShardSet {
   void make_idle_locked(size_t i);
   void leave_idle_locked(size_t i);
   void drop_mapping_locked(size_t i);
+  // See NOTE [mapping bound]: the order of use of mapped shards, and the unmapping beyond max_mapped_.
+  void touch_locked(size_t i);
+  void forget_locked(size_t i);
+  void enforce_bound_locked(size_t keep, std::vector<std::shared_ptr<const Shard>>* unmap);
 
   std::vector<std::string> paths_;
   std::vector<uint64_t> bytes_;
@@ -285,6 +298,7 @@ class ShardSet {
   std::vector<FieldSpec> fields_;
   bool pending_set_;
   size_t max_idle_;
+  size_t max_mapped_;  // See NOTE [mapping bound]; 0: none
   std::mutex mu_;
   std::vector<std::shared_ptr<const Shard>> open_;
   std::vector<uint8_t> state_;  // 0 ready to open, 1 pending, 2 failed
@@ -300,6 +314,11 @@ class ShardSet {
   std::vector<uint8_t> in_idle_;
   std::vector<uint8_t> release_noted_;  // already in events_.released
   uint32_t idle_head_ = kNone, idle_tail_ = kNone;
+  // Mapped shards of a bounded set, least recently used first (See NOTE [mapping bound]).
+  std::vector<uint32_t> use_prev_, use_next_;
+  std::vector<uint8_t> in_use_list_, mapped_before_;
+  uint32_t use_head_ = kNone, use_tail_ = kNone;
+  uint64_t remaps_ = 0;
   size_t idle_count_ = 0, mapped_ = 0, peak_mapped_ = 0;
   size_t active_shards_ = 0;
   uint64_t heals_ = 0, unloads_ = 0;

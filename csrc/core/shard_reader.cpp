@@ -165,7 +165,7 @@ struct Shard::Regions {
 };
 
 Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
-             const std::vector<FieldSpec>& fields, uint64_t max_value_bytes)
+             const std::vector<FieldSpec>& fields, uint64_t max_value_bytes, bool read_ahead)
     : path_(std::move(path)) {
   map_file(expected_bytes);
   try {
@@ -179,7 +179,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     validate_index_entries(regions, fields, max_value_bytes);
     block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
     verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
-    advise_read_ahead();
+    if (read_ahead) claim_read_ahead();
   } catch (...) {
     ::munmap(const_cast<uint8_t*>(base_), map_size_);
     base_ = nullptr;
@@ -395,6 +395,14 @@ void Shard::validate_index_entries(const Regions& r, const std::vector<FieldSpec
   }
 }
 
+void Shard::advise_range(uint64_t offset, uint64_t len) const noexcept {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  if (offset >= map_size_) return;
+  len = std::min<uint64_t>(len, map_size_ - offset);
+  const uint64_t start = offset & ~(page - 1);
+  (void)::madvise(const_cast<uint8_t*>(base_) + start, size_t(offset + len - start), MADV_WILLNEED);
+}
+
 void Shard::advise_read_ahead() const {
   // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
   // collated, and its records are then read in plan order -- for a shuffled epoch, at
@@ -402,7 +410,9 @@ void Shard::advise_read_ahead() const {
   // read. So the whole file is queued for asynchronous read-ahead now (a no-op for pages
   // already cached: ~1 ms per GB here); the reads then overlap the collation. Skipped for
   // a file larger than 1/16 of the machine's memory, which read-ahead could push out of
-  // the cache before it is used.
+  // the cache before it is used. A pipeline opens the shards of its next batches without it,
+  // queues their records first and then the whole files (NOTE [cold read-ahead] in
+  // batch_pipeline.h).
   if (map_size_ <= willneed_limit()) (void)::madvise(const_cast<uint8_t*>(base_), map_size_, MADV_WILLNEED);
 }
 
@@ -496,7 +506,18 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   }
 }
 
-std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel) {
+size_t ShardSet::room() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (max_mapped_ == 0) return std::numeric_limits<size_t>::max();
+  return max_mapped_ > mapped_ ? max_mapped_ - mapped_ : 0;
+}
+
+std::shared_ptr<const Shard> ShardSet::peek(size_t i) {
+  std::lock_guard<std::mutex> lk(mu_);
+  return i < open_.size() ? open_[i] : nullptr;
+}
+
+std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel, bool read_ahead) {
   if (::getpid() != pid_)
     throw LoaderError(ErrorKind::kState, "", -1, "",
                       "shard set used in a forked child; create the dataset iterator after fork");
@@ -536,7 +557,7 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     std::shared_ptr<const Shard> sh;
     try {
       const std::string& blob = schema_of_.empty() ? schema_blob_ : shard_schemas_[schema_of_[i]];
-      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_);
+      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_, read_ahead);
     } catch (const LoaderError& e) {
       // See NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||

@@ -102,8 +102,10 @@ class Shard {
   // Opens and validates. expected_bytes/records come from the manifest; schema must equal
   // the dataset schema byte for byte. No value may decode to more than max_value_bytes
   // (NOTE [value bounds]). Throws LoaderError.
+  // With `read_ahead`, the whole file is queued for read-ahead at once (NOTE [read-ahead at
+  // open] in shard_reader.cpp); without, by the first claim_read_ahead().
   Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
-        const std::vector<FieldSpec>& fields, uint64_t max_value_bytes = kDefaultMaxValueBytes);
+        const std::vector<FieldSpec>& fields, uint64_t max_value_bytes = kDefaultMaxValueBytes, bool read_ahead = true);
   ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
@@ -120,11 +122,20 @@ class Shard {
     return base_ + index_offset_ + (record * num_indexed_ + slot_[field]) * kIndexEntrySize;
   }
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
+  uint64_t payload_offset() const noexcept { return payload_offset_; }
   // See NOTE [column layout]: the column that stores `field`, or -1 if the field is indexed.
   int32_t column_of(size_t field) const noexcept { return column_of_[field]; }
   const ColumnSpec& column(size_t c) const noexcept { return columns_[c]; }
   // The first indexed field, or -1 when every field is a column.
   int32_t first_indexed() const noexcept { return first_indexed_; }
+  // Queues bytes [offset, offset + len) of the file for asynchronous read-ahead (NOTE [cold
+  // read-ahead] in batch_pipeline.h); the range is clipped to the file.
+  void advise_range(uint64_t offset, uint64_t len) const noexcept;
+  // Queues the whole file for read-ahead the first time it is called (or never, if the
+  // constructor did): see NOTE [read-ahead at open].
+  void claim_read_ahead() const noexcept {
+    if (!read_ahead_done_.exchange(true, std::memory_order_acq_rel)) advise_read_ahead();
+  }
 
   // NOTE [verify once]: every stored value is checked against its checksum the first time
   // this process reads its record; the record is then marked verified and later reads
@@ -185,6 +196,7 @@ class Shard {
   int32_t first_indexed_ = -1;
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
   std::unique_ptr<std::atomic<uint64_t>[]> block_verified_;
+  mutable std::atomic<bool> read_ahead_done_{false};
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.
@@ -245,12 +257,17 @@ class ShardSet {
 
   size_t size() const noexcept { return paths_.size(); }
   bool pending_set() const noexcept { return pending_set_; }
+  // How many more shards it may map before it unmaps others (NOTE [mapping bound]; SIZE_MAX: no bound).
+  size_t room();
   const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
   const std::string& path(size_t i) const { return paths_.at(i); }
   uint64_t records(size_t i) const { return records_.at(i); }
+  // Shard i if it is mapped now, else null; maps and waits for nothing. Thread-safe.
+  std::shared_ptr<const Shard> peek(size_t i);
   // Opens shard i on first use, waiting while it is pending. Thread-safe. Throws
   // LoaderError (kState if *cancel became true while waiting).
-  std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr);
+  // `read_ahead`: see Shard's constructor (a shard already open is returned as it is).
+  std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr, bool read_ahead = true);
   void mark_ready(size_t i, std::string path);
   void mark_failed(size_t i, std::string message, int sys_errno = 0);
   // A failed shard of a pending set becomes pending again (a later iterator retries it). False if it was not failed.

@@ -8,7 +8,7 @@ other programs' pages alone; ``--drop all``: ``sync; echo 3 > /proc/sys/vm/drop_
 root only):
 
 - ``pyloader``: one globally shuffled epoch of ``pyloader.DataLoader(num_workers=2)``, from
-  the constructor to the last batch;
+  the constructor to the last batch (and to the first: ``first_batch_s``);
 - ``gather``: torch's DataLoader over the ``.npy`` file, one ``np.take`` of the whole
   shuffled batch per step (the fastest plain peer of bench_core.py);
 - ``seq``: the storage's sequential bandwidth: the shard files read start to end in 8 MiB
@@ -70,9 +70,18 @@ def child(kind: str, path: str, npy: str, batch: int) -> dict:
         mm = np.load(npy, mmap_mode="r")
         loader = B.gather_loader(npy, mm.shape, str(mm.dtype), batch, shuffle=True)
         del mm
-    n, nbytes = B.epoch_samples(loader)
+    it = iter(loader)
+    first = next(it)
+    t_first = time.perf_counter() - t0
+    n, nbytes = len(first[0] if isinstance(first, (list, tuple)) else first["image"]), 0
+    for x in (first.values() if isinstance(first, dict) else first):
+        nbytes += x.nelement() * x.element_size()
+    for batch in it:
+        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        n += int(tensors[0].shape[0])
+        nbytes += sum(x.nelement() * x.element_size() for x in tensors)
     wall = time.perf_counter() - t0
-    return {"gbps": nbytes / wall / 1e9, "samples": n, "wall_s": wall}
+    return {"gbps": nbytes / wall / 1e9, "samples": n, "wall_s": wall, "first_batch_s": t_first}
 
 
 def run_child(root: str, how: str, kind: str, path: str, npy: str, batch: int) -> dict:
@@ -117,16 +126,23 @@ def main() -> None:
                 np.save(npy, recs)
                 del recs
             runs: dict[str, list[float]] = {v: [] for v in variants}
+            firsts: dict[str, list[float]] = {}
             for _ in range(a.rounds):
                 for v, root in variants.items():
                     kind = "pyloader" if v.startswith("pyloader") else v
-                    runs[v].append(run_child(root, a.drop, kind, path, npy, a.batch)["gbps"])
+                    got = run_child(root, a.drop, kind, path, npy, a.batch)
+                    runs[v].append(got["gbps"])
+                    if "first_batch_s" in got:
+                        firsts.setdefault(v, []).append(got["first_batch_s"])
             med = {v: statistics.median(r) for v, r in runs.items()}
-            result["profiles"][name] = {"records": n, "record_bytes": p.record_bytes, "gbps": runs, "median": med}
+            first = {v: statistics.median(f) for v, f in firsts.items()}
+            result["profiles"][name] = {"records": n, "record_bytes": p.record_bytes, "gbps": runs, "median": med,
+                                        "first_batch_s": firsts, "first_batch_median_s": first}
             line = " ".join(f"{v} {g:.3f}" for v, g in med.items())
             extra = f", baseline/gather {med['pyloader_baseline'] / med['gather']:.2f}x" if a.baseline else ""
             print(f"{name:>9}: GB/s {line} | pyloader/gather {med['pyloader'] / med['gather']:.2f}x, "
-                  f"pyloader/seq {med['pyloader'] / med['seq']:.2f}{extra}  (rounds: {runs})", flush=True)
+                  f"pyloader/seq {med['pyloader'] / med['seq']:.2f}{extra}; first batch (ms) "
+                  + " ".join(f"{v} {1e3 * f:.0f}" for v, f in first.items()) + f"  (rounds: {runs})", flush=True)
     finally:
         if not a.dir:
             shutil.rmtree(tmp, ignore_errors=True)

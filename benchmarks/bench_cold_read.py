@@ -24,6 +24,7 @@ machine is shared. GB/s are payload bytes over wall time. Writes JSON and prints
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -73,10 +74,8 @@ def child(kind: str, path: str, npy: str, batch: int) -> dict:
     it = iter(loader)
     first = next(it)
     t_first = time.perf_counter() - t0
-    n, nbytes = len(first[0] if isinstance(first, (list, tuple)) else first["image"]), 0
-    for x in (first.values() if isinstance(first, dict) else first):
-        nbytes += x.nelement() * x.element_size()
-    for batch in it:
+    n = nbytes = 0
+    for batch in itertools.chain([first], it):
         tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
         n += int(tensors[0].shape[0])
         nbytes += sum(x.nelement() * x.element_size() for x in tensors)

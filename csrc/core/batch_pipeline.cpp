@@ -421,6 +421,10 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
       }
     }
   }
+  // A shard already queued whole needs nothing per record: its records' small reads would
+  // only cut into that sequential stream.
+  std::vector<uint8_t> queued(held.size());
+  for (size_t j = 0; j < held.size(); ++j) queued[j] = held[j] && held[j]->whole_file_queued();
   std::shared_ptr<const Shard> sh;
   size_t k = 0;
   int32_t last = -1;
@@ -432,7 +436,8 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
   for (const auto& [s, rec] : rows) {
     if (s != last) {
       flush();
-      sh = held[k++];
+      sh = queued[k] ? nullptr : held[k];
+      ++k;
       last = s;
     }
     if (!sh || sh->verified(uint64_t(rec))) continue;  // read already: its pages were in memory

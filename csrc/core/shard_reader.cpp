@@ -403,6 +403,10 @@ void Shard::advise_range(uint64_t offset, uint64_t len) const noexcept {
   (void)::madvise(const_cast<uint8_t*>(base_) + start, size_t(offset + len - start), MADV_WILLNEED);
 }
 
+bool Shard::whole_file_queued() const noexcept {
+  return read_ahead_done_.load(std::memory_order_acquire) && map_size_ <= willneed_limit();
+}
+
 void Shard::advise_read_ahead() const {
   // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
   // collated, and its records are then read in plan order -- for a shuffled epoch, at

@@ -133,6 +133,8 @@ class Shard {
   void advise_range(uint64_t offset, uint64_t len) const noexcept;
   // Queues the whole file for read-ahead the first time it is called (or never, if the
   // constructor did): see NOTE [read-ahead at open].
+  // Whether the whole file was queued for read-ahead already (then a record needs no more).
+  bool whole_file_queued() const noexcept;
   void claim_read_ahead() const noexcept {
     if (!read_ahead_done_.exchange(true, std::memory_order_acq_rel)) advise_read_ahead();
   }

@@ -122,8 +122,12 @@ class ShardSet:
         shard_schemas: Sequence[bytes] = (),
         schema_of: Sequence[int] = (),
         max_value_bytes: int = 1073741824,
+        max_mapped: int = 0,
     ) -> None:
         """shard_schemas/schema_of: shard i equals shard_schemas[schema_of[i]] (NOTE [renamed schemas]).
+
+        max_mapped: a local set unmaps shards no worker holds beyond that many (0: no bound;
+        NOTE [mapping bound] in core/shard_reader.h).
 
         No value may decode to more than max_value_bytes (NOTE [value bounds] in core/shard_reader.h).
         """
@@ -159,7 +163,7 @@ class ShardSet:
         """The shards a worker waits on now."""
 
     def counts(self) -> dict[str, int]:
-        """Mapped, idle and active shards, heals, unloads and the peak of mapped shards."""
+        """Mapped, idle and active shards, heals, unloads, the peak of mapped shards, and remaps (NOTE [mapping bound])."""
 
     def __len__(self) -> int: ...
 

@@ -57,16 +57,17 @@ void register_pipeline(py::module_& m) {
       "(NOTE [working set] in core/shard_reader.h).")
       .def(py::init([](std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
                        py::bytes schema, bool pending, size_t max_idle, std::vector<py::bytes> shard_schemas,
-                       std::vector<uint32_t> schema_of, uint64_t max_value_bytes) {
+                       std::vector<uint32_t> schema_of, uint64_t max_value_bytes, size_t max_mapped) {
              std::vector<std::string> alts;
              for (auto& b : shard_schemas) alts.emplace_back(std::string(b));
              return std::make_shared<ShardSet>(std::move(paths), std::move(bytes), std::move(records),
                                                std::string(schema), pending, max_idle, std::move(alts),
-                                               std::move(schema_of), max_value_bytes);
+                                               std::move(schema_of), max_value_bytes, max_mapped);
            }),
            py::kw_only(), py::arg("paths"), py::arg("bytes"), py::arg("records"), py::arg("schema"),
            py::arg("pending") = false, py::arg("max_idle") = 4096, py::arg("shard_schemas") = std::vector<py::bytes>{},
-           py::arg("schema_of") = std::vector<uint32_t>{}, py::arg("max_value_bytes") = kDefaultMaxValueBytes)
+           py::arg("schema_of") = std::vector<uint32_t>{}, py::arg("max_value_bytes") = kDefaultMaxValueBytes,
+           py::arg("max_mapped") = 0)
       .def("mark_ready", &ShardSet::mark_ready, py::arg("index"), py::arg("path"),
            "A pending shard's file is verified and in place at `path` (NOTE [shard readiness]).")
       .def("mark_failed", &ShardSet::mark_failed, py::arg("index"), py::arg("message"), py::arg("errno") = 0,
@@ -104,6 +105,7 @@ void register_pipeline(py::module_& m) {
              d["heals"] = c.heals;
              d["unloads"] = c.unloads;
              d["peak_mapped"] = c.peak_mapped;
+             d["remaps"] = c.remaps;
              return d;
            })
       .def("__len__", &ShardSet::size);

@@ -61,6 +61,10 @@ inline void finish_streaming_stores() noexcept {}
 #endif
 
 constexpr uint32_t kNoBatch = 0xffffffffu;
+// See NOTE [cold read-ahead]: records closer than this in a shard are read ahead as one
+// range, and a worker claiming batch b queues batches up to b + kAdviseBatches.
+constexpr uint64_t kAdviseGap = 64 << 10;
+constexpr size_t kAdviseBatches = 2;
 
 // Thrown by fill() when the batch must be collated again once a shard was fetched anew.
 struct RetryBatch {};
@@ -388,10 +392,79 @@ void BatchPipeline::release_batch(size_t b) {
   shards_->release(batch_shards(b));
 }
 
+void BatchPipeline::advise_batches(size_t from, size_t to) {
+  const size_t n = shard_idx_.size();
+  const size_t begin = from * cfg_.batch_size, end = std::min(n, to * cfg_.batch_size);
+  if (begin >= end) return;
+  std::vector<std::pair<int32_t, int64_t>> rows;
+  rows.reserve(end - begin);
+  for (size_t i = begin; i < end; ++i) rows.emplace_back(shard_idx_[i], record_idx_[i]);
+  std::sort(rows.begin(), rows.end());
+  const size_t nf = shards_->fields().size();
+  // Phase 1: every distinct shard, opened now without its whole-file read-ahead (a pending
+  // set's: only those mapped already, as a download is never waited for here; a bounded
+  // set's too when opening them would unmap others).
+  size_t distinct = 0;
+  for (size_t k = 0; k < rows.size(); ++k) distinct += k == 0 || rows[k].first != rows[k - 1].first;
+  const bool mapped_only = shards_->pending_set() || shards_->room() < distinct;
+  std::vector<std::shared_ptr<const Shard>> held;
+  {
+    int32_t prev = -1;
+    for (const auto& r : rows) {
+      if (r.first == prev) continue;
+      prev = r.first;
+      try {
+        held.push_back(mapped_only ? shards_->peek(size_t(r.first))
+                                   : shards_->get(size_t(r.first), &cancel_, /*read_ahead=*/false));
+      } catch (...) {
+        held.push_back(nullptr);  // the batch that reads it raises the error
+      }
+    }
+  }
+  // A shard already queued whole needs nothing per record: its records' small reads would
+  // only cut into that sequential stream.
+  std::vector<uint8_t> queued(held.size());
+  for (size_t j = 0; j < held.size(); ++j) queued[j] = held[j] && held[j]->whole_file_queued();
+  std::shared_ptr<const Shard> sh;
+  size_t k = 0;
+  int32_t last = -1;
+  uint64_t lo = 0, hi = 0;  // the pending range of sh
+  auto flush = [&] {
+    if (sh && hi > lo) sh->advise_range(lo, hi - lo);
+    lo = hi = 0;
+  };
+  for (const auto& [s, rec] : rows) {
+    if (s != last) {
+      flush();
+      sh = queued[k] ? nullptr : held[k];
+      ++k;
+      last = s;
+    }
+    if (!sh || sh->verified(uint64_t(rec))) continue;  // read already: its pages were in memory
+    for (size_t f = 0; f < nf; ++f) {
+      if (sh->column_of(f) >= 0) continue;
+      const IndexEntry e = sh->entry(uint64_t(rec), f);
+      const uint64_t a = sh->payload_offset() + e.offset, z = a + e.stored_size;
+      if (hi > lo && a <= hi + kAdviseGap && z >= lo) {
+        lo = std::min(lo, a);
+        hi = std::max(hi, z);
+      } else {
+        flush();
+        lo = a;
+        hi = z;
+      }
+    }
+  }
+  flush();
+  // Phase 3: then each shard whole, behind the records needed first.
+  for (const auto& h : held)
+    if (h) h->claim_read_ahead();
+}
+
 void BatchPipeline::worker_loop(size_t index) {
   on_worker = true;
   for (;;) {
-    size_t b;
+    size_t b, adv_from = 0, adv_to = 0;
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_work_->wait(lk, [&] {
@@ -406,7 +479,11 @@ void BatchPipeline::worker_loop(size_t index) {
         return;
       }
       b = next_claim_++;
+      adv_from = advised_;
+      adv_to = std::min(num_batches_, b + 1 + kAdviseBatches);
+      if (adv_to > advised_) advised_ = adv_to;
     }
+    if (adv_to > adv_from) advise_batches(adv_from, adv_to);
     // The last claim: workers asleep for room in the ring have nothing left to claim;
     // woken now they leave, so the last one out hands over (hand_over()) without waiting
     // for close().

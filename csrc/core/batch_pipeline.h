@@ -142,6 +142,23 @@ class BatchPipeline {
   // The distinct shards batch b reads, ascending.
   std::vector<uint32_t> batch_shards(size_t b) const;
   void release_batch(size_t b);
+  // NOTE [cold read-ahead]: from a cold page cache a shuffled batch reads records spread over
+  // every shard, and each page fault on a page not yet read waits for a synchronous read of
+  // the device's read-around window (8 MiB here) -- or, with the whole files queued for
+  // read-ahead at open (NOTE [read-ahead at open] in shard_reader.cpp), for the queue ahead
+  // of it: the first batch of a 300 MB epoch waited for most of the epoch's bytes. So the
+  // worker that claims batch b first queues the records of the batches up to b +
+  // kAdviseBatches not queued yet: their shards are opened without their whole-file
+  // read-ahead, each record's stored bytes are queued (MADV_WILLNEED, ranges less than
+  // kAdviseGap apart merged), and only then each of those shards whole. The records the
+  // next batches read come in first; the rest of the files stream in behind them. Records of
+  // a shard already queued whole are not queued again: on 8-12 KB records their small reads,
+  // mixed into the sequential stream, cost a third to a half of the epoch's rate. Records
+  // already read by this process (NOTE [verify once]) are skipped, so later epochs queue
+  // nothing; a pending (remote) set queues only shards it has mapped, never waiting for a
+  // download, and so does a bounded set without room for them (NOTE [mapping bound] in
+  // shard_reader.h).
+  void advise_batches(size_t from, size_t to);
   // NOTE [hand-over gate]: hand_over() keeps the successor through its gate, never a
   // reference to it. A worker that raised the successor from a shared_ptr could hold the last
   // one when Python dropped it meanwhile (the loader closed, or the epoch made ahead was not
@@ -187,6 +204,7 @@ class BatchPipeline {
   std::atomic<bool> no_grow_{false};  // made ahead and not adopted: take only free slots
   bool closed_ = false;
   size_t next_claim_ = 0;
+  size_t advised_ = 0;  // batches before it were queued for read-ahead (NOTE [cold read-ahead])
   size_t consumed_ = 0;
   size_t active_threads_ = 1;        // workers with index < active_threads_ claim batches
   size_t ahead_ = 1;                 // workers claim batch b only while b < consumed_ + ahead_

@@ -165,7 +165,7 @@ struct Shard::Regions {
 };
 
 Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
-             const std::vector<FieldSpec>& fields, uint64_t max_value_bytes)
+             const std::vector<FieldSpec>& fields, uint64_t max_value_bytes, bool read_ahead)
     : path_(std::move(path)) {
   map_file(expected_bytes);
   try {
@@ -179,7 +179,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     validate_index_entries(regions, fields, max_value_bytes);
     block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
     verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
-    advise_read_ahead();
+    if (read_ahead) claim_read_ahead();
   } catch (...) {
     ::munmap(const_cast<uint8_t*>(base_), map_size_);
     base_ = nullptr;
@@ -217,8 +217,14 @@ void Shard::map_file(uint64_t expected_bytes) {
   void* p = ::mmap(nullptr, fsize, PROT_READ, MAP_SHARED, fd, 0);
   int e = errno;
   ::close(fd);  // the mapping keeps the file alive; no descriptor is held per shard
-  if (p == MAP_FAILED)
-    throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("mmap failed: ") + std::strerror(e), e);
+  if (p == MAP_FAILED) {
+    std::string why = std::string("mmap failed: ") + std::strerror(e);
+    if (e == ENOMEM)
+      why +=
+          " (the process may be at its limit of memory mappings, vm.max_map_count: lower the dataset's bound on "
+          "mapped shards, max_mapped_shards, or raise the limit with sysctl; NOTE [mapping bound])";
+    throw LoaderError(ErrorKind::kIO, path_, -1, "", why, e);
+  }
   base_ = static_cast<const uint8_t*>(p);
   map_size_ = fsize;
 }
@@ -389,6 +395,18 @@ void Shard::validate_index_entries(const Regions& r, const std::vector<FieldSpec
   }
 }
 
+void Shard::advise_range(uint64_t offset, uint64_t len) const noexcept {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  if (offset >= map_size_) return;
+  len = std::min<uint64_t>(len, map_size_ - offset);
+  const uint64_t start = offset & ~(page - 1);
+  (void)::madvise(const_cast<uint8_t*>(base_) + start, size_t(offset + len - start), MADV_WILLNEED);
+}
+
+bool Shard::whole_file_queued() const noexcept {
+  return read_ahead_done_.load(std::memory_order_acquire) && map_size_ <= willneed_limit();
+}
+
 void Shard::advise_read_ahead() const {
   // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
   // collated, and its records are then read in plan order -- for a shuffled epoch, at
@@ -396,7 +414,9 @@ void Shard::advise_read_ahead() const {
   // read. So the whole file is queued for asynchronous read-ahead now (a no-op for pages
   // already cached: ~1 ms per GB here); the reads then overlap the collation. Skipped for
   // a file larger than 1/16 of the machine's memory, which read-ahead could push out of
-  // the cache before it is used.
+  // the cache before it is used. A pipeline opens the shards of its next batches without it,
+  // queues their records first and then the whole files (NOTE [cold read-ahead] in
+  // batch_pipeline.h).
   if (map_size_ <= willneed_limit()) (void)::madvise(const_cast<uint8_t*>(base_), map_size_, MADV_WILLNEED);
 }
 
@@ -427,7 +447,7 @@ IndexEntry Shard::entry(uint64_t record, size_t field) const noexcept {
 
 ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
                    std::string schema_blob, bool pending, size_t max_idle, std::vector<std::string> shard_schemas,
-                   std::vector<uint32_t> schema_of, uint64_t max_value_bytes)
+                   std::vector<uint32_t> schema_of, uint64_t max_value_bytes, size_t max_mapped)
     : paths_(std::move(paths)),
       bytes_(std::move(bytes)),
       records_(std::move(records)),
@@ -437,6 +457,7 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
       max_value_bytes_(max_value_bytes),
       pending_set_(pending),
       max_idle_(max_idle),
+      max_mapped_(pending ? 0 : max_mapped),
       pid_(::getpid()) {
   if (paths_.size() != bytes_.size() || paths_.size() != records_.size())
     throw std::invalid_argument("paths, bytes and records must have the same length");
@@ -481,9 +502,26 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   idle_next_.assign(n, kNone);
   in_idle_.assign(n, 0);
   release_noted_.assign(n, 0);
+  if (max_mapped_ != 0) {  // See NOTE [mapping bound]
+    use_prev_.assign(n, kNone);
+    use_next_.assign(n, kNone);
+    in_use_list_.assign(n, 0);
+    mapped_before_.assign(n, 0);
+  }
 }
 
-std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel) {
+size_t ShardSet::room() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (max_mapped_ == 0) return std::numeric_limits<size_t>::max();
+  return max_mapped_ > mapped_ ? max_mapped_ - mapped_ : 0;
+}
+
+std::shared_ptr<const Shard> ShardSet::peek(size_t i) {
+  std::lock_guard<std::mutex> lk(mu_);
+  return i < open_.size() ? open_[i] : nullptr;
+}
+
+std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* cancel, bool read_ahead) {
   if (::getpid() != pid_)
     throw LoaderError(ErrorKind::kState, "", -1, "",
                       "shard set used in a forked child; create the dataset iterator after fork");
@@ -492,7 +530,10 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     std::string path;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      if (open_[i]) return open_[i];
+      if (open_[i]) {
+        if (max_mapped_ != 0) touch_locked(i);
+        return open_[i];
+      }
       if (state_[i] == 1) {
         // See NOTE [shard readiness]: wait for the fetcher, in slices, so a cancel is seen; the
         // pilot learns what is waited on (NOTE [working set]).
@@ -520,7 +561,7 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     std::shared_ptr<const Shard> sh;
     try {
       const std::string& blob = schema_of_.empty() ? schema_blob_ : shard_schemas_[schema_of_[i]];
-      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_);
+      sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_, read_ahead);
     } catch (const LoaderError& e) {
       // See NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||
@@ -536,7 +577,8 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
                           e.sys_errno());
       throw;
     }
-    std::shared_ptr<const Shard> drop;  // a losing duplicate is unmapped outside the lock
+    std::shared_ptr<const Shard> drop;                // a losing duplicate is unmapped outside the lock
+    std::vector<std::shared_ptr<const Shard>> unmap;  // See NOTE [mapping bound]; unmapped after the lock too
     std::lock_guard<std::mutex> lk(mu_);
     if (state_[i] != 0) {
       drop = std::move(sh);  // made pending again (healing) while we opened it: wait again
@@ -546,6 +588,12 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
       open_[i] = std::move(sh);
       if (++mapped_ > peak_mapped_) peak_mapped_ = mapped_;
       if (active_[i] == 0) make_idle_locked(i);
+      if (max_mapped_ != 0) {
+        if (mapped_before_[i]) ++remaps_;
+        mapped_before_[i] = 1;
+        touch_locked(i);
+        enforce_bound_locked(i, &unmap);
+      }
     } else {
       drop = std::move(sh);
     }
@@ -621,6 +669,52 @@ void ShardSet::leave_idle_locked(size_t i) {
   --idle_count_;
 }
 
+void ShardSet::touch_locked(size_t i) {
+  if (in_use_list_[i]) {
+    if (use_tail_ == uint32_t(i)) return;
+    forget_locked(i);
+  }
+  in_use_list_[i] = 1;
+  use_prev_[i] = use_tail_;
+  use_next_[i] = kNone;
+  if (use_tail_ != kNone) use_next_[use_tail_] = uint32_t(i);
+  use_tail_ = uint32_t(i);
+  if (use_head_ == kNone) use_head_ = uint32_t(i);
+}
+
+void ShardSet::forget_locked(size_t i) {
+  if (!in_use_list_[i]) return;
+  in_use_list_[i] = 0;
+  uint32_t p = use_prev_[i], n = use_next_[i];
+  if (p != kNone)
+    use_next_[p] = n;
+  else
+    use_head_ = n;
+  if (n != kNone)
+    use_prev_[n] = p;
+  else
+    use_tail_ = p;
+  use_prev_[i] = use_next_[i] = kNone;
+}
+
+void ShardSet::enforce_bound_locked(size_t keep, std::vector<std::shared_ptr<const Shard>>* unmap) {
+  // See NOTE [mapping bound]: idle shards first, then the least recently used shard no worker
+  // holds (a worker copies open_[s] under mu_, so use_count() == 1 means none does).
+  while (mapped_ > max_mapped_) {
+    uint32_t s = idle_head_;
+    if (s == uint32_t(keep)) s = idle_next_[s];
+    if (s == kNone)
+      for (s = use_head_; s != kNone; s = use_next_[s])
+        if (s != uint32_t(keep) && open_[s].use_count() == 1) break;
+    if (s == kNone) return;  // every other mapped shard is held by a worker
+    leave_idle_locked(s);
+    forget_locked(s);
+    unmap->push_back(std::move(open_[s]));
+    --mapped_;
+    ++unloads_;
+  }
+}
+
 void ShardSet::retain(const std::vector<uint32_t>& shards) {
   std::lock_guard<std::mutex> lk(mu_);
   for (uint32_t s : shards) {
@@ -652,6 +746,7 @@ void ShardSet::release(const std::vector<uint32_t>& shards) {
       while (idle_count_ > max_idle_) {
         uint32_t s = idle_head_;
         leave_idle_locked(s);
+        if (max_mapped_ != 0) forget_locked(s);
         unmap.push_back(std::move(open_[s]));
         --mapped_;
         ++unloads_;
@@ -734,6 +829,7 @@ ShardSet::Counts ShardSet::counts() {
   c.heals = heals_;
   c.unloads = unloads_;
   c.peak_mapped = peak_mapped_;
+  c.remaps = remaps_;
   return c;
 }
 

@@ -102,8 +102,10 @@ class Shard {
   // Opens and validates. expected_bytes/records come from the manifest; schema must equal
   // the dataset schema byte for byte. No value may decode to more than max_value_bytes
   // (NOTE [value bounds]). Throws LoaderError.
+  // With `read_ahead`, the whole file is queued for read-ahead at once (NOTE [read-ahead at
+  // open] in shard_reader.cpp); without, by the first claim_read_ahead().
   Shard(std::string path, uint64_t expected_bytes, uint64_t expected_records, const std::string& schema_blob,
-        const std::vector<FieldSpec>& fields, uint64_t max_value_bytes = kDefaultMaxValueBytes);
+        const std::vector<FieldSpec>& fields, uint64_t max_value_bytes = kDefaultMaxValueBytes, bool read_ahead = true);
   ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
@@ -120,11 +122,22 @@ class Shard {
     return base_ + index_offset_ + (record * num_indexed_ + slot_[field]) * kIndexEntrySize;
   }
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
+  uint64_t payload_offset() const noexcept { return payload_offset_; }
   // See NOTE [column layout]: the column that stores `field`, or -1 if the field is indexed.
   int32_t column_of(size_t field) const noexcept { return column_of_[field]; }
   const ColumnSpec& column(size_t c) const noexcept { return columns_[c]; }
   // The first indexed field, or -1 when every field is a column.
   int32_t first_indexed() const noexcept { return first_indexed_; }
+  // Queues bytes [offset, offset + len) of the file for asynchronous read-ahead (NOTE [cold
+  // read-ahead] in batch_pipeline.h); the range is clipped to the file.
+  void advise_range(uint64_t offset, uint64_t len) const noexcept;
+  // Queues the whole file for read-ahead the first time it is called (or never, if the
+  // constructor did): see NOTE [read-ahead at open].
+  // Whether the whole file was queued for read-ahead already (then a record needs no more).
+  bool whole_file_queued() const noexcept;
+  void claim_read_ahead() const noexcept {
+    if (!read_ahead_done_.exchange(true, std::memory_order_acq_rel)) advise_read_ahead();
+  }
 
   // NOTE [verify once]: every stored value is checked against its checksum the first time
   // this process reads its record; the record is then marked verified and later reads
@@ -185,6 +198,7 @@ class Shard {
   int32_t first_indexed_ = -1;
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
   std::unique_ptr<std::atomic<uint64_t>[]> block_verified_;
+  mutable std::atomic<bool> read_ahead_done_{false};
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.
@@ -208,6 +222,15 @@ class Shard {
 // Workers hold a shard only while collating a batch that reads it, so an idle shard is
 // never mapped by a worker, and unload() unmaps it at once.
 //
+// NOTE [mapping bound]: a process may hold at most vm.max_map_count mappings (65,530 by
+// default), and a shuffled epoch retains every shard until its last batch, so a local set
+// of more shards than that would fail at mmap. A local set is therefore given `max_mapped`
+// (0: no bound): once more shards than that are mapped, get() unmaps idle shards first
+// (least recently released), then shards that planned batches still need but no worker
+// holds now, least recently used first; a later get() maps and validates such a shard
+// again (its records are verified again too: NOTE [verify once]). Shards held by workers
+// are never unmapped, so the bound can be exceeded by at most what the workers hold.
+//
 // NOTE [self-healing]: in a pending set, a cached copy that fails a checksum (or cannot be
 // opened: vanished, wrong size, corrupt header) is reported once per shard: the set drops
 // its mapping, puts the shard back to pending and records it; the fetcher discards the
@@ -229,19 +252,24 @@ class ShardSet {
   ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, std::vector<uint64_t> records,
            std::string schema_blob, bool pending = false, size_t max_idle = 4096,
            std::vector<std::string> shard_schemas = {}, std::vector<uint32_t> schema_of = {},
-           uint64_t max_value_bytes = kDefaultMaxValueBytes);
+           uint64_t max_value_bytes = kDefaultMaxValueBytes, size_t max_mapped = 0);
   ~ShardSet();
   ShardSet(const ShardSet&) = delete;
   ShardSet& operator=(const ShardSet&) = delete;
 
   size_t size() const noexcept { return paths_.size(); }
   bool pending_set() const noexcept { return pending_set_; }
+  // How many more shards it may map before it unmaps others (NOTE [mapping bound]; SIZE_MAX: no bound).
+  size_t room();
   const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
   const std::string& path(size_t i) const { return paths_.at(i); }
   uint64_t records(size_t i) const { return records_.at(i); }
+  // Shard i if it is mapped now, else null; maps and waits for nothing. Thread-safe.
+  std::shared_ptr<const Shard> peek(size_t i);
   // Opens shard i on first use, waiting while it is pending. Thread-safe. Throws
   // LoaderError (kState if *cancel became true while waiting).
-  std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr);
+  // `read_ahead`: see Shard's constructor (a shard already open is returned as it is).
+  std::shared_ptr<const Shard> get(size_t i, const std::atomic<bool>* cancel = nullptr, bool read_ahead = true);
   void mark_ready(size_t i, std::string path);
   void mark_failed(size_t i, std::string message, int sys_errno = 0);
   // A failed shard of a pending set becomes pending again (a later iterator retries it). False if it was not failed.
@@ -266,7 +294,7 @@ class ShardSet {
   std::vector<uint32_t> waiting();
 
   struct Counts {
-    uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0;
+    uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0, remaps = 0;
   };
   Counts counts();
 
@@ -274,6 +302,10 @@ class ShardSet {
   void make_idle_locked(size_t i);
   void leave_idle_locked(size_t i);
   void drop_mapping_locked(size_t i);
+  // See NOTE [mapping bound]: the order of use of mapped shards, and the unmapping beyond max_mapped_.
+  void touch_locked(size_t i);
+  void forget_locked(size_t i);
+  void enforce_bound_locked(size_t keep, std::vector<std::shared_ptr<const Shard>>* unmap);
 
   std::vector<std::string> paths_;
   std::vector<uint64_t> bytes_;
@@ -285,6 +317,7 @@ class ShardSet {
   std::vector<FieldSpec> fields_;
   bool pending_set_;
   size_t max_idle_;
+  size_t max_mapped_;  // See NOTE [mapping bound]; 0: none
   std::mutex mu_;
   std::vector<std::shared_ptr<const Shard>> open_;
   std::vector<uint8_t> state_;  // 0 ready to open, 1 pending, 2 failed
@@ -300,6 +333,11 @@ class ShardSet {
   std::vector<uint8_t> in_idle_;
   std::vector<uint8_t> release_noted_;  // already in events_.released
   uint32_t idle_head_ = kNone, idle_tail_ = kNone;
+  // Mapped shards of a bounded set, least recently used first (See NOTE [mapping bound]).
+  std::vector<uint32_t> use_prev_, use_next_;
+  std::vector<uint8_t> in_use_list_, mapped_before_;
+  uint32_t use_head_ = kNone, use_tail_ = kNone;
+  uint64_t remaps_ = 0;
   size_t idle_count_ = 0, mapped_ = 0, peak_mapped_ = 0;
   size_t active_shards_ = 0;
   uint64_t heals_ = 0, unloads_ = 0;

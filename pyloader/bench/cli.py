@@ -236,6 +236,12 @@ def _print_bench(r: dict[str, Any]) -> None:
         rows.append((f"remote fetch ({rf['shards_downloaded']} shards{how})", speed, rf["cpu_s"]))
     rows.append((f"storage read ({st['storage_read'].get('threads', 1)} thr)",
                  f"{st['storage_read']['gbps']:.2f} GB/s", st["storage_read"]["cpu_s"]))
+    cr = st.get("cold_read")
+    if cr:
+        rows.append(("cold sequential read (1 thr)", f"{cr['seq_gbps']:.2f} GB/s", None))
+        rows.append((f"cold epoch, pyloader ({cr['threads']} thr)",
+                     f"{cr['gbps']:.2f} GB/s = {cr['of_seq']:.2f}x seq" if cr["of_seq"] else f"{cr['gbps']:.2f} GB/s",
+                     cr["cpu_s"]))
     if st["decode"]:
         rows.append((f"LZ4 decode ({st['decode']['threads']} thr)", f"{st['decode']['gbps']:.2f} GB/s",
                      st["decode"]["cpu_s"]))

@@ -361,6 +361,43 @@ def read_gbps(paths: list[str], threads: int = 1, *, min_seconds: float = 0.0) -
     return sum(done) / max(wall, 1e-9) / 1e9
 
 
+def drop_pages(paths: list[str]) -> None:
+    """Evicts the files' pages from the page cache: written back (fsync), then ``POSIX_FADV_DONTNEED``.
+
+    Needs no root and leaves other files' pages alone. Pages some process has mapped stay.
+    """
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_fraction(paths: list[str]) -> float:
+    """The share of the files' pages in the page cache now (``mincore`` over a private mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    have = total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore failed on {p!r}")
+            have += sum(v & 1 for v in vec)
+            total += pages
+    return have / total if total else 0.0
+
+
 def epoch_samples(loader: Any, *, touch: bool = False) -> tuple[int, int]:
     """Iterates one epoch; returns (samples, payload bytes). Untimed: callers time whole rounds."""
     n = nbytes = 0
@@ -494,6 +531,6 @@ def environment() -> dict[str, Any]:
 
 
 __all__ = ["Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "epoch_samples", "loader_epoch", "pyloader_loader",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "resident_fraction", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

@@ -227,6 +227,8 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
         gbps = B.read_gbps(local, n, min_seconds=0.2)
     stages["storage_read"] = {"gbps": gbps, "threads": n, "cpu_s": t.cpu, "wall_s": t.wall}
 
+    stages["cold_read"] = cold_read_stage(ds, batch_size=batch_size, threads=n, progress=progress)
+
     progress("stage 2/5: LZ4 decode")
     blocks = lz4_blocks(local, field_names=[f.name for f in ds.fields])
     if blocks:
@@ -279,6 +281,40 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
     else:
         stages["h2d"] = None
     return stages
+
+
+def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
+                    progress: Callable[[str], None]) -> dict[str, Any] | None:
+    """One epoch from a cold page cache against the sequential read of the same files, cold too.
+
+    The dataset's pages are dropped first (``measure.drop_pages``: fsync and
+    ``POSIX_FADV_DONTNEED`` on its files, no root needed); the files are then read start to
+    end in 8 MiB reads on one thread (``seq_gbps``: what the storage gives a sequential
+    reader), dropped again, and one shuffled epoch of a new ``ShardDataset`` over them is read
+    (``gbps``: stored bytes over its wall time, from the loader's construction). ``of_seq``
+    is their ratio; ``resident`` the share of the files still in memory after each drop
+    (pages another process maps stay). None for a remote dataset, whose cold read is the
+    fetch stage.
+    """
+    if ds.is_remote:
+        return None
+    progress(f"stage 1b/5: cold read (page cache dropped; sequential read, then one epoch on {threads} threads)")
+    files = ds.local_files()
+    size = sum(os.path.getsize(f) for f in files)
+    B.drop_pages(files)
+    resident = [B.resident_fraction(files)]
+    seq = B.read_gbps(files, 1)
+    B.drop_pages(files)
+    resident.append(B.resident_fraction(files))
+    with B.CpuTimer() as t:
+        cold = ShardDataset(ds.url, shuffle=True, seed=0, max_value_bytes=ds.max_value_bytes)
+        loader = DataLoader(cold, batch_size=batch_size, num_workers=threads)
+        samples, _ = B.epoch_samples(loader)
+    stored = loader.stats()["stored_bytes"]
+    gbps = stored / max(t.wall, 1e-9) / 1e9
+    return {"gbps": gbps, "seq_gbps": seq, "of_seq": gbps / seq if seq > 0 else None, "bytes": size,
+            "stored_bytes": stored, "samples": samples, "wall_s": t.wall, "cpu_s": t.cpu, "threads": threads,
+            "resident": max(resident)}
 
 
 def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., Any] | None, *, executor: str,
@@ -503,5 +539,5 @@ def _private_bytes() -> int:
     return 256 << 20  # no /proc: a typical Python process with torch imported
 
 
-__all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "run_transform_stage", "run_pack_stage",
+__all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "cold_read_stage", "run_transform_stage", "run_pack_stage",
            "run_au"]

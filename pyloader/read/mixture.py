@@ -615,7 +615,9 @@ class Mixture(UnitDataset, PipelineDataset, IterableDataset):
                              pending=remote, shard_schemas=self._source_schemas if renamed else [],
                              schema_of=schema_of if renamed else [],
                              # one limit for the set: the largest a source allows (NOTE [value bounds])
-                             max_value_bytes=max(s.max_value_bytes for s in self.sources))
+                             max_value_bytes=max(s.max_value_bytes for s in self.sources),
+                             # See NOTE [mapping bound] in csrc/core/shard_reader.h
+                             max_mapped=0 if remote else min(s.max_mapped_shards for s in self.sources))
         self._shards, self._shards_pid = shards, os.getpid()
         self._fetcher = None
         if remote:

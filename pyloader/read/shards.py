@@ -377,7 +377,8 @@ class BatchIterator:
         out: dict[str, Any] = {}
         if self._shards is not None:
             n = self._shards.counts()
-            out.update(mapped_shards=n["mapped"], peak_mapped_shards=n["peak_mapped"], healed_shards=n["heals"])
+            out.update(mapped_shards=n["mapped"], peak_mapped_shards=n["peak_mapped"], healed_shards=n["heals"],
+                       remapped_shards=n["remaps"])
         if self._fetcher is not None:
             f = self._fetcher.stats()
             out.update(cache_working_set_bytes=f["working_set_bytes"], cache_held_bytes=f["held_bytes"],
@@ -457,6 +458,11 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
             allocated for it (NOTE [value bounds] in csrc/core/shard_reader.h); a schema
             whose fixed-shape field is larger raises ``SchemaError``.
     """
+
+    # See NOTE [mapping bound] in csrc/core/shard_reader.h: a local dataset keeps at most this
+    # many shards mapped at once (beyond those its workers hold), so a shuffle over more shards
+    # than the kernel's vm.max_map_count works. Set before the first read to change it.
+    max_mapped_shards: int = MAX_OPEN
 
     @property
     def early_streams(self) -> bool:
@@ -578,7 +584,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
             paths = self.shard_paths if remote is None else remote.shard_files()
             self._shards = _C.ShardSet(paths=paths, bytes=self.shard_bytes, records=self.records_per_shard,
                                        schema=self._schema, pending=remote is not None,
-                                       max_value_bytes=self.max_value_bytes)
+                                       max_value_bytes=self.max_value_bytes,
+                                       max_mapped=self.max_mapped_shards if remote is None else 0)
             self._shards_pid = os.getpid()
             if remote is not None:  # See NOTE [shard readiness]: the fetcher fills the pending set
                 self._fetcher = self.fetcher(self._shards, readers)

@@ -1,0 +1,154 @@
+"""A first epoch from a cold page cache: pyloader vs torch's batched gather vs a sequential read.
+
+For each record size (12 KB image-like, 8 KB tokens, 150 KB blobs; raw, no compression) the
+same records are written as pyloader shards and as one ``.npy`` file. Every measurement runs
+in a fresh process after the dataset's pages were dropped from the page cache (``--drop
+fadvise``: ``posix_fadvise(DONTNEED)`` on each of its files, which needs no root and leaves
+other programs' pages alone; ``--drop all``: ``sync; echo 3 > /proc/sys/vm/drop_caches``,
+root only):
+
+- ``pyloader``: one globally shuffled epoch of ``pyloader.DataLoader(num_workers=2)``, from
+  the constructor to the last batch (and to the first: ``first_batch_s``);
+- ``gather``: torch's DataLoader over the ``.npy`` file, one ``np.take`` of the whole
+  shuffled batch per step (the fastest plain peer of bench_core.py);
+- ``seq``: the storage's sequential bandwidth: the shard files read start to end in 8 MiB
+  reads (``pyloader.bench.measure.read_gbps``), one thread;
+- with ``--baseline ROOT`` (a checkout with its own built ``_C``): ``pyloader`` run from it.
+
+Variants are interleaved (round 1 of each, then round 2, ...) and medians reported: the
+machine is shared. GB/s are payload bytes over wall time. Writes JSON and prints a table.
+
+    python benchmarks/bench_cold_read.py [--mb 400] [--rounds 3] [--baseline /path/to/old/checkout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def drop(paths: list[str], how: str) -> None:
+    if how == "all":
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dataset_files(d: str) -> list[str]:
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".pyl"))
+
+
+def child(kind: str, path: str, npy: str, batch: int) -> dict:
+    from pyloader.bench import measure as B
+
+    t0 = time.perf_counter()
+    if kind == "seq":
+        files = dataset_files(path)
+        gbps = B.read_gbps(files, 1)
+        return {"gbps": gbps, "bytes": sum(os.path.getsize(f) for f in files)}
+    if kind == "pyloader":
+        loader = B.pyloader_loader(path, batch, shuffle=True, threads=2)
+    else:
+        import numpy as np
+
+        mm = np.load(npy, mmap_mode="r")
+        loader = B.gather_loader(npy, mm.shape, str(mm.dtype), batch, shuffle=True)
+        del mm
+    it = iter(loader)
+    first = next(it)
+    t_first = time.perf_counter() - t0
+    n = nbytes = 0
+    for batch in itertools.chain([first], it):
+        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        n += int(tensors[0].shape[0])
+        nbytes += sum(x.nelement() * x.element_size() for x in tensors)
+    wall = time.perf_counter() - t0
+    return {"gbps": nbytes / wall / 1e9, "samples": n, "wall_s": wall, "first_batch_s": t_first}
+
+
+def run_child(root: str, how: str, kind: str, path: str, npy: str, batch: int) -> dict:
+    drop(dataset_files(path) + [npy], how)
+    env = dict(os.environ, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, path, npy, str(batch)],
+                         env=env, check=True, capture_output=True, text=True, cwd=root)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=400, help="dataset size per profile (MB)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profiles", default="image12k,tokens8k,blob150k")
+    ap.add_argument("--drop", choices=("fadvise", "all"), default="fadvise")
+    ap.add_argument("--baseline", help="a checkout with a built _C: its pyloader is measured too")
+    ap.add_argument("--dir", help="where to write (default: a temporary folder, removed after)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "cold_read.json"))
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], a.child[1], a.child[2], int(a.child[3]))))
+        return
+    import numpy as np
+
+    from pyloader.bench import measure as B
+
+    tmp = a.dir or tempfile.mkdtemp(prefix="pyloader-bench-cold-read-")
+    variants = {"pyloader": ROOT, "gather": ROOT, "seq": ROOT}
+    if a.baseline:
+        variants["pyloader_baseline"] = a.baseline
+    result: dict = {"config": vars(a), "cpus": os.cpu_count(), "profiles": {}}
+    try:
+        for name in a.profiles.split(","):
+            p = B.PROFILES[name]
+            n = int(a.mb * 1e6 / p.record_bytes)
+            path, npy = os.path.join(tmp, name), os.path.join(tmp, name + ".npy")
+            if not os.path.exists(npy):
+                recs = B.write_profile_dataset(path, p, n, compression="none")
+                np.save(npy, recs)
+                del recs
+            runs: dict[str, list[float]] = {v: [] for v in variants}
+            firsts: dict[str, list[float]] = {}
+            for _ in range(a.rounds):
+                for v, root in variants.items():
+                    kind = "pyloader" if v.startswith("pyloader") else v
+                    got = run_child(root, a.drop, kind, path, npy, a.batch)
+                    runs[v].append(got["gbps"])
+                    if "first_batch_s" in got:
+                        firsts.setdefault(v, []).append(got["first_batch_s"])
+            med = {v: statistics.median(r) for v, r in runs.items()}
+            first = {v: statistics.median(f) for v, f in firsts.items()}
+            result["profiles"][name] = {"records": n, "record_bytes": p.record_bytes, "gbps": runs, "median": med,
+                                        "first_batch_s": firsts, "first_batch_median_s": first}
+            line = " ".join(f"{v} {g:.3f}" for v, g in med.items())
+            extra = f", baseline/gather {med['pyloader_baseline'] / med['gather']:.2f}x" if a.baseline else ""
+            print(f"{name:>9}: GB/s {line} | pyloader/gather {med['pyloader'] / med['gather']:.2f}x, "
+                  f"pyloader/seq {med['pyloader'] / med['seq']:.2f}{extra}; first batch (ms) "
+                  + " ".join(f"{v} {1e3 * f:.0f}" for v, f in first.items()) + f"  (rounds: {runs})", flush=True)
+    finally:
+        if not a.dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""`pyloader bench`'s cold-read stage: the dataset's pages are dropped without root, the
+sequential read and one epoch are measured from a cold page cache, and the table shows both."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import pyloader
+from pyloader.bench import cli as bench_cli
+from pyloader.bench import measure as B
+from pyloader.bench import stages as R
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    p = B.PROFILES["image12k"]
+    path = str(tmp_path / "ds")
+    B.write_profile_dataset(path, p, 600, compression="none", seed=0)
+    return path
+
+
+def _files(path: str) -> list[str]:
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".pyl"))
+
+
+def test_drop_pages_evicts_the_files_from_the_page_cache(dataset) -> None:
+    files = _files(dataset)
+    B.read_gbps(files, 1)
+    assert B.resident_fraction(files) > 0.9
+    B.drop_pages(files)
+    assert B.resident_fraction(files) < 0.1
+
+
+def test_the_cold_stage_reads_one_epoch_from_a_cold_cache_against_the_sequential_read(dataset) -> None:
+    ds = pyloader.ShardDataset(dataset)
+    lines: list[str] = []
+    got = R.cold_read_stage(ds, batch_size=64, threads=2, progress=lines.append)
+    assert got is not None and "cold read" in lines[0]
+    assert got["samples"] == ds.num_records
+    assert got["bytes"] == sum(ds.shard_bytes)
+    assert 0 < got["stored_bytes"] <= got["bytes"]
+    assert got["resident"] < 0.1  # both reads started from a cold page cache
+    assert got["gbps"] > 0 and got["seq_gbps"] > 0
+    assert got["of_seq"] == pytest.approx(got["gbps"] / got["seq_gbps"])
+    # It reads through a dataset of its own: the bench's maps nothing (a mapped page cannot be dropped).
+    assert ds._shards is None
+
+
+def test_run_stages_reports_the_cold_stage_and_the_table_shows_it(dataset, capsys) -> None:
+    ds = pyloader.ShardDataset(dataset)
+    stages = R.run_stages(ds, batch_size=64, threads=2, epochs=1, torch_workers=0, progress=lambda s: None,
+                          min_seconds=0.05)
+    cold = stages["cold_read"]
+    assert cold["samples"] == ds.num_records and cold["resident"] < 0.1
+    from pyloader.bench import diagnosis
+
+    result = {"stages": stages, "diagnosis": diagnosis.diagnose(stages),
+              "dataset": {"records": ds.num_records, "shards": len(ds.shard_paths), "bytes": sum(ds.shard_bytes)}}
+    bench_cli._print_bench(result)
+    out = capsys.readouterr().out
+    assert "cold sequential read (1 thr)" in out
+    assert f"= {cold['of_seq']:.2f}x seq" in out

@@ -479,10 +479,13 @@ void BatchPipeline::worker_loop(size_t index) {
         return;
       }
       b = next_claim_++;
-      adv_from = advised_;
-      adv_to = std::min(num_batches_, b + 1 + kAdviseBatches);
+      adv_from = advised_;  // batch b's records now; the later batches' after b (NOTE [cold read-ahead])
+      adv_to = std::min(num_batches_, b + 1);
       if (adv_to > advised_) advised_ = adv_to;
     }
+    // See NOTE [cold read-ahead]: batch b's own records before it is filled; the later
+    // batches' only once b is delivered, so that a shard of theirs that cannot be opened
+    // (a stalled mount, a missing file) never holds back a batch that does not read it.
     if (adv_to > adv_from) advise_batches(adv_from, adv_to);
     // The last claim: workers asleep for room in the ring have nothing left to claim;
     // woken now they leave, so the last one out hands over (hand_over()) without waiting
@@ -509,6 +512,13 @@ void BatchPipeline::worker_loop(size_t index) {
       ring_[b % ring_.size()] = std::move(done);
     }
     cv_ready_->notify_all();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      adv_from = std::max(advised_, b + 1);
+      adv_to = std::min(num_batches_, b + 1 + kAdviseBatches);
+      if (adv_to > advised_) advised_ = adv_to;
+    }
+    if (adv_to > adv_from) advise_batches(adv_from, adv_to);
   }
 }
 

@@ -147,8 +147,10 @@ class BatchPipeline {
   // the device's read-around window (8 MiB here) -- or, with the whole files queued for
   // read-ahead at open (NOTE [read-ahead at open] in shard_reader.cpp), for the queue ahead
   // of it: the first batch of a 300 MB epoch waited for most of the epoch's bytes. So the
-  // worker that claims batch b first queues the records of the batches up to b +
-  // kAdviseBatches not queued yet: their shards are opened without their whole-file
+  // worker that claims batch b queues the records of the batches up to b + kAdviseBatches
+  // not queued yet (batch b's before it fills it, the later ones once b is delivered, so
+  // that a shard that cannot be opened never holds back a batch that does not read it):
+  // their shards are opened without their whole-file
   // read-ahead, each record's stored bytes are queued (MADV_WILLNEED, ranges less than
   // kAdviseGap apart merged), and only then each of those shards whole. The records the
   // next batches read come in first; the rest of the files stream in behind them. Records of

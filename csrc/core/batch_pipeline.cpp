@@ -401,12 +401,9 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
   for (size_t i = begin; i < end; ++i) rows.emplace_back(shard_idx_[i], record_idx_[i]);
   std::sort(rows.begin(), rows.end());
   const size_t nf = shards_->fields().size();
-  // Phase 1: every distinct shard, opened now without its whole-file read-ahead (a pending
-  // set's: only those mapped already, as a download is never waited for here; a bounded
-  // set's too when opening them would unmap others).
-  size_t distinct = 0;
-  for (size_t k = 0; k < rows.size(); ++k) distinct += k == 0 || rows[k].first != rows[k - 1].first;
-  const bool mapped_only = shards_->pending_set() || shards_->room() < distinct;
+  // Phase 1: every distinct shard already mapped. None is opened here: a shard whose open
+  // blocks (a stalled mount) or fails would be opened twice, here and by the batch that
+  // reads it, and a pending set's download is never waited for.
   std::vector<std::shared_ptr<const Shard>> held;
   {
     int32_t prev = -1;
@@ -414,8 +411,7 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
       if (r.first == prev) continue;
       prev = r.first;
       try {
-        held.push_back(mapped_only ? shards_->peek(size_t(r.first))
-                                   : shards_->get(size_t(r.first), &cancel_, /*read_ahead=*/false));
+        held.push_back(shards_->peek(size_t(r.first)));
       } catch (...) {
         held.push_back(nullptr);  // the batch that reads it raises the error
       }

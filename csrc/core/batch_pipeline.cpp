@@ -1,5 +1,6 @@
 #include "core/batch_pipeline.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -401,9 +402,14 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
   for (size_t i = begin; i < end; ++i) rows.emplace_back(shard_idx_[i], record_idx_[i]);
   std::sort(rows.begin(), rows.end());
   const size_t nf = shards_->fields().size();
-  // Phase 1: every distinct shard already mapped. None is opened here: a shard whose open
-  // blocks (a stalled mount) or fails would be opened twice, here and by the batch that
-  // reads it, and a pending set's download is never waited for.
+  // Phase 1: every distinct shard, opened now without its whole-file read-ahead if it is not
+  // mapped yet and is a regular file (a FIFO or device would block its open: the batch
+  // that reads it opens it, once). A pending set's shards only if mapped already, as a
+  // download is never waited for here; a bounded set's too when opening them would unmap
+  // others.
+  size_t distinct = 0;
+  for (size_t k = 0; k < rows.size(); ++k) distinct += k == 0 || rows[k].first != rows[k - 1].first;
+  const bool mapped_only = shards_->pending_set() || shards_->room() < distinct;
   std::vector<std::shared_ptr<const Shard>> held;
   {
     int32_t prev = -1;
@@ -411,7 +417,11 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
       if (r.first == prev) continue;
       prev = r.first;
       try {
-        held.push_back(shards_->peek(size_t(r.first)));
+        std::shared_ptr<const Shard> h = shards_->peek(size_t(r.first));
+        struct stat st{};
+        if (!h && !mapped_only && ::stat(shards_->path(size_t(r.first)).c_str(), &st) == 0 && S_ISREG(st.st_mode))
+          h = shards_->get(size_t(r.first), &cancel_, /*read_ahead=*/false);
+        held.push_back(std::move(h));
       } catch (...) {
         held.push_back(nullptr);  // the batch that reads it raises the error
       }

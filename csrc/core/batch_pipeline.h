@@ -144,18 +144,20 @@ class BatchPipeline {
   void release_batch(size_t b);
   // NOTE [cold read-ahead]: from a cold page cache a shuffled batch reads records spread over
   // every shard, and each page fault on a page not yet read waits for a synchronous read of
-  // the device's read-around window (8 MiB here). A shard is queued whole for read-ahead
-  // when it is opened (NOTE [read-ahead at open] in shard_reader.cpp); on top of that, the
-  // worker that claims batch b queues the records of the batches up to b + kAdviseBatches
-  // not queued yet (batch b's before it fills it, the later ones once b is delivered), in
-  // the shards already mapped: each record's stored bytes (MADV_WILLNEED, ranges less than
-  // kAdviseGap apart merged). No shard is opened for it: a shard whose open blocks (a
-  // stalled mount) or fails would be opened twice, and a batch that does not read it would
-  // wait on it. Records of a shard already queued whole are not queued again: on 8-12 KB
-  // records their small reads, mixed into the sequential stream, cost a third to a half of
-  // the epoch's rate. Records already read by this process (NOTE [verify once]) are
-  // skipped, so later epochs queue nothing; a pending (remote) set never waits for a
-  // download here (NOTE [mapping bound] in shard_reader.h).
+  // the device's read-around window (8 MiB here) -- or, with the whole files queued for
+  // read-ahead at open (NOTE [read-ahead at open] in shard_reader.cpp), for the queue ahead
+  // of it. So the worker that claims batch b queues the records of the batches up to
+  // b + kAdviseBatches not queued yet (batch b's before it fills it, the later ones once b
+  // is delivered) in their shards, opened now without the whole-file read-ahead if they
+  // are regular files (the open of a FIFO or device could block: only the batch that reads
+  // a shard may wait on it): each record's stored bytes (MADV_WILLNEED, ranges less than
+  // kAdviseGap apart merged), then each of those shards whole. The records the next batches
+  // read come in first; the rest of the files stream in behind them. Records of a shard
+  // already queued whole are not queued again: on 8-12 KB records their small reads, mixed
+  // into the sequential stream, cost a third to a half of the epoch's rate. Records already
+  // read by this process (NOTE [verify once]) are skipped, so later epochs queue nothing; a
+  // pending (remote) set queues only shards it has mapped, never waiting for a download, and
+  // so does a bounded set without room for them (NOTE [mapping bound] in shard_reader.h).
   void advise_batches(size_t from, size_t to);
   // NOTE [hand-over gate]: hand_over() keeps the successor through its gate, never a
   // reference to it. A worker that raised the successor from a shared_ptr could hold the last

@@ -414,8 +414,9 @@ void Shard::advise_read_ahead() const {
   // read. So the whole file is queued for asynchronous read-ahead now (a no-op for pages
   // already cached: ~1 ms per GB here); the reads then overlap the collation. Skipped for
   // a file larger than 1/16 of the machine's memory, which read-ahead could push out of
-  // the cache before it is used. A pipeline also queues the records of its next batches in
-  // the shards it has mapped (NOTE [cold read-ahead] in batch_pipeline.h).
+  // the cache before it is used. A pipeline opens the shards of its next batches without it,
+  // queues their records first and then the whole files (NOTE [cold read-ahead] in
+  // batch_pipeline.h).
   if (map_size_ <= willneed_limit()) (void)::madvise(const_cast<uint8_t*>(base_), map_size_, MADV_WILLNEED);
 }
 

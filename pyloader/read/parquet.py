@@ -12,6 +12,13 @@ keeps open at once: one or two unshuffled; about ``window / rows_per_group + 1``
 ``shuffle_mode="window"`` (the default here); every row group in ``"global"`` mode, which
 is only sensible for data that fits in memory.
 
+Remote files go through the node cache the way ``ShardDataset``'s shards do: one
+``ShardFetcher`` per process fetches them ahead in plan order within the reader's share of
+the cache limit, into a ``PendingFiles`` (``pyloader.remote.pending_files``) in place of a
+native shard set; each row group decoded is one planned read of its file, so a file is
+released after the last of its row groups is decoded (NOTE [pending files]), and opened
+only for each read, never kept open between them.
+
 What is native and what is not: pyarrow (C++) reads and decodes row groups on
 ``num_threads`` threads without the GIL; Arrow's buffers become numpy arrays without a
 copy where a column is fixed-width and null-free; collation into reusable staging
@@ -184,9 +191,16 @@ class ParquetDataset(UnitDataset, IterableDataset):
 
     Ordering, shuffling and partitioning are ``ShardDataset``'s (same arguments, same
     guarantees), with row groups as shards; ``shuffle_mode`` defaults to ``"window"``
-    because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs are
-    fetched whole into the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
-    ``storage_options`` as for ShardDataset), in the order the plan first needs them.
+    because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs stream
+    through the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
+    ``storage_options`` as for ShardDataset): each file is fetched whole, ahead of the
+    reader in plan order within its share of ``cache_limit``, and released (unpinned, so
+    evictable) once the last of its row groups the plan reads is decoded (NOTE [streaming]
+    in ``pyloader.remote.fetch``, NOTE [pending files] in ``pyloader.remote.pending_files``):
+    a dataset many times the cache limit reads through it. What must fit is the plan's
+    working set (``CacheLimitError`` otherwise): unshuffled, the files a few batches span;
+    shuffled, row groups are ordered across all files, so only files of one row group each
+    stream through a cache smaller than the dataset.
     Resumable: ``pyloader.DataLoader.state_dict()`` / ``load_state_dict()`` work as for
     ``ShardDataset`` (docs/resume.md). ``fingerprint`` (what a state names) identifies the
     files by relative path, row-group row counts, size and footer bytes, and the columns

@@ -231,6 +231,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         self.fetch_jobs = remote_options.jobs_for([])
         self._cache: DatasetCache | None = None
         self._pending: PendingFiles | None = None
+        self._remote_metas: tuple[int, dict[int, Any]] | None = None  # (pid, footer of each remote file read)
         self._fetcher: Any = None
         self._fetch_pid = -1
         urls = [os.fspath(u) for u in url] if isinstance(url, (list, tuple)) else [os.fspath(url)]
@@ -421,9 +422,14 @@ class ParquetDataset(UnitDataset, IterableDataset):
             self._ensure_fetcher()
             self._fetcher.schedule([i])
         assert self._pending is not None
+        metas = self._remote_metas
+        if metas is None or metas[0] != os.getpid():
+            metas = self._remote_metas = (os.getpid(), {})
         with self._pending.reading(i) as path:
-            pf = pq.ParquetFile(path, memory_map=True)
+            # Its footer is parsed once per process (a parse can cost more than a row group's read).
+            pf = pq.ParquetFile(path, memory_map=True, metadata=metas[1].get(i))
             try:
+                metas[1].setdefault(i, pf.metadata)
                 return pf.read_row_group(j, columns=self.columns, use_threads=False)
             finally:
                 pf.close()
@@ -487,7 +493,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         s = self.__dict__.copy()
         s["_local"] = None
-        s["_fetcher"], s["_pending"], s["_fetch_pid"] = None, None, -1
+        s["_fetcher"], s["_pending"], s["_fetch_pid"], s["_remote_metas"] = None, None, -1, None
         return s
 
     def __setstate__(self, s: dict[str, Any]) -> None:

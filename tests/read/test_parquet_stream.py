@@ -169,10 +169,13 @@ def test_a_working_set_above_the_cache_limit_is_refused_up_front(www, tmp_path):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stop", [3, 17])
-def test_resume_mid_epoch_while_streaming_gives_exactly_the_rest(www, tmp_path, stop):
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "window-shuffle"])
+def test_resume_mid_epoch_while_streaming_gives_exactly_the_rest(www, tmp_path, stop, shuffle):
     root, url = www
-    total = _write(os.path.join(root, "data"), 24, 160, 40)
-    kw: dict[str, Any] = dict(columns=["id", "tokens"], shuffle=False, cache_limit=total // 8, fetch_jobs=2)
+    files, rows, group = (24, 160, 40) if not shuffle else (64, 60, 60)
+    total = _write(os.path.join(root, "data"), files, rows, group)
+    kw: dict[str, Any] = dict(columns=["id", "tokens"], shuffle=shuffle, window=60, seed=1,
+                              cache_limit=total // 8, fetch_jobs=2)
 
     def loader(cache: str) -> pyloader.DataLoader:
         ds = pyloader.ParquetDataset(url + "/data/", cache_dir=cache, **kw)
@@ -188,7 +191,7 @@ def test_resume_mid_epoch_while_streaming_gives_exactly_the_rest(www, tmp_path, 
     again.load_state_dict(state)
     got += [b["id"].tolist() for b in again]
     assert got == want
-    assert sum(len(b) for b in got) == 24 * 160
+    assert sorted(i for b in got for i in b) == list(range(files * rows))
 
 
 @pytest.mark.timeout(120)

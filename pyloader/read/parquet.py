@@ -12,12 +12,9 @@ keeps open at once: one or two unshuffled; about ``window / rows_per_group + 1``
 ``shuffle_mode="window"`` (the default here); every row group in ``"global"`` mode, which
 is only sensible for data that fits in memory.
 
-Remote files go through the node cache the way ``ShardDataset``'s shards do: one
-``ShardFetcher`` per process fetches them ahead in plan order within the reader's share of
-the cache limit, into a ``PendingFiles`` (``pyloader.remote.pending_files``) in place of a
-native shard set; each row group decoded is one planned read of its file, so a file is
-released after the last of its row groups is decoded (NOTE [pending files]), and opened
-only for each read, never kept open between them.
+Remote files stream as ``ShardDataset``'s shards do (one ``ShardFetcher`` per process), into
+a ``PendingFiles`` in place of a native shard set: each row group decoded is one planned read
+of its file (NOTE [pending files] in pyloader/remote/pending_files.py).
 
 What is native and what is not: pyarrow (C++) reads and decodes row groups on
 ``num_threads`` threads without the GIL; Arrow's buffers become numpy arrays without a

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -52,75 +53,10 @@ from ..format.spec import Field
 from ..remote import fetch as _fetch
 from ..remote.budget import MAX_OPEN, check_share, reader_share
 from ..remote.cache import DatasetCache
-from ..remote.fs import RetryPolicy, filesystem, is_remote
+from ..remote.fs import is_remote
 from ..remote.pending_files import PendingFiles
+from .parquet_remote import ParquetFileCache, fetch_error, list_remote
 from .units import RemoteOptions, UnitDataset, node_readers
-
-
-# ---------------------------------------------------------------------------------------
-# Remote files through the node cache.
-class _ParquetFileCache(DatasetCache):
-    """The node cache (pyloader.remote.cache) flavour for Parquet files.
-
-    A Parquet file has no XXH64 in a manifest, so ``open_remote`` binds the listing of the
-    files (``_list_remote``) instead: each entry carries an identity (XXH64 of path, size
-    and the store's ETag or mtime), so a changed object gets a new cache name, never a
-    mix. A download is published under NOTE [cache publish] with check (3) replaced by:
-    exactly the listed size, and the Parquet magic ``PAR1`` at both ends
-    (``DatasetCache.content_problem``); pyarrow then checks the footer when it opens it.
-    A file that fails it raises ``ParquetReadError`` at once (no retry).
-    """
-
-    retry_bad_content = False  # a file that is not Parquet will not become one on a retry
-    identity_listing = True  # open_remote builds its manifest from the listing (NOTE [untrusted manifest])
-
-    def content_error(self, url: str, shard: str, problem: str) -> PyloaderError:
-        return ParquetReadError(f"{url}: {problem}")
-
-
-def _sized_info(fs: Any, url: str, name: str, info: dict[str, Any]) -> dict[str, Any]:
-    """``info`` with the file's size, asked of the store itself (an HTTP listing has no sizes: a HEAD)."""
-    try:
-        full = fs.info(name)
-    except Exception as e:  # noqa: BLE001 - any failure to learn the size is reported the same way
-        full, why = {}, f"{type(e).__name__}: {e}"
-    else:
-        why = "the server sends no Content-Length"
-    if full.get("size") is None:
-        raise ParquetReadError(
-            f"{url}: the listing does not give the size of {name!r} and asking for it failed ({why}); "
-            "a folder over HTTP can be read only when its server answers HEAD with a Content-Length: "
-            "give the URL of one file, or copy the folder to local disk (or to object storage such as s3://)")
-    return {**info, **full}
-
-
-def _list_remote(url: str, storage_options: dict[str, Any] | None
-                 ) -> tuple[Any, str, str, list[tuple[str, int, str]]]:
-    """The Parquet files at ``url``, sorted by path.
-
-    Returns (fsspec filesystem, root path in it, root URL, [(relative path, size, identity)]).
-    """
-    fs, path = filesystem(url, storage_options, RetryPolicy.from_env().stall_timeout)
-    proto = url.split("://", 1)[0]
-    infos: list[dict[str, Any]]
-    if fs.isdir(path):
-        root = path.rstrip("/")
-        infos = [i for i in fs.find(root, detail=True).values() if i["name"].lower().endswith(_PARQUET_EXT)]
-    else:
-        root = path.rsplit("/", 1)[0]
-        infos = [fs.info(path)]
-    out = []
-    for info in sorted(infos, key=lambda i: i["name"]):
-        name = info["name"]
-        rel = name[len(root):].lstrip("/") if name.startswith(root) else name.rsplit("/", 1)[-1]
-        if info.get("size") is None:
-            info = _sized_info(fs, url, name, info)
-        tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
-        size = int(info["size"])
-        ident = f"{_C.xxh64(f'{rel}|{size}|{tag}'.encode()):016x}"
-        out.append((rel, size, ident))
-    root_url = f"{proto}://{root}" if not root.startswith(f"{proto}://") else root
-    return fs, root, root_url, out
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,10 +176,10 @@ class ParquetDataset(UnitDataset, IterableDataset):
         if any(remote):
             if len(urls) != 1:
                 raise ValueError("a remote ParquetDataset takes one URL (a file or a folder)")
-            fs, root, root_url, files = _list_remote(urls[0], remote_options.storage_options)
+            fs, root, root_url, files = list_remote(urls[0], remote_options.storage_options)
             if not files:
                 raise ParquetReadError(f"{urls[0]}: holds no Parquet files")
-            self._cache = remote_options.open(root_url, listing=files, flavour=_ParquetFileCache)
+            self._cache = remote_options.open(root_url, listing=files, flavour=ParquetFileCache)
             self.files = [self._cache.shard_url(i) for i in range(len(files))]
             for i, (rel, size, _) in enumerate(files):
                 if self._cache.is_published(i):
@@ -383,7 +319,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         """This process's fetcher of the remote files, held to its share of the cache (NOTE [streaming])."""
         if self._cache is None or self._fetch_pid == os.getpid():
             return
-        self._pending = PendingFiles(len(self.files), lambda message, _errno: ParquetReadError(message))
+        self._pending = PendingFiles(len(self.files), functools.partial(fetch_error, self._cache))
         budget = reader_share(self._cache.cache.limit, node_readers(readers))
         self._fetcher = _fetch.ShardFetcher(self._cache, self._pending, jobs=self.fetch_jobs, budget=budget,
                                             max_open=MAX_OPEN)

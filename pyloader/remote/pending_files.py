@@ -31,10 +31,10 @@ __all__ = ["PendingFiles"]
 class PendingFiles:
     """``n`` files, each pending until a fetcher marks it ready (or failed). Thread-safe.
 
-    ``error(message, errno)``: the exception a read of a failed file raises.
+    ``error(i, message, errno)``: the exception a read of failed file ``i`` raises.
     """
 
-    def __init__(self, n: int, error: Callable[[str, int], BaseException]) -> None:
+    def __init__(self, n: int, error: Callable[[int, str, int], BaseException]) -> None:
         self._n = n
         self._error = error
         self._cv = threading.Condition()
@@ -65,7 +65,7 @@ class PendingFiles:
     def reading(self, i: int) -> Iterator[str]:
         """Waits until file ``i`` is ready and yields its local path; it stays in place until the block ends.
 
-        Raises ``error(message, errno)`` when its fetch failed.
+        Raises ``error(i, message, errno)`` when its fetch failed.
         """
         with self._cv:
             while self._paths[i] is None and i not in self._failed:
@@ -78,11 +78,12 @@ class PendingFiles:
                     self._waits[i] -= 1
                     if not self._waits[i]:
                         self._changed = True
-            if i in self._failed:
-                message, errno = self._failed[i]
-                raise self._error(message, errno)
+            failed = self._failed.get(i)
             path = self._paths[i]
-            self._reads[i] += 1
+            if failed is None:
+                self._reads[i] += 1
+        if failed is not None:  # (made outside the lock: making it may ask the store)
+            raise self._error(i, *failed)
         try:
             assert path is not None
             yield path
@@ -114,7 +115,7 @@ class PendingFiles:
             self._cv.notify_all()
 
     def mark_failed(self, i: int, message: str, errno: int = 0) -> None:
-        """File ``i`` could not be fetched: its reads raise ``error(message, errno)``."""
+        """File ``i`` could not be fetched: its reads raise ``error(i, message, errno)``."""
         with self._cv:
             self._failed[i] = (message, errno)
             self._cv.notify_all()

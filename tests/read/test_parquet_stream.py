@@ -213,6 +213,9 @@ def test_a_damaged_remote_file_raises_naming_its_url(www, tmp_path, damage):
         for b in ds.batches(16):
             seen.extend(b["id"].tolist())
     assert f"{url}/data/part-009.parquet" in str(e.value)
+    # ... and the one action that fixes it.
+    fix = "replace it with a valid Parquet file" if damage == "garbage" else "changed since; open the ParquetDataset again"
+    assert fix in str(e.value), str(e.value)
     assert seen == list(range(len(seen))) and len(seen) <= 9 * 160  # the files before it were read whole, in order
 
 

@@ -237,3 +237,17 @@ def test_an_iterator_closed_early_releases_its_files(www, tmp_path):
     assert counts["ready"] and counts["idle"] == counts["ready"]  # nothing it planned is held for it
     # A later epoch still reads everything.
     assert [int(x) for b in ds.batches(16, epoch=1) for x in b["id"]] == list(range(24 * 160))
+
+
+@pytest.mark.timeout(180)
+def test_torch_dataloader_workers_stream_each_through_their_share(www, tmp_path):
+    root, url = www
+    total = _write(os.path.join(root, "data"), 24, 160, 40)
+    cache = str(tmp_path / "c")
+    limit = total // 3  # each of the two workers streams through a sixth of the data
+    ds = pyloader.ParquetDataset(url + "/data/", columns=["id"], cache_dir=cache, cache_limit=limit)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    with _Usage(cache) as usage:
+        got = sorted(int(s["id"]) for s in loader)
+    assert got == list(range(24 * 160))
+    assert usage.peak <= limit, (usage.peak, limit)

@@ -42,7 +42,7 @@ class PendingFiles:
         self._failed: dict[int, tuple[str, int]] = {}  # file -> (message, errno)
         self._count = [0] * n  # planned reads not yet done
         self._reads = [0] * n  # reads running now
-        self._waits = [0] * n  # reads waiting for the file now
+        self._waits: dict[int, int] = {}  # file -> reads waiting for it now
         self._released: list[int] = []  # files that became idle, for the pilot
         self._changed = False  # an event the pilot has not taken yet
         self.unloads = 0
@@ -69,7 +69,7 @@ class PendingFiles:
         """
         with self._cv:
             while self._paths[i] is None and i not in self._failed:
-                self._waits[i] += 1
+                self._waits[i] = self._waits.get(i, 0) + 1
                 self._changed = True
                 self._cv.notify_all()
                 try:
@@ -77,6 +77,7 @@ class PendingFiles:
                 finally:
                     self._waits[i] -= 1
                     if not self._waits[i]:
+                        del self._waits[i]
                         self._changed = True
             failed = self._failed.get(i)
             path = self._paths[i]
@@ -140,7 +141,7 @@ class PendingFiles:
     def waiting(self) -> list[int]:
         """The files a read waits on now."""
         with self._cv:
-            return [i for i in range(self._n) if self._waits[i]]
+            return sorted(self._waits)
 
     def wait_events(self, timeout: float = 0.0) -> tuple[list[int], list[int], list[tuple[int, str]]]:
         """Waits up to ``timeout`` s for an event; returns (released, waiting, corrupt) and takes them.
@@ -153,4 +154,4 @@ class PendingFiles:
                 self._cv.wait(timeout)
             released, self._released = self._released, []
             self._changed = False
-            return released, [i for i in range(self._n) if self._waits[i]], []
+            return released, sorted(self._waits), []

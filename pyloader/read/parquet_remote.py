@@ -94,7 +94,7 @@ def fetch_error(cache: DatasetCache, i: int, message: str, _errno: int = 0) -> P
     """
     listed = int(cache.shards[i]["bytes"])
     try:
-        fs, root = cache._filesystem()
+        fs, root = filesystem(cache.url, cache.storage_options, cache.policy.stall_timeout)
         now = fs.info(root.rstrip("/") + "/" + cache.shards[i]["path"]).get("size")
     except Exception:  # noqa: BLE001 - the store cannot say: the fetch's own message stands
         now = None

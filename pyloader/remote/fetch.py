@@ -241,7 +241,6 @@ class ShardFetcher:
     deadlocks. The pilot also heals: a cached copy that failed its checksum is
     discarded and fetched again once (NOTE [self-healing] in csrc/core/shard_reader.h).
     Without ``budget``/``max_open`` every fetched shard stays pinned until ``close()``.
-    The set may be a ``PendingFiles`` instead, for ``ParquetDataset`` (NOTE [pending files]).
     """
 
     def __init__(self, dcache: DatasetCache, shards: Any = None, *, jobs: int = 4,

@@ -1,9 +1,10 @@
 """A static file server on 127.0.0.1 with a fixed bandwidth and latency per request.
 
-It stands in for object storage in ``bench_cache.py`` and ``bench_stream.py``: GET with
-byte ranges, HEAD, 404; no faults (the tests' servers inject those). It stops by itself
-after ``max_life`` seconds. Bodies are sent with ``sendfile``: serve from tmpfs (``/dev/shm``)
-and the bytes come from memory.
+It stands in for object storage in ``bench_cache.py``, ``bench_stream.py`` and
+``bench_parquet_stream.py``: GET with byte ranges, HEAD, 404, and a folder's GET answered
+with an HTML page of links to its entries (what fsspec's HTTP filesystem lists); no faults
+(the tests' servers inject those). It stops by itself after ``max_life`` seconds. Bodies
+are sent with ``sendfile``: serve from tmpfs (``/dev/shm``) and the bytes come from memory.
 
 ``bandwidth`` is per connection by default. With ``link=True`` it is the bandwidth of
 one link that every connection shares: a token bucket across connections, refilled at
@@ -126,6 +127,9 @@ class ThrottledServer:
             return
         time.sleep(self.latency)
         local = os.path.normpath(os.path.join(self.root, h.path.split("?", 1)[0].lstrip("/")))
+        if (local == self.root or local.startswith(self.root + os.sep)) and os.path.isdir(local):
+            self._list(h, local, head)
+            return
         if not local.startswith(self.root + os.sep) or not os.path.isfile(local):
             h.send_response(404)
             h.send_header("Content-Length", "0")
@@ -178,6 +182,20 @@ class ThrottledServer:
                             time.sleep(ahead)  # hold the connection to its bandwidth
         except (BrokenPipeError, ConnectionResetError):
             pass
+
+    @staticmethod
+    def _list(h: BaseHTTPRequestHandler, folder: str, head: bool) -> None:
+        """A folder as an HTML page of relative links, sub-folders ending in ``/``."""
+        base = h.path.split("?", 1)[0].rstrip("/") + "/"
+        links = [n + "/" if os.path.isdir(os.path.join(folder, n)) else n for n in sorted(os.listdir(folder))]
+        body = ("<html><body>" + "".join(f'<a href="{base}{n}">{n}</a>' for n in links)
+                + "</body></html>").encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "text/html")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if not head:
+            h.wfile.write(body)
 
 
 def main() -> int:

@@ -7,9 +7,10 @@
 | ``shards.py`` | ``ShardDataset`` over a manifest of shards; ``BatchIterator``, the native batch pipeline |
 | ``mixture.py`` | ``Mixture``: weighted, scheduled mixtures of ShardDatasets, one plan over their shards' union |
 | ``parquet.py`` | ``ParquetDataset`` over Parquet row groups; its decode/collate threads and staging buffers |
+| ``parquet_remote.py`` | a remote Parquet folder: the listing of its files, their node-cache flavour, why a fetch failed |
 
 Imports ``pyloader.errors``, ``format``, ``remote`` (the node cache) and ``_C``; never loader or bench.
 """
 
 
-__all__ = ["mixture", "order", "parquet", "shards", "units"]  # its modules (pdoc documents the modules named here)
+__all__ = ["mixture", "order", "parquet", "parquet_remote", "shards", "units"]  # its modules (pdoc documents the modules named here)

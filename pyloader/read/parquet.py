@@ -12,6 +12,10 @@ keeps open at once: one or two unshuffled; about ``window / rows_per_group + 1``
 ``shuffle_mode="window"`` (the default here); every row group in ``"global"`` mode, which
 is only sensible for data that fits in memory.
 
+Remote files stream as ``ShardDataset``'s shards do (one ``ShardFetcher`` per process), into
+a ``PendingFiles`` in place of a native shard set: each row group decoded is one planned read
+of its file (NOTE [pending files] in pyloader/remote/pending_files.py).
+
 What is native and what is not: pyarrow (C++) reads and decodes row groups on
 ``num_threads`` threads without the GIL; Arrow's buffers become numpy arrays without a
 copy where a column is fixed-width and null-free; collation into reusable staging
@@ -24,6 +28,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -46,100 +51,12 @@ from ..format.arrow import VarColumn, arrow_field, arrow_to_column
 from ..format.arrow import pyarrow_module as _pa
 from ..format.spec import Field
 from ..remote import fetch as _fetch
-from ..remote.budget import check_share
+from ..remote.budget import MAX_OPEN, check_share, reader_share
 from ..remote.cache import DatasetCache
-from ..remote.fs import RetryPolicy, filesystem, is_remote
+from ..remote.fs import is_remote
+from ..remote.pending_files import PendingFiles
+from .parquet_remote import ParquetFileCache, fetch_error, list_remote
 from .units import RemoteOptions, UnitDataset, node_readers
-
-
-# ---------------------------------------------------------------------------------------
-# Remote files through the node cache.
-class _ParquetFileCache(DatasetCache):
-    """The node cache (pyloader.remote.cache) flavour for Parquet files.
-
-    A Parquet file has no XXH64 in a manifest, so ``open_remote`` binds the listing of the
-    files (``_list_remote``) instead: each entry carries an identity (XXH64 of path, size
-    and the store's ETag or mtime), so a changed object gets a new cache name, never a
-    mix. A download is published under NOTE [cache publish] with check (3) replaced by:
-    exactly the listed size, and the Parquet magic ``PAR1`` at both ends
-    (``DatasetCache.content_problem``); pyarrow then checks the footer when it opens it.
-    A file that fails it raises ``ParquetReadError`` at once (no retry).
-    """
-
-    retry_bad_content = False  # a file that is not Parquet will not become one on a retry
-    identity_listing = True  # open_remote builds its manifest from the listing (NOTE [untrusted manifest])
-
-    def content_error(self, url: str, shard: str, problem: str) -> PyloaderError:
-        return ParquetReadError(f"{url}: {problem}")
-
-
-class _Readiness:
-    """Stands in for a pending ``_C.ShardSet`` for ``_fetch.ShardFetcher``: one event per file."""
-
-    def __init__(self, n: int) -> None:
-        self.events = [threading.Event() for _ in range(n)]
-        self.paths: list[str | None] = [None] * n
-        self.errors: list[str | None] = [None] * n
-
-    def mark_ready(self, i: int, path: str) -> None:
-        self.paths[i] = path
-        self.events[i].set()
-
-    def mark_failed(self, i: int, message: str, errno: int = 0) -> None:
-        self.errors[i] = message
-        self.events[i].set()
-
-    def wait(self, i: int) -> str:
-        self.events[i].wait()
-        if self.errors[i] is not None:
-            raise ParquetReadError(self.errors[i])
-        assert self.paths[i] is not None
-        return self.paths[i]  # type: ignore[return-value]
-
-
-def _sized_info(fs: Any, url: str, name: str, info: dict[str, Any]) -> dict[str, Any]:
-    """``info`` with the file's size, asked of the store itself (an HTTP listing has no sizes: a HEAD)."""
-    try:
-        full = fs.info(name)
-    except Exception as e:  # noqa: BLE001 - any failure to learn the size is reported the same way
-        full, why = {}, f"{type(e).__name__}: {e}"
-    else:
-        why = "the server sends no Content-Length"
-    if full.get("size") is None:
-        raise ParquetReadError(
-            f"{url}: the listing does not give the size of {name!r} and asking for it failed ({why}); "
-            "a folder over HTTP can be read only when its server answers HEAD with a Content-Length: "
-            "give the URL of one file, or copy the folder to local disk (or to object storage such as s3://)")
-    return {**info, **full}
-
-
-def _list_remote(url: str, storage_options: dict[str, Any] | None
-                 ) -> tuple[Any, str, str, list[tuple[str, int, str]]]:
-    """The Parquet files at ``url``, sorted by path.
-
-    Returns (fsspec filesystem, root path in it, root URL, [(relative path, size, identity)]).
-    """
-    fs, path = filesystem(url, storage_options, RetryPolicy.from_env().stall_timeout)
-    proto = url.split("://", 1)[0]
-    infos: list[dict[str, Any]]
-    if fs.isdir(path):
-        root = path.rstrip("/")
-        infos = [i for i in fs.find(root, detail=True).values() if i["name"].lower().endswith(_PARQUET_EXT)]
-    else:
-        root = path.rsplit("/", 1)[0]
-        infos = [fs.info(path)]
-    out = []
-    for info in sorted(infos, key=lambda i: i["name"]):
-        name = info["name"]
-        rel = name[len(root):].lstrip("/") if name.startswith(root) else name.rsplit("/", 1)[-1]
-        if info.get("size") is None:
-            info = _sized_info(fs, url, name, info)
-        tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
-        size = int(info["size"])
-        ident = f"{_C.xxh64(f'{rel}|{size}|{tag}'.encode()):016x}"
-        out.append((rel, size, ident))
-    root_url = f"{proto}://{root}" if not root.startswith(f"{proto}://") else root
-    return fs, root, root_url, out
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,9 +124,16 @@ class ParquetDataset(UnitDataset, IterableDataset):
 
     Ordering, shuffling and partitioning are ``ShardDataset``'s (same arguments, same
     guarantees), with row groups as shards; ``shuffle_mode`` defaults to ``"window"``
-    because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs are
-    fetched whole into the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
-    ``storage_options`` as for ShardDataset), in the order the plan first needs them.
+    because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs stream
+    through the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
+    ``storage_options`` as for ShardDataset): each file is fetched whole, ahead of the
+    reader in plan order within its share of ``cache_limit``, and released (unpinned, so
+    evictable) once the last of its row groups the plan reads is decoded (NOTE [streaming]
+    in ``pyloader.remote.fetch``, NOTE [pending files] in ``pyloader.remote.pending_files``):
+    a dataset many times the cache limit reads through it. What must fit is the plan's
+    working set (``CacheLimitError`` otherwise): unshuffled, the files a few batches span;
+    shuffled, row groups are ordered across all files, so only files of one row group each
+    stream through a cache smaller than the dataset.
     Resumable: ``pyloader.DataLoader.state_dict()`` / ``load_state_dict()`` work as for
     ``ShardDataset`` (docs/resume.md). ``fingerprint`` (what a state names) identifies the
     files by relative path, row-group row counts, size and footer bytes, and the columns
@@ -239,7 +163,8 @@ class ParquetDataset(UnitDataset, IterableDataset):
         self.nulls = check_choice("nulls", nulls, ("error", "zero"))
         self.fetch_jobs = remote_options.jobs_for([])
         self._cache: DatasetCache | None = None
-        self._readiness: _Readiness | None = None
+        self._pending: PendingFiles | None = None
+        self._remote_metas: tuple[int, dict[int, Any]] | None = None  # (pid, footer of each remote file read)
         self._fetcher: Any = None
         self._fetch_pid = -1
         urls = [os.fspath(u) for u in url] if isinstance(url, (list, tuple)) else [os.fspath(url)]
@@ -251,10 +176,10 @@ class ParquetDataset(UnitDataset, IterableDataset):
         if any(remote):
             if len(urls) != 1:
                 raise ValueError("a remote ParquetDataset takes one URL (a file or a folder)")
-            fs, root, root_url, files = _list_remote(urls[0], remote_options.storage_options)
+            fs, root, root_url, files = list_remote(urls[0], remote_options.storage_options)
             if not files:
                 raise ParquetReadError(f"{urls[0]}: holds no Parquet files")
-            self._cache = remote_options.open(root_url, listing=files, flavour=_ParquetFileCache)
+            self._cache = remote_options.open(root_url, listing=files, flavour=ParquetFileCache)
             self.files = [self._cache.shard_url(i) for i in range(len(files))]
             for i, (rel, size, _) in enumerate(files):
                 if self._cache.is_published(i):
@@ -336,7 +261,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         self._fingerprint_parts = _parquet_fingerprint_parts(self.columns, self.fields, named, footers, metas)
         self._fingerprint = _xxh64_json(self._fingerprint_parts)
         del pa, pq
-        self._check_share(self.plan()[0], 1)
+        self._check_share(self.plan()[0], 1, 0)
 
     @property
     def fingerprint(self) -> str:
@@ -365,33 +290,44 @@ class ParquetDataset(UnitDataset, IterableDataset):
             raise ParquetReadError(f"{name}: not a readable Parquet file: {e}") from None
 
     # -- reading -------------------------------------------------------------------------
-    def _check_share(self, groups: np.ndarray, readers: int) -> None:
-        """A remote dataset's files that ``groups`` read must fit this reader's share of the cache (NOTE [cache shares]).
+    def _check_share(self, groups: np.ndarray, readers: int, horizon: int) -> tuple[int, int]:
+        """(bytes, files) a remote reader of the plan ``groups`` holds at once; ``CacheLimitError`` above its share.
 
-        The fetcher pins every file the plan reads until it is closed: all of them are the need.
+        A file is held from ``horizon`` rows before the plan first reads it until the last
+        of its row groups is decoded (NOTE [pending files] in ``pyloader.remote.pending_files``);
+        the working set is ``fetch.working_set`` of the plan's files (NOTE [cache shares]).
         """
         if self._cache is None or self._cache.cache.limit is None:
-            return
-        files = sorted({int(i) for i in self._plan_files(groups)})
-        need = sum(int(self._cache.shards[i]["bytes"]) for i in files)
+            return 0, 0
+        need, count = _fetch.working_set(self._plan_files(groups), self._file_sizes(), horizon)
+        o = self.order
+        if o.shuffle:
+            hint = ("or write files of one row group each: a shuffle orders row groups, not files, so a file "
+                    "of several row groups is held from the first to the last of them the plan reads, "
+                    "which the shuffle spreads over the epoch")
+        else:
+            hint = "or a smaller batch_size or prefetch, or smaller files"
         check_share(self._cache.url, self._cache.cache.limit, need, node_readers(readers),
-                    f"{len(files)} files: it keeps every file its plan reads open", "or None for no limit")
+                    f"{count} files: those its plan reads at once plus the batches read ahead", hint)
+        return need, count
 
-    def _ensure_fetcher(self) -> None:
+    def _file_sizes(self) -> np.ndarray:
+        assert self._cache is not None
+        return np.asarray([int(s["bytes"]) for s in self._cache.shards], np.int64)
+
+    def _ensure_fetcher(self, readers: int = 1) -> None:
+        """This process's fetcher of the remote files, held to its share of the cache (NOTE [streaming])."""
         if self._cache is None or self._fetch_pid == os.getpid():
             return
-        self._readiness = _Readiness(len(self.files))
-        self._fetcher = _fetch.ShardFetcher(self._cache, self._readiness, jobs=self.fetch_jobs)
+        self._pending = PendingFiles(len(self.files), functools.partial(fetch_error, self._cache))
+        budget = reader_share(self._cache.cache.limit, node_readers(readers))
+        self._fetcher = _fetch.ShardFetcher(self._cache, self._pending, jobs=self.fetch_jobs, budget=budget,
+                                            max_open=MAX_OPEN)
         self._fetch_pid = os.getpid()
         weakref.finalize(self, self._fetcher.close)
 
-    def _local_path(self, i: int) -> str:
-        if self._cache is None:
-            return self.files[i]
-        assert self._readiness is not None
-        return self._readiness.wait(i)
-
     def _parquet_file(self, i: int) -> Any:
+        """Local file ``i``'s reader of this thread (its reader is not shared across threads)."""
         import pyarrow.parquet as pq
 
         if not hasattr(self, "_local"):
@@ -401,9 +337,35 @@ class ParquetDataset(UnitDataset, IterableDataset):
             files = self._local.files = {}
             self._local.pid = os.getpid()
         pf = files.get(i)
-        if pf is None:  # one ParquetFile per thread: its reader is not shared across threads
-            pf = files[i] = pq.ParquetFile(self._local_path(i), memory_map=True)
+        if pf is None:
+            pf = files[i] = pq.ParquetFile(self.files[i], memory_map=True)
         return pf
+
+    def _read_group(self, i: int, j: int) -> Any:
+        """Row group ``j`` of file ``i`` as a pyarrow Table.
+
+        A remote file is read from its cached copy, opened for this read alone: a file is
+        unpinned and may be evicted between reads (NOTE [pending files]).
+        """
+        if self._cache is None:
+            return self._parquet_file(i).read_row_group(j, columns=self.columns, use_threads=False)
+        import pyarrow.parquet as pq
+
+        if self._fetch_pid != os.getpid():  # decode_group called alone: fetch this file now
+            self._ensure_fetcher()
+            self._fetcher.schedule([i])
+        assert self._pending is not None
+        metas = self._remote_metas
+        if metas is None or metas[0] != os.getpid():
+            metas = self._remote_metas = (os.getpid(), {})
+        with self._pending.reading(i) as path:
+            # Its footer is parsed once per process (a parse can cost more than a row group's read).
+            pf = pq.ParquetFile(path, memory_map=True, metadata=metas[1].get(i))
+            try:
+                metas[1].setdefault(i, pf.metadata)
+                return pf.read_row_group(j, columns=self.columns, use_threads=False)
+            finally:
+                pf.close()
 
     def decode_group(self, g: int) -> list[Any]:
         """Row group ``g``'s columns: ndarrays ``[rows, *shape]`` or VarColumns.
@@ -415,7 +377,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
         i, j = self.group_file[g], self.group_index[g]
         where = f"{self.files[i]}: row group {j}"
         try:
-            table = self._parquet_file(i).read_row_group(j, columns=self.columns, use_threads=False)
+            table = self._read_group(i, j)
         except (pa.ArrowInvalid, OSError) as e:
             raise ParquetReadError(f"{where}: cannot be read: {e}") from None
         if table.num_rows != self.records_per_group[g]:
@@ -436,23 +398,35 @@ class ParquetDataset(UnitDataset, IterableDataset):
         Without ``plan``: this rank's plan of ``epoch`` (and optional worker split), as
         ``ShardDataset.batches``. ``pool`` is accepted for ``pyloader.DataLoader`` and
         ignored: staging buffers are this iterator's own (reused once no tensor uses them,
-        NOTE [staging reuse]). ``readers``: accepted for the contract; a remote Parquet
-        dataset's fetcher pins every file its plan reads, whatever its share.
+        NOTE [staging reuse]). ``readers``: the processes of this rank reading at once
+        (``executor="processes"``), which share its part of a remote dataset's cache.
+
+        A remote dataset streams (NOTE [streaming] in ``pyloader.remote.fetch``): its files
+        are fetched ahead in plan order within this reader's share of the cache limit and
+        released after the last of their row groups the plan reads is decoded (NOTE
+        [pending files] in ``pyloader.remote.pending_files``). ``CacheLimitError`` when the
+        plan's working set does not fit that share.
         """
         batch_size, num_threads, prefetch = check_stream_args(batch_size, num_threads, prefetch)
         gidx, ridx = self._own_plan(plan, epoch, worker, num_workers, shuffle, seed)
-        if readers > 1:  # (one reader's share was checked when the dataset was built)
-            self._check_share(gidx, readers)
-        self._ensure_fetcher()
+        self._ensure_fetcher(readers)
         if self._fetcher is not None:
-            self._fetcher.schedule(_fetch.first_touch_order(self._plan_files(gidx)))
-        return ParquetBatchIterator(self, gidx, ridx, batch_size, drop_last, num_threads, prefetch)
+            if self._cache is not None and self._cache.cache.limit is not None:
+                # Decoding runs `prefetch` batches and `num_threads` row groups ahead of the consumer.
+                horizon = (prefetch + 1) * batch_size + num_threads * max(self.records_per_group)
+                need, count = self._check_share(gidx, readers, horizon)
+                self._fetcher.working_set_bytes = need
+                self._fetcher.max_open = max(MAX_OPEN, count + 2 * self.fetch_jobs)
+        it = ParquetBatchIterator(self, gidx, ridx, batch_size, drop_last, num_threads, prefetch)  # retains its files
+        if self._fetcher is not None:
+            self._fetcher.schedule(_fetch.first_touch_order(self._plan_files(gidx)))  # fetch ahead, in plan order
+        return it
 
     # -- per-sample iteration for torch's DataLoader -----------------------------------
     def __getstate__(self) -> dict[str, Any]:
         s = self.__dict__.copy()
         s["_local"] = None
-        s["_fetcher"], s["_readiness"], s["_fetch_pid"] = None, None, -1
+        s["_fetcher"], s["_pending"], s["_fetch_pid"], s["_remote_metas"] = None, None, -1, None
         return s
 
     def __setstate__(self, s: dict[str, Any]) -> None:
@@ -530,6 +504,14 @@ class ParquetBatchIterator:
             rev_u, rev_first = np.unique(used[::-1], return_index=True)
             for g, k in zip(rev_u.tolist(), ((used.size - 1 - rev_first) // batch_size).tolist(), strict=True):
                 self._last[g] = k
+        # Each row group decoded is a planned read of its file (See NOTE [pending files] in
+        # pyloader/remote/pending_files.py): retained now, released once decoded or closed.
+        self._pending = ds._pending if ds._fetch_pid == os.getpid() else None
+        self._unreleased: set[int] = set(self._last) if self._pending is not None else set()
+        if self._pending is not None and self._unreleased:
+            files, reads = np.unique(np.asarray(ds.group_file, np.int64)[sorted(self._unreleased)], return_counts=True)
+            for i, n in zip(files.tolist(), reads.tolist(), strict=True):
+                self._pending.retain(i, n)
         # Row groups in the order the plan first reads them, and the batch that first does:
         # decoding runs up to `num_threads` row groups ahead of the batches submitted.
         if gidx.size:
@@ -563,11 +545,23 @@ class ParquetBatchIterator:
 
     def _decode(self, g: int) -> list[Any]:
         t = time.perf_counter_ns()
-        cols = self._ds.decode_group(g)
+        try:
+            cols = self._ds.decode_group(g)
+        finally:
+            self._release(g)
         with self._mu:
             self._counters["decode_ns"] += time.perf_counter_ns() - t
             self._counters["groups"] += 1
         return cols
+
+    def _release(self, g: int) -> None:
+        """Row group ``g``'s read of its file is done, or will never run (NOTE [pending files])."""
+        with self._mu:
+            if g not in self._unreleased:
+                return
+            self._unreleased.discard(g)
+        assert self._pending is not None
+        self._pending.release(self._ds.group_file[g])
 
     def _submit(self, k: int) -> None:
         a, b = k * self._bs, min((k + 1) * self._bs, self._g.size)
@@ -680,6 +674,10 @@ class ParquetBatchIterator:
         self._decoded.clear()
         self._collate_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        with self._mu:
+            left = sorted(self._unreleased)
+        for g in left:  # (a decode running now releases its own, once)
+            self._release(g)
         self._finish()
 
     def _finish(self) -> None:
@@ -717,7 +715,19 @@ class ParquetBatchIterator:
             "wait_fraction": waited / wall if wall > 0 else 0.0,
             "decoded_gbps": c["bytes"] / wall / 1e9 if wall > 0 else 0.0,
             "staging_buffers": self._staging.created, "finished": self._end is not None,
+            **self._fetch_stats(),
         }
+
+    def _fetch_stats(self) -> dict[str, Any]:
+        """A remote dataset's fetcher: its working set, what it holds and held at most, its budget (NOTE [streaming])."""
+        f = self._ds._fetcher
+        if f is None or self._pending is None:
+            return {}
+        s = f.stats()
+        return {"cache_working_set_bytes": s["working_set_bytes"], "cache_held_bytes": s["held_bytes"],
+                "cache_peak_held_bytes": s["peak_held_bytes"], "cache_budget_bytes": s["budget_bytes"],
+                "files_downloaded": s["downloaded"], "bytes_fetched": s["bytes_fetched"],
+                "files_unloaded": s["unloaded_shards"]}
 
 
 __all__ = ["ParquetBatchIterator", "ParquetDataset", "ParquetReadError"]

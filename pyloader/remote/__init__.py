@@ -15,6 +15,7 @@
 | ``fetch.py`` | ``open_remote`` (a dataset bound to the cache), ``working_set``, ``ShardFetcher`` (prefetch in plan order within a byte budget, releases, self-healing: NOTE [streaming]) |
 | ``budget.py`` | the cache-budget policy every remote reader follows: its share of the node cache, the check of its need (NOTE [cache shares]) |
 | ``room.py`` | room for a fetcher's shards: ``HeldShards`` (what it pins, against its budget) and ``RoomWaits`` (shards waiting out a full cache, and the warning while they do) |
+| ``pending_files.py`` | ``PendingFiles``: the files a Python reader (``ParquetDataset``) opens itself, retained and released as a pending native set's shards, for a ``ShardFetcher`` to stream (NOTE [pending files]) |
 | ``download_threads.py`` | ``DownloadThreads``: a fetcher's up to ``jobs`` download threads |
 | ``cli.py`` | the ``pyloader cache`` command: warm, ls, stats, verify, evict, clear |
 
@@ -22,5 +23,5 @@ Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli
 """
 
 
-__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest", "pins",
-           "room", "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)
+__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest",
+           "pending_files", "pins", "room", "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)

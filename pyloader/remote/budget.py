@@ -5,9 +5,12 @@ NOTE [cache shares]: every reader on a node shares the node cache's ``cache_limi
 the transform processes of ``executor="processes"``). A reader's share is the limit
 divided by those readers (``reader_share``). A reader that knows its plan checks what it
 must hold at once against its share (``check_share``), when it is built and at each epoch:
-a streaming reader (``ShardDataset``, ``Mixture``) its working set (``fetch.working_set``,
-the shards overlapping its window plus the batches read ahead), a reader that keeps every
-file it reads (``ParquetDataset``) all of them. A need above the share raises
+its working set (``fetch.working_set``). Every reader streams: ``ShardDataset`` and
+``Mixture`` hold the shards overlapping their window plus the batches read ahead;
+``ParquetDataset`` the files whose row groups its plan decodes at once plus those read
+ahead, each held from its first to its last row group read (NOTE [pending files] in
+``pyloader.remote.pending_files``), so a shuffle, which orders row groups and not files,
+keeps a file of several row groups across the epoch. A need above the share raises
 ``CacheLimitError`` naming both numbers and the limit that would do; the streaming fetcher
 is then held to the share (its ``budget``).
 """

@@ -6,7 +6,8 @@ A reader checks its need against its share of the cache limit once it knows its 
 (NOTE [cache shares] in ``pyloader.remote.budget``).
 ``ShardFetcher`` runs at most ``jobs`` downloads at once, in the order the plan first
 touches each shard, and tells a pending ``_C.ShardSet`` (NOTE [shard readiness] in
-csrc/core/shard_reader.h) when each shard is in place, or why it failed. Shards already
+csrc/core/shard_reader.h), or a ``PendingFiles`` for a Python reader's files, when each
+shard is in place, or why it failed. Shards already
 in the cache are marked ready at once, on the scheduling thread, so a warm epoch never
 waits on the fetcher. Native workers never call into Python: they wait on the ShardSet.
 A fetcher's download threads are ``DownloadThreads`` (``download_threads.py``); what it pins

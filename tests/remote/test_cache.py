@@ -250,7 +250,7 @@ def test_read_only_cache_serves_cached_shards_and_names_missing_ones(server, srv
 
 def test_parquet_dataset_goes_through_the_same_limit_check(tmp_path):
     """ParquetDataset binds its files with remote.fetch.open_remote, as ShardDataset binds
-    its shards, and runs the same check: a limit below the files its plan pins raises."""
+    its shards, and runs the same check: a limit below its plan's working set raises."""
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("pyarrow")
     import io
@@ -267,9 +267,13 @@ def test_parquet_dataset_goes_through_the_same_limit_check(tmp_path):
         sizes.append(len(buf.getvalue()))
     try:
         cache = str(tmp_path / "cache")
-        with pytest.raises(CacheLimitError, match="2 files: it keeps every file its plan reads open"):
-            pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes) - 1,
+        with pytest.raises(CacheLimitError, match="1 files: those its plan reads at once"):
+            pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=max(sizes) - 1,
                                     rank=0, world_size=1)
+        # Shuffled row groups: each file is held from the first to the last of its row groups read.
+        with pytest.raises(CacheLimitError, match="2 files: .*one row group each"):
+            pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes) - 1,
+                                    rank=0, world_size=1, shuffle=True)
         ds = pyloader.ParquetDataset("memory://pyl-limit/data", cache_dir=cache, cache_limit=sum(sizes),
                                      rank=0, world_size=1)
         assert [int(v) for b in ds.batches(32) for v in b["x"]] == list(range(100))

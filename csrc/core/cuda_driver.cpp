@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "core/dynamic_library.h"
 #include "core/errors.h"
 
 namespace pyloader {
@@ -17,17 +18,6 @@ struct Loaded {
   std::string why;
 };
 
-template <typename Fn>
-bool resolve(void* lib, const char* name, Fn* out, std::string* why) {
-  void* p = ::dlsym(lib, name);
-  if (!p) {
-    *why = std::string("libcuda.so.1 has no symbol ") + name;
-    return false;
-  }
-  *out = reinterpret_cast<Fn>(p);
-  return true;
-}
-
 Loaded load() {
   Loaded l;
   // RTLD_NODELETE: the library stays mapped at exit, so late destructors may still call it.
@@ -38,24 +28,18 @@ Loaded load() {
     return l;
   }
   Driver& d = l.d;
-  std::string* w = &l.why;
-  bool ok = resolve(lib, "cuInit", &d.Init, w) && resolve(lib, "cuDeviceGetCount", &d.DeviceGetCount, w) &&
-            resolve(lib, "cuDeviceGet", &d.DeviceGet, w) &&
-            resolve(lib, "cuDevicePrimaryCtxRetain", &d.DevicePrimaryCtxRetain, w) &&
-            resolve(lib, "cuDevicePrimaryCtxRelease_v2", &d.DevicePrimaryCtxRelease, w) &&
-            resolve(lib, "cuCtxPushCurrent_v2", &d.CtxPushCurrent, w) &&
-            resolve(lib, "cuCtxPopCurrent_v2", &d.CtxPopCurrent, w) &&
-            resolve(lib, "cuMemHostAlloc", &d.MemHostAlloc, w) && resolve(lib, "cuMemFreeHost", &d.MemFreeHost, w) &&
-            resolve(lib, "cuStreamCreate", &d.StreamCreate, w) &&
-            resolve(lib, "cuStreamDestroy_v2", &d.StreamDestroy, w) &&
-            resolve(lib, "cuStreamSynchronize", &d.StreamSynchronize, w) &&
-            resolve(lib, "cuEventCreate", &d.EventCreate, w) && resolve(lib, "cuEventDestroy_v2", &d.EventDestroy, w) &&
-            resolve(lib, "cuEventRecord", &d.EventRecord, w) &&
-            resolve(lib, "cuEventSynchronize", &d.EventSynchronize, w) &&
-            resolve(lib, "cuStreamWaitEvent", &d.StreamWaitEvent, w) &&
-            resolve(lib, "cuMemcpyHtoDAsync_v2", &d.MemcpyHtoDAsync, w) &&
-            resolve(lib, "cuGetErrorName", &d.GetErrorName, w) &&
-            resolve(lib, "cuGetErrorString", &d.GetErrorString, w);
+  const SymbolResolver resolve(lib, "libcuda.so.1", &l.why);
+  bool ok = resolve("cuInit", &d.Init) && resolve("cuDeviceGetCount", &d.DeviceGetCount) &&
+            resolve("cuDeviceGet", &d.DeviceGet) && resolve("cuDevicePrimaryCtxRetain", &d.DevicePrimaryCtxRetain) &&
+            resolve("cuDevicePrimaryCtxRelease_v2", &d.DevicePrimaryCtxRelease) &&
+            resolve("cuCtxPushCurrent_v2", &d.CtxPushCurrent) && resolve("cuCtxPopCurrent_v2", &d.CtxPopCurrent) &&
+            resolve("cuMemHostAlloc", &d.MemHostAlloc) && resolve("cuMemFreeHost", &d.MemFreeHost) &&
+            resolve("cuStreamCreate", &d.StreamCreate) && resolve("cuStreamDestroy_v2", &d.StreamDestroy) &&
+            resolve("cuStreamSynchronize", &d.StreamSynchronize) && resolve("cuEventCreate", &d.EventCreate) &&
+            resolve("cuEventDestroy_v2", &d.EventDestroy) && resolve("cuEventRecord", &d.EventRecord) &&
+            resolve("cuEventSynchronize", &d.EventSynchronize) && resolve("cuStreamWaitEvent", &d.StreamWaitEvent) &&
+            resolve("cuMemcpyHtoDAsync_v2", &d.MemcpyHtoDAsync) && resolve("cuGetErrorName", &d.GetErrorName) &&
+            resolve("cuGetErrorString", &d.GetErrorString);
   if (!ok) return l;
   CUresult r = d.Init(0);
   if (r != kSuccess) {

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "core/dynamic_library.h"
 #include "core/xxh64.h"
 
 namespace pyloader {
@@ -72,17 +73,6 @@ struct Loaded {
   std::string why;
 };
 
-template <typename Fn>
-bool resolve(void* lib, const char* name, Fn* out, std::string* why) {
-  void* p = ::dlsym(lib, name);
-  if (!p) {
-    *why = std::string("libcurl.so.4 has no symbol ") + name + " (libcurl 7.66 or newer is needed)";
-    return false;
-  }
-  *out = reinterpret_cast<Fn>(p);
-  return true;
-}
-
 Loaded load() {
   Loaded l;
   // RTLD_NODELETE: the library stays mapped at exit, for the threads' handles' destructors.
@@ -93,22 +83,17 @@ Loaded load() {
     return l;
   }
   Api& a = l.api;
-  std::string* w = &l.why;
-  bool ok = resolve(lib, "curl_global_init", &a.global_init, w) && resolve(lib, "curl_easy_init", &a.easy_init, w) &&
-            resolve(lib, "curl_easy_cleanup", &a.easy_cleanup, w) &&
-            resolve(lib, "curl_easy_reset", &a.easy_reset, w) && resolve(lib, "curl_easy_setopt", &a.easy_setopt, w) &&
-            resolve(lib, "curl_easy_getinfo", &a.easy_getinfo, w) &&
-            resolve(lib, "curl_easy_strerror", &a.easy_strerror, w) &&
-            resolve(lib, "curl_slist_append", &a.slist_append, w) &&
-            resolve(lib, "curl_slist_free_all", &a.slist_free_all, w) &&
-            resolve(lib, "curl_multi_init", &a.multi_init, w) &&
-            resolve(lib, "curl_multi_add_handle", &a.multi_add_handle, w) &&
-            resolve(lib, "curl_multi_remove_handle", &a.multi_remove_handle, w) &&
-            resolve(lib, "curl_multi_perform", &a.multi_perform, w) &&
-            resolve(lib, "curl_multi_poll", &a.multi_poll, w) &&
-            resolve(lib, "curl_multi_info_read", &a.multi_info_read, w) &&
-            resolve(lib, "curl_multi_cleanup", &a.multi_cleanup, w) &&
-            resolve(lib, "curl_multi_strerror", &a.multi_strerror, w) && resolve(lib, "curl_version", &a.version, w);
+  const SymbolResolver resolve(lib, "libcurl.so.4", &l.why, " (libcurl 7.66 or newer is needed)");
+  bool ok = resolve("curl_global_init", &a.global_init) && resolve("curl_easy_init", &a.easy_init) &&
+            resolve("curl_easy_cleanup", &a.easy_cleanup) && resolve("curl_easy_reset", &a.easy_reset) &&
+            resolve("curl_easy_setopt", &a.easy_setopt) && resolve("curl_easy_getinfo", &a.easy_getinfo) &&
+            resolve("curl_easy_strerror", &a.easy_strerror) && resolve("curl_slist_append", &a.slist_append) &&
+            resolve("curl_slist_free_all", &a.slist_free_all) && resolve("curl_multi_init", &a.multi_init) &&
+            resolve("curl_multi_add_handle", &a.multi_add_handle) &&
+            resolve("curl_multi_remove_handle", &a.multi_remove_handle) &&
+            resolve("curl_multi_perform", &a.multi_perform) && resolve("curl_multi_poll", &a.multi_poll) &&
+            resolve("curl_multi_info_read", &a.multi_info_read) && resolve("curl_multi_cleanup", &a.multi_cleanup) &&
+            resolve("curl_multi_strerror", &a.multi_strerror) && resolve("curl_version", &a.version);
   if (!ok) return l;
   if (a.global_init(kGlobalDefault) != kOk) {
     l.why = "curl_global_init failed";

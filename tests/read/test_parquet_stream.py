@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,9 @@ import numpy as np
 import pytest
 import torch
 from convert_util import mixed_table, pq
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "remote"))
+from remote_util import UsageSampler  # noqa: E402
 
 import pyloader
 from pyloader.errors import CacheLimitError
@@ -66,58 +70,6 @@ def _write(folder: str, files: int, rows: int, group: int) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
 
 
-def _sizes_in(d: str) -> dict[str, int]:
-    out = {}
-    for n in os.listdir(d) if os.path.isdir(d) else []:
-        try:
-            out[n] = os.stat(os.path.join(d, n)).st_size
-        except FileNotFoundError:
-            pass
-    return out
-
-
-def _cache_bytes(cache_dir: str) -> int:
-    """Bytes of the published files and download temps under ``cache_dir`` (what the limit caps).
-
-    ``shards/`` is listed before and after ``tmp/``, and again if a download was published
-    in between (it would be counted twice).
-    """
-    root = os.path.join(cache_dir, "v1")
-    total = 0
-    for k in os.listdir(root) if os.path.isdir(root) else []:
-        for _ in range(100):
-            before = _sizes_in(os.path.join(root, k, "shards"))
-            temps = _sizes_in(os.path.join(root, k, "tmp"))
-            after = _sizes_in(os.path.join(root, k, "shards"))
-            if before.keys() == after.keys():
-                total += sum(after.values()) + sum(temps.values())
-                break
-    return total
-
-
-class _Usage:
-    """Samples the cache directory's size every few milliseconds while a test reads."""
-
-    def __init__(self, cache_dir: str) -> None:
-        self.cache_dir, self.peak, self.samples = cache_dir, 0, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _cache_bytes(self.cache_dir))
-            self.samples += 1
-            time.sleep(0.002)
-
-    def __enter__(self) -> _Usage:
-        self._t.start()
-        return self
-
-    def __exit__(self, *a: object) -> None:
-        self._stop.set()
-        self._t.join()
-
-
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -137,7 +89,7 @@ def test_two_epochs_stream_through_an_eighth_of_the_data(www, tmp_path, shuffle)
     cache = str(tmp_path / "cache")
     ds = pyloader.ParquetDataset(url + "/data/", cache_dir=cache, cache_limit=limit, fetch_jobs=3, **kw)
     local = pyloader.ParquetDataset(os.path.join(root, "data"), **kw)
-    with _Usage(cache) as usage:
+    with UsageSampler(cache) as usage:
         for epoch in range(2):
             it = ds.batches(16, epoch=epoch, num_threads=2, prefetch=2)
             want = list(local.batches(16, epoch=epoch))
@@ -247,7 +199,7 @@ def test_torch_dataloader_workers_stream_each_through_their_share(www, tmp_path)
     limit = total // 3  # each of the two workers streams through a sixth of the data
     ds = pyloader.ParquetDataset(url + "/data/", columns=["id"], cache_dir=cache, cache_limit=limit)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-    with _Usage(cache) as usage:
+    with UsageSampler(cache) as usage:
         got = sorted(int(s["id"]) for s in loader)
     assert got == list(range(24 * 160))
     assert usage.peak <= limit, (usage.peak, limit)

@@ -359,8 +359,7 @@ class ShardFetcher:
     @property
     def job_bytes(self) -> int:
         """Memory one running download holds: its read buffer (what an auto-tuned loader counts per job)."""
-        sizes = [int(s["bytes"]) for s in self.dcache.shards]
-        return self.dcache.transport().buffer_bytes(max(sizes, default=0))
+        return self.dcache.transport().buffer_bytes(max(self._sizes, default=0))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is queued or running. True if done."""

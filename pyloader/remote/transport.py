@@ -39,7 +39,7 @@ from urllib.parse import quote
 import pyloader._C as _C
 
 from ..errors import FetchError, RemoteChangedError
-from .fs import _HTTP_CHUNK, _fetch_error, _ShortBody, download_into, filesystem, is_throttle
+from .fs import _HTTP_CHUNK, _OTHER_CHUNK, _fetch_error, _ShortBody, download_into, filesystem, is_throttle
 
 TRANSPORTS = ("auto", "native", "fsspec")
 RANGE_MIN = 64 << 20  # objects at least this big are fetched as parallel ranged GETs
@@ -95,7 +95,7 @@ class FsspecTransport:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None, stall_timeout: float) -> None:
         self.fs, self.root = filesystem(url, storage_options, stall_timeout)
-        self._chunk = _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else 8 << 20
+        self._chunk = _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else _OTHER_CHUNK
 
     def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
                       cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:

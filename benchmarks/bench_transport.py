@@ -15,7 +15,10 @@ Clients (those not installed are skipped):
   - ``http.client``: the standard library, 1 MiB ``readinto`` then ``os.write``;
   - ``pycurl``: libcurl from Python, its write callback calling ``os.write``;
   - ``obstore``: Rust ``object_store`` (HTTPStore and S3Store), its stream's chunks written;
-  - ``s3torchconnectorclient``: AWS's CRT client (S3 only), its stream's parts written.
+  - ``s3torchconnectorclient``: AWS's CRT client (S3 only), its stream's parts written;
+  - ``socket-floor``: the floor under every client that receives through a socket: a plain
+    socket, one GET per object on a kept connection, the headers skipped, the body taken
+    with ``recv_into`` a 4 MiB buffer and written (no HTTP parsing, no checks, no hash).
 For each: GB/s (wall) and the client's CPU seconds per GB (``RUSAGE_SELF``: every thread of
 the process, the kernel's share included), the median over rounds and the min-max;
 ``ratio`` is the client's CPU per GB over pyloader-native's on the same destination. The
@@ -33,6 +36,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -104,6 +108,37 @@ def plain_client(url: str, s3: bool) -> Download | None:
     return get
 
 
+def socket_floor(url: str, s3: bool) -> Download | None:
+    if s3:
+        return None
+    u = urllib.parse.urlsplit(url)
+    local = threading.local()
+
+    def get(fd: int, name: str, size: int) -> None:
+        if getattr(local, "sock", None) is None:
+            local.sock = socket.create_connection((u.hostname, u.port), timeout=30)
+            local.buf = bytearray(4 << 20)
+        sock, buf = local.sock, local.buf
+        sock.sendall(f"GET /{BUCKET}/{name} HTTP/1.1\r\nHost: {u.netloc}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096, socket.MSG_PEEK)
+            if not chunk:
+                raise ConnectionError("closed in the headers")
+            end = (head + chunk).find(b"\r\n\r\n")
+            take = len(chunk) if end < 0 else end + 4 - len(head)
+            head += sock.recv(take)
+        view, left = memoryview(buf), size
+        while left:
+            n = sock.recv_into(view[:min(left, len(buf))])
+            if not n:
+                raise ConnectionError("closed in the body")
+            write_all(fd, view[:n])
+            left -= n
+
+    return get
+
+
 def pycurl_client(url: str, s3: bool) -> Download | None:
     try:
         import pycurl
@@ -162,7 +197,8 @@ def s3tc_client(url: str, s3: bool) -> Download | None:
 
 CLIENTS: dict[str, Callable[[str, bool], Download | None]] = {
     "pyloader-native": native, "pyloader-fsspec": fsspec_client, "http.client": plain_client,
-    "pycurl": pycurl_client, "obstore": obstore_client, "s3torchconnectorclient": s3tc_client}
+    "pycurl": pycurl_client, "obstore": obstore_client, "s3torchconnectorclient": s3tc_client,
+    "socket-floor": socket_floor}
 
 
 # -- one pass ----------------------------------------------------------------------------

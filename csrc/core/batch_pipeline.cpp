@@ -393,7 +393,7 @@ void BatchPipeline::release_batch(size_t b) {
   shards_->release(batch_shards(b));
 }
 
-void BatchPipeline::advise_batches(size_t from, size_t to) {
+void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   const size_t n = shard_idx_.size();
   const size_t begin = from * cfg_.batch_size, end = std::min(n, to * cfg_.batch_size);
   if (begin >= end) return;
@@ -463,8 +463,9 @@ void BatchPipeline::advise_batches(size_t from, size_t to) {
   }
   flush();
   // Phase 3: then each shard whole, behind the records needed first.
-  for (const auto& h : held)
-    if (h) h->claim_read_ahead();
+  if (whole_files)
+    for (const auto& h : held)
+      if (h) h->claim_read_ahead();
 }
 
 void BatchPipeline::worker_loop(size_t index) {
@@ -492,7 +493,7 @@ void BatchPipeline::worker_loop(size_t index) {
     // See NOTE [cold read-ahead]: batch b's own records before it is filled; the later
     // batches' only once b is delivered, so that a shard of theirs that cannot be opened
     // (a stalled mount, a missing file) never holds back a batch that does not read it.
-    if (adv_to > adv_from) advise_batches(adv_from, adv_to);
+    if (adv_to > adv_from) advise_batches(adv_from, adv_to, /*whole_files=*/false);
     // The last claim: workers asleep for room in the ring have nothing left to claim;
     // woken now they leave, so the last one out hands over (hand_over()) without waiting
     // for close().
@@ -524,7 +525,7 @@ void BatchPipeline::worker_loop(size_t index) {
       adv_to = std::min(num_batches_, b + 1 + kAdviseBatches);
       if (adv_to > advised_) advised_ = adv_to;
     }
-    if (adv_to > adv_from) advise_batches(adv_from, adv_to);
+    if (adv_to > adv_from) advise_batches(adv_from, adv_to, /*whole_files=*/true);
   }
 }
 

@@ -27,6 +27,19 @@ T load_le(const uint8_t* p) noexcept {
   return v;
 }
 
+// NOTE [read-ahead pieces]: the kernel reads at most the device's read-ahead window per
+// WILLNEED (the larger of read_ahead_kb and max_sectors_kb: 8 MiB here, 128 KiB by default)
+// and silently drops the rest of a longer range, so a 64 MiB shard advised whole had only
+// its first 8 MiB queued. Ranges are asked in pieces of the default window: a cold
+// sequential stream through the whole file measured 1.26-1.60 GB/s, against 0.98-1.08 with
+// one call per file (256 MiB in 16 MiB files, page cache dropped).
+constexpr uint64_t kWillneedPiece = 128 << 10;
+
+void willneed(const uint8_t* base, uint64_t start, uint64_t end) noexcept {
+  for (uint64_t a = start; a < end; a += kWillneedPiece)
+    (void)::madvise(const_cast<uint8_t*>(base) + a, size_t(std::min(end - a, kWillneedPiece)), MADV_WILLNEED);
+}
+
 size_t willneed_limit() {
   static const size_t limit = [] {
     long pages = ::sysconf(_SC_PHYS_PAGES), size = ::sysconf(_SC_PAGESIZE);
@@ -399,8 +412,7 @@ void Shard::advise_range(uint64_t offset, uint64_t len) const noexcept {
   static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
   if (offset >= map_size_) return;
   len = std::min<uint64_t>(len, map_size_ - offset);
-  const uint64_t start = offset & ~(page - 1);
-  (void)::madvise(const_cast<uint8_t*>(base_) + start, size_t(offset + len - start), MADV_WILLNEED);
+  willneed(base_, offset & ~(page - 1), offset + len);  // NOTE [read-ahead pieces]
 }
 
 bool Shard::whole_file_queued() const noexcept {
@@ -417,7 +429,7 @@ void Shard::advise_read_ahead() const {
   // the cache before it is used. A pipeline opens the shards of its next batches without it,
   // queues their records first and then the whole files (NOTE [cold read-ahead] in
   // batch_pipeline.h).
-  if (map_size_ <= willneed_limit()) (void)::madvise(const_cast<uint8_t*>(base_), map_size_, MADV_WILLNEED);
+  if (map_size_ <= willneed_limit()) willneed(base_, 0, map_size_);  // NOTE [read-ahead pieces]
 }
 
 Shard::~Shard() {

@@ -4,6 +4,8 @@ way to run code in a forked child, and the image dataset of the copy-engine test
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -54,7 +56,8 @@ def run_in_forked_child(fn: Callable[[Callable[[str], None]], int], log_path: st
     handlers) runs twice. With ``normal_exit`` a child whose ``fn`` returned 0 leaves through
     ``sys.exit(0)`` instead and runs its finalizers and destructors: only for children of a
     standalone program, since in pytest the SystemExit would carry on the session in the child.
-    A child still running after ``timeout`` s is killed."""
+    A child still running after ``timeout`` s is killed; its log then ends with the stacks
+    of its Python threads (faulthandler, 2 s before) and the state of every thread."""
 
     def step(msg: str) -> None:
         with open(log_path, "a") as fh:
@@ -67,6 +70,9 @@ def run_in_forked_child(fn: Callable[[Callable[[str], None]], int], log_path: st
         pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit code and its log
         code = 99
+        # a child that hangs writes its Python threads' stacks to the log before it is killed
+        dump = open(log_path, "a")  # noqa: SIM115 - open until os._exit
+        faulthandler.dump_traceback_later(max(0.5, timeout - 2.0), file=dump)
         try:
             code = int(fn(step))
         except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
@@ -77,7 +83,7 @@ def run_in_forked_child(fn: Callable[[Callable[[str], None]], int], log_path: st
             if code != 0 or not normal_exit:
                 os._exit(code)
         sys.exit(0)
-    code = _wait_child(pid, timeout)
+    code = _wait_child(pid, timeout, log_path)
     try:
         with open(log_path) as fh:
             log = fh.read()
@@ -86,17 +92,35 @@ def run_in_forked_child(fn: Callable[[Callable[[str], None]], int], log_path: st
     return ForkedChild(pid, code, log)
 
 
-def _wait_child(pid: int, timeout: float) -> int | None:
-    """Exit code of forked child ``pid``, or None if it outlived ``timeout`` (it is then killed)."""
+def _wait_child(pid: int, timeout: float, log_path: str) -> int | None:
+    """Exit code of forked child ``pid``, or None if it outlived ``timeout`` (it is then
+    killed, after its threads were listed in ``log_path``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done == pid:
             return os.waitstatus_to_exitcode(status)
         time.sleep(0.02)
+    with contextlib.suppress(OSError), open(log_path, "a") as fh:
+        fh.write(_threads_of(pid))
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return None
+
+
+def _threads_of(pid: int) -> str:
+    """Each thread of a hung child: its name, state and where the kernel has it waiting."""
+    lines = [f"threads of the hung child {pid} (name, state, wchan):"]
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        def read(name: str, tid: str = tid) -> str:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/{name}") as fh:
+                    return fh.read().strip()
+            except OSError:
+                return "?"
+        state = read("stat").rsplit(")", 1)[-1].split()[:1]
+        lines.append(f"  {tid} {read('comm')} {state[0] if state else '?'} {read('wchan')}")
+    return "\n".join(lines) + "\n"
 
 
 # --- the copy-engine dataset (test_copy_engine, test_fake_driver, fake_cuda/children.py) -------

@@ -30,6 +30,7 @@ import fcntl
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -113,6 +114,7 @@ class _PinFile:
 
 _pin_files: dict[str, _PinFile] = {}
 _pin_files_mu = threading.Lock()
+_live_pins: weakref.WeakSet[DatasetPins] = weakref.WeakSet()
 
 
 def _pin_file(path: str) -> _PinFile:
@@ -137,6 +139,11 @@ def _forget_pins_in_child() -> None:
             except OSError:
                 pass
     _pin_files, _pin_files_mu = {}, threading.Lock()
+    # Each DatasetPins starts empty too, with a new mutex: a thread of the parent (a
+    # download pinning its shard) may have held the old one at the fork, and in the child
+    # no thread would ever release it (the child's first pin hung on it).
+    for pins in list(_live_pins):
+        pins._held, pins._pid, pins._mu = {}, os.getpid(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pins_in_child)
@@ -185,6 +192,7 @@ class DatasetPins:
         self._held: dict[int, int] = {}  # shard index -> its byte in pins.lock
         self._pid = os.getpid()
         self._mu = threading.Lock()
+        _live_pins.add(self)  # reset in a forked child (_forget_pins_in_child)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path}
@@ -192,6 +200,7 @@ class DatasetPins:
     def __setstate__(self, s: dict[str, Any]) -> None:
         self.path = s["path"]
         self._held, self._pid, self._mu = {}, os.getpid(), threading.Lock()
+        _live_pins.add(self)
 
     def hold(self, i: int, name: str, timeout: float = 60.0) -> bool:
         """Pins shard ``i`` (cached file ``name``); False if this object already pins it."""

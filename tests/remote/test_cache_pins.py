@@ -244,6 +244,46 @@ def test_a_forked_child_holds_none_of_its_parents_pins(tmp_path, cache_dir):
                                     "parent_fds": 0, "any_left": False}
 
 
+_FORK_MID_PIN = """
+import os, signal, sys, threading, time
+from pyloader.remote import pins
+from pyloader.remote.cache import ShardCache
+from pyloader.remote.locks import close_lockfile, open_lockfile
+
+d = ShardCache(sys.argv[1]).find(sys.argv[2])
+evictor = open_lockfile(d._pins_path)  # an evictor's own description, holding shard 0's byte
+assert pins.lock_unpinned(evictor, d.names[0])
+t = threading.Thread(target=d.pin, args=(0,))  # waits for the evictor, inside the pin's bookkeeping
+t.start()
+time.sleep(0.3)
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        signal.alarm(20)  # a child that hangs ends by SIGALRM
+        d.pin(1)  # another shard: nothing in this process holds it
+        code = 0 if d.is_pinned(d.names[1]) else 2
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+close_lockfile(evictor)
+t.join(10)
+print(os.waitstatus_to_exitcode(status), t.is_alive(), d.is_pinned(d.names[0]))
+"""
+
+
+def test_a_child_forked_while_a_thread_waits_to_pin_pins_at_once(tmp_path, cache_dir):
+    """A thread of the parent waiting to pin (an evictor holds the byte) owns the pins' mutex
+    at the fork; the child's own pins must not wait for that thread, which it does not have."""
+    _local_dataset_cache(tmp_path, cache_dir)
+    r = subprocess.run([sys.executable, "-c", _FORK_MID_PIN, cache_dir, "http://pins.invalid/ds"],
+                       capture_output=True, text=True, env=child_env(ROOT), timeout=60)
+    assert r.returncode == 0, r.stderr
+    # the child pinned shard 1 (exit 0, not SIGALRM's -14); the parent's thread pinned shard 0
+    # once the evictor let go
+    assert r.stdout.split() == ["0", "False", "True"]
+
+
 def test_clear_keeps_the_pin_file_while_pinned_and_a_pinner_follows_a_new_one(tmp_path, cache_dir):
     d = _local_dataset_cache(tmp_path, cache_dir)
     d.pin(0)

@@ -283,3 +283,24 @@ def test_an_epoch_closed_during_the_probe_says_why_the_choice_is_open(shards) ->
     it.close()
     choice = ld.stats()["executor_choice"]
     assert choice["executor"] is None and "scaling probe" in choice["why"], choice
+
+
+class _Threads:
+    """A thread stream's two members the tuner moves: its count and the call that sets it."""
+
+    def __init__(self, n: int) -> None:
+        self.workers = n
+
+    def set_workers(self, n: int) -> None:
+        self.workers = n
+
+
+def test_the_jump_after_the_probe_keeps_a_computing_transform_at_the_cpus() -> None:
+    """A thread that computes 98.5% of its working time needs no third thread on 2 CPUs;
+    one that computes 5% needs about 20 per CPU (NOTE [transform autotune])."""
+    from pyloader.transform.tuning import TransformTune
+
+    for computing, want in [(0.985, 2), (1.0, 2), (0.6, 3), (0.05, 40), (0.001, 64)]:
+        stream = _Threads(2)
+        TransformTune(cpus=2).jump(stream, computing)
+        assert stream.workers == want, (computing, stream.workers)

@@ -30,6 +30,7 @@ py::dict part_dict(const http::PartResult& r) {
   d["bucket_region"] = r.bucket_region;
   d["error_body"] = py::bytes(r.error_body);
   d["wrong"] = r.wrong;
+  d["wrong_kind"] = r.wrong_kind == http::kWrongRange ? "range" : r.wrong_kind == http::kWrongObject ? "object" : "";
   d["write_errno"] = r.write_errno;
   d["xxh64"] = r.hashed ? py::object(py::int_(r.xxh64)) : py::object(py::none());
   return d;

@@ -221,18 +221,22 @@ struct Download::Impl {
     if (r.status < 200 || r.status > 299) return true;  // its body is kept as the error's text
     if (p.ranged) {
       if (r.status != 206) {
+        r.wrong_kind = kWrongRange;
         r.wrong = "answered " + std::to_string(r.status) + " to a ranged request";
         return false;
       }
       if (r.range_total >= 0 && uint64_t(r.range_total) != req.size) {
+        r.wrong_kind = kWrongObject;
         r.wrong = "the object is " + std::to_string(r.range_total) + " bytes";
         return false;
       }
     } else if (r.status != 200) {
+      r.wrong_kind = kWrongObject;
       r.wrong = "answered " + std::to_string(r.status) + " to a request for the whole object";
       return false;
     }
     if (r.content_length >= 0 && uint64_t(r.content_length) > p.expect) {
+      r.wrong_kind = p.ranged ? kWrongRange : kWrongObject;
       r.wrong = "the body is " + std::to_string(r.content_length) + " bytes";
       return false;
     }
@@ -269,6 +273,7 @@ struct Download::Impl {
       r.bucket_region = trimmed(data + v, len - v);
     } else if (len <= 2 && r.status >= 200 && r.status <= 299) {  // the end of a final response's headers
       if (r.range_total == -2) {
+        r.wrong_kind = kWrongRange;
         r.wrong = "answered a range other than the one asked for";
         return 0;
       }
@@ -288,6 +293,7 @@ struct Download::Impl {
     }
     if (!p.checked && !check_headers(p, p.owner->req)) return 0;
     if (r.written + p.fill + len > p.expect) {
+      r.wrong_kind = p.ranged ? kWrongRange : kWrongObject;
       r.wrong = "the body is larger than " + std::to_string(p.expect) + " bytes";
       return 0;
     }

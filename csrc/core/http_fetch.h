@@ -50,20 +50,27 @@ struct Request {
   size_t write_buffer = 1 << 20;
 };
 
+// What a part stopped as wrong found: the answer was not the range asked for (a server that
+// ignores ranges: whole GETs work), or the object is not the one the manifest describes.
+constexpr int kWrongNone = 0;
+constexpr int kWrongRange = 1;
+constexpr int kWrongObject = 2;
+
 struct PartResult {
   int status = 0;          // the final response's status code (0: none came)
   uint64_t written = 0;    // body bytes written to fd
   int curl_code = -1;      // libcurl's CURLcode (0: the transfer ended cleanly; -1: not finished)
   std::string curl_error;  // its message
   int64_t content_length = -1;
-  int64_t range_total = -1;   // the "/total" of Content-Range
-  std::string retry_after;    // the Retry-After header as sent
-  std::string bucket_region;  // S3's x-amz-bucket-region header as sent
-  std::string error_body;     // the start of a non-2xx body
-  std::string wrong;          // why the part was stopped as wrong ("" if not)
-  int write_errno = 0;        // errno of a failed pwrite
-  bool hashed = false;        // whether xxh64 covers every byte written (a whole-object GET)
-  uint64_t xxh64 = 0;         // XXH64 (seed 0) of the bytes written, when hashed
+  int64_t range_total = -1;     // the "/total" of Content-Range
+  std::string retry_after;      // the Retry-After header as sent
+  std::string bucket_region;    // S3's x-amz-bucket-region header as sent
+  std::string error_body;       // the start of a non-2xx body
+  std::string wrong;            // why the part was stopped as wrong ("" if not)
+  int wrong_kind = kWrongNone;  // what was wrong, for the caller to act on (not the words)
+  int write_errno = 0;          // errno of a failed pwrite
+  bool hashed = false;          // whether xxh64 covers every byte written (a whole-object GET)
+  uint64_t xxh64 = 0;           // XXH64 (seed 0) of the bytes written, when hashed
 };
 
 class Download {

@@ -231,7 +231,7 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
         wrong = p["wrong"]
         if not wrong:
             continue
-        if parts and ("ranged request" in wrong or "range other" in wrong or "body is" in wrong):
+        if parts and p["wrong_kind"] == "range":
             raise _NoRanges()
         if p["range_total"] >= 0 and p["range_total"] != size:
             raise _changed(url, shard, size, p["range_total"])

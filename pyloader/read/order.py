@@ -413,28 +413,82 @@ def unread_count(num_samples: int, *, partition: str = "pad",
     return n
 
 
+def _rest_runs(n: int, segments: Sequence[Sequence[int]], partition: str) -> tuple[np.ndarray, np.ndarray, set[int]]:
+    """(lo, hi, taken): the unread positions of an order of ``n``, as runs, and fillers read.
+
+    The positions ``segments`` left unread are the runs ``[lo[i], hi[i])``, in epoch order;
+    ``taken`` holds the filler stream indices the segments read.
+
+    NOTE [resume runs]: a segment keeps the tail of each rank's block (and, with ``drop``,
+    the tail past the last block), so what is unread is a few runs of positions: at most one
+    per rank of each segment. Working on the runs costs O(sum of the world sizes), never
+    O(n): a rank resuming a global shuffle of 100 M samples computes only its own positions
+    of the order, as ``plan`` does, instead of the whole order and a mask per segment
+    (3.2 GB and 12-40 s per rank at 8,192 ranks, docs/scale.md).
+    """
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    lo = np.array([0] if n else [], np.int64)
+    hi = np.array([n] if n else [], np.int64)
+    taken: set[int] = set()
+    left = n
+    for i, seg in enumerate(segments):
+        w, b, s = _segment_arg(i, seg)
+        per, c = _segment_read(i, left, w, b, s, partition)
+        if c == 0:
+            continue
+        if partition == "pad" and w * per > left:
+            slots = np.arange(left, w * per, dtype=np.int64)  # fewer than w filler positions
+            read = np.flatnonzero(slots % per < c)
+            stream = _first_unread(taken, slots.size)
+            taken.update(stream[j] for j in read.tolist())
+        blocks = np.arange(min(w, -(-left // per)), dtype=np.int64)  # those holding positions < left
+        k_lo = blocks * per + c
+        k_hi = np.minimum(blocks * per + per, left)
+        keep = k_lo < k_hi
+        k_lo, k_hi = k_lo[keep], k_hi[keep]
+        if w * per < left:  # drop: the tail past the last block stays unread
+            k_lo, k_hi = np.append(k_lo, w * per), np.append(k_hi, left)
+        lo, hi = _pick(lo, hi, k_lo, k_hi)
+        left = int((hi - lo).sum())
+    return lo, hi, taken
+
+
+def _pick(lo: np.ndarray, hi: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of positions at indices ``[a[i], b[i])`` of the sequence the runs ``(lo, hi)`` make.
+
+    ``a``/``b`` are ascending and disjoint; the result is in order, touching runs merged.
+    """
+    lens = hi - lo
+    first = np.concatenate([np.zeros(1, np.int64), np.cumsum(lens)[:-1]])  # each run's first index
+    out_lo: list[int] = []
+    out_hi: list[int] = []
+    for x, y in zip(np.asarray(a).tolist(), np.asarray(b).tolist()):
+        j = int(np.searchsorted(first, x, side="right")) - 1
+        while x < y:
+            f, ln = int(first[j]), int(lens[j])
+            take = min(y, f + ln) - x
+            if take > 0:
+                p = int(lo[j]) + x - f
+                if out_hi and out_hi[-1] == p:
+                    out_hi[-1] = p + take
+                else:
+                    out_lo.append(p)
+                    out_hi.append(p + take)
+                x += take
+            j += 1
+    return np.array(out_lo, np.int64), np.array(out_hi, np.int64)
+
+
 def _resume_point(
     order: np.ndarray, segments: Sequence[Sequence[int]], partition: str
 ) -> tuple[np.ndarray, set[int]]:
     """(unread samples in epoch order, filler stream indices read) after ``segments``."""
-    if partition not in PARTITIONS:
-        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
-    rest = _int_array("order", order)
-    taken: set[int] = set()
-    for i, seg in enumerate(segments):
-        w, b, s = _segment_arg(i, seg)
-        n = rest.size
-        per, c = _segment_read(i, n, w, b, s, partition)
-        if c == 0:
-            continue
-        if partition == "pad" and w * per > n:
-            slots = np.arange(n, w * per, dtype=np.int64)  # fewer than w filler positions
-            read = np.flatnonzero(slots % per < c)
-            stream = _first_unread(taken, slots.size)
-            taken.update(stream[j] for j in read.tolist())
-        pos = np.arange(n, dtype=np.int64)
-        rest = rest[(pos % per >= c) | (pos >= w * per)]
-    return np.array(rest), taken
+    full = _int_array("order", order)
+    lo, hi, taken = _rest_runs(full.size, segments, partition)
+    if lo.size == 0:
+        return np.array(full[:0]), taken
+    return np.concatenate([full[x:y] for x, y in zip(lo.tolist(), hi.tolist())]), taken
 
 
 def resume_partition(
@@ -492,24 +546,68 @@ def resume_plan(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``plan`` for the rest of an epoch already consumed by ``segments``.
 
-    ``epoch_order`` -> ``resume_partition`` -> ``split_workers`` -> ``locate``. With no
-    segments it equals ``plan``.
+    Equals ``epoch_order`` -> ``resume_partition`` -> ``split_workers`` -> ``locate``, and
+    with no segments it equals ``plan``; like ``plan`` it computes only this (rank,
+    worker)'s positions of the order (NOTE [resume runs]).
     """
     world_size, num_workers = _reader_args(rank, world_size, worker, num_workers, partition)
     segs = [_segment_arg(i, s) for i, s in enumerate(segments)]
-    order = epoch_order(
-        records_per_shard, shuffle=shuffle, seed=seed, epoch=epoch, shuffle_mode=shuffle_mode,
-        window=window,
-    )
-    if order.size == 0:
+    window = _order_args(shuffle, shuffle_mode, window, seed, epoch)
+    counts = _counts(records_per_shard)
+    n = int(counts.sum())
+    if n == 0:
         raise ValueError("cannot partition an empty order (the dataset has no samples)")
-    mine = split_workers(
-        resume_partition(order, rank=rank, world_size=world_size, partition=partition, segments=segs),
-        worker=worker,
-        num_workers=num_workers,
-    )
-    shard, record = locate(mine, records_per_shard)
+    lo, hi, taken = _rest_runs(n, segs, partition)
+    left = int((hi - lo).sum())
+    runs: list[tuple[int, int]] = []
+    if left:
+        per = _per_rank(left, world_size, partition)
+        q, rem = divmod(per, num_workers)
+        # this worker's indices of the rank's block of (unread samples ++ fillers)
+        a = rank * per + worker * q + min(worker, rem)
+        z = a + q + (worker < rem)
+        if a < left:
+            p_lo, p_hi = _pick(lo, hi, np.array([a]), np.array([min(z, left)]))
+            runs += zip(p_lo.tolist(), p_hi.tolist())
+        if z > left:  # pad fillers: the lowest filler stream indices not read, wrapping after n
+            stream = _first_unread(taken, world_size * per - left)[max(a, left) - left : z - left]
+            for k in stream:
+                if runs and runs[-1][1] == k % n:
+                    runs[-1] = (runs[-1][0], k % n + 1)
+                else:
+                    runs.append((k % n, k % n + 1))
+    mine = _order_at_runs(counts, n, runs, shuffle, shuffle_mode, seed, epoch, window)
+    shard, record = locate(mine, counts)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
+
+
+def _order_at_runs(counts: np.ndarray, n: int, runs: list[tuple[int, int]], shuffle: bool, shuffle_mode: str,
+                   seed: int, epoch: int, window: int) -> np.ndarray:
+    """``epoch_order(...)`` at the positions of ``runs``, concatenated, from those positions alone.
+
+    Ascending runs close together are computed as one range (a global shuffle passes over
+    every key once per range): a range at most twice what its runs need, plus 1 M.
+    """
+    def at(x: int, y: int) -> np.ndarray:
+        if not shuffle:
+            return np.arange(x, y, dtype=np.int64)
+        if shuffle_mode == "global":
+            return _global_order(n, x, y, seed, epoch)
+        return _window_order(counts, x, y, seed, epoch, window)
+
+    out: list[np.ndarray] = []
+    i = 0
+    while i < len(runs):
+        g_lo, g_hi = runs[i]
+        need, j = g_hi - g_lo, i + 1
+        while j < len(runs) and runs[j][0] >= g_hi and runs[j][1] - g_lo <= 2 * (need + runs[j][1] - runs[j][0]) + (1 << 20):
+            need += runs[j][1] - runs[j][0]
+            g_hi = runs[j][1]
+            j += 1
+        vals = at(g_lo, g_hi)
+        out += [vals[x - g_lo : y - g_lo] for x, y in runs[i:j]]
+        i = j
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 __all__ = ["STREAM_GLOBAL", "STREAM_SHARDS", "STREAM_WINDOW", "SHUFFLE_MODES", "PARTITIONS", "mix64", "sample_keys",

@@ -165,3 +165,42 @@ def test_resume_plan_is_plan_without_segments_and_locates_the_rest():
     shard, rec = resume_plan(counts, rank=1, world_size=2, segments=segs, **kw)
     ids = np.cumsum([0] + counts[:-1])[shard] + rec
     assert ids.tolist() == resume_partition(order, rank=1, world_size=2, segments=segs).tolist()
+
+
+@FAST
+@given(st.data(), st.lists(st.integers(0, 9), min_size=1, max_size=8), st.sampled_from(["pad", "drop"]),
+       st.integers(1, 7), st.integers(1, 3), st.sampled_from(["none", "global", "window"]))
+def test_resume_plan_computes_the_same_positions_as_the_whole_order(data, counts, policy, world, workers, mode):
+    """resume_plan computes only its reader's positions of the order (NOTE [resume runs]):
+    the same samples as the whole order -> resume_partition -> split_workers -> locate."""
+    n = sum(counts)
+    if n == 0:
+        return
+    segs = random_segments(data, n, policy)
+    kw = dict(shuffle=mode != "none", seed=data.draw(st.integers(0, 3)), epoch=1,
+              shuffle_mode="window" if mode == "none" else mode, window=data.draw(st.integers(1, 6)))
+    order = _plan.epoch_order(counts, **kw)
+    starts = np.cumsum([0] + counts[:-1])
+    for rank in range(world):
+        block = resume_partition(order, rank=rank, world_size=world, partition=policy, segments=segs)
+        for worker in range(workers):
+            want = _plan.split_workers(block, worker=worker, num_workers=workers)
+            shard, rec = resume_plan(counts, rank=rank, world_size=world, segments=segs, worker=worker,
+                                     num_workers=workers, partition=policy, **kw)
+            assert (starts[shard] + rec).tolist() == want.tolist(), (rank, worker, segs)
+
+
+def test_resume_plan_at_scale_computes_its_share_only():
+    """A rank of 512 resuming a global shuffle of 20 M samples after a stop at 1,024 ranks
+    holds its share of the order, not the whole order and its masks (NOTE [resume runs])."""
+    import tracemalloc
+
+    counts = [1000] * 20_000
+    segs = [(1024, 64, 100)]
+    kw = dict(shuffle=True, seed=1, epoch=0, shuffle_mode="global", world_size=512, segments=segs)
+    tracemalloc.start()
+    shard, rec = resume_plan(counts, rank=7, **kw)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert shard.size == -(-(20_000_000 - 1024 * 6400) // 512)
+    assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB of traced memory"

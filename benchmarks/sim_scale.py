@@ -495,19 +495,12 @@ def plan_section(a: argparse.Namespace, opened: dict[str, Any]) -> dict[str, Any
         m = measure({"what": "plan", "shards": a.shards, "records": a.records_per_shard, "rank": rank,
                      "world": world, "mode": mode, "window": a.window})
         out[f"plan_{mode}"] = {"how": "measured: pyloader.read.order.plan, fresh process", **m}
-    shards, factor = a.shards, 1.0
-    if n > a.max_plan_records:
-        shards = max(1, a.max_plan_records // a.records_per_shard)
-        factor = a.shards / shards
-    steps = _ceil_div(_ceil_div(shards * a.records_per_shard, world), a.batch_size) // 2  # a stop half way
-    m = measure({"what": "resume", "shards": shards, "records": a.records_per_shard, "rank": rank,
+    # resume_plan computes only the rank's positions, as plan does (NOTE [resume runs]): run at
+    # every size, like the window plans
+    steps = _ceil_div(_ceil_div(a.shards * a.records_per_shard, world), a.batch_size) // 2  # a stop half way
+    m = measure({"what": "resume", "shards": a.shards, "records": a.records_per_shard, "rank": rank,
                  "world": world, "mode": "window", "window": a.window, "batch": a.batch_size, "steps": steps})
     how = f"measured: pyloader.read.order.resume_plan after {steps} of each rank's batches, fresh process"
-    if factor != 1.0:
-        how = (f"extrapolated: measured at {shards} shards, times {factor:g} (it is linear in the records: "
-               "it orders the whole epoch)")
-        m = {"seconds": m["seconds"] * factor, "peak_rss_bytes": m["peak_rss_bytes"] * factor,
-             "samples": m["samples"]}
     out["resume_window"] = {"how": how, **m,
                             "peak_rss_bytes_per_node": m["peak_rss_bytes"] * a.ranks}
     out["dataset_plan_s"] = {"value": opened["dataset_plan_s"], "how": "measured: ShardDataset.plan() of rank "

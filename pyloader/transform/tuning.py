@@ -7,8 +7,9 @@ CPUs). So the count is measured, not guessed. It starts at the CPUs this process
 
 * **threads** (online, every ``INTERVAL_S`` seconds and ``MIN_BATCHES`` batches, checked
   on the loop's thread as it takes a batch): when the loop waited for batches more than
-  ``WAIT_HIGH`` of the interval -- unless the workers' CPU time already fills
-  ``CORES_FULL`` of the CPUs (a computing transform: more threads cannot help) -- a
+  ``WAIT_HIGH`` of the interval -- unless the workers' CPU time, or the whole process's,
+  already fills ``CORES_FULL`` of the CPUs (a computing transform: more threads cannot
+  help) -- a
   *trial* of twice the threads; after one whole interval
   with them, they are kept if the transformed samples per second grew by ``GAIN`` (or the
   loop stopped waiting and the rate did not fall: the loop sets the pace now), else the
@@ -92,8 +93,8 @@ class TransformTune:
         self.decisions: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._stream: Any = None
-        # (time, samples, wait_ns, busy_ns, batches, cpu_ns)
-        self._mark: tuple[float, int, int, int, int, int] | None = None
+        # (time, samples, wait_ns, busy_ns, batches, workers' cpu_ns, the process's cpu_ns)
+        self._mark: tuple[float, int, int, int, int, int, int] | None = None
         self._trial: tuple[int, float, float] | None = None  # (threads before, their rate, when changed)
         self._ceiling: tuple[int, float] | None = None  # (threads that did not help, when)
         self._idle = 0
@@ -126,20 +127,23 @@ class TransformTune:
         if stream is not self._stream:
             self._stream, self._mark, self._trial = stream, None, None
         st = stream._stats
-        snap = (now, st.samples + st.skipped, st.wait_ns, st.busy_ns, st.batches, st.cpu_ns)
+        snap = (now, st.samples + st.skipped, st.wait_ns, st.busy_ns, st.batches, st.cpu_ns, time.process_time_ns())
         if self._mark is None:
             self._mark = snap
             self._measure(stream, item)
             return
-        t0, n0, w0, b0, k0, c0 = self._mark
+        t0, n0, w0, b0, k0, c0, p0 = self._mark
         dt = now - t0
         if dt < INTERVAL_S or (snap[4] - k0 < MIN_BATCHES and dt < LONG_INTERVAL_S):
             return
         self._mark = snap
         self._measure(stream, item)
         workers = stream.workers
+        # the CPUs in use: the workers' own, or the whole process's where more (the reader, the
+        # loop, and work a library does on threads of its own count against the same CPUs)
+        cores = max(snap[5] - c0, snap[6] - p0) / 1e9 / dt
         self._step(stream, (snap[2] - w0) / 1e9 / dt, (snap[1] - n0) / dt, (snap[3] - b0) / 1e9 / (dt * workers),
-                   t0, now, (snap[5] - c0) / 1e9 / dt)
+                   t0, now, cores)
 
     def _measure(self, stream: Any, item: Any) -> None:
         nbytes = tensor_bytes(item)

@@ -7,9 +7,10 @@ CPUs). So the count is measured, not guessed. It starts at the CPUs this process
 
 * **threads** (online, every ``INTERVAL_S`` seconds and ``MIN_BATCHES`` batches, checked
   on the loop's thread as it takes a batch): when the loop waited for batches more than
-  ``WAIT_HIGH`` of the interval -- unless the workers' CPU time, or the whole process's,
-  already fills ``CORES_FULL`` of the CPUs (a computing transform: more threads cannot
-  help) -- a
+  ``WAIT_HIGH`` of the interval -- unless the workers' CPU time (for workers that compute,
+  over ``COMPUTING_SHARE`` of their working time: the process's but for the loop's thread,
+  where more) already fills ``CORES_FULL`` of the CPUs (a computing transform: more threads
+  cannot help) -- a
   *trial* of twice the threads; after one whole interval
   with them, they are kept if the transformed samples per second grew by ``GAIN`` (or the
   loop stopped waiting and the rate did not fall: the loop sets the pace now), else the
@@ -59,6 +60,7 @@ IDLE_BUSY = 0.3
 IDLE_STEPS = 3
 MAX_THREADS = 64
 CORES_FULL = 0.85  # the workers' CPU time over this share of the CPUs: no trial of more threads
+COMPUTING_SHARE = 0.5  # workers whose CPU time is over this share of their working time compute
 EPOCH_WAIT = 0.05
 EPOCH_BUSY = 0.85
 _KEEP_DECISIONS = 32
@@ -93,7 +95,7 @@ class TransformTune:
         self.decisions: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._stream: Any = None
-        # (time, samples, wait_ns, busy_ns, batches, workers' cpu_ns, the process's cpu_ns)
+        # (time, samples, wait_ns, busy_ns, batches, workers' cpu_ns, the process's cpu_ns but the loop's)
         self._mark: tuple[float, int, int, int, int, int, int] | None = None
         self._trial: tuple[int, float, float] | None = None  # (threads before, their rate, when changed)
         self._ceiling: tuple[int, float] | None = None  # (threads that did not help, when)
@@ -127,7 +129,8 @@ class TransformTune:
         if stream is not self._stream:
             self._stream, self._mark, self._trial = stream, None, None
         st = stream._stats
-        snap = (now, st.samples + st.skipped, st.wait_ns, st.busy_ns, st.batches, st.cpu_ns, time.process_time_ns())
+        snap = (now, st.samples + st.skipped, st.wait_ns, st.busy_ns, st.batches, st.cpu_ns,
+                time.process_time_ns() - time.thread_time_ns())  # the loop's own thread (this one) aside
         if self._mark is None:
             self._mark = snap
             self._measure(stream, item)
@@ -139,11 +142,16 @@ class TransformTune:
         self._mark = snap
         self._measure(stream, item)
         workers = stream.workers
-        # the CPUs in use: the workers' own, or the whole process's where more (the reader, the
-        # loop, and work a library does on threads of its own count against the same CPUs)
-        cores = max(snap[5] - c0, snap[6] - p0) / 1e9 / dt
-        self._step(stream, (snap[2] - w0) / 1e9 / dt, (snap[1] - n0) / dt, (snap[3] - b0) / 1e9 / (dt * workers),
-                   t0, now, cores)
+        busy = (snap[3] - b0) / 1e9 / (dt * workers)
+        # The CPUs in use: the workers' own; for workers that compute (their CPU time is most
+        # of their working time), the process's but for the loop's thread where more -- the
+        # reader and the threads a library starts count against the same CPUs. A transform
+        # that waits is judged by its own CPU alone: threads that sleep cost the CPUs nothing,
+        # whatever else (a training step on every core) keeps them busy.
+        cores = (snap[5] - c0) / 1e9 / dt
+        if cores > COMPUTING_SHARE * busy * workers:
+            cores = max(cores, (snap[6] - p0) / 1e9 / dt)
+        self._step(stream, (snap[2] - w0) / 1e9 / dt, (snap[1] - n0) / dt, busy, t0, now, cores)
 
     def _measure(self, stream: Any, item: Any) -> None:
         nbytes = tensor_bytes(item)

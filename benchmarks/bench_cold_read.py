@@ -88,18 +88,10 @@ def child(kind: str, path: str, npy: str, batch: int) -> dict:
     return {"gbps": nbytes / wall / 1e9, "samples": n, "wall_s": wall, "first_batch_s": t_first}
 
 
-def pretouch(nbytes: int) -> None:
-    """Touches and frees ``nbytes`` of memory, so that the child's page cache gets pages the
-    machine has backed (see the module's docstring)."""
-    if nbytes > 0:
-        import numpy as np
-
-        a = np.ones(nbytes // 8, np.int64)
-        del a
-
-
 def run_child(root: str, how: str, kind: str, path: str, npy: str, batch: int, warm_bytes: int = 0) -> dict:
-    pretouch(warm_bytes)
+    from pyloader.bench.measure import pretouch
+
+    pretouch(warm_bytes)  # the child's page cache gets pages the machine has backed
     drop(dataset_files(path) + [npy], how)
     env = dict(os.environ, PYTHONPATH=root)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, path, npy, str(batch)],

@@ -16,7 +16,9 @@ process so that it does not share the client's interpreter lock), all measured i
    is fast enough?
 5. ``global``: ``shuffle=True`` (global shuffle) with a cache that holds the whole dataset
    (limit 1.1x its size): a cold first epoch, then a second epoch of the same dataset
-   object (does it read the cache alone?).
+   object (does it read the cache alone?). Memory of 1.5x the dataset is touched and freed
+   before it (``pyloader.bench.measure.pretouch``): the pass grows the page cache by the
+   whole dataset, which on a VM that backs memory at first touch cost more than the download.
 With ``--transport native fsspec``, passes 2 and 3 run once for each transport (NOTE [transport
 choice] in pyloader/remote/transport.py), side by side. ``--jobs auto`` is what
 ``fetch_jobs="auto"`` picks for these shards (NOTE [fetch jobs] in pyloader/remote/fetch.py).
@@ -71,6 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
 import pyloader
+from pyloader.bench.measure import pretouch
 from pyloader.remote.fetch import ShardFetcher, auto_fetch_jobs, open_remote
 
 MB = 1e6
@@ -693,6 +696,7 @@ def main() -> int:
                             batch=args.batch, step_s=step, epochs=1, interval=interval):
                 e["step_s"] = step
                 record(f"paced {100 * args.paced:.0f}%", best, 0, e)
+        pretouch(int(total * 1.5))  # the global pass grows the page cache by the whole dataset
         for e in stream(srv, url, fresh("c-global"), int(total * 1.1), jobs=best, shuffle_mode="global",
                         window=window, batch=args.batch, step_s=0.0, epochs=2, interval=interval):
             record(f"global, epoch {e['epoch']}", best, 0, e)

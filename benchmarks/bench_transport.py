@@ -6,7 +6,9 @@ the client's) serves ``--objects`` objects of ``--object-mb`` MB. Each client do
 all of them with ``--jobs`` threads, in rounds interleaved so that the machine's other
 load falls on every client alike, into:
   - ``file``: a new file on the cache's disk per object, space reserved first as the
-    cache does (what a shard download costs);
+    cache does (what a shard download costs); memory of the pass's size is touched and
+    freed before it (``pyloader.bench.measure.pretouch``), so that no client pays a VM's
+    first touch of the page cache it grows;
   - ``null``: /dev/null (what moving the bytes costs, without the page-cache write).
 Clients (those not installed are skipped):
   - ``pyloader-native``: ``NativeTransport`` (libcurl from the extension; NOTE [transport
@@ -52,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
 import pyloader._C as _C
+from pyloader.bench.measure import pretouch
 from pyloader.remote.transport import FsspecTransport, NativeTransport
 
 BUCKET = "bucket"
@@ -234,6 +237,8 @@ def run_pass(get: Download, names: list[str], size: int, jobs: int, dest: str, o
                 errors.append(e)
                 return
 
+    if dest == "file":
+        pretouch(len(names) * size)  # the files' page cache gets memory the machine has backed
     c0, t0 = cpu_s(), time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(jobs)]
     for t in threads:

@@ -375,6 +375,20 @@ def drop_pages(paths: list[str]) -> None:
             os.close(fd)
 
 
+def pretouch(nbytes: int) -> None:
+    """Touches ``nbytes`` of fresh memory and frees it, for pages the machine has backed.
+
+    What is allocated next (a growing page cache) then gets those pages. On a virtual machine whose host backs guest memory when it is first touched, and takes
+    freed memory back within seconds (a balloon with free page reporting), the first touch
+    costs several times the work itself: 2 GiB took 6.1 s to fill the first time and 0.37 s
+    the next, on the machine pyloader's figures come from. A measurement that grows the page
+    cache then depends on which pages it happens to get; benchmarks call this right before.
+    """
+    if nbytes > 0:
+        a = np.ones(nbytes // 8, np.int64)
+        del a
+
+
 def resident_fraction(paths: list[str]) -> float:
     """The share of the files' pages in the page cache now (``mincore`` over a private mapping)."""
     import ctypes
@@ -530,7 +544,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-__all__ = ["Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
+__all__ = ["pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
            "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "resident_fraction", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

@@ -262,4 +262,4 @@ class TransformTune:
 
 
 __all__ = ["INTERVAL_S", "MIN_BATCHES", "LONG_INTERVAL_S", "WAIT_HIGH", "GAIN", "RETRY_S", "IDLE_BUSY", "IDLE_STEPS", "MAX_THREADS",
-           "CORES_FULL", "EPOCH_WAIT", "EPOCH_BUSY", "tensor_bytes", "TransformTune"]
+           "CORES_FULL", "COMPUTING_SHARE", "EPOCH_WAIT", "EPOCH_BUSY", "tensor_bytes", "TransformTune"]

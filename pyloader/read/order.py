@@ -458,26 +458,30 @@ def _pick(lo: np.ndarray, hi: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple
     """The runs of positions at indices ``[a[i], b[i])`` of the sequence the runs ``(lo, hi)`` make.
 
     ``a``/``b`` are ascending and disjoint; the result is in order, touching runs merged.
+    Vectorized: a state with millions of ranges (a segment of a huge world size) costs what
+    numpy costs, not a Python loop per range.
     """
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
     lens = hi - lo
-    first = np.concatenate([np.zeros(1, np.int64), np.cumsum(lens)[:-1]])  # each run's first index
-    out_lo: list[int] = []
-    out_hi: list[int] = []
-    for x, y in zip(np.asarray(a).tolist(), np.asarray(b).tolist()):
-        j = int(np.searchsorted(first, x, side="right")) - 1
-        while x < y:
-            f, ln = int(first[j]), int(lens[j])
-            take = min(y, f + ln) - x
-            if take > 0:
-                p = int(lo[j]) + x - f
-                if out_hi and out_hi[-1] == p:
-                    out_hi[-1] = p + take
-                else:
-                    out_lo.append(p)
-                    out_hi.append(p + take)
-                x += take
-            j += 1
-    return np.array(out_lo, np.int64), np.array(out_hi, np.int64)
+    ends = np.cumsum(lens)
+    first = ends - lens  # each run's first index in the sequence
+    j0 = np.searchsorted(ends, a, side="right")  # the first run ending after a
+    j1 = np.searchsorted(first, b, side="left")  # past the last run starting before b
+    cnt = np.maximum(j1 - j0, 0)
+    q = np.repeat(np.arange(a.size), cnt)  # each piece's range...
+    j = np.repeat(j0 - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))  # ...and run
+    start, stop = np.maximum(a[q], first[j]), np.minimum(b[q], ends[j])
+    keep = stop > start
+    p_lo = (lo[j] + start - first[j])[keep]
+    return _merged(p_lo, p_lo + (stop - start)[keep])
+
+
+def _merged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs ``[lo[i], hi[i])`` with each run that starts where the one before ends joined to it."""
+    if lo.size == 0:
+        return lo, hi
+    starts = np.flatnonzero(np.concatenate([[True], lo[1:] != hi[:-1]]))
+    return lo[starts], hi[np.append(starts[1:] - 1, lo.size - 1)]
 
 
 def _resume_point(
@@ -559,7 +563,7 @@ def resume_plan(
         raise ValueError("cannot partition an empty order (the dataset has no samples)")
     lo, hi, taken = _rest_runs(n, segs, partition)
     left = int((hi - lo).sum())
-    runs: list[tuple[int, int]] = []
+    r_lo = r_hi = np.zeros(0, np.int64)
     if left:
         per = _per_rank(left, world_size, partition)
         q, rem = divmod(per, num_workers)
@@ -567,47 +571,45 @@ def resume_plan(
         a = rank * per + worker * q + min(worker, rem)
         z = a + q + (worker < rem)
         if a < left:
-            p_lo, p_hi = _pick(lo, hi, np.array([a]), np.array([min(z, left)]))
-            runs += zip(p_lo.tolist(), p_hi.tolist())
+            r_lo, r_hi = _pick(lo, hi, np.array([a]), np.array([min(z, left)]))
         if z > left:  # pad fillers: the lowest filler stream indices not read, wrapping after n
-            stream = _first_unread(taken, world_size * per - left)[max(a, left) - left : z - left]
-            for k in stream:
-                if runs and runs[-1][1] == k % n:
-                    runs[-1] = (runs[-1][0], k % n + 1)
-                else:
-                    runs.append((k % n, k % n + 1))
-    mine = _order_at_runs(counts, n, runs, shuffle, shuffle_mode, seed, epoch, window)
+            k = np.asarray(_first_unread(taken, z - left)[max(a, left) - left:], np.int64) % n
+            r_lo, r_hi = _merged(np.concatenate([r_lo, k]), np.concatenate([r_hi, k + 1]))
+    mine = _order_at_runs(counts, n, r_lo, r_hi, shuffle, shuffle_mode, seed, epoch, window)
     shard, record = locate(mine, counts)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
 
 
-def _order_at_runs(counts: np.ndarray, n: int, runs: list[tuple[int, int]], shuffle: bool, shuffle_mode: str,
+_MAX_ORDER_RANGES = 16
+
+
+def _order_at_runs(counts: np.ndarray, n: int, lo: np.ndarray, hi: np.ndarray, shuffle: bool, shuffle_mode: str,
                    seed: int, epoch: int, window: int) -> np.ndarray:
-    """``epoch_order(...)`` at the positions of ``runs``, concatenated, from those positions alone.
+    """``epoch_order(...)`` at the positions of the runs ``[lo[i], hi[i])``, concatenated.
 
-    Ascending runs close together are computed as one range (a global shuffle passes over
-    every key once per range): a range at most twice what its runs need, plus 1 M.
+    Computed from ranges of positions around the runs only. Ascending runs with gaps no longer than the run before plus 1 M share one range (a
+    global shuffle passes over every key once per range); past ``_MAX_ORDER_RANGES`` ranges,
+    one range spans them all.
     """
-    def at(x: int, y: int) -> np.ndarray:
-        if not shuffle:
-            return np.arange(x, y, dtype=np.int64)
+    lens = hi - lo
+    offs = np.cumsum(lens) - lens  # each run's first index in the result
+    pos = np.repeat(lo - offs, lens) + np.arange(int(lens.sum()))
+    if not shuffle or pos.size == 0:
+        return pos
+    gap = lo[1:] - hi[:-1]
+    cuts = np.flatnonzero((gap < 0) | (gap > lens[:-1] + (1 << 20))) + 1
+    if cuts.size >= _MAX_ORDER_RANGES:
+        cuts = cuts[:0]
+    out = np.empty(pos.size, np.int64)
+    for g0, g1 in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [lo.size]]).tolist()):
+        x, y = int(lo[g0:g1].min()), int(hi[g0:g1].max())
         if shuffle_mode == "global":
-            return _global_order(n, x, y, seed, epoch)
-        return _window_order(counts, x, y, seed, epoch, window)
-
-    out: list[np.ndarray] = []
-    i = 0
-    while i < len(runs):
-        g_lo, g_hi = runs[i]
-        need, j = g_hi - g_lo, i + 1
-        while j < len(runs) and runs[j][0] >= g_hi and runs[j][1] - g_lo <= 2 * (need + runs[j][1] - runs[j][0]) + (1 << 20):
-            need += runs[j][1] - runs[j][0]
-            g_hi = runs[j][1]
-            j += 1
-        vals = at(g_lo, g_hi)
-        out += [vals[x - g_lo : y - g_lo] for x, y in runs[i:j]]
-        i = j
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+            vals = _global_order(n, x, y, seed, epoch)
+        else:
+            vals = _window_order(counts, x, y, seed, epoch, window)
+        o0, o1 = int(offs[g0]), int(offs[g1 - 1] + lens[g1 - 1])
+        out[o0:o1] = vals[pos[o0:o1] - x]
+    return out
 
 
 __all__ = ["STREAM_GLOBAL", "STREAM_SHARDS", "STREAM_WINDOW", "SHUFFLE_MODES", "PARTITIONS", "mix64", "sample_keys",

@@ -204,3 +204,18 @@ def test_resume_plan_at_scale_computes_its_share_only():
     tracemalloc.stop()
     assert shard.size == -(-(20_000_000 - 1024 * 6400) // 512)
     assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB of traced memory"
+
+
+@pytest.mark.parametrize("mode", ["global", "window"])
+def test_resume_plan_after_a_segment_of_many_ranks(mode):
+    """A segment of thousands of ranks leaves thousands of runs (more than one range per
+    computation of the order): still the same samples as the whole order's path."""
+    counts = [7] * 800  # 5,600 samples
+    kw = dict(shuffle=True, seed=5, epoch=3, shuffle_mode=mode, window=64)
+    order = _plan.epoch_order(counts, **kw)
+    starts = np.cumsum([0] + counts[:-1])
+    for segs, world in [([(2000, 1, 1)], 3), ([(2000, 1, 1), (1000, 1, 1)], 1), ([(5600, 1, 1)], 4)]:
+        for rank in range(world):
+            want = resume_partition(order, rank=rank, world_size=world, segments=segs)
+            shard, rec = resume_plan(counts, rank=rank, world_size=world, segments=segs, **kw)
+            assert (starts[shard] + rec).tolist() == want.tolist(), (segs, world, rank)

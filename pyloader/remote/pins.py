@@ -143,7 +143,7 @@ def _forget_pins_in_child() -> None:
     # download pinning its shard) may have held the old one at the fork, and in the child
     # no thread would ever release it (the child's first pin hung on it).
     for pins in list(_live_pins):
-        pins._held, pins._pid, pins._mu = {}, os.getpid(), threading.Lock()
+        pins._held, pins._mu = {}, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pins_in_child)
@@ -190,7 +190,6 @@ class DatasetPins:
     def __init__(self, path: str) -> None:
         self.path = path
         self._held: dict[int, int] = {}  # shard index -> its byte in pins.lock
-        self._pid = os.getpid()
         self._mu = threading.Lock()
         _live_pins.add(self)  # reset in a forked child (_forget_pins_in_child)
 
@@ -198,15 +197,11 @@ class DatasetPins:
         return {"path": self.path}
 
     def __setstate__(self, s: dict[str, Any]) -> None:
-        self.path = s["path"]
-        self._held, self._pid, self._mu = {}, os.getpid(), threading.Lock()
-        _live_pins.add(self)
+        self.__init__(s["path"])  # type: ignore[misc]  # a copy starts with no pins
 
     def hold(self, i: int, name: str, timeout: float = 60.0) -> bool:
         """Pins shard ``i`` (cached file ``name``); False if this object already pins it."""
         with self._mu:
-            if self._pid != os.getpid():  # after fork the parent's pins are not ours to release
-                self._held, self._pid = {}, os.getpid()
             if i in self._held:
                 return False
             try:
@@ -222,7 +217,7 @@ class DatasetPins:
     def release(self, i: int) -> None:
         """Drops this object's pin on shard ``i``, if it holds one."""
         with self._mu:
-            off = self._held.pop(i, None) if self._pid == os.getpid() else None
+            off = self._held.pop(i, None)
             if off is not None:
                 _pin_file(self.path).release(off)
 

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -45,6 +44,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 import pyloader  # noqa: E402
+from pyloader.bench.measure import CachePeak  # noqa: E402
 
 MB = 1 << 20
 
@@ -63,54 +63,8 @@ def write_files(d: str, files: int, rows: int, group: int, tokens: int) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
 
 
-def cache_bytes(cache_dir: str) -> int:
-    """Published files plus download temps under ``cache_dir`` (what the limit caps), from a consistent listing."""
-    def sizes(d: str) -> dict[str, int]:
-        out = {}
-        for n in os.listdir(d) if os.path.isdir(d) else []:
-            try:
-                out[n] = os.stat(os.path.join(d, n)).st_size
-            except FileNotFoundError:
-                pass
-        return out
-
-    root = os.path.join(cache_dir, "v1")
-    total = 0
-    for k in os.listdir(root) if os.path.isdir(root) else []:
-        for _ in range(100):
-            before, temps = sizes(os.path.join(root, k, "shards")), sizes(os.path.join(root, k, "tmp"))
-            after = sizes(os.path.join(root, k, "shards"))
-            if before.keys() == after.keys():
-                total += sum(after.values()) + sum(temps.values())
-                break
-    return total
-
-
-class Peak:
-    """Samples the cache's size every ``interval`` s while a pass runs."""
-
-    def __init__(self, cache_dir: str, interval: float) -> None:
-        self.cache_dir, self.interval, self.peak, self.samples = cache_dir, interval, 0, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, cache_bytes(self.cache_dir))
-            self.samples += 1
-            time.sleep(self.interval)
-
-    def __enter__(self) -> Peak:
-        self._t.start()
-        return self
-
-    def __exit__(self, *a: object) -> None:
-        self._stop.set()
-        self._t.join()
-
-
 def epoch(ds: pyloader.ParquetDataset, batch: int, epoch_no: int, cache_dir: str, interval: float) -> dict[str, Any]:
-    with Peak(cache_dir, interval) as peak:
+    with CachePeak(cache_dir, interval) as peak:
         t0 = time.perf_counter()
         it = ds.batches(batch, epoch=epoch_no, num_threads=2)
         n = 0

@@ -73,7 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
 import pyloader
-from pyloader.bench.measure import pretouch
+from pyloader.bench.measure import cache_disk_bytes, pretouch
 from pyloader.remote.fetch import ShardFetcher, auto_fetch_jobs, open_remote
 
 MB = 1e6
@@ -155,45 +155,6 @@ def self_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _dir_files(d: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with os.scandir(d) as it:
-            for e in it:
-                try:
-                    out[e.name] = e.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    pass
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return out
-
-
-def cache_bytes(cache_dir: str) -> int:
-    """Bytes of published shards and temps in the cache (``<cache>/v1/<key>/{shards,tmp}``): what the limit caps.
-
-    ``shards/`` is listed before and after ``tmp/`` until both listings agree, so that a
-    shard evicted and a temp created meanwhile are not both counted.
-    """
-    base = os.path.join(cache_dir, "v1")
-    try:
-        keys = [k for k in os.listdir(base) if os.path.isdir(os.path.join(base, k))]
-    except FileNotFoundError:
-        return 0
-    total = 0
-    for k in keys:
-        sdir, tdir = os.path.join(base, k, "shards"), os.path.join(base, k, "tmp")
-        before = _dir_files(sdir)
-        for _ in range(5):
-            temps = _dir_files(tdir)
-            after = _dir_files(sdir)
-            if after.keys() == before.keys():
-                break
-            before = after
-        total += sum(after.values()) + sum(temps.values())
-    return total
-
-
 def thread_cpu_s() -> dict[int, float]:
     """CPU seconds of each thread of this process, by thread id."""
     out = {}
@@ -242,7 +203,7 @@ class Sampler:
     def _sample(self) -> None:
         t = time.perf_counter()
         b, n, w = self.progress()
-        c = cache_bytes(self.cache_dir) if self.cache_dir else 0
+        c = cache_disk_bytes(self.cache_dir) if self.cache_dir else 0
         self.peak_cache = max(self.peak_cache, c)
         self.rows.append((t, b, n, w, c))
 

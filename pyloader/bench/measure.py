@@ -378,15 +378,77 @@ def drop_pages(paths: list[str]) -> None:
 def pretouch(nbytes: int) -> None:
     """Touches ``nbytes`` of fresh memory and frees it, for pages the machine has backed.
 
-    What is allocated next (a growing page cache) then gets those pages. On a virtual machine whose host backs guest memory when it is first touched, and takes
-    freed memory back within seconds (a balloon with free page reporting), the first touch
-    costs several times the work itself: 2 GiB took 6.1 s to fill the first time and 0.37 s
-    the next, on the machine pyloader's figures come from. A measurement that grows the page
-    cache then depends on which pages it happens to get; benchmarks call this right before.
+    What is allocated next (a growing page cache) then gets those pages. On a virtual
+    machine whose host backs guest memory when it is first touched, and takes freed memory
+    back within seconds (a balloon with free page reporting), the first touch costs several
+    times the work itself: 2 GiB took 6.1 s to fill the first time and 0.37 s the next, on
+    the machine pyloader's figures come from. A measurement that grows the page cache then
+    depends on which pages it happens to get; benchmarks call this right before.
     """
     if nbytes > 0:
         a = np.ones(nbytes // 8, np.int64)
         del a
+
+
+def _file_sizes(d: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for n in names:
+        try:
+            out[n] = os.stat(os.path.join(d, n)).st_size
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def cache_disk_bytes(cache_dir: str) -> int:
+    """Bytes of every published shard and temp file in a node cache (what its limit caps).
+
+    A consistent sample: each dataset's ``shards/`` is listed before and after its ``tmp/``,
+    again while a download was published in between (it would be counted twice).
+    """
+    root = os.path.join(cache_dir, "v1")
+    try:
+        keys = [k for k in os.listdir(root) if os.path.isdir(os.path.join(root, k))]
+    except FileNotFoundError:
+        return 0
+    total = 0
+    for k in keys:
+        after = _file_sizes(os.path.join(root, k, "shards"))
+        for _ in range(100):
+            before = after
+            temps = _file_sizes(os.path.join(root, k, "tmp"))
+            after = _file_sizes(os.path.join(root, k, "shards"))
+            if before.keys() == after.keys():
+                break
+        total += sum(after.values()) + sum(temps.values())
+    return total
+
+
+class CachePeak:
+    """The largest ``cache_disk_bytes`` seen, sampled every ``interval`` s on a thread while a block runs."""
+
+    def __init__(self, cache_dir: str, interval: float = 0.003) -> None:
+        self.cache_dir, self.interval, self.peak, self.samples = cache_dir, interval, 0, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, cache_disk_bytes(self.cache_dir))
+            self.samples += 1
+            time.sleep(self.interval)
+
+    def __enter__(self) -> CachePeak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self._stop.set()
+        self._t.join()
 
 
 def resident_fraction(paths: list[str]) -> float:
@@ -545,6 +607,6 @@ def environment() -> dict[str, Any]:
 
 
 __all__ = ["pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "resident_fraction", "epoch_samples", "loader_epoch", "pyloader_loader",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

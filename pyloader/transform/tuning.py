@@ -7,20 +7,19 @@ CPUs). So the count is measured, not guessed. It starts at the CPUs this process
 
 * **threads** (online, every ``INTERVAL_S`` seconds and ``MIN_BATCHES`` batches, checked
   on the loop's thread as it takes a batch): when the loop waited for batches more than
-  ``WAIT_HIGH`` of the interval -- unless the workers' CPU time (for workers that compute,
-  over ``COMPUTING_SHARE`` of their working time: the process's but for the loop's thread,
-  where more) already fills ``CORES_FULL`` of the CPUs (a computing transform: more threads
-  cannot help) -- a
-  *trial* of twice the threads; after one whole interval
-  with them, they are kept if the transformed samples per second grew by ``GAIN`` (or the
-  loop stopped waiting and the rate did not fall: the loop sets the pace now), else the
-  count goes back and that count is not tried again for
-  ``RETRY_S`` seconds (a CPU-bound transform gains nothing past the cores; a waiting one
-  doubles its rate with each doubling, up to ``MAX_THREADS``). Threads busy less than
+  ``WAIT_HIGH`` of the interval -- unless the CPUs in use already fill ``CORES_FULL`` of
+  them (a computing transform: more threads cannot help; the CPUs in use are the workers'
+  CPU time, or for workers that compute, over ``COMPUTING_SHARE`` of their working time,
+  the process's but for the loop's thread where more) -- a *trial* of twice the threads;
+  after one whole interval with them, they are kept if the transformed samples per second
+  grew by ``GAIN`` (or the loop stopped waiting and the rate did not fall: the loop sets the
+  pace now), else the count goes back and that count is not tried again for ``RETRY_S``
+  seconds (a CPU-bound transform gains nothing past the cores; a waiting one doubles its
+  rate with each doubling, up to ``MAX_THREADS``). Threads busy less than
   ``IDLE_BUSY`` of ``IDLE_STEPS`` intervals in a row while the loop did not wait: one fewer.
   When the executor was just chosen by the scaling probe (NOTE [executor choice]), the
-  threads first jump to ``cpu_budget() / c`` (rounded), where ``c`` is the share of its working time
-  one thread computes (the probe measures it): a transform that waits 95% of its time
+  threads first jump to ``cpu_budget() / c`` (rounded), where ``c`` is the share of its
+  working time one thread computes (the probe measures it): a transform that waits 95% of its time
   needs about 20 threads per CPU to keep the CPUs busy, and gets them at once.
 * **processes**: as many as the CPUs (a transform that holds the GIL computes; one that
   waits runs on threads), set between epochs (a worker process's share of an epoch is
@@ -59,7 +58,7 @@ RETRY_S = 10.0
 IDLE_BUSY = 0.3
 IDLE_STEPS = 3
 MAX_THREADS = 64
-CORES_FULL = 0.85  # the workers' CPU time over this share of the CPUs: no trial of more threads
+CORES_FULL = 0.85  # the CPUs in use over this share of them: no trial of more threads
 COMPUTING_SHARE = 0.5  # workers whose CPU time is over this share of their working time compute
 EPOCH_WAIT = 0.05
 EPOCH_BUSY = 0.85

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import http.server
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +20,8 @@ import pytest
 import torch
 from convert_util import mixed_table, pq
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "remote"))
-from remote_util import UsageSampler  # noqa: E402
-
 import pyloader
+from pyloader.bench.measure import CachePeak
 from pyloader.errors import CacheLimitError
 from pyloader.read.parquet import ParquetReadError
 
@@ -89,7 +86,7 @@ def test_two_epochs_stream_through_an_eighth_of_the_data(www, tmp_path, shuffle)
     cache = str(tmp_path / "cache")
     ds = pyloader.ParquetDataset(url + "/data/", cache_dir=cache, cache_limit=limit, fetch_jobs=3, **kw)
     local = pyloader.ParquetDataset(os.path.join(root, "data"), **kw)
-    with UsageSampler(cache) as usage:
+    with CachePeak(cache) as usage:
         for epoch in range(2):
             it = ds.batches(16, epoch=epoch, num_threads=2, prefetch=2)
             want = list(local.batches(16, epoch=epoch))
@@ -199,7 +196,7 @@ def test_torch_dataloader_workers_stream_each_through_their_share(www, tmp_path)
     limit = total // 3  # each of the two workers streams through a sixth of the data
     ds = pyloader.ParquetDataset(url + "/data/", columns=["id"], cache_dir=cache, cache_limit=limit)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-    with UsageSampler(cache) as usage:
+    with CachePeak(cache) as usage:
         got = sorted(int(s["id"]) for s in loader)
     assert got == list(range(24 * 160))
     assert usage.peak <= limit, (usage.peak, limit)

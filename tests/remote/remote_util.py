@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -76,58 +74,3 @@ def closed_port() -> int:
     return port
 
 
-def _sizes_in(d: str) -> dict[str, int]:
-    out = {}
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
-        return out
-    for n in names:
-        try:
-            out[n] = os.stat(os.path.join(d, n)).st_size
-        except FileNotFoundError:
-            pass
-    return out
-
-
-def cache_bytes(cache_dir: str) -> int:
-    """Bytes of every published shard and temp file in the cache (what the limit caps).
-
-    A consistent sample: ``shards/`` is listed before and after ``tmp/`` and the sample is
-    taken again if a download was published in between (it would be counted twice).
-    """
-    root = os.path.join(cache_dir, "v1")
-    keys = [k for k in os.listdir(root) if os.path.isdir(os.path.join(root, k))] if os.path.isdir(root) else []
-    total = 0
-    for k in keys:
-        for _ in range(100):
-            before = _sizes_in(os.path.join(root, k, "shards"))
-            temps = _sizes_in(os.path.join(root, k, "tmp"))
-            after = _sizes_in(os.path.join(root, k, "shards"))
-            if before.keys() == after.keys():
-                total += sum(after.values()) + sum(temps.values())
-                break
-    return total
-
-
-class UsageSampler:
-    """Samples the cache directory's size every few milliseconds while a test reads."""
-
-    def __init__(self, cache_dir: str) -> None:
-        self.cache_dir, self.peak, self.samples = cache_dir, 0, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, cache_bytes(self.cache_dir))
-            self.samples += 1
-            time.sleep(0.003)
-
-    def __enter__(self) -> UsageSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *a: object) -> None:
-        self._stop.set()
-        self._t.join()

@@ -16,9 +16,10 @@ import time
 import numpy as np
 import pytest
 from remote_servers import Fault, S3Server
-from remote_util import UsageSampler, sample, write_ds
+from remote_util import sample, write_ds
 
 import pyloader
+from pyloader.bench.measure import CachePeak
 from pyloader.remote.bad_copies import verify_entry
 from pyloader.remote.fetch import working_set
 
@@ -61,7 +62,7 @@ def _stream_and_check(url: str, local: str, cache_dir: str, limit: int, largest:
     ds = pyloader.ShardDataset(url, cache_dir=cache_dir, cache_limit=limit, fetch_jobs=4, **kw, **opts)
     ref = pyloader.ShardDataset(local, **kw)
     stats = {}
-    with UsageSampler(cache_dir) as usage:
+    with CachePeak(cache_dir) as usage:
         for ep in range(epochs):
             it = ds.batches(16, epoch=ep)
             got = [i for b in it for i in check_batch(b)]
@@ -129,7 +130,7 @@ def test_several_processes_stream_through_one_small_cache(server, big, cache_dir
     limit = total // 4  # three readers: each holds at most a third of that
     script = WORKER.format(here=HERE, url=server.url + "/big", cache=cache_dir, limit=limit)
     env = dict(os.environ, WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")
-    with UsageSampler(cache_dir) as usage:
+    with CachePeak(cache_dir) as usage:
         procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r in range(3)]
         outs = [p.communicate(timeout=150) for p in procs]
@@ -289,7 +290,7 @@ def test_transform_processes_stream_through_a_small_cache(server, big, cache_dir
     ds = pyloader.ShardDataset(server.url + "/big", cache_dir=cache_dir, cache_limit=limit, **kw)
     ref = pyloader.ShardDataset(big, **kw)
     want = [int(x) for b in pyloader.DataLoader(ref, batch_size=16, transform=_label_plus) for x in b["label"]]
-    with UsageSampler(cache_dir) as usage:
+    with CachePeak(cache_dir) as usage:
         got = [int(x) for b in pyloader.DataLoader(ds, batch_size=16, transform=_label_plus, executor="processes",
                                                    num_workers=2) for x in b["label"]]
     assert got == want and len(got) == N

@@ -26,6 +26,8 @@ from .context import SampleContext, _splitmix64, sample_seeds
 from .image import ImageDecode
 
 EXECUTORS = ("auto", "threads", "processes")  # See NOTE [executor choice] in auto.py
+# Where a collated field is written: (shape, dtype) -> an uninitialised contiguous tensor, or None for a new one.
+_Alloc = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 
 
 def takes_context(fn: Callable[..., Any]) -> bool:
@@ -95,14 +97,15 @@ class _Stopped(Exception):
 
 def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.Tensor], units: np.ndarray,
               records: np.ndarray, gidx: np.ndarray, worker: int,
-              stop: Callable[[], bool] | None = None) -> BatchWork:
+              stop: Callable[[], bool] | None = None, alloc: _Alloc | None = None) -> BatchWork:
     """Decodes, transforms and collates one native batch (rows ``units``/``records``, global indices ``gidx``).
 
     Exceptions from ``transform`` propagate with their type and traceback, a note naming
     the sample's shard, record and worker added (Python >= 3.11); decode errors are
     ``ImageDecodeError`` naming them (or skipped, ``on_error="skip"``). ``stop``, checked
     before each sample, abandons the batch (``_Stopped``) so that shutting down waits for one
-    sample at most, not a batch.
+    sample at most, not a batch. ``alloc``: where the default collation writes the batch's
+    tensors (``collate_samples``); a ``collate_fn`` of the user's does not use it.
     """
     rows = len(units)
     seeds = sample_seeds(spec.seed, spec.epoch, gidx) if rows else np.empty(0, np.uint64)
@@ -158,7 +161,8 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
         if not out:
             result = None  # every sample skipped: no batch
         else:
-            result = spec.collate(out)
+            result = (collate_samples(out, alloc) if alloc is not None and spec.collate is collate_samples
+                      else spec.collate(out))
     return BatchWork(result, len(out), skipped, t_tr, t_dec, time.thread_time_ns() - cpu0)
 
 
@@ -357,7 +361,7 @@ class TransformStream:
 
 # -- collation --------------------------------------------------------------------------
 
-def collate_samples(samples: Sequence[Any]) -> Any:
+def collate_samples(samples: Sequence[Any], alloc: _Alloc | None = None) -> Any:
     """Collates transformed samples into one batch, as torch's ``default_collate`` does.
 
     Tensors and numpy arrays of one shape and dtype are stacked into a new ``[B, ...]``
@@ -365,14 +369,19 @@ def collate_samples(samples: Sequence[Any]) -> Any:
     zero-padded to the longest, with ``<key>_lengths``, as pyloader's variable fields are; numbers become a 1-D tensor; strings, bytes and other objects a list; dicts,
     tuples and lists are collated per key or position. Raises ``CollateError`` naming the
     field whose shapes, dtypes or types differ.
+
+    ``alloc(shape, dtype)``, if given, returns the (uninitialised, contiguous) tensor a
+    stacked or padded field is written into, or None for a new one: the process executor
+    collates straight into its shared-memory slot (NOTE [collate into the slot] in
+    pool.py).
     """
-    return _collate("sample", list(samples))
+    return _collate("sample", list(samples), alloc)
 
 
-def _collate(name: str, values: list[Any]) -> Any:
+def _collate(name: str, values: list[Any], alloc: _Alloc | None = None) -> Any:
     v0 = values[0]
     if isinstance(v0, (torch.Tensor, np.ndarray)):
-        return _stack(name, values)
+        return _stack(name, values, alloc)
     if isinstance(v0, Mapping):
         keys = list(v0)
         for i, v in enumerate(values):
@@ -383,19 +392,19 @@ def _collate(name: str, values: list[Any]) -> Any:
         out: dict[Any, Any] = {}
         for k in keys:
             col = [v[k] for v in values]
-            ragged = _ragged(col)
+            ragged = _ragged(col, alloc)
             if ragged is not None and f"{k}_lengths" not in keys:
                 # Variable-length sequences: padded, with their lengths, as the native batches are.
                 out[k], out[f"{k}_lengths"] = ragged
             else:
-                out[k] = _collate(f"{prefix}{k}", col)
+                out[k] = _collate(f"{prefix}{k}", col, alloc)
         return out
     if isinstance(v0, (tuple, list)):
         n = len(v0)
         for i, v in enumerate(values):
             if not isinstance(v, (tuple, list)) or len(v) != n:
                 raise CollateError(f"cannot collate {name!r}: sample {i} is not a sequence of {n} items like sample 0")
-        cols = [_collate(f"{name}[{j}]", [v[j] for v in values]) for j in range(n)]
+        cols = [_collate(f"{name}[{j}]", [v[j] for v in values], alloc) for j in range(n)]
         return tuple(cols) if isinstance(v0, tuple) else cols
     if isinstance(v0, (bool, int, float, np.number, np.bool_)):
         kinds = {type(v) for v in values}
@@ -405,7 +414,7 @@ def _collate(name: str, values: list[Any]) -> Any:
     return values  # strings, bytes, None, objects: a list, as torch's default_collate keeps them
 
 
-def _ragged(values: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _ragged(values: list[Any], alloc: _Alloc | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(zero-padded ``[B, L_max, ...]``, lengths int64) for tensors that differ in their leading dim alone; else None."""
     v0 = values[0]
     if not isinstance(v0, (torch.Tensor, np.ndarray)) or v0.ndim == 0:
@@ -418,13 +427,20 @@ def _ragged(values: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     if len(lead) == 1 or any(t.ndim != t0.ndim or t.shape[1:] != t0.shape[1:] or t.dtype != t0.dtype for t in ts):
         return None
     lengths = torch.tensor([int(t.shape[0]) for t in ts], dtype=torch.int64)
-    out = torch.zeros((len(ts), max(lead), *t0.shape[1:]), dtype=t0.dtype)
-    for i, t in enumerate(ts):
-        out[i, : t.shape[0]] = t
+    shape = (len(ts), max(lead), *t0.shape[1:])
+    out = alloc(shape, t0.dtype) if alloc is not None else None
+    if out is None:
+        out = torch.zeros(shape, dtype=t0.dtype)
+        for i, t in enumerate(ts):
+            out[i, : t.shape[0]] = t
+    else:
+        for i, t in enumerate(ts):
+            out[i, : t.shape[0]] = t
+            out[i, t.shape[0]:] = 0
     return out, lengths
 
 
-def _stack(name: str, values: list[Any]) -> torch.Tensor:
+def _stack(name: str, values: list[Any], alloc: _Alloc | None = None) -> torch.Tensor:
     ts: list[torch.Tensor] = []
     for v in values:
         if isinstance(v, np.ndarray):
@@ -441,7 +457,10 @@ def _stack(name: str, values: list[Any]) -> torch.Tensor:
                 f"{t0.dtype} {tuple(t0.shape)}; every sample of a batch needs one shape and dtype: make the "
                 f"transform return one shape (for images, ImageDecode(size=...); for sequences, pad or cut to a "
                 f"fixed length), or pass a collate_fn")
-    return torch.stack(ts)
+    out = alloc((len(ts), *t0.shape), t0.dtype) if alloc is not None else None
+    if out is None:
+        return torch.stack(ts)
+    return torch.stack(ts, out=out)
 
 
 __all__ = ["EXECUTORS", "limit_native_threads", "unlimit_native_threads", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",

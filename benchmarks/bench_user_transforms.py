@@ -32,10 +32,14 @@ epoch 2 (per-epoch start-up) is recorded too. Rounds are interleaved (every vari
 per round, the order rotated), figures are medians over rounds, and ratios are paired per
 round (median and [min, max]). Every batch's shape and dtype are checked.
 
-The physical limit beside them: the CPUs this process may run on times the rate of the
-user's code alone on one thread in the main process (the fastest of 3 passes over 100
-samples). Both loaders run that code once per sample, so neither can pass it; each
-variant's share of it is printed (``/ ceiling``).
+The physical limit beside them (the *ceiling*): as many forked processes as this process
+may run on CPUs, each running the user's code alone on its share of the records at once
+(one torch and one BLAS thread each, as both loaders' workers), the best of 3 runs of
+about a second. Both loaders run that code once per sample on the same CPUs, so neither
+can pass it; each variant's share of it is printed (``/ ceiling``). The rate of the code
+on one thread in the main process (the fastest of 3 passes over 100 samples) is printed
+too: the ceiling over it bounds "2 workers / 1 worker" (two CPUs of this VM do not make
+twice one).
 
     python benchmarks/bench_user_transforms.py [--quick] [--rounds N] [--epochs N] \
         [--only image,tokenize,features] [--out bench_results/user_transforms.json]
@@ -242,6 +246,37 @@ class RecordDataset(torch.utils.data.Dataset):
 
 
 # -- measuring ------------------------------------------------------------------------------------------
+def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[Any]], procs: int,
+                  per_proc: int) -> float:
+    """Samples/s of ``procs`` forked processes each running ``fn`` alone over ``per_proc`` records at once.
+
+    Each runs torch and the BLAS libraries on one thread, as both loaders' workers do.
+    """
+    n = len(next(iter(columns.values())))
+    t0 = time.perf_counter()
+    pids = []
+    for p in range(procs):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                from threadpoolctl import threadpool_limits
+                threadpool_limits(limits=1)
+                for i in range(per_proc):
+                    k = (p * per_proc + i) % n
+                    fn({c: v[k] for c, v in columns.items()})
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise RuntimeError(f"a process running the transform alone failed (wait status {status})")
+    return procs * per_proc / (time.perf_counter() - t0)
+
+
 def run_epochs(make: Callable[[], Any], epochs: int, n: int, check: Callable[[Any], None]) -> dict[str, Any]:
     """Builds a loader, iterates it ``epochs`` times: per-epoch seconds and time to the first batch."""
     loader = make()
@@ -327,7 +362,11 @@ def bench_one(name: str, args: argparse.Namespace, columns: dict[str, list[Any]]
             fn({k: v[i] for k, v in columns.items()})
         passes.append((time.perf_counter() - t0) / min(n, 100) * 1e6)
     us = min(passes)
-    print(f"== {name}: {n} records, {us:.0f} us/sample in the main process", file=sys.stderr, flush=True)
+    cpus = len(os.sched_getaffinity(0))
+    ceilings = [parallel_rate(fn, columns, cpus, max(20, int(1e6 / us))) for _ in range(3)]
+    ceiling = max(ceilings)
+    print(f"== {name}: {n} records, {us:.0f} us/sample in the main process; {cpus} processes running it at once: "
+          f"{ceiling:.0f} samples/s ({ceiling * us / 1e6:.2f}x one thread)", file=sys.stderr, flush=True)
     ds = RecordDataset(columns, fn)
 
     # torch's num_workers sweep on a subset: steady state of 2 epochs per loader.
@@ -414,11 +453,11 @@ def bench_one(name: str, args: argparse.Namespace, columns: dict[str, list[Any]]
         "default executor / processes (2 workers)": fig("pyloader-w2", "pyloader-processes-2"),
         "kept pool / pool per epoch (processes-2)": fig("pyloader-processes-2", "pyloader-processes-2-fresh"),
     }
-    ceiling = len(os.sched_getaffinity(0)) * 1e6 / us
     for v in res_variants.values():
         v["of_ceiling"] = v["samples_per_s"] / ceiling
     return {"records": n, "write_s": write_s, "transform_us_per_sample_main": us,
             "transform_us_per_sample_passes": passes, "ceiling_samples_per_s": ceiling,
+            "ceiling_runs_samples_per_s": ceilings, "one_thread_samples_per_s": 1e6 / us,
             "sweep_samples": sub_n, "sweep_samples_per_s": sweep_sps, "sweep_rounds_samples_per_s": sweep,
             "sweep_runs": sweep_runs, "torch_best_workers": best, "variants": res_variants,
             "unavailable": unavailable, "figures": figures, "main_s": main_s}
@@ -437,8 +476,10 @@ def print_tables(res: dict[str, Any]) -> None:
               f"torch sweep on {r['sweep_samples']}: "
               + " ".join(f"{k}={v:.0f}" for k, v in r["sweep_samples_per_s"].items())
               + f" -> best num_workers={r['torch_best_workers']}")
-        print(f"  ceiling: {len(env['affinity'])} CPUs x the user's code on one thread = "
-              f"{r['ceiling_samples_per_s']:.0f} samples/s (no loader can pass it: both run the same code per sample)")
+        print(f"  ceiling: {len(env['affinity'])} processes running the user's code alone at once = "
+              f"{r['ceiling_samples_per_s']:.0f} samples/s (no loader can pass it: both run the same code per sample); "
+              f"one thread: {r['one_thread_samples_per_s']:.0f} samples/s, so 2 workers / 1 is at most "
+              f"{r['ceiling_samples_per_s'] / r['one_thread_samples_per_s']:.2f}x here")
         print(f"  {'variant':<26}{'executor':>10}{'workers':>8}{'samples/s':>11}{'/ torch-best':>14}"
               f"{'[min, max]':>14}{'/ ceiling':>10}{'ttfb ep1 ms':>13}{'ttfb ep2 ms':>13}")
         for k, v in r["variants"].items():

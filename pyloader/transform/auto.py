@@ -1,39 +1,50 @@
 """``executor="auto"``: threads or processes for the per-sample transform, chosen from a measurement.
 
-NOTE [executor choice]: threads cost nothing to start and hand samples over without a copy,
+NOTE [executor choice]: threads cost nothing to start and share the loader's memory,
 but they run Python one at a time: a transform that holds the GIL (pure Python, PIL's
 ``Image.open``, many small numpy calls) gets no faster with more of them. Processes run
-it in parallel, at the price of a start, a copy of each batch into shared memory and a
-fork. Which one a transform needs is measured, not guessed from what it is: an epoch whose
-executor is not chosen yet starts on threads and runs a *scaling probe* over its first
-batches: phases of 1 and of ``W' = max(2, W)`` working threads, alternated (1, W', 1, W'),
-each at least ``PHASE_S`` seconds and ``PHASE_BATCHES`` batches, counting the samples
-transformed per second. The scaling ``s`` is the rate with ``W'`` threads over the rate
-with one: ``W'`` when the transform releases the GIL (pyloader's decode, Pillow's decoders, large numpy and
-torch ops, a sleep or a network wait), 1 when it holds it throughout. The share of a
-sample's time that holds the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)``. (Rates,
-not each thread's busy time: under the GIL a thread also waits for it outside the
-transform, between batches, which a per-thread measure would leave out.) Then:
+it in parallel, at the price of a fork and of shared memory for the batches they make
+(collated straight into it: NOTE [collate into the slot] in pool.py). Which one a
+transform needs is measured, not guessed from what it is: an epoch whose executor is not
+chosen yet starts on threads and runs a *scaling probe* over its first batches: phases of
+1 and of ``W' = max(2, W)`` working threads, alternated (1, W', 1, W'), each at least
+``PHASE_S`` seconds and ``PHASE_SAMPLES`` samples per thread, counting the samples the
+threads transform per second. A phase is timed by samples, not by the batches the loop
+takes: the loop takes batches made earlier (prefetched), and a phase of a few batches of
+100 ms samples counted whole batches either side of its ends (measured: a pure-Python
+transform scattered from g 0.47 to 1.0, a PIL pipeline from 0.03 to 1.0; counted by
+samples, 1.0 in 4 runs of 4 and 0.09-0.12). A phase with fewer threads starts once the threads it
+stopped have finished their batch. The scaling ``s`` is the rate with ``W'`` threads over
+the rate with one: ``W'`` when the transform releases the GIL (pyloader's decode, a sleep
+or a network wait), 1 when it holds it throughout. The share of a sample's time that holds
+the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)``. (Rates, not each thread's busy
+time: under the GIL a thread also waits for it outside the transform, between batches,
+which a per-thread measure would leave out.) Then:
 
-* one worker (``num_workers`` 0 or 1): **threads**. No worker waits for another, and a
-  worker process only adds the copy of each batch into shared memory (measured: one
-  thread made 1.1-1.2x the samples of one process on all three transforms of
-  benchmarks/bench_user_transforms.py). The probe still runs, so ``gil_held`` is reported;
+* one worker (``num_workers`` 0 or 1): **threads**. No worker waits for another, and one
+  worker process gains nothing over one thread (measured, one process over one thread:
+  1.09x on a PIL pipeline, 0.87x on a tokenizer, 0.97x on numpy features, 1.00x on
+  ``ImageDecode``). The probe still runs, so ``gil_held`` is reported;
 * the loop waited less than ``LOOP_WAIT`` of the ``W'`` phases: it, not the workers, set
   the pace, and nothing was learned about scaling: **threads** (they are enough);
-
 * ``g`` over ``GIL_HIGH``: **processes**. The thread stream stops handing out batches
   (``ThreadTransformStream.limit``), the batches it has handed out are still delivered,
   and the rest of the epoch is made by worker processes, in plan order: the loop sees one
   stream;
-* ``g`` over ``GIL_SOME`` on more workers than the CPUs (``cpu_budget()``), for a transform
-  that computes (its thread's CPU time over ``COMPUTING`` of its working time in the
-  1-thread phases, from ``time.thread_time``): **processes** too. Threads beyond the cores
-  only help a transform that waits; one that computes and holds the GIL part of its time
-  stalls them (a thread that holds the GIL is preempted by the OS while the others wait
-  for it: measured, a PIL pipeline on 3 threads on 2 CPUs ran at 0.74x torch's 3 worker
-  processes, and at 0.96x on 2 threads);
-* otherwise **threads**, for this epoch and the next ones.
+* ``g`` over ``GIL_COMPUTING`` for a transform that computes (its thread's CPU time over
+  ``COMPUTING`` of its working time in the 1-thread phases, from ``time.thread_time``):
+  **processes** too. Threads that compute lose to processes long before the GIL is held
+  half the time: each hand-over of the GIL stalls the thread that waits for it, and the
+  consuming thread (the training step) takes the GIL too. Measured on 2 CPUs, 2 workers:
+  a PIL decode + crop + normalise pipeline (g 0.09-0.12) made 1.21x the samples on
+  processes, ``ImageDecode`` (g 0.03-0.09) 1.09x;
+* otherwise **threads**, for this epoch and the next ones: a transform that waits (a sleep,
+  the network) scales on threads, and threads can outnumber the CPUs
+  (``num_workers="auto"`` grows them to dozens).
+
+Processes are not taken where the shared-memory directory has no room for them: under
+``(prefetch + SLOTS_HELD)`` times the largest batch the probe saw free (a container's
+64 MB ``/dev/shm`` and 38 MB image batches); threads then, with the reason.
 
 The choice is the loader's: made once, kept for every later epoch, and reported in
 ``stats()["executor_choice"]`` (the executor, ``gil_held`` ``g``, the scaling, why) and
@@ -52,22 +63,28 @@ on processes alone.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..contract import cpu_budget
+import numpy as np
+import torch
+
+from ..contract import default_prefetch
 from ..errors import LoaderStateError
+from .pool import shm_dir
 from .stage import TransformStream
 from .threads import ThreadTransformStream
 
 PHASE_S = 0.15  # a probe phase lasts at least this long...
-PHASE_BATCHES = 2  # ...and makes at least this many batches
+PHASE_SAMPLES = 8  # ...and makes at least this many samples per working thread
 GIL_HIGH = 0.5  # a sample holds the GIL more than this share of its time: processes
 LOOP_WAIT = 0.05  # the loop waited less than this share of the W'-thread phases: it set the pace
-GIL_SOME = 0.2  # ...or more than this, computing, on more workers than CPUs: processes
+GIL_COMPUTING = 0.05  # ...or more than this, for a transform that computes: processes
 COMPUTING = 0.5  # a thread whose CPU time is more than this share of its working time computes
+SLOTS_HELD = 2  # batches a loop is assumed to hold besides the prefetched ones (the room check)
 
 
 def gil_enabled() -> bool:
@@ -99,15 +116,19 @@ class ScalingProbe:
         stream.set_workers(self.phases[self.i])
 
     def step(self) -> bool:
-        """Counts the batches taken so far; moves to the next phase when this one is long enough."""
+        """Counts the samples made so far; moves to the next phase when this one is long enough."""
         st = self.stream._stats
         now = time.perf_counter()
-        snap = (now, st.samples + st.skipped, st.busy_ns, st.batches, st.cpu_ns, st.wait_ns)
+        done, working = self.stream.progress()
+        phase = self.phases[self.i]
+        snap = (now, done, st.busy_ns, st.batches, st.cpu_ns, st.wait_ns)
         if self._mark is None:
-            self._mark = snap  # (the first batch after a change settles the workers)
+            if working > phase:
+                return False  # a thread of the wider phase is still finishing its batch
+            self._mark = snap
             return False
         t0, n0, b0, k0, c0, w0 = self._mark
-        if now - t0 < PHASE_S or snap[3] - k0 < PHASE_BATCHES:
+        if now - t0 < PHASE_S or done - n0 < PHASE_SAMPLES * phase:
             return False
         acc = self.rates[self.phases[self.i]]
         acc[0] += snap[1] - n0
@@ -155,6 +176,19 @@ class ScalingProbe:
         return min(1.0, max(0.0, (self.wide / s - 1) / (self.wide - 1)))
 
 
+def batch_bytes(item: Any) -> int:
+    """The bytes of the tensors and arrays in a batch (a dict, list or tuple of them, nested)."""
+    if isinstance(item, torch.Tensor):
+        return item.numel() * item.element_size()
+    if isinstance(item, np.ndarray):
+        return int(item.nbytes)
+    if isinstance(item, dict):
+        return sum(batch_bytes(v) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return sum(batch_bytes(v) for v in item)
+    return 0
+
+
 class ExecutorChoice:
     """A loader's choice of executor under ``executor="auto"``: open until decided, then kept (NOTE [executor choice])."""
 
@@ -165,34 +199,48 @@ class ExecutorChoice:
         self.report: dict[str, Any] = {} if self.executor is None else {
             "executor": "threads", "why": "this interpreter runs without a GIL: threads scale"}
 
-    def decide(self, probe: ScalingProbe, cpus: int) -> str:
-        """Decides from ``probe`` (``cpus``: the CPUs this process may use); returns the executor."""
+    def decide(self, probe: ScalingProbe, room: tuple[str, int, int] | None = None) -> str:
+        """Decides from ``probe``; returns the executor.
+
+        ``room``: (the shared-memory directory, its free bytes, the bytes the process
+        executor's slots would take), or None where that is not known.
+        """
         self.unfinished = None
         g, scaling, computing = probe.gil_held, probe.scaling, probe.computing
         seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
                 f"{g:.0%} of its time")
+        processes = None
         if probe.workers == 1:
             self.executor = "threads"
-            why = (f"{seen}, but with one worker none waits for another, and a worker process would add a copy "
-                   f"of every batch: threads")
+            why = (f"{seen}, but with one worker none waits for another, and a worker process gains nothing "
+                   f"over a thread: threads")
         elif probe.loop_bound:
             g = 0.0
             self.executor = "threads"
             why = (f"the loop took the batches of {probe.wide} threads as fast as they came (it waited under "
                    f"{LOOP_WAIT:.0%} of the time): threads are enough")
         elif g > GIL_HIGH:
-            self.executor = "processes"
-            why = f"{seen} (over {GIL_HIGH:.0%}): threads wait for each other, processes do not"
-        elif probe.workers > cpus and computing > COMPUTING and g > GIL_SOME:
-            self.executor = "processes"
-            why = (f"{seen}, and computes {computing:.0%} of its time on {probe.workers} workers for {cpus} CPUs: "
-                   f"threads beyond the CPUs stall on the GIL (over {GIL_SOME:.0%}), processes do not")
+            processes = f"{seen} (over {GIL_HIGH:.0%}): threads wait for each other, processes do not"
+        elif computing > COMPUTING and g > GIL_COMPUTING:
+            processes = (f"{seen}, and computes {computing:.0%} of its time: a transform that computes and holds "
+                         f"the GIL over {GIL_COMPUTING:.0%} of its time makes more samples on processes")
         else:
             self.executor = "threads"
-            why = f"{seen} (at most {GIL_HIGH:.0%}): threads scale"
+            why = (f"{seen} (at most {GIL_COMPUTING:.0%}" + (")" if computing > COMPUTING else
+                   f"; it waits {1 - computing:.0%} of its time, and threads can outnumber the CPUs)")
+                   + ": threads scale")
+        if processes is not None:
+            if room is not None and room[1] < room[2]:
+                self.executor = "threads"
+                why = (f"{processes}; but {room[0]} has {room[1]} bytes free, under the {room[2]} the process "
+                       f"executor's batches would take there: threads (make it larger, or set PYLOADER_SHM_DIR)")
+            else:
+                self.executor = "processes"
+                why = processes
         self.report = {"executor": self.executor, "gil_held": round(g, 3), "scaling": round(scaling, 3),
                        "computing": round(computing, 3),
                        "threads_compared": [1, probe.wide], "why": why}
+        assert self.executor is not None
         return self.executor
 
     def fall_back(self, error: BaseException) -> None:
@@ -231,6 +279,7 @@ class AutoTransformStream(TransformStream):
         self._tuner, head.tuner = head.tuner, None  # the count stays put while the probe moves it
         self._closed = False
         self._t0 = time.perf_counter()
+        self._batch_bytes = 0  # the largest batch the probe saw (the room check)
 
     def _take(self) -> Any:
         if self._closed:
@@ -249,8 +298,10 @@ class AutoTransformStream(TransformStream):
                     self._end()
                 return self._next_from_tail()
             probe = self._probe
-            if probe is not None and probe.step():
-                self._decide(probe)
+            if probe is not None:
+                self._batch_bytes = max(self._batch_bytes, batch_bytes(item))
+                if probe.step():
+                    self._decide(probe)
             if self._start is not None and self._tail is None and self._head.idle():
                 self._switch()
             return item
@@ -268,7 +319,14 @@ class AutoTransformStream(TransformStream):
     def _decide(self, probe: ScalingProbe) -> None:
         self._probe = None
         self._head.tuner = self._tuner
-        executor = self._choice.decide(probe, cpu_budget())
+        directory = shm_dir()
+        try:
+            st = os.statvfs(directory)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        need = (default_prefetch(self._head.workers) + SLOTS_HELD) * self._batch_bytes
+        executor = self._choice.decide(probe, (directory, free, need))
         if executor == "threads" and self._tuner is not None:
             self._tuner.jump(self._head, probe.computing)  # See NOTE [transform autotune]
         if executor == "processes":
@@ -323,5 +381,5 @@ class AutoTransformStream(TransformStream):
         return self._with_extra(s)
 
 
-__all__ = ["PHASE_S", "PHASE_BATCHES", "GIL_HIGH", "LOOP_WAIT", "GIL_SOME", "COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
+__all__ = ["PHASE_S", "PHASE_SAMPLES", "GIL_HIGH", "LOOP_WAIT", "GIL_COMPUTING", "SLOTS_HELD", "batch_bytes", "COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
            "AutoTransformStream"]

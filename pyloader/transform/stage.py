@@ -97,7 +97,8 @@ class _Stopped(Exception):
 
 def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.Tensor], units: np.ndarray,
               records: np.ndarray, gidx: np.ndarray, worker: int,
-              stop: Callable[[], bool] | None = None, alloc: _Alloc | None = None) -> BatchWork:
+              stop: Callable[[], bool] | None = None, alloc: _Alloc | None = None,
+              progress: list[int] | None = None) -> BatchWork:
     """Decodes, transforms and collates one native batch (rows ``units``/``records``, global indices ``gidx``).
 
     Exceptions from ``transform`` propagate with their type and traceback, a note naming
@@ -106,6 +107,8 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
     before each sample, abandons the batch (``_Stopped``) so that shutting down waits for one
     sample at most, not a batch. ``alloc``: where the default collation writes the batch's
     tensors (``collate_samples``); a ``collate_fn`` of the user's does not use it.
+    ``progress[worker]`` counts the samples done (only this worker writes its entry), for
+    the scaling probe (NOTE [executor choice]).
     """
     rows = len(units)
     seeds = sample_seeds(spec.seed, spec.epoch, gidx) if rows else np.empty(0, np.uint64)
@@ -155,6 +158,8 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
                          f"{record_name(ds, units[i], records[i])} (global index {int(gidx[i])})")
                 raise
             t_tr += time.perf_counter_ns() - t1
+        if progress is not None:
+            progress[worker] += 1
         out.append(sample)
     result: Any = out
     if spec.collate is not None:

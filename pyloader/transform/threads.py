@@ -103,6 +103,9 @@ class ThreadTransformStream(TransformStream):
         limit_native_threads(process=False)  # See NOTE [worker threads]; given back at close()
         self._limited = True
         self._threads: list[threading.Thread] = []
+        # Per worker: the samples it transformed, and whether it is inside a batch (progress()).
+        self._done: list[int] = []
+        self._in_batch: list[bool] = []
         _LIVE.add(self)
         try:
             self._start(workers)
@@ -114,6 +117,8 @@ class ThreadTransformStream(TransformStream):
 
     def _start(self, workers: int) -> None:
         for w in range(len(self._threads), workers):
+            self._done.append(0)
+            self._in_batch.append(False)
             t = threading.Thread(target=self._work, args=(w,), name=f"pyloader-transform-{w}", daemon=True)
             self._threads.append(t)
             t.start()
@@ -128,6 +133,10 @@ class ThreadTransformStream(TransformStream):
     def workers(self) -> int:
         """The workers that take batches now."""
         return self._active
+
+    def progress(self) -> tuple[int, int]:
+        """(samples transformed so far, workers inside a batch now): the scaling probe's clock."""
+        return sum(self._done), sum(self._in_batch)
 
     def set_workers(self, workers: int) -> None:
         """From now on ``workers`` threads take batches (more are started; extra ones idle)."""
@@ -199,9 +208,10 @@ class ThreadTransformStream(TransformStream):
             lo = k * self._bs
             hi = lo + len(self._units[lo:lo + self._bs])
             result: Any
+            self._in_batch[w] = True
             try:
                 work = run_batch(self._spec, self._ds, raw, self._units[lo:hi], self._records[lo:hi],
-                                 self._gidx[lo:hi], w, self._stopping)
+                                 self._gidx[lo:hi], w, self._stopping, progress=self._done)
                 del raw  # the native slot goes back to its pool
                 self._stats.add(work, time.perf_counter_ns() - t0)
                 result = work.result
@@ -209,6 +219,8 @@ class ThreadTransformStream(TransformStream):
                 return
             except BaseException as e:  # noqa: BLE001 - delivered in its place, with its traceback
                 result = _Failed(e)
+            finally:
+                self._in_batch[w] = False
             with self._cv:
                 self._results[k] = result
                 self._cv.notify_all()

@@ -375,6 +375,18 @@ def drop_pages(paths: list[str]) -> None:
             os.close(fd)
 
 
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (``MemAvailable``), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def pretouch(nbytes: int) -> None:
     """Touches ``nbytes`` of fresh memory and frees it, for pages the machine has backed.
 
@@ -606,7 +618,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-__all__ = ["pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
+__all__ = ["available_memory", "pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
            "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

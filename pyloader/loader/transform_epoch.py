@@ -62,10 +62,14 @@ class TransformEpochs(LoaderCore):
         choice = self._executor_choice() if self.executor == "auto" else None
         executor = self.executor if choice is None else choice.executor
 
-        def stream(start: int, ex: str) -> _stage.TransformStream:
-            return self._transform_stream(ds, spec, units, records, gidx, native_bs, start, ex, tune, raw_bytes)
+        def stream(start: int, ex: str, active: int | None = None) -> _stage.TransformStream:
+            return self._transform_stream(ds, spec, units, records, gidx, native_bs, start, ex, tune, raw_bytes,
+                                          active)
 
-        src: _stage.TransformStream = stream(0, executor or "threads")
+        # A stream whose executor is still to be chosen starts with the one thread of the
+        # scaling probe's first phase (NOTE [executor choice]).
+        src: _stage.TransformStream = stream(0, executor or "threads", 1 if choice is not None and executor is None
+                                             else None)
         if choice is not None and executor is None:
             src = AutoTransformStream(src, choice, stream)  # type: ignore[arg-type]  # a thread stream
         if choice is not None:
@@ -94,7 +98,8 @@ class TransformEpochs(LoaderCore):
 
     def _transform_stream(self, ds: PlannedDataset, spec: _stage.TransformSpec, units: np.ndarray,
                           records: np.ndarray, gidx: np.ndarray, native_bs: int, start: int, executor: str,
-                          tune: TransformTune | None, raw_bytes: int) -> _stage.TransformStream:
+                          tune: TransformTune | None, raw_bytes: int,
+                          active: int | None = None) -> _stage.TransformStream:
         """The epoch's batches from batch ``start`` on, made by ``executor``'s workers."""
         from ..transform.threads import ThreadTransformStream
 
@@ -112,7 +117,8 @@ class TransformEpochs(LoaderCore):
         raw = ds.batches(native_bs, plan=(units, records), drop_last=self.drop_last,
                          num_threads=1 if workers < 4 else 2,
                          prefetch=(depth if depth is not None else default_prefetch(workers)) + workers)
-        src = ThreadTransformStream(raw, ds, spec, units, records, gidx, native_bs, workers=workers, depth=depth)
+        src = ThreadTransformStream(raw, ds, spec, units, records, gidx, native_bs, workers=workers, depth=depth,
+                                    active=active)
         src.tuner = tune
         return src
 

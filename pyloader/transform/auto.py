@@ -7,9 +7,11 @@ it in parallel, at the price of a fork and of shared memory for the batches they
 (collated straight into it: NOTE [collate into the slot] in pool.py). Which one a
 transform needs is measured, not guessed from what it is: an epoch whose executor is not
 chosen yet starts on threads and runs a *scaling probe* over its first batches: phases of
-1 and of ``W' = max(2, W)`` working threads, alternated (1, W', 1, W'), each at least
-``PHASE_S`` seconds and ``PHASE_SAMPLES`` samples per thread, counting the samples the
-threads transform per second. A phase is timed by samples, not by the batches the loop
+1 and of ``W' = max(2, min(W, CPUs))`` working threads, alternated (1, W', 1, W'), each at
+least ``PHASE_S`` seconds and ``PHASE_SAMPLES`` samples per thread, counting the samples the
+threads transform per second (no more threads than CPUs: beyond them a transform without
+the GIL stops scaling too, and the formula below would read the CPUs' limit as the
+GIL's). A phase is timed by samples, not by the batches the loop
 takes: the loop takes batches made earlier (prefetched), and a phase of a few batches of
 100 ms samples counted whole batches either side of its ends (measured: a pure-Python
 transform scattered from g 0.47 to 1.0, a PIL pipeline from 0.03 to 1.0; counted by
@@ -72,13 +74,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..contract import default_prefetch
+from ..contract import cpu_budget, default_prefetch
 from ..errors import LoaderStateError
 from .pool import shm_dir
 from .stage import TransformStream
 from .threads import ThreadTransformStream
 
-PHASE_S = 0.15  # a probe phase lasts at least this long...
+PHASE_S = 0.1  # a probe phase lasts at least this long...
 PHASE_SAMPLES = 8  # ...and makes at least this many samples per working thread
 GIL_HIGH = 0.5  # a sample holds the GIL more than this share of its time: processes
 LOOP_WAIT = 0.05  # the loop waited less than this share of the W'-thread phases: it set the pace
@@ -103,8 +105,10 @@ class ScalingProbe:
     def __init__(self, stream: ThreadTransformStream,
                  earlier: tuple[int, int, dict[int, list[float]]] | None = None) -> None:
         self.stream = stream
-        self.workers = stream.workers
-        self.wide = max(2, self.workers)
+        self.workers = stream.planned
+        # No more threads than CPUs: beyond them even a transform without the GIL stops
+        # scaling, and the formula would read the CPUs' limit as the GIL's.
+        self.wide = max(2, min(self.workers, cpu_budget()))
         self.phases = [1, self.wide, 1, self.wide]
         self.i = 0
         # samples, wall seconds, busy and CPU seconds of the working threads, the loop's wait
@@ -264,7 +268,7 @@ class AutoTransformStream(TransformStream):
 
     def __init__(self, head: ThreadTransformStream, choice: ExecutorChoice,
                  make_tail: Callable[[int, str], TransformStream]) -> None:
-        super().__init__("threads", head.workers, len(head))
+        super().__init__("threads", head.planned, len(head))
         self._head = head
         self._tail: TransformStream | None = None
         self._head_done = False  # every batch of the head was delivered

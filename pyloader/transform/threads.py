@@ -80,7 +80,8 @@ class ThreadTransformStream(TransformStream):
     """
 
     def __init__(self, source: BatchStream, ds: PlannedDataset, spec: TransformSpec, units: np.ndarray, records: np.ndarray,
-                 gidx: np.ndarray, batch_size: int, *, workers: int, depth: int | None) -> None:
+                 gidx: np.ndarray, batch_size: int, *, workers: int, depth: int | None,
+                 active: int | None = None) -> None:
         super().__init__("threads", workers, len(source))
         self._src = source
         self._ds = ds
@@ -88,7 +89,10 @@ class ThreadTransformStream(TransformStream):
         self._units, self._records, self._gidx = units, records, gidx
         self._bs = batch_size
         self._depth_given = depth  # None: two tickets per active worker (default_prefetch)
-        self._active = workers  # workers that may pull tickets (set_workers)
+        # Workers that may pull tickets (set_workers); ``active`` fewer at first (the scaling
+        # probe's first phase: NOTE [executor choice]).
+        self._active = workers if active is None else max(1, min(active, workers))
+        self.planned = workers  # the workers it was made for (the probe puts them back when done)
         self._limit: int | None = None  # no ticket from here on (limit)
         self.tuner: Any = None  # called with the stream at every batch taken (num_workers="auto")
         self._cv = threading.Condition()
@@ -108,7 +112,7 @@ class ThreadTransformStream(TransformStream):
         self._in_batch: list[bool] = []
         _LIVE.add(self)
         try:
-            self._start(workers)
+            self._start(self._active)
         except BaseException:
             # No thread for a worker (a limit on threads): stop and join those that started,
             # close the native stream, and raise the error.

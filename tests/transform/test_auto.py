@@ -24,7 +24,7 @@ import pyloader
 from pyloader.transform.pool import shm_dir
 
 FIELDS = {"x": ("float32", (4,)), "label": "int64"}
-N = 2000  # long enough for the scaling probe (4 phases of >= 0.15 s) to end in the first epoch
+N = 2000  # long enough for the scaling probe (4 phases of >= 0.1 s) to end in the first epoch
 SHORT = 96  # 3 batches of 32: too short for the probe
 BATCH = 32
 
@@ -186,6 +186,24 @@ def test_a_sleeping_transform_stays_on_threads(shards) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_probe_compares_no_more_threads_than_cpus(shards) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    ld = loader(shards, transform=part_gil, num_workers=cpus + 2)
+    it = iter(ld)
+    first = next(it)
+    assert ld.stats()["transform_workers"] == 1  # the probe's first phase: one thread from the start
+    for _ in it:
+        if ld.stats()["executor_choice"].get("executor") is not None:
+            break
+    it.close()
+    choice = ld.stats()["executor_choice"]
+    # Beyond the CPUs even a transform without the GIL stops scaling: the probe would read
+    # the CPUs' limit as the GIL's.
+    assert choice["threads_compared"] == [1, max(2, cpus)], choice
+    assert len(first["label"]) == BATCH
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("executor", ["threads", "processes"])
 def test_an_explicit_executor_is_not_chosen(short_shards, executor: str) -> None:
     ld = loader(short_shards, transform=gil_bound, num_workers=2, executor=executor)
@@ -318,7 +336,7 @@ def test_workers_run_blas_on_one_thread_and_the_limit_is_given_back(short_shards
 def test_an_epoch_closed_during_the_probe_says_why_the_choice_is_open(shards) -> None:
     ld = loader(shards, transform=gil_bound, num_workers=2)
     it = iter(ld)
-    for _ in range(3):  # the probe needs 4 phases of at least 0.15 s
+    for _ in range(3):  # the probe needs 4 phases of at least 0.1 s
         next(it)
     it.close()
     choice = ld.stats()["executor_choice"]

@@ -434,10 +434,25 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   std::shared_ptr<const Shard> sh;
   size_t k = 0;
   int32_t last = -1;
-  uint64_t lo = 0, hi = 0;  // the pending range of sh
-  auto flush = [&] {
+  // The pending range of sh's payload, and one per column (a column's blocks lie apart from
+  // the payload the records' other fields read, so the two would break each other's runs).
+  std::vector<std::pair<uint64_t, uint64_t>> pend(nf + 1, {0, 0});
+  auto add = [&](size_t p, uint64_t a, uint64_t z) {
+    auto& [lo, hi] = pend[p];
+    if (hi > lo && a <= hi + kAdviseGap && z >= lo) {
+      lo = std::min(lo, a);
+      hi = std::max(hi, z);
+      return;
+    }
     if (sh && hi > lo) sh->advise_range(lo, hi - lo);
-    lo = hi = 0;
+    lo = a;
+    hi = z;
+  };
+  auto flush = [&] {
+    for (auto& [lo, hi] : pend) {
+      if (sh && hi > lo) sh->advise_range(lo, hi - lo);
+      lo = hi = 0;
+    }
   };
   for (const auto& [s, rec] : rows) {
     if (s != last) {
@@ -448,16 +463,15 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
     }
     if (!sh || sh->verified(uint64_t(rec))) continue;  // read already: its pages were in memory
     for (size_t f = 0; f < nf; ++f) {
-      if (sh->column_of(f) >= 0) continue;
-      const IndexEntry e = sh->entry(uint64_t(rec), f);
-      const uint64_t a = sh->payload_offset() + e.offset, z = a + e.stored_size;
-      if (hi > lo && a <= hi + kAdviseGap && z >= lo) {
-        lo = std::min(lo, a);
-        hi = std::max(hi, z);
+      if (const int32_t c = sh->column_of(f); c >= 0) {
+        // A column's value is read with its whole checksum block (NOTE [column layout]):
+        // the block comes in, not just the row (else its check faulted, NOTE [metadata first]).
+        const auto [off, len] = sh->column_block_range(size_t(c), uint64_t(rec));
+        add(size_t(c) + 1, off, off + len);
       } else {
-        flush();
-        lo = a;
-        hi = z;
+        const IndexEntry e = sh->entry(uint64_t(rec), f);
+        const uint64_t a = sh->payload_offset() + e.offset;
+        add(0, a, a + e.stored_size);
       }
     }
   }

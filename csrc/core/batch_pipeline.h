@@ -150,8 +150,9 @@ class BatchPipeline {
   // b + kAdviseBatches not queued yet (batch b's before it fills it, the later ones once b
   // is delivered) in their shards, opened now without the whole-file read-ahead if they
   // are regular files (the open of a FIFO or device could block: only the batch that reads
-  // a shard may wait on it): each record's stored bytes (MADV_WILLNEED, ranges less than
-  // kAdviseGap apart merged), then, for the later batches only, each of those shards whole.
+  // a shard may wait on it): each record's stored bytes and the checksum block of each of
+  // its column values (MADV_WILLNEED, ranges less than kAdviseGap apart merged; NOTE
+  // [metadata first]), then, for the later batches only, each of those shards whole.
   // The records the next batches read come in first; the rest of the files stream in behind
   // them. A batch's own records are never queued behind whole files: the device's elevator
   // sorts reads by offset, so the first batch of a global shuffle waited for the whole

@@ -123,6 +123,14 @@ class Shard {
   }
   const uint8_t* payload() const noexcept { return base_ + payload_offset_; }
   uint64_t payload_offset() const noexcept { return payload_offset_; }
+  // The file range (offset, bytes) of the checksum block of column c that holds `record`:
+  // what reading that record's value of the column touches (it verifies the whole block).
+  std::pair<uint64_t, uint64_t> column_block_range(size_t c, uint64_t record) const noexcept {
+    const ColumnSpec& col = columns_[c];
+    const uint64_t first = (record >> col.block_shift) << col.block_shift;
+    const uint64_t rows = std::min<uint64_t>(uint64_t(1) << col.block_shift, num_records_ - first);
+    return {uint64_t(col.data - base_) + first * col.row_bytes, rows * col.row_bytes};
+  }
   // See NOTE [column layout]: the column that stores `field`, or -1 if the field is indexed.
   int32_t column_of(size_t field) const noexcept { return column_of_[field]; }
   const ColumnSpec& column(size_t c) const noexcept { return columns_[c]; }

@@ -60,3 +60,31 @@ def test_a_cold_shard_is_read_ahead_whole_after_the_first_batch(tmp_path) -> Non
     # without the pieces only the first window (and the few batches' read-around) came in
     assert got >= 0.99, f"{got:.1%} of the cold shard in memory after its first batch"
     del it, loader
+
+
+@pytest.mark.timeout(120)
+def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path) -> None:
+    """NOTE [metadata first] (csrc/core/shard_reader.cpp): a shard's header is read, its index and
+    column table are queued before they are checked, and a record's column blocks are queued
+    with its other fields, so no access of the first batch waits on a synchronous read-around
+    of the device's window (a major fault): two per shard before."""
+    import resource
+
+    path = str(tmp_path / "ds")
+    with pyloader.ShardWriter(path, {"x": "bytes", "label": "int64"}, compression=None, shard_bytes=4 << 20) as w:
+        rng = np.random.default_rng(0)
+        for i in range(4096):
+            w.write({"x": rng.integers(0, 256, 12 << 10, dtype=np.uint8).tobytes(), "label": i})
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".pyl"))
+    assert len(files) >= 8
+    B.drop_pages(files)
+    if B.resident_fraction(files) > 0.1:
+        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=3), batch_size=128, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
+    it.close()
+    assert len(first["label"]) == 128 and len({int(x) for x in first["label"]}) == 128
+    assert faults <= 2, f"{faults} major faults opening {len(files)} cold shards and reading their first batch"

@@ -215,7 +215,8 @@ def test_a_transform_loader_that_cannot_start_its_threads(readable_dataset) -> N
     def child(step: Callable[[str], None]) -> int:
         ds = pyloader.ShardDataset(readable_dataset, rank=0, world_size=1)
         # batch_size=1: more batches than the native stream reads ahead, so its threads stay.
-        loader = pyloader.DataLoader(ds, batch_size=1, num_workers=6, transform=lambda s: s)
+        # executor="threads": all six start with the epoch ("auto" starts on its probe's one).
+        loader = pyloader.DataLoader(ds, batch_size=1, num_workers=6, transform=lambda s: s, executor="threads")
         it = iter(loader)
         next(it)  # the transform modules imported, as the limited user may not read them
         it.close()

@@ -71,12 +71,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..contract import cpu_budget, default_prefetch
 from ..errors import LoaderStateError
-from .pool import shm_dir
+from .pool import flatten, shm_dir
 from .stage import TransformStream
 from .threads import ThreadTransformStream
 
@@ -181,16 +180,10 @@ class ScalingProbe:
 
 
 def batch_bytes(item: Any) -> int:
-    """The bytes of the tensors and arrays in a batch (a dict, list or tuple of them, nested)."""
-    if isinstance(item, torch.Tensor):
-        return item.numel() * item.element_size()
-    if isinstance(item, np.ndarray):
-        return int(item.nbytes)
-    if isinstance(item, dict):
-        return sum(batch_bytes(v) for v in item.values())
-    if isinstance(item, (list, tuple)):
-        return sum(batch_bytes(v) for v in item)
-    return 0
+    """The bytes of the tensors and arrays in a batch: what a process worker's slot would hold (``flatten``)."""
+    leaves: list[torch.Tensor] = []
+    flatten(item, leaves)
+    return sum(x.numel() * x.element_size() for x in leaves)
 
 
 class ExecutorChoice:

@@ -434,14 +434,13 @@ def _ragged(values: list[Any], alloc: _Alloc | None = None) -> tuple[torch.Tenso
     lengths = torch.tensor([int(t.shape[0]) for t in ts], dtype=torch.int64)
     shape = (len(ts), max(lead), *t0.shape[1:])
     out = alloc(shape, t0.dtype) if alloc is not None else None
+    zeroed = out is None
     if out is None:
         out = torch.zeros(shape, dtype=t0.dtype)
-        for i, t in enumerate(ts):
-            out[i, : t.shape[0]] = t
-    else:
-        for i, t in enumerate(ts):
-            out[i, : t.shape[0]] = t
-            out[i, t.shape[0]:] = 0
+    for i, t in enumerate(ts):
+        out[i, : t.shape[0]] = t
+        if not zeroed:
+            out[i, t.shape[0]:] = 0  # an allocated tensor holds whatever was there before
     return out, lengths
 
 

@@ -40,9 +40,13 @@ def cache_error(err: int, message: str, shard: str | None = None) -> CacheError:
 # evictor's try-lock -- kept that lock held after the parent closed its descriptor: the
 # child's own fetcher then timed out waiting for a lock that only its inherited copy held,
 # and the parent could not take it again until the child exited. Every lock-file descriptor
-# is therefore entered here while it is open (entered after the open, dropped before the
-# close, so the set never names a closed one), and a forked child closes its copies at once.
+# is therefore entered here while it is open, and a forked child closes its copies at once.
+# An open and its entry, and a removal and its close, happen under _LOCK_FDS_MU, which a fork
+# takes first: a thread between open(2) and the entry (waiting for the GIL after the call),
+# or between the removal and close(2), would otherwise hand the child a descriptor it does
+# not know of -- with 3 threads locking in a loop, 4 of 5 forks inherited one.
 _LOCK_FDS: set[int] = set()
+_LOCK_FDS_MU = threading.Lock()
 
 
 def open_lockfile(path: str) -> int | None:
@@ -51,41 +55,60 @@ def open_lockfile(path: str) -> int | None:
     Never through a symlink (NOTE [cache paths]): a link planted at ``path`` raises CacheError.
     Close it with ``close_lockfile`` (NOTE [lock files across fork]).
     """
+    with _LOCK_FDS_MU:
+        fd = _open_lock(path)
+        if fd is not None:
+            _LOCK_FDS.add(fd)
+    return fd
+
+
+def _open_lock(path: str) -> int | None:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _link_error(path) from None
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EDQUOT):
             raise cache_error(e.errno or errno.EIO, f"cannot open lock file {path}: {os.strerror(e.errno or 0)}") \
                 from None
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as e2:
-            if e2.errno == errno.ELOOP:
-                raise _link_error(path) from None
-            return None
-    _LOCK_FDS.add(fd)
-    return fd
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e2:
+        if e2.errno == errno.ELOOP:
+            raise _link_error(path) from None
+        return None
 
 
 def close_lockfile(fd: int) -> None:
     """Closes a descriptor from ``open_lockfile`` (NOTE [lock files across fork])."""
-    _LOCK_FDS.discard(fd)
-    os.close(fd)
+    with _LOCK_FDS_MU:
+        _LOCK_FDS.discard(fd)
+        os.close(fd)
+
+
+def _take_lockfiles_mu() -> None:
+    _LOCK_FDS_MU.acquire()
+
+
+def _give_lockfiles_mu() -> None:
+    _LOCK_FDS_MU.release()
 
 
 def _close_lockfiles_in_child() -> None:
-    # See NOTE [lock files across fork]: the parent's locks stay the parent's.
+    # See NOTE [lock files across fork]: the parent's locks stay the parent's. The child's
+    # mutex is new (the one the fork took stays held in it).
+    global _LOCK_FDS_MU
     for fd in list(_LOCK_FDS):
         try:
             os.close(fd)
         except OSError:
             pass
     _LOCK_FDS.clear()
+    _LOCK_FDS_MU = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_close_lockfiles_in_child)
+os.register_at_fork(before=_take_lockfiles_mu, after_in_parent=_give_lockfiles_mu,
+                    after_in_child=_close_lockfiles_in_child)
 
 
 def _link_error(path: str) -> CacheError:

@@ -253,6 +253,7 @@ void register_pipeline(py::module_& m) {
         d["shard_wait_ns"] = c.shard_wait_ns.load();
         d["collate_ns"] = c.collate_ns.load();
         d["wait_ns"] = c.wait_ns.load();
+        d["mapped_ahead_bytes"] = p.mapped_ahead_bytes();
         return d;
       });
 }

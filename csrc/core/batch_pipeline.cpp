@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 
 #include "core/clock.h"
 #include "core/errors.h"
@@ -163,6 +164,22 @@ PYLOADER_ALWAYS_INLINE bool place_indexed_value(const Shard& sh, const IndexEntr
 
 }  // namespace
 
+struct BatchPipeline::MapAhead {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<const Shard>> queue;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  bool off = false;                 // the thread could not start, or the kernel cannot map ahead
+  uint64_t budget = 0;              // file bytes it may still be handed this epoch
+  std::atomic<uint64_t> mapped{0};  // bytes it mapped (stats: mapped_ahead_bytes)
+};
+
+namespace {
+// Set once a kernel without MADV_POPULATE_READ said so: no pipeline starts a mapper again.
+std::atomic<bool> cannot_map_ahead{false};
+}  // namespace
+
 BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<SlotPool> pool,
                              std::vector<int32_t> shard_idx, std::vector<int64_t> record_idx, PipelineConfig cfg)
     : shards_(std::move(shards)),
@@ -215,6 +232,11 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
     shards_->retain(all);
   }
   released_.assign(num_batches_, 0);
+  map_ahead_ = std::make_shared<MapAhead>();
+  {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    map_ahead_->budget = pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) / 2 : 0;
+  }
   int nthreads = std::min<int>(cfg_.num_threads, int(std::max<size_t>(num_batches_, 1)));
   threads_.reserve(size_t(nthreads));
   workers_left_ = size_t(nthreads);
@@ -262,9 +284,11 @@ BatchPipeline::~BatchPipeline() {
 
 void BatchPipeline::close() {
   if (::getpid() != pid_) {
-    // Forked child: the worker threads and possibly-held locks belong to the parent.
+    // Forked child: the worker threads and possibly-held locks belong to the parent. So
+    // does the mapper, with the mutex and condition variable it may have held or waited on.
     auto* leaked = new std::vector<std::thread>(std::move(threads_));
     (void)leaked;
+    if (map_ahead_) (void)new std::shared_ptr<MapAhead>(std::move(map_ahead_));
     closed_ = true;
     return;
   }
@@ -290,8 +314,21 @@ void BatchPipeline::close() {
   // (the next epoch's workers running) cost the training loop 0.5-1.7 ms at every epoch
   // boundary. Otherwise (closed mid-epoch, or before the last worker left) they are woken
   // and joined.
+  // The mapper (NOTE [map ahead]) stops within one piece; what it was still handed is let go.
+  std::thread mapper;
+  std::deque<std::shared_ptr<const Shard>> unmapped;
+  if (map_ahead_) {
+    {
+      std::lock_guard<std::mutex> lk(map_ahead_->mu);
+      map_ahead_->stop.store(true, std::memory_order_relaxed);
+      unmapped.swap(map_ahead_->queue);
+      mapper = std::move(map_ahead_->thread);
+    }
+    map_ahead_->cv.notify_all();
+  }
   cv_work_->notify_all();
   cv_ready_->notify_all();
+  threads_.push_back(std::move(mapper));
   for (auto& t : threads_)
     if (t.joinable()) {
       if (finished)
@@ -300,6 +337,7 @@ void BatchPipeline::close() {
         t.join();
     }
   threads_.clear();
+  unmapped.clear();
   raise(next.first, next.second);
   // Workers released every batch they claimed; the rest will never be collated.
   for (size_t b = next_claim_; b < num_batches_; ++b) release_batch(b);
@@ -393,6 +431,52 @@ void BatchPipeline::release_batch(size_t b) {
   shards_->release(batch_shards(b));
 }
 
+void BatchPipeline::map_ahead(std::shared_ptr<const Shard> shard) {
+  if (cannot_map_ahead.load(std::memory_order_relaxed)) return;
+  MapAhead& m = *map_ahead_;
+  std::lock_guard<std::mutex> lk(m.mu);
+  if (m.off || m.stop.load(std::memory_order_relaxed) || shard->file_bytes() > m.budget) return;
+  m.budget -= shard->file_bytes();
+  if (!m.thread.joinable()) {
+    try {
+      m.thread = std::thread(map_loop, map_ahead_);
+    } catch (const std::system_error&) {
+      m.off = true;  // an optimisation only: the workers fault the pages in themselves
+      return;
+    }
+  }
+  m.queue.push_back(std::move(shard));
+  m.cv.notify_one();
+}
+
+uint64_t BatchPipeline::mapped_ahead_bytes() const noexcept {
+  return map_ahead_ ? map_ahead_->mapped.load(std::memory_order_relaxed) : 0;
+}
+
+void BatchPipeline::map_loop(std::shared_ptr<MapAhead> m) {
+  for (;;) {
+    std::shared_ptr<const Shard> sh;  // released outside the lock (its last reference unmaps it)
+    {
+      std::unique_lock<std::mutex> lk(m->mu);
+      m->cv.wait(lk, [&] { return m->stop.load(std::memory_order_relaxed) || !m->queue.empty(); });
+      if (m->stop.load(std::memory_order_relaxed)) return;
+      sh = std::move(m->queue.front());
+      m->queue.pop_front();
+    }
+    const int64_t mapped = sh->map_pages(m->stop);
+    if (mapped >= 0) {
+      m->mapped.fetch_add(uint64_t(mapped), std::memory_order_relaxed);
+    } else {
+      cannot_map_ahead.store(true, std::memory_order_relaxed);
+      std::deque<std::shared_ptr<const Shard>> drop;
+      std::lock_guard<std::mutex> lk(m->mu);
+      m->off = true;
+      drop.swap(m->queue);
+      return;
+    }
+  }
+}
+
 void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   const size_t n = shard_idx_.size();
   const size_t begin = from * cfg_.batch_size, end = std::min(n, to * cfg_.batch_size);
@@ -476,10 +560,14 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
     }
   }
   flush();
-  // Phase 3: then each shard whole, behind the records needed first.
+  // Phase 3: then each shard whole, behind the records needed first; a cold one is mapped
+  // ahead too (NOTE [map ahead]; told before the claim, whose queued pages count as present).
   if (whole_files)
-    for (const auto& h : held)
-      if (h) h->claim_read_ahead();
+    for (const auto& h : held) {
+      if (!h) continue;
+      const bool cold = h->read_ahead_unclaimed() && h->resident_fraction() < 0.5;
+      if (h->claim_read_ahead() && cold) map_ahead(h);
+    }
 }
 
 void BatchPipeline::worker_loop(size_t index) {

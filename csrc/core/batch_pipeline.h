@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -105,6 +106,8 @@ class BatchPipeline {
   size_t num_batches() const noexcept { return num_batches_; }
   bool ragged() const noexcept { return cfg_.ragged; }
   const PipelineCounters& counters() const noexcept { return counters_; }
+  // Bytes of cold shards the mapper mapped into the process ahead of the workers (NOTE [map ahead]).
+  uint64_t mapped_ahead_bytes() const noexcept;
   const std::vector<FieldSpec>& fields() const noexcept { return shards_->fields(); }
   // How many pipelines of this process were destroyed on a pipeline's worker thread: none
   // may be (NOTE [hand-over gate]). For tests.
@@ -163,6 +166,25 @@ class BatchPipeline {
   // pending (remote) set queues only shards it has mapped, never waiting for a download, and
   // so does a bounded set without room for them (NOTE [mapping bound] in shard_reader.h).
   void advise_batches(size_t from, size_t to, bool whole_files);
+  // NOTE [map ahead]: a shuffled epoch from a cold page cache delivers almost every batch
+  // only once the device has read almost every shard (a batch's records lie all over the
+  // dataset), so the epoch ends with both workers collating ~all of it at once, and they
+  // spent 15% of that time in page faults that map file pages already read (34,000
+  // faults for 1.6 GB; fault-around maps 16 pages at a time). So each shard that
+  // advise_batches queues whole while most of it is not in memory is also handed to one
+  // mapper thread, which maps its pages into the process in file order
+  // (Shard::map_pages: MADV_POPULATE_READ waits for pages still being read) while the
+  // device reads and the workers wait anyway: the workers then find every page mapped.
+  // Measured on 1.6 GB of 12 KB records, one globally shuffled epoch per fresh process:
+  // 0.97 s against 1.00-1.06 s without (the device done at 0.79-0.80 s either way).
+  // Shards mostly in memory already get no mapper (nothing waits for the device), nor do
+  // more than half of the machine's memory in one epoch (pages mapped must not push out
+  // pages read ahead and not yet used). The mapper is started with the first such shard;
+  // it holds one shard at a time and no reference to the pipeline, stops at close()
+  // within one 1 MiB piece, and is joined or detached with the workers.
+  void map_ahead(std::shared_ptr<const Shard> shard);
+  struct MapAhead;
+  static void map_loop(std::shared_ptr<MapAhead> m);
   // NOTE [hand-over gate]: hand_over() keeps the successor through its gate, never a
   // reference to it. A worker that raised the successor from a shared_ptr could hold the last
   // one when Python dropped it meanwhile (the loader closed, or the epoch made ahead was not
@@ -221,6 +243,7 @@ class BatchPipeline {
   std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]
   std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])
   std::vector<std::thread> threads_;
+  std::shared_ptr<MapAhead> map_ahead_;  // NOTE [map ahead]; its thread is started with the first shard
   PipelineCounters counters_;
 };
 

@@ -40,6 +40,11 @@ void willneed(const uint8_t* base, uint64_t start, uint64_t end) noexcept {
     (void)::madvise(const_cast<uint8_t*>(base) + a, size_t(std::min(end - a, kWillneedPiece)), MADV_WILLNEED);
 }
 
+// MADV_POPULATE_READ (Linux 5.14), named here for C libraries that predate it; pieces of
+// 1 MiB, so a stop is seen within one piece's read.
+constexpr int kPopulateRead = 22;
+constexpr uint64_t kMapPiece = 1 << 20;
+
 size_t willneed_limit() {
   static const size_t limit = [] {
     long pages = ::sysconf(_SC_PHYS_PAGES), size = ::sysconf(_SC_PAGESIZE);
@@ -433,7 +438,34 @@ bool Shard::whole_file_queued() const noexcept {
   return read_ahead_done_.load(std::memory_order_acquire) && map_size_ <= willneed_limit();
 }
 
-void Shard::advise_read_ahead() const {
+bool Shard::read_ahead_unclaimed() const noexcept {
+  return !read_ahead_done_.load(std::memory_order_acquire) && map_size_ <= willneed_limit();
+}
+
+double Shard::resident_fraction() const noexcept {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  const uint64_t pages = (map_size_ + page - 1) / page;
+  if (pages == 0) return 1.0;
+  std::vector<unsigned char> in(static_cast<size_t>(pages));
+  if (::mincore(const_cast<uint8_t*>(base_), map_size_, in.data()) != 0) return 1.0;
+  uint64_t n = 0;
+  for (unsigned char c : in) n += c & 1u;
+  return double(n) / double(pages);
+}
+
+int64_t Shard::map_pages(const std::atomic<bool>& stop) const noexcept {
+  uint64_t a = 0;
+  for (; a < map_size_ && !stop.load(std::memory_order_relaxed); a += kMapPiece) {
+    const size_t len = size_t(std::min(map_size_ - a, kMapPiece));
+    // EINVAL: a kernel without MADV_POPULATE_READ. Any other failure (EFAULT: a file cut
+    // short under its mapping, which a read would have raised SIGBUS for; ENOMEM) leaves
+    // the pages to the readers, who raise what they find.
+    if (::madvise(const_cast<uint8_t*>(base_) + a, len, kPopulateRead) != 0) return errno == EINVAL ? -1 : int64_t(a);
+  }
+  return int64_t(std::min(a, map_size_));
+}
+
+bool Shard::advise_read_ahead() const {
   // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
   // collated, and its records are then read in plan order -- for a shuffled epoch, at
   // random. Read from a cold page cache that way, every miss would be a small synchronous
@@ -443,7 +475,9 @@ void Shard::advise_read_ahead() const {
   // the cache before it is used. A pipeline opens the shards of its next batches without it,
   // queues their records first and then the whole files (NOTE [cold read-ahead] in
   // batch_pipeline.h).
-  if (map_size_ <= willneed_limit()) willneed(base_, 0, map_size_);  // NOTE [read-ahead pieces]
+  if (map_size_ > willneed_limit()) return false;
+  willneed(base_, 0, map_size_);  // NOTE [read-ahead pieces]
+  return true;
 }
 
 Shard::~Shard() {

@@ -139,13 +139,23 @@ class Shard {
   // Queues bytes [offset, offset + len) of the file for asynchronous read-ahead (NOTE [cold
   // read-ahead] in batch_pipeline.h); the range is clipped to the file.
   void advise_range(uint64_t offset, uint64_t len) const noexcept;
-  // Queues the whole file for read-ahead the first time it is called (or never, if the
-  // constructor did): see NOTE [read-ahead at open].
   // Whether the whole file was queued for read-ahead already (then a record needs no more).
   bool whole_file_queued() const noexcept;
-  void claim_read_ahead() const noexcept {
-    if (!read_ahead_done_.exchange(true, std::memory_order_acq_rel)) advise_read_ahead();
+  // Queues the whole file for read-ahead the first time it is called (or never, if the
+  // constructor did): see NOTE [read-ahead at open]. True if this call queued it.
+  bool claim_read_ahead() const noexcept {
+    if (read_ahead_done_.exchange(true, std::memory_order_acq_rel)) return false;
+    return advise_read_ahead();
   }
+  // Whether claim_read_ahead() could still queue the file (no one has; not too large).
+  bool read_ahead_unclaimed() const noexcept;
+  // The share of the file's pages in the page cache now (mincore); 1 if it cannot be told.
+  double resident_fraction() const noexcept;
+  // NOTE [map ahead] in batch_pipeline.h: maps the file's pages into this process
+  // (MADV_POPULATE_READ, waiting for those still being read), in pieces, until done or
+  // `stop`. Returns the bytes mapped, or -1 if the kernel cannot (before Linux 5.14).
+  int64_t map_pages(const std::atomic<bool>& stop) const noexcept;
+  uint64_t file_bytes() const noexcept { return map_size_; }
 
   // NOTE [verify once]: every stored value is checked against its checksum the first time
   // this process reads its record; the record is then marked verified and later reads
@@ -189,7 +199,7 @@ class Shard {
   // Every index entry against the payload, its field's shape and NOTE [value bounds].
   void validate_index_entries(const Regions& r, const std::vector<FieldSpec>& fields, uint64_t max_value_bytes) const;
   // Queues the whole file for read-ahead (NOTE [read-ahead at open] in shard_reader.cpp).
-  void advise_read_ahead() const;
+  bool advise_read_ahead() const;
 
   std::string path_;
   const uint8_t* base_ = nullptr;

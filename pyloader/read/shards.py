@@ -356,6 +356,7 @@ class BatchIterator:
             "decoded_bytes": c["decoded_bytes"],
             "lz4_stored_bytes": c["lz4_stored_bytes"],
             "verified_bytes": c["verified_bytes"],
+            "mapped_ahead_bytes": c["mapped_ahead_bytes"],
             "threads": self._threads,
             "shard_wait_s": c["shard_wait_ns"] / 1e9,
             "collate_s": c["collate_ns"] / 1e9,

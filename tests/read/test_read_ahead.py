@@ -88,3 +88,93 @@ def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path)
     it.close()
     assert len(first["label"]) == 128 and len({int(x) for x in first["label"]}) == 128
     assert faults <= 2, f"{faults} major faults opening {len(files)} cold shards and reading their first batch"
+
+
+def _mapped_bytes(files: list[str]) -> int:
+    """Bytes of ``files`` mapped into this process now (the Rss of their mappings in smaps)."""
+    want, total, inside = set(files), 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                inside = len(head) >= 6 and head[5] in want
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) << 10
+    return total
+
+
+def _cold_dataset(tmp_path, records: int = 512, record: int = 64 << 10) -> tuple[str, list[str]]:
+    path = str(tmp_path / "ds")
+    with pyloader.ShardWriter(path, {"x": ("uint8", (record,)), "label": "int64"}, compression=None,
+                              shard_bytes=4 << 20) as w:
+        row = np.zeros(record, np.uint8)
+        for i in range(records):
+            row[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
+            w.write({"x": row, "label": i})
+    files = sorted(os.path.realpath(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".pyl"))
+    return path, files
+
+
+@pytest.mark.timeout(120)
+def test_cold_shards_are_mapped_ahead_of_their_readers(tmp_path) -> None:
+    """NOTE [map ahead] (csrc/core/batch_pipeline.h): the shards a shuffled epoch queues whole
+    while they are cold are mapped into the process by one thread while the device reads
+    them, so the workers that later collate them take no page fault. After the first batch of
+    eight cold shards, whole files are mapped that no batch has read yet; without the mapper
+    only the few records collated so far are (the test fails on the code before it)."""
+    path, files = _cold_dataset(tmp_path)
+    assert len(files) >= 8
+    B.drop_pages(files)
+    if B.resident_fraction(files) > 0.1:
+        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    size = sum(os.path.getsize(f) for f in files)
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=3), batch_size=32, num_workers=2,
+                                 prefetch_factor=2)
+    it = iter(loader)
+    labels = [int(x) for x in next(it)["label"]]
+    deadline = time.monotonic() + 30
+    while (mapped := _mapped_bytes(files)) < 0.95 * size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mapped >= 0.95 * size, f"{mapped / size:.1%} of the cold shards mapped after the first batch"
+    while (ahead := loader.stats()["mapped_ahead_bytes"]) < 0.95 * size and time.monotonic() < deadline:
+        time.sleep(0.05)  # the count follows each 1 MiB piece
+    assert 0.95 * size <= ahead <= size, (ahead, size)
+    for b in it:  # and the epoch reads what was written, in the planned order
+        for x, label in zip(b["x"], b["label"]):
+            assert int.from_bytes(bytes(x[:8].numpy()), "little") == int(label)
+            labels.append(int(label))
+    assert sorted(labels) == list(range(512))
+
+
+@pytest.mark.timeout(120)
+def test_warm_shards_are_not_mapped_ahead_and_a_closed_epoch_leaves_no_mapper(tmp_path) -> None:
+    """NOTE [map ahead]: shards mostly in memory already get no mapper (nothing waits for the
+    device there). And an epoch closed while its mapper maps cold shards leaves no thread."""
+    path, files = _cold_dataset(tmp_path)
+    for f in files:  # warm: every page in the page cache
+        with open(f, "rb") as fh:
+            while fh.read(1 << 20):
+                pass
+    if B.resident_fraction(files) < 0.9:
+        pytest.skip("the page cache does not keep these files")
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=3), batch_size=32, num_workers=2,
+                                 prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    time.sleep(0.5)
+    assert loader.stats()["mapped_ahead_bytes"] == 0
+    assert sum(1 for _ in it) == 512 // 32 - 1
+    assert loader.stats()["mapped_ahead_bytes"] == 0
+    B.drop_pages(files)
+    if B.resident_fraction(files) > 0.1:
+        return  # nothing is cold here; the warm half was checked
+    tasks = len(os.listdir("/proc/self/task"))
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=4), batch_size=32, num_workers=2,
+                                 prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    del it, loader  # mid-epoch, the mapper perhaps mapping
+    deadline = time.monotonic() + 10
+    while len(os.listdir("/proc/self/task")) > tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(os.listdir("/proc/self/task")) <= tasks

@@ -117,8 +117,8 @@ def _cold_dataset(tmp_path, records: int = 512, record: int = 64 << 10) -> tuple
 
 @pytest.mark.timeout(120)
 def test_cold_shards_are_mapped_ahead_of_their_readers(tmp_path) -> None:
-    """NOTE [map ahead] (csrc/core/batch_pipeline.h): the shards a shuffled epoch queues whole
-    while they are cold are mapped into the process by one thread while the device reads
+    """See NOTE [map ahead] in csrc/core/batch_pipeline.h: the shards a shuffled epoch queues
+    whole while they are cold are mapped into the process by one thread while the device reads
     them, so the workers that later collate them take no page fault. After the first batch of
     eight cold shards, whole files are mapped that no batch has read yet; without the mapper
     only the few records collated so far are (the test fails on the code before it)."""
@@ -148,8 +148,9 @@ def test_cold_shards_are_mapped_ahead_of_their_readers(tmp_path) -> None:
 
 @pytest.mark.timeout(120)
 def test_warm_shards_are_not_mapped_ahead_and_a_closed_epoch_leaves_no_mapper(tmp_path) -> None:
-    """NOTE [map ahead]: shards mostly in memory already get no mapper (nothing waits for the
-    device there). And an epoch closed while its mapper maps cold shards leaves no thread."""
+    """See NOTE [map ahead] in csrc/core/batch_pipeline.h: shards mostly in memory already get
+    no mapper (nothing waits for the device there). And an epoch closed while its mapper maps
+    cold shards leaves no thread."""
     path, files = _cold_dataset(tmp_path)
     for f in files:  # warm: every page in the page cache
         with open(f, "rb") as fh:

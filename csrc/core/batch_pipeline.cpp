@@ -250,7 +250,25 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
   }
 }
 
+std::thread BatchPipeline::stop_mapper(std::deque<std::shared_ptr<const Shard>>* unmapped) noexcept {
+  // The mapper (NOTE [map ahead]) stops within one piece; what it was still handed is let go
+  // (by the caller, after this lock).
+  std::thread mapper;
+  if (!map_ahead_) return mapper;
+  {
+    std::lock_guard<std::mutex> lk(map_ahead_->mu);
+    map_ahead_->stop.store(true, std::memory_order_relaxed);
+    unmapped->swap(map_ahead_->queue);
+    mapper = std::move(map_ahead_->thread);
+  }
+  map_ahead_->cv.notify_all();
+  return mapper;
+}
+
 void BatchPipeline::abandon_start() noexcept {
+  // A worker that started may have started the mapper too.
+  std::deque<std::shared_ptr<const Shard>> unmapped;
+  std::thread mapper = stop_mapper(&unmapped);
   {
     std::lock_guard<std::mutex> lk(mu_);
     closed_ = true;
@@ -260,6 +278,7 @@ void BatchPipeline::abandon_start() noexcept {
   cv_work_->notify_all();
   for (auto& t : threads_) t.join();  // each finishes the batch it may have claimed
   threads_.clear();
+  if (mapper.joinable()) mapper.join();
   for (size_t b = 0; b < num_batches_; ++b) release_batch(b);  // what the constructor retained
   for (auto& p : ring_) p = Pending();
 }
@@ -314,18 +333,8 @@ void BatchPipeline::close() {
   // (the next epoch's workers running) cost the training loop 0.5-1.7 ms at every epoch
   // boundary. Otherwise (closed mid-epoch, or before the last worker left) they are woken
   // and joined.
-  // The mapper (NOTE [map ahead]) stops within one piece; what it was still handed is let go.
-  std::thread mapper;
   std::deque<std::shared_ptr<const Shard>> unmapped;
-  if (map_ahead_) {
-    {
-      std::lock_guard<std::mutex> lk(map_ahead_->mu);
-      map_ahead_->stop.store(true, std::memory_order_relaxed);
-      unmapped.swap(map_ahead_->queue);
-      mapper = std::move(map_ahead_->thread);
-    }
-    map_ahead_->cv.notify_all();
-  }
+  std::thread mapper = stop_mapper(&unmapped);
   cv_work_->notify_all();
   cv_ready_->notify_all();
   threads_.push_back(std::move(mapper));

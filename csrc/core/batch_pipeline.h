@@ -189,6 +189,9 @@ class BatchPipeline {
   void map_ahead(std::shared_ptr<const Shard> shard);
   struct MapAhead;
   static void map_loop(std::shared_ptr<MapAhead> m);
+  // Tells the mapper to stop and returns its thread (to join or detach) and, in *unmapped,
+  // the shards it was still handed.
+  std::thread stop_mapper(std::deque<std::shared_ptr<const Shard>>* unmapped) noexcept;
   // NOTE [hand-over gate]: hand_over() keeps the successor through its gate, never a
   // reference to it. A worker that raised the successor from a shared_ptr could hold the last
   // one when Python dropped it meanwhile (the loader closed, or the epoch made ahead was not

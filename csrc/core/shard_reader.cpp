@@ -446,10 +446,16 @@ double Shard::resident_fraction() const noexcept {
   static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
   const uint64_t pages = (map_size_ + page - 1) / page;
   if (pages == 0) return 1.0;
-  std::vector<unsigned char> in(static_cast<size_t>(pages));
-  if (::mincore(const_cast<uint8_t*>(base_), map_size_, in.data()) != 0) return 1.0;
+  // One byte per page, in slices, so a large file needs no large buffer.
+  constexpr uint64_t kSlice = 4096;
+  unsigned char in[kSlice];
   uint64_t n = 0;
-  for (unsigned char c : in) n += c & 1u;
+  for (uint64_t p = 0; p < pages; p += kSlice) {
+    const uint64_t k = std::min(kSlice, pages - p);
+    const uint64_t len = std::min(k * page, map_size_ - p * page);
+    if (::mincore(const_cast<uint8_t*>(base_) + p * page, len, in) != 0) return 1.0;
+    for (uint64_t i = 0; i < k; ++i) n += in[i] & 1u;
+  }
   return double(n) / double(pages);
 }
 

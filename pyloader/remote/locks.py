@@ -86,28 +86,19 @@ def close_lockfile(fd: int) -> None:
         os.close(fd)
 
 
-def _take_lockfiles_mu() -> None:
-    _LOCK_FDS_MU.acquire()
-
-
-def _give_lockfiles_mu() -> None:
-    _LOCK_FDS_MU.release()
-
-
 def _close_lockfiles_in_child() -> None:
-    # See NOTE [lock files across fork]: the parent's locks stay the parent's. The child's
-    # mutex is new (the one the fork took stays held in it).
-    global _LOCK_FDS_MU
+    # See NOTE [lock files across fork]: the parent's locks stay the parent's. The mutex the
+    # fork took is released here, by the child's only thread.
     for fd in list(_LOCK_FDS):
         try:
             os.close(fd)
         except OSError:
             pass
     _LOCK_FDS.clear()
-    _LOCK_FDS_MU = threading.Lock()
+    _LOCK_FDS_MU.release()
 
 
-os.register_at_fork(before=_take_lockfiles_mu, after_in_parent=_give_lockfiles_mu,
+os.register_at_fork(before=_LOCK_FDS_MU.acquire, after_in_parent=_LOCK_FDS_MU.release,
                     after_in_child=_close_lockfiles_in_child)
 
 

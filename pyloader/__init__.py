@@ -21,6 +21,7 @@ from .errors import (
     FetchError,
     FetchNotFoundError,
     FetchPermissionError,
+    FrameworkPathError,
     ImageDecodeError,
     LoaderStateError,
     LoaderTimeoutError,
@@ -39,6 +40,7 @@ from .errors import (
     ShardNotFoundError,
     ShardPermissionError,
     SharedMemoryError,
+    SlowPathWarning,
     ThreadStartError,
     TransformWorkerError,
     VerifyError,
@@ -81,7 +83,7 @@ _LAZY = {
 # Subpackages and the native module, imported on first attribute access too, so that
 # ``pyloader.write`` or ``pyloader._C`` works after a bare ``import pyloader`` as it did when
 # this module imported them eagerly.
-_SUBMODULES = frozenset({"_C", "bench", "format", "loader", "read", "remote", "transform", "write"})
+_SUBMODULES = frozenset({"_C", "bench", "format", "integrations", "loader", "read", "remote", "transform", "write"})
 
 
 def __getattr__(name: str) -> Any:
@@ -111,6 +113,7 @@ __all__ = [
     "FetchError",
     "FetchNotFoundError",
     "FetchPermissionError",
+    "FrameworkPathError",
     "ImageDecodeError",
     "ImageDecode",
     "LoaderStateError",
@@ -136,6 +139,7 @@ __all__ = [
     "ShardPermissionError",
     "ShardWriter",
     "SharedMemoryError",
+    "SlowPathWarning",
     "SampleContext",
     "ThreadStartError",
     "TransformWorkerError",

@@ -99,6 +99,7 @@ INT_SETTINGS: dict[str, IntRule] = {
     "seed": IntRule(0, 2**64 - 1),
     "window": IntRule(1, 2**62 - 1),
     "epoch": IntRule(0, 2**32 - 1),
+    "num_batches": IntRule(0, 2**62 - 1),
     "rank": IntRule(0, 2**31 - 2, optional=True),
     "world_size": IntRule(1, 2**31 - 1, optional=True),
     "num_records": IntRule(0, 2**62 - 1),

@@ -184,6 +184,17 @@ class ThreadStartError(_MessageOnly, PyloaderError, OSError):
     """
 
 
+class FrameworkPathError(PyloaderError, ValueError):
+    """A training framework reads a pyloader dataset in a way that would lose or repeat samples.
+
+    The message names the framework's loader and the fix (docs/integrations.md).
+    """
+
+
+class SlowPathWarning(UserWarning):
+    """pyloader's native pipeline does not run for a dataset a framework reads sample by sample."""
+
+
 class TransformWorkerError(PyloaderError, RuntimeError):
     """A transform worker process exited without reporting an error (killed, out of memory).
 
@@ -307,6 +318,8 @@ __all__ = [
     "SharedMemoryError",
     "TransformWorkerError",
     "ThreadStartError",
+    "FrameworkPathError",
+    "SlowPathWarning",
     "ShardFormatError",
     "ShardCorruptError",
     "SchemaError",

@@ -26,7 +26,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "pyloader"
 
 STAGES = {"errors": 0, "format": 1, "contract": 2, "write": 3, "remote": 3, "transform": 3, "read": 4, "loader": 5,
-          "bench": 6}
+          "bench": 6, "integrations": 6}
 TOP = 9  # the CLI modules and the package __init__
 BOTTOM = ("pyloader._C", "pyloader._version")  # below every stage: they import no pyloader module
 

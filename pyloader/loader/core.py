@@ -60,6 +60,8 @@ class LoaderCore:
     _mp_context: Any
     _next_epoch: int
     _resume: list[list[int]]
+    _skip: int  # batches the next iter() skips (NOTE [skipped batches])
+    _accelerate_state: Any  # accelerate's GradientState once accelerate prepared the loader
     _run: _it.Run | None
     _fingerprint: str | None
     _fingerprint_parts: dict[str, str] | None

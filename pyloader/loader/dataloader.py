@@ -26,6 +26,7 @@ from ..contract import PlannedDataset, check_count
 from . import iterators as _it
 from . import state as _state
 from .buffers import HostBuffers
+from .frameworks import check_for_accelerate
 from .native_epoch import NativeEpochs
 from .options import LoaderOptions
 from .packed_epoch import PackedEpochs
@@ -127,6 +128,9 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         self._last_stats = {}
         self._run = None
         self._resume = []
+        self._skip = 0  # NOTE [skipped batches]
+        self._accelerate_state = None  # NOTE [accelerate keeps a native loader]
+        self._accelerate_prepared = False
         self._fingerprint = None  # the dataset's, when it is resumable
         self._fingerprint_parts = None  # its fingerprint_parts, if any
         self.sampler: Any = None
@@ -232,6 +236,48 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         self._pack_run = None
         self._pack_resume = []
 
+    # NOTE [skipped batches]: ``skip_first_batches(n)`` makes the next iter() start n batches
+    # into the epoch it reads (whichever set_epoch names, or the next one), as if the
+    # caller had received those batches: they are not read, and its state counts them. It
+    # is how a framework that counts steps resumes (transformers' Trainer hands its step
+    # count to ``get_resumed_dataloader``, accelerate's ``skip_first_batches`` has the same
+    # meaning); the order of the epoch is the same as the interrupted run's when the epoch
+    # number, seed, rank and world size are. ``set_epoch`` keeps it; ``load_state_dict``,
+    # which names a whole position, drops it.
+    def skip_first_batches(self, num_batches: int) -> DataLoader[_T_co]:
+        """Makes the next ``iter()`` skip the first ``num_batches`` batches of its epoch, without reading them.
+
+        Returns the loader itself (accelerate's ``skip_first_batches`` returns a loader too).
+        ``set_epoch`` before that ``iter()`` keeps the skip. The order of the skipped epoch
+        is the one the loader would read for that epoch number, so a resumed job that calls
+        ``set_epoch(e)`` and skips the batches it had taken reads exactly the rest of epoch
+        ``e``. Needs a pyloader dataset and ``batch_size`` set; not with ``pack=``.
+        """
+        self._require_native("skip_first_batches()")
+        n = check_count("num_batches", num_batches)
+        if self.batch_size is None:
+            raise TypeError("skip_first_batches() counts batches: it needs batch_size set (batch_size=None counts "
+                            "samples)")
+        if self.pack is not None:
+            raise TypeError("skip_first_batches() cannot count a packing loader's batches ahead of reading them; "
+                            "resume a packing loader with state_dict()/load_state_dict()")
+        self._skip = n
+        self._run = None
+        return self
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """True for a native loader: accelerate keeps it unchanged (NOTE [accelerate keeps a native loader])."""
+        if self.__dict__.get("_native"):
+            if not self.__dict__.get("_accelerate_prepared"):
+                check_for_accelerate(self)
+            return True
+        return bool(self.__dict__.get("_accelerate_prepared"))
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = bool(value)
+
     def state_dict(self) -> dict[str, Any]:
         """This loader's position: where the next ``iter()`` of a restored loader starts.
 
@@ -243,8 +289,11 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         if self.pack is not None:
             return self._packed_state(fingerprint)
         run = self._run
-        if run is None:  # nothing read since construction, set_epoch or load_state_dict
+        if run is None:  # nothing read since construction, set_epoch, load_state_dict or skip_first_batches
             epoch, segments = self._next_epoch, self._resume
+            if self._skip and self.batch_size is not None:
+                world = self.dataset.rank_and_world()[1]
+                segments = _state.add_segment(segments, world, self.batch_size, self._skip)
         elif run.consumed.batches >= run.batches:
             epoch, segments = self._next_epoch, []
         else:
@@ -274,6 +323,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
             raise _state.ResumeError(f"inconsistent loader state: {e}") from None
         self._next_epoch = epoch
         self._resume = segments
+        self._skip = 0
         self._run = None
 
     def _require_native(self, what: str) -> None:

@@ -169,6 +169,7 @@ class LoaderIterator:
         self.fence: _transfer.PinnedFence | None = None
         self.len_error = "this loader's dataset has no len()"
         self.on_close: Callable[[dict[str, Any]], None] | None = None
+        self.mark: Any = None  # an EpochMark for accelerate (NOTE [accelerate keeps a native loader])
         if not native and hasattr(source, "_workers"):
             # torch's worker processes, as its iterator lists them (code written for torch
             # joins them); kept after close(), which lets go of the torch iterator.
@@ -194,6 +195,8 @@ class LoaderIterator:
             self.close()
             raise
         self._consumed.batches += 1
+        if self.mark is not None:
+            self.mark.batch(self._consumed.batches, self._len)
         if self.fence is not None:
             self.fence.hold(item)  # NOTE [pinned batch fence]
         return item
@@ -211,6 +214,8 @@ class LoaderIterator:
             self._final_stats = {}
         if self.on_close is not None:
             self.on_close(self._final_stats)  # the loader keeps the last epoch's figures
+        if self.mark is not None:
+            self.mark.close()
         gen, self._gen = self._gen, iter(())
         close = getattr(gen, "close", None)
         if close is not None:

@@ -11,8 +11,10 @@ from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 from ..contract import BatchStream, OrderSpec, PipelineDataset, PipelineStream, Plan, PlannedDataset
 from . import autotune as _autotune
 from . import iterators as _it
+from . import state as _state
 from . import transfer as _transfer
 from .core import LoaderCore
+from .frameworks import EpochMark
 
 # Records per native batch when the loader yields single samples (batch_size=None).
 _SAMPLE_BATCH = 64
@@ -102,6 +104,9 @@ class NativeEpochs(LoaderCore):
         rank, world = ds.rank_and_world()
         if self.pack is not None:
             return self._iter_packed(epoch, rank, world)
+        skip, self._skip = self._skip, 0
+        if skip and self.batch_size is not None:  # skip_first_batches: NOTE [skipped batches]
+            segments = _state.add_segment(segments, world, self.batch_size, skip)
         native_bs = _SAMPLE_BATCH if self.batch_size is None else self.batch_size
         spec = self._transform_spec(epoch)
         ahead, self._ahead = self._ahead, None
@@ -242,6 +247,8 @@ class NativeEpochs(LoaderCore):
         it = _it.LoaderIterator(gen, length, src, stage, consumed=consumed, native=True)
         it.on_close = self._keep_stats
         it.fence = self._fence(stage)
+        if self._accelerate_state is not None:
+            it.mark = EpochMark(self._accelerate_state)  # NOTE [accelerate keeps a native loader]
         return it
 
     # -- epochs and resumption (native path) ---------------------------------------------

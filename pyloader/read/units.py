@@ -23,6 +23,7 @@ from ..remote.budget import readers_on_node
 from ..remote.cache import DatasetCache
 from ..remote.fetch import auto_fetch_jobs, open_remote
 from . import order as _order
+from .frameworks import check_per_sample_reader
 
 # Records per internal batch when yielding single samples to torch's DataLoader.
 _SAMPLE_MODE_BATCH = 64
@@ -318,6 +319,13 @@ class UnitDataset(PlannedDataset):
         return -(-n // world) if self.order.partition == "pad" else n // world
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # See NOTE [per-sample path under accelerate]: checked before the first sample.
+        _, world = self.rank_and_world()
+        check_per_sample_reader(self, self.rank is not None and self.world_size is not None, world)
+        return self._samples()
+
+    def _samples(self) -> Iterator[dict[str, Any]]:
+        """The samples of this rank's (and torch worker's) share of the current epoch."""
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         units, records = self.plan(worker=worker, num_workers=num_workers)

@@ -54,6 +54,7 @@ class TrainerColumns:
         self.keep = keep
 
     def __call__(self, batch: Any) -> Any:
+        """``batch`` with ``label``/``label_ids`` named ``labels`` and only the kept fields."""
         if not isinstance(batch, Mapping):
             return batch
         out = {}

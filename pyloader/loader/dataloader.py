@@ -228,9 +228,18 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
 
     # -- epochs and resumption (native path) ---------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """The next ``iter()`` reads epoch ``epoch`` from its start (a loaded state is dropped)."""
+        """The next ``iter()`` reads epoch ``epoch`` from its start.
+
+        A position loaded by ``load_state_dict`` is kept when ``epoch`` is its epoch (the
+        loop ``for e in range(start, n): loader.set_epoch(e)`` of a resumed job reads the
+        rest of that epoch) and dropped for any other epoch. A pending
+        ``skip_first_batches`` is kept.
+        """
         self._require_native("set_epoch()")
-        self._next_epoch = check_count("epoch", epoch)
+        epoch = check_count("epoch", epoch)
+        if epoch == self._next_epoch and self._run is None and (self._resume or self._pack_resume):
+            return  # the loaded position's own epoch
+        self._next_epoch = epoch
         self._run = None
         self._resume = []
         self._pack_run = None

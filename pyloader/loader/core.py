@@ -62,6 +62,9 @@ class LoaderCore:
     _resume: list[list[int]]
     _skip: int  # batches the next iter() skips (NOTE [skipped batches])
     _accelerate_state: Any  # accelerate's GradientState once accelerate prepared the loader
+    _torch_run: tuple[int, dict[str, str], int, Any] | None  # NOTE [generic loader state]
+    _torch_resume: dict[str, Any] | None
+    _torch_epoch: int
     _run: _it.Run | None
     _fingerprint: str | None
     _fingerprint_parts: dict[str, str] | None

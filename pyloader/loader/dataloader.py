@@ -129,6 +129,9 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         self._run = None
         self._resume = []
         self._skip = 0  # NOTE [skipped batches]
+        self._torch_run = None  # NOTE [generic loader state]
+        self._torch_resume = None
+        self._torch_epoch = 0
         self._accelerate_state = None  # NOTE [accelerate keeps a native loader]
         self._accelerate_prepared = False
         self._fingerprint = None  # the dataset's, when it is resumable
@@ -294,6 +297,8 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         flight to the device). Once every batch of an epoch was received the state names
         the next epoch's start. Cheap: no per-sample work (NOTE [resume state]).
         """
+        if not self._native:
+            return self._torch_state()  # NOTE [generic loader state]
         fingerprint = self._require_resumable()
         if self.pack is not None:
             return self._packed_state(fingerprint)
@@ -319,6 +324,9 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
         (docs/resume.md). Raises ``ResumeError`` (a ``ValueError``) for a state taken on
         another dataset or epoch order, or one that is malformed or inconsistent.
         """
+        if not self._native:
+            self._load_torch_state(state)  # NOTE [generic loader state]
+            return
         fingerprint = self._require_resumable()
         epoch, segments = _state.check_state(
             state, fingerprint=fingerprint, records=self.dataset.num_records, settings=self._settings,

@@ -9,8 +9,10 @@ the SlowPathWarnings seen, or the FrameworkPathError that stopped the scenario.
 Scenarios: ``default``, ``nodispatch`` (dispatch_batches=False), ``uneven``
 (even_batches=False), ``split`` (split_batches=True), ``torch`` (a torch DataLoader over
 the dataset: the per-sample path), ``stop`` (``save_state`` after STOP_AT batches of
-epoch 1, then stop, as a killed job would) and ``resume`` (a fresh job: ``load_state``
-and the rest).
+epoch 1, then stop, as a killed job would), ``resume`` (a fresh job: ``load_state``
+and the rest) and ``swap`` (the one-import swap: ``torch.utils.data.DataLoader`` is
+``pyloader.DataLoader`` before accelerate is imported, over a TensorDataset; run it alone
+in its job: ``--patch``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.utils.data
-from accelerate import Accelerator, DataLoaderConfiguration
 
 import pyloader
 
@@ -32,12 +33,19 @@ STOP_AT = 5  # batches of epoch 1 taken before the checkpoint of "stop"
 
 
 def run(scenario: str, a: argparse.Namespace) -> dict[str, Any]:
+    from accelerate import Accelerator, DataLoaderConfiguration
+
     cfg = DataLoaderConfiguration(dispatch_batches=False if scenario == "nodispatch" else None,
                                   split_batches=scenario == "split", even_batches=scenario != "uneven")
     acc = Accelerator(dataloader_config=cfg, cpu=True, gradient_accumulation_steps=4)
     ds = pyloader.ShardDataset(a.data, shuffle=True, seed=3)
     loader: Any
-    if scenario == "torch":
+    if scenario == "swap":
+        n = pyloader.ShardDataset(a.data).num_records
+        tensors = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 8),
+                                                 torch.arange(n))
+        loader = torch.utils.data.DataLoader(tensors, batch_size=a.batch, shuffle=True)  # pyloader's, patched
+    elif scenario == "torch":
         loader = torch.utils.data.DataLoader(ds, batch_size=a.batch)
     else:
         loader = pyloader.DataLoader(ds, batch_size=a.batch, num_workers=2)
@@ -63,6 +71,8 @@ def run(scenario: str, a: argparse.Namespace) -> dict[str, Any]:
                 seen: list[int] = []
                 t0 = time.perf_counter()
                 for step, batch in enumerate(dl):
+                    if scenario == "swap":
+                        batch = {"x": batch[0], "idx": batch[1]}
                     seen += batch["idx"].tolist()
                     with acc.accumulate(model):
                         acc.backward(model(batch["x"]).pow(2).mean())
@@ -79,6 +89,9 @@ def run(scenario: str, a: argparse.Namespace) -> dict[str, Any]:
                     break
             out.update(epochs=epochs, syncs=syncs, length=len(dl), times=times)
             out["native_batches"] = dl.stats().get("batches", 0) if isinstance(dl, pyloader.DataLoader) else 0
+            if scenario == "swap":
+                out["base"] = type(getattr(dl, "base_dataloader", None)).__name__
+                out["state"] = dl.state_dict()
         except pyloader.FrameworkPathError as e:
             out["error"] = str(e)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, pyloader.SlowPathWarning)]
@@ -92,7 +105,11 @@ def main() -> None:
     p.add_argument("scenarios", nargs="+")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--patch", action="store_true", help="torch.utils.data.DataLoader = pyloader.DataLoader first")
     a = p.parse_args()
+    if a.patch:
+        torch.utils.data.DataLoader = pyloader.DataLoader  # type: ignore[misc]
+        torch.utils.data.dataloader.DataLoader = pyloader.DataLoader  # type: ignore[misc]
     rank = int(os.environ.get("RANK", "0"))
     for scenario in a.scenarios:
         result = run(scenario, a)

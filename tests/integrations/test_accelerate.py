@@ -107,3 +107,25 @@ def test_one_process(tmp_path):
     for e in range(2):
         check_epoch([per_sample["epochs"][e][1]], 1)
     assert len(per_sample["warnings"]) == 1 and "native pipeline does not run" in per_sample["warnings"][0]
+
+
+def test_one_import_swap_over_a_torch_dataset(tmp_path):
+    """``torch.utils.data.DataLoader = pyloader.DataLoader`` before accelerate is imported, over a TensorDataset.
+
+    accelerate shards the sampler as it does torch's loader (its even_batches pad repeats
+    samples to fill whole batches); its DataLoaderAdapter asks the loader for state_dict(),
+    which the generic path answers (NOTE [generic loader state]).
+    """
+    data = write_ds(str(tmp_path / "ds"), N)
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run_job("accelerate_worker.py", 2, [data, out, "swap", "--patch"], str(tmp_path / "tmp"))
+    ranks = results(out, "swap", 2)
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["base"] == "DataLoader" and r["class"] == "accelerate.data_loader.DataLoaderShard"
+        assert r["state"]["loader"] == "torch" and r["state"]["epoch"] == 2
+    for e in range(2):
+        counts = collections.Counter(i for r in ranks for i in r["epochs"][e][1])
+        assert set(counts) == set(range(N))
+        assert sum(counts.values()) == 2 * 10 * 16  # whole batches of 16 on each rank

@@ -11,3 +11,5 @@ accelerate needs no module: ``Accelerator.prepare`` keeps a native ``pyloader.Da
 (NOTE [accelerate keeps a native loader] in ``pyloader/loader/frameworks.py``). Lightning and
 Fabric need none either: both keep the loader and resume it through its ``state_dict``.
 """
+
+__all__ = ["transformers"]  # its modules (pdoc documents the modules named here)

@@ -26,7 +26,8 @@ most N-1 samples at the epoch's end, "drop" leaves out at most N-1). With
 accelerator's device, so its copy engine moves batches there, as accelerate's wrapper would.
 Each iterator then registers with accelerate's ``GradientState`` as accelerate's own loaders
 do, and marks its last batch ``end_of_dataloader``, so ``accelerator.accumulate`` syncs
-gradients at the epoch's end.
+gradients at the epoch's end, and names the real rows of the epoch's last global batch
+(``remainder``), so ``gather_for_metrics`` leaves out the pad.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class EpochMark:
     """What accelerate's ``GradientState`` reads of the loader being iterated (``end_of_dataloader``, ``remainder``).
 
     Registered with the state at the epoch's first batch and removed when the iterator ends
-    or is closed. ``remainder`` is -1: ``gather_for_metrics`` then returns every gathered
-    sample, padding included (the dataset's ``partition`` says how many: at most N-1).
+    or is closed. ``remainder``: the real samples of the epoch's last batch over all ranks,
+    so that ``gather_for_metrics`` leaves out partition="pad"'s repeats (set by the native
+    epoch where it can tell, else -1: every gathered sample is returned, the repeats too).
     """
 
     def __init__(self, state: Any) -> None:

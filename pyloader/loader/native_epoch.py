@@ -151,7 +151,11 @@ class NativeEpochs(LoaderCore):
                                    go_on_after_error=False)
         else:
             gen = _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=per_sample)
-        return self._loader_iterator(gen, length, src, stage, consumed)
+        it = self._loader_iterator(gen, length, src, stage, consumed)
+        if it.mark is not None and not segments and not per_sample and self.batch_transform is None:
+            it.mark.remainder = _last_global_rows(ds.num_records, world, self._order.partition, len(src),
+                                                  native_bs, self.drop_last)
+        return it
 
     def _adopt_ahead(self, early: PipelineStream) -> PipelineStream:
         """The stream made ahead of this epoch (NOTE [epoch ahead]): its first batches are collated already."""
@@ -266,6 +270,24 @@ class NativeEpochs(LoaderCore):
     def _settings(self) -> dict[str, Any]:
         """What the epoch order and partition depend on (the order keys of a state)."""
         return self._order.settings()
+
+
+def _last_global_rows(records: int, world: int, partition: str, batches: int, batch_size: int, drop_last: bool) -> int:
+    """The real samples of an epoch's last batch over all ranks, for accelerate's ``gather_for_metrics`` (-1: unknown).
+
+    NOTE [accelerate keeps a native loader]: accelerate gathers each rank's last batch in
+    rank order and keeps the first ``remainder`` rows. partition="pad" puts its repeats at
+    the end of the last rank's block (``pyloader.read.order.partition``), so they are the
+    last rows of the gathered batch when they fit in the last rank's last batch.
+    """
+    if partition != "pad" or drop_last or batches == 0:
+        return -1
+    per = -(-records // world)
+    pad = per * world - records
+    last = per - (batches - 1) * batch_size
+    if last <= 0 or pad > last:
+        return -1
+    return world * last - pad
 
 
 __all__ = ["NativeEpochs"]

@@ -5,6 +5,7 @@ with an ``Accelerator`` of its own configuration, and writes OUT/<scenario>-rank
 the record indices each epoch delivered, the class of the loader ``prepare`` returned,
 the loader's native batch count, the steps at which ``accelerator.accumulate`` synced,
 the SlowPathWarnings seen, or the FrameworkPathError that stopped the scenario.
+``gather`` writes what ``gather_for_metrics`` returned over an epoch instead.
 
 Scenarios: ``default``, ``nodispatch`` (dispatch_batches=False), ``uneven``
 (even_batches=False), ``split`` (split_batches=True), ``torch`` (a torch DataLoader over
@@ -65,6 +66,12 @@ def run(scenario: str, a: argparse.Namespace) -> dict[str, Any]:
             if scenario == "resume":
                 acc.load_state(os.path.join(a.out, "ckpt"))
                 first = dl.state_dict()["epoch"]
+            if scenario == "gather":  # evaluation: every rank's batches gathered, the pad left out
+                gathered: list[int] = []
+                for batch in dl:
+                    gathered += acc.gather_for_metrics(batch["idx"]).tolist()
+                out["gathered"] = gathered
+                return out
             epochs, syncs, times = [], [], []
             for epoch in range(first, a.epochs):
                 dl.set_epoch(epoch)

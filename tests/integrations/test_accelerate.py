@@ -43,7 +43,7 @@ def two_process_runs(tmp_path_factory):
     data = write_ds(str(base / "ds"), N)
     out = str(base / "out")
     os.makedirs(out)
-    run_job("accelerate_worker.py", 2, [data, out, "default", "nodispatch", "uneven", "split", "torch", "stop"],
+    run_job("accelerate_worker.py", 2, [data, out, "default", "nodispatch", "uneven", "split", "torch", "stop", "gather"],
             str(base / "tmp"))
     run_job("accelerate_worker.py", 2, [data, out, "resume"], str(base / "tmp"))
     return out
@@ -129,3 +129,10 @@ def test_one_import_swap_over_a_torch_dataset(tmp_path):
         counts = collections.Counter(i for r in ranks for i in r["epochs"][e][1])
         assert set(counts) == set(range(N))
         assert sum(counts.values()) == 2 * 10 * 16  # whole batches of 16 on each rank
+
+
+def test_gather_for_metrics_leaves_out_the_pad(two_process_runs):
+    """accelerate keeps the first ``remainder`` rows of the last gathered batch; the loader names them."""
+    for r in results(two_process_runs, "gather", 2):
+        assert "error" not in r, r["error"]
+        assert sorted(r["gathered"]) == list(range(N))  # N is odd: one sample is the pad, and it is left out

@@ -30,7 +30,12 @@ py::dict part_dict(const http::PartResult& r) {
   d["bucket_region"] = r.bucket_region;
   d["error_body"] = py::bytes(r.error_body);
   d["wrong"] = r.wrong;
-  d["wrong_kind"] = r.wrong_kind == http::kWrongRange ? "range" : r.wrong_kind == http::kWrongObject ? "object" : "";
+  d["wrong_kind"] = r.wrong_kind == http::kWrongRange      ? "range"
+                    : r.wrong_kind == http::kWrongObject   ? "object"
+                    : r.wrong_kind == http::kWrongRedirect ? "redirect"
+                                                           : "";
+  d["redirects"] = r.redirects;
+  d["redirected_away"] = r.redirected_away;
   d["write_errno"] = r.write_errno;
   d["xxh64"] = r.hashed ? py::object(py::int_(r.xxh64)) : py::object(py::none());
   return d;

@@ -40,11 +40,12 @@ constexpr int kOk = 0;
 constexpr int kOptWriteData = 10001, kOptUrl = 10002, kOptRange = 10007, kOptErrorBuffer = 10010;
 constexpr int kOptUserAgent = 10018, kOptHttpHeader = 10023, kOptHeaderData = 10029, kOptCaInfo = 10065;
 constexpr int kOptWriteFunction = 20011, kOptHeaderFunction = 20079;
-constexpr int kOptLowSpeedLimit = 19, kOptLowSpeedTime = 20, kOptFollowLocation = 52, kOptMaxRedirs = 68;
+constexpr int kOptLowSpeedLimit = 19, kOptLowSpeedTime = 20, kOptFollowLocation = 52;
 constexpr int kOptHttpGet = 80, kOptBufferSize = 98, kOptNoSignal = 99, kOptConnectTimeoutMs = 156;
 constexpr int kOptProtocols = 181, kOptRedirProtocols = 182, kOptTcpKeepAlive = 213;
 constexpr long kProtoHttp = 1, kProtoHttps = 2;
 constexpr int kInfoResponseCode = 0x200000 + 2;
+constexpr int kInfoRedirectUrl = 0x100000 + 31;  // CURLINFO_REDIRECT_URL: where a 3xx would lead
 
 struct Api {
   CURLcode (*global_init)(long);
@@ -157,6 +158,36 @@ int64_t parse_u63(const char* s, size_t n, size_t* used) {
   return i == 0 || (i < n && s[i] >= '0' && s[i] <= '9') ? -1 : v;
 }
 
+// An absolute http(s) URL's scheme and origin ("https", "https://host:443"): lower case, the
+// user info left out, the default port made explicit; false for anything else.
+bool origin_of(const std::string& url, std::string* scheme, std::string* origin) {
+  size_t colon = url.find("://");
+  if (colon == std::string::npos) return false;
+  std::string sch = url.substr(0, colon);
+  for (char& c : sch) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (sch != "http" && sch != "https") return false;
+  size_t start = colon + 3;
+  size_t end = url.find_first_of("/?#", start);
+  std::string auth = url.substr(start, end == std::string::npos ? std::string::npos : end - start);
+  size_t at = auth.rfind('@');
+  if (at != std::string::npos) auth = auth.substr(at + 1);
+  for (char& c : auth) c = char(std::tolower(static_cast<unsigned char>(c)));
+  size_t close = auth.rfind(']');
+  size_t port_colon = auth.rfind(':');
+  bool has_port = port_colon != std::string::npos && (close == std::string::npos || port_colon > close);
+  std::string host = has_port ? auth.substr(0, port_colon) : auth;
+  std::string port = has_port ? auth.substr(port_colon + 1) : std::string();
+  if (host.empty()) return false;
+  if (port.empty()) port = sch == "https" ? "443" : "80";
+  *scheme = sch;
+  *origin = sch + "://" + host + ":" + port;
+  return true;
+}
+
+bool is_redirect(int status) {
+  return status == 301 || status == 302 || status == 303 || status == 307 || status == 308;
+}
+
 std::string trimmed(const char* p, size_t n) {
   while (n && (p[n - 1] == '\r' || p[n - 1] == '\n' || p[n - 1] == ' ')) --n;
   return std::string(p, std::min<size_t>(n, 256));
@@ -182,9 +213,11 @@ struct Download::Impl {
     CURL* easy = nullptr;
     uint64_t offset = 0, expect = 0;  // where the body goes and how long it must be
     bool ranged = false, checked = false, ended = false, added = false;
+    bool headers_dropped = false;  // redirected to another origin: the caller's headers stay home
     std::vector<char>* buf = nullptr;
     size_t fill = 0;
     std::string range;
+    std::string url;  // where the request now goes (the first URL, or where a redirect led)
     Xxh64Stream hash;
     char errbuf[kErrorSize] = {0};
   };
@@ -308,10 +341,60 @@ struct Download::Impl {
     return size * n;
   }
 
+  // See NOTE [redirects]: a 3xx is followed here, one hop at a time, or refused.
+  // True when the part was sent on to the redirect's target.
+  bool follow(PartState& p) {
+    PartResult& r = *p.res;
+    char* next = nullptr;
+    if (a.easy_getinfo(p.easy, kInfoRedirectUrl, &next) != kOk || next == nullptr) return false;
+    std::string to(next);
+    std::string from_scheme, from_origin, to_scheme, to_origin;
+    origin_of(p.url, &from_scheme, &from_origin);
+    r.wrong_kind = kWrongRedirect;
+    if (!origin_of(to, &to_scheme, &to_origin)) {
+      r.wrong = "redirected to a URL that is not http or https";
+    } else if (from_scheme == "https" && to_scheme == "http") {
+      r.wrong = "redirected from https to plain http (" + to_origin + "): refused";
+    } else if (r.redirects >= kMaxRedirects) {
+      r.wrong = "redirected more than " + std::to_string(kMaxRedirects) + " times";
+    } else {
+      r.wrong_kind = kWrongNone;
+    }
+    if (r.wrong_kind != kWrongNone) return false;
+    if (to_origin != from_origin && !p.headers_dropped) {
+      p.headers_dropped = true;
+      a.easy_setopt(p.easy, kOptHttpHeader, static_cast<curl_slist*>(nullptr));
+    }
+    if (to_origin != from_origin) r.redirected_away = true;
+    r.redirects += 1;
+    p.url = to;
+    a.easy_setopt(p.easy, kOptUrl, p.url.c_str());
+    r.status = 0;
+    r.error_body.clear();
+    r.content_length = r.range_total = -1;
+    r.retry_after.clear();
+    r.bucket_region.clear();
+    p.checked = false;
+    p.errbuf[0] = 0;
+    if (a.multi_add_handle(s.multi, p.easy) != 0) return false;
+    p.added = true;
+    return true;
+  }
+
   void finish(PartState& p, CURLcode code) {
     PartResult& r = *p.res;
     long status = 0;
     if (a.easy_getinfo(p.easy, kInfoResponseCode, &status) == kOk && status) r.status = int(status);
+    if (code == kOk && is_redirect(r.status)) {
+      a.multi_remove_handle(s.multi, p.easy);
+      p.added = false;
+      if (follow(p)) return;
+      if (r.wrong_kind == kWrongRedirect) {  // refused: the part ends as wrong
+        r.curl_code = code;
+        p.ended = true;
+        return;
+      }
+    }
     if (code == kOk && r.status >= 200 && r.status <= 299 && p.fill && !flush(p)) code = 23;  // CURLE_WRITE_ERROR
     r.curl_code = code;
     if (!p.ranged && code == kOk && p.hash.length() == r.written) {
@@ -379,8 +462,8 @@ Download::Download(const Request& req) {
     a.easy_setopt(e, kOptNoSignal, 1L);
     a.easy_setopt(e, kOptProtocols, kProtoHttp | kProtoHttps);
     a.easy_setopt(e, kOptRedirProtocols, kProtoHttp | kProtoHttps);
-    a.easy_setopt(e, kOptFollowLocation, 1L);
-    a.easy_setopt(e, kOptMaxRedirs, 5L);
+    a.easy_setopt(e, kOptFollowLocation, 0L);  // See NOTE [redirects]: followed by Impl::follow
+    p.url = req.url;
     a.easy_setopt(e, kOptBufferSize, long(512 << 10));
     a.easy_setopt(e, kOptConnectTimeoutMs, long(req.connect_timeout_s * 1000));
     a.easy_setopt(e, kOptLowSpeedLimit, 1L);

@@ -16,7 +16,17 @@
 // its own multi handle and easy handles, so connections (and TLS sessions) are reused by
 // the next download on that thread; a forked child never touches its parent's handles
 // (their sockets are the parent's): it leaks them and starts anew. Only http and https
-// are followed, redirects included.
+// are spoken, redirects included.
+//
+// NOTE [redirects]: libcurl does not follow redirects itself (it would send the caller's
+// headers -- API keys, tokens -- to whatever host a redirect names, and libcurl before
+// 7.83 even its own Authorization on a downgrade, CVE-2022-27776). A part's 3xx answer is
+// followed here, one hop at a time, at most kMaxRedirects times per request: to the same
+// origin (scheme, host and port) with the caller's headers, to another origin without
+// them (from then on, also if a later hop comes back), never from https to plain http
+// nor to another scheme: those end the part as wrong (kWrongRedirect), nothing written.
+// Every hop is a request of the same attempt, driven by the same multi handle, so the
+// caller's cancel and stall limits apply to it as to the first.
 #pragma once
 
 #include <cstddef>
@@ -55,6 +65,8 @@ struct Request {
 constexpr int kWrongNone = 0;
 constexpr int kWrongRange = 1;
 constexpr int kWrongObject = 2;
+constexpr int kWrongRedirect = 3;  // a redirect refused (See NOTE [redirects])
+constexpr int kMaxRedirects = 5;
 
 struct PartResult {
   int status = 0;          // the final response's status code (0: none came)
@@ -62,15 +74,17 @@ struct PartResult {
   int curl_code = -1;      // libcurl's CURLcode (0: the transfer ended cleanly; -1: not finished)
   std::string curl_error;  // its message
   int64_t content_length = -1;
-  int64_t range_total = -1;     // the "/total" of Content-Range
-  std::string retry_after;      // the Retry-After header as sent
-  std::string bucket_region;    // S3's x-amz-bucket-region header as sent
-  std::string error_body;       // the start of a non-2xx body
-  std::string wrong;            // why the part was stopped as wrong ("" if not)
-  int wrong_kind = kWrongNone;  // what was wrong, for the caller to act on (not the words)
-  int write_errno = 0;          // errno of a failed pwrite
-  bool hashed = false;          // whether xxh64 covers every byte written (a whole-object GET)
-  uint64_t xxh64 = 0;           // XXH64 (seed 0) of the bytes written, when hashed
+  int64_t range_total = -1;      // the "/total" of Content-Range
+  std::string retry_after;       // the Retry-After header as sent
+  std::string bucket_region;     // S3's x-amz-bucket-region header as sent
+  std::string error_body;        // the start of a non-2xx body
+  std::string wrong;             // why the part was stopped as wrong ("" if not)
+  int wrong_kind = kWrongNone;   // what was wrong, for the caller to act on (not the words)
+  int write_errno = 0;           // errno of a failed pwrite
+  bool hashed = false;           // whether xxh64 covers every byte written (a whole-object GET)
+  uint64_t xxh64 = 0;            // XXH64 (seed 0) of the bytes written, when hashed
+  int redirects = 0;             // redirects followed (See NOTE [redirects])
+  bool redirected_away = false;  // one led to another origin: the caller's headers were not sent there
 };
 
 class Download {

@@ -231,6 +231,8 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
         wrong = p["wrong"]
         if not wrong:
             continue
+        if p["wrong_kind"] == "redirect":  # See NOTE [redirects] in csrc/core/http_fetch.h
+            raise _CurlPermanent(f"{wrong} (after {p['redirects']} redirects)")
         if parts and p["wrong_kind"] == "range":
             raise _NoRanges()
         if p["range_total"] >= 0 and p["range_total"] != size:

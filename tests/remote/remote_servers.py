@@ -42,6 +42,7 @@ class FaultServer:
         self.gets: collections.Counter[str] = collections.Counter()
         self.log: list[tuple[float, str, str, int]] = []
         self.get_times: list[tuple[float, str]] = []  # (time.monotonic() of arrival, path) of every GET
+        self.request_headers: list[tuple[str, dict[str, str]]] = []  # (path, headers) of every GET
         self._mu = threading.Lock()
         self._stop = threading.Event()
         server = self
@@ -132,6 +133,7 @@ class FaultServer:
             if not head:
                 self.gets[path] += 1
                 self.get_times.append((time.monotonic(), path))
+                self.request_headers.append((path, {k.lower(): v for k, v in h.headers.items()}))
         if self.latency:
             time.sleep(self.latency)
         fault = None if head else self._take_fault(path)

@@ -187,7 +187,11 @@ class NativeTransport:
         """One attempt (See NOTE [transport choice] for what it raises); a whole GET's XXH64 (NOTE [native transport])."""
         target = self.target(key)
         parts = _parts(size) if self.ranges else []
+        resigned = False
         while True:
+            if cancel is not None and cancel.is_set():  # seen between the requests of an attempt too
+                raise _fetch_error(FetchError, f"downloading {url} (shard {shard!r}): cancelled", url, shard,
+                                   errno.ECANCELED)
             r = _C.http_download(fd, target, size, parts=parts, headers=self.headers,
                                  connect_timeout=self.connect_timeout, stall_timeout=self.stall_timeout,
                                  write_buffer=WRITE_BUFFER, ca_file=self.ca_file, cancel=cancel, on_bytes=on_bytes)
@@ -205,10 +209,14 @@ class NativeTransport:
                 if parts and is_throttle(e):
                     self.ranges = False  # a throttling store: one GET per object from now on (NOTE above)
                 # A bucket in another region than the one signed for (no region configured):
-                # sign for the region S3 names, once, as s3fs and boto do.
+                # sign for the region S3 names, once per attempt, as s3fs and boto do. An
+                # endpoint that names yet another region then fails the attempt, which the
+                # caller's attempts, deadline and host limit count (NOTE [fetch retries]).
                 p = self._presigner
-                if p is None or not e.region or e.region == p.region or not _REGION.fullmatch(e.region):
+                if (p is None or resigned or not e.region or e.region == p.region
+                        or not _REGION.fullmatch(e.region)):
                     raise
+                resigned = True
                 self._presigner = _S3Presigner(self._opts, region=e.region)
                 target = self.target(key)
 

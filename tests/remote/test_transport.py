@@ -284,3 +284,33 @@ def test_s3_signs_again_for_the_region_the_bucket_is_in(server, srv_root, tmp_pa
     server.inject("ds/" + key, Fault("status", status=400, data=wrong % (b"x/../y", b"x/../y")))
     with pytest.raises(Exception, match="HTTP 400 .AuthorizationHeaderMalformed"):
         _get(t, tmp_path, key, size)
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_naming_regions_in_turn_costs_two_requests_an_attempt(server, srv_root, tmp_path, monkeypatch):
+    """Re-signing for the region S3 names happens once per attempt; the attempts bound the rest."""
+    pytest.importorskip("botocore")
+    key = "shard-000001.pyl"
+    size = os.path.getsize(os.path.join(srv_root, "ds", key))
+    t = tr.transport_for("s3://ds", {"key": "k", "secret": "s", "endpoint_url": server.url,
+                                     "client_kwargs": {"region_name": "us-east-1"}}, stall_timeout=1)
+    wrong = (b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>wrong region</Message>"
+             b"<Region>%s</Region></Error>")
+    server.inject("ds/" + key, *[Fault("status", status=400, data=wrong % r) for r in
+                                 [b"eu-west-2", b"us-west-1"] * 50])
+    with pytest.raises(Exception, match="AuthorizationHeaderMalformed"):
+        _get(t, tmp_path, key, size)
+    assert server.count("ds/" + key) == 2  # the request and one re-signed request: the attempt ends
+    monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", "3")
+    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF", "0.01")
+    with pytest.raises(Exception, match="AuthorizationHeaderMalformed"):
+        with_retries(lambda: _get(t, tmp_path, key, size), RetryPolicy.from_env(), what="downloading", url="u",
+                     shard=key)
+    assert server.count("ds/" + key) <= 2 + 3 * 2
+    # a cancel set while the requests of an attempt go on is seen before the next one
+    before = server.count("ds/" + key)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(FetchError) as ei:
+        _get(t, tmp_path, key, size, cancel=cancel)
+    assert ei.value.errno == errno.ECANCELED and server.count("ds/" + key) == before

@@ -15,6 +15,7 @@ from . import packing as _packing
 from . import state as _state
 from . import transfer as _transfer
 from .core import LoaderCore
+from .held_batches import held_by_lightning
 
 
 class PackedEpochs(LoaderCore):
@@ -101,8 +102,10 @@ class PackedEpochs(LoaderCore):
             epoch, phases = self._next_epoch, self._pack_resume
         else:
             run_epoch, world, rank, run_phases, src, consumed = run
-            entry = dict(src.state_after(consumed.batches))
-            entry["done"] = src.finished_after(consumed.batches)
+            # Batches Lightning's fetcher holds were not trained on: See NOTE [batches Lightning holds].
+            taken = consumed.batches - (0 if src.ended else held_by_lightning(self))
+            entry = dict(src.state_after(taken))
+            entry["done"] = src.finished_after(taken)
             ranks = {str(rank): entry}
             dist = torch.distributed
             if world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:

@@ -47,6 +47,7 @@ from .state import ResumeError
 
 PACK_MODES = ("greedy", "first_fit")
 _DEFAULT_LOOKAHEAD = 64
+_STATES_BEHIND = 1  # packing states kept before the caller's count (NOTE [batches Lightning holds])
 _INT_DTYPES = {"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"}
 
 
@@ -391,7 +392,9 @@ class PackedStream:
             raise StopIteration
         self._handed += 1
         self._states[self._handed] = item[-1]
-        keep = self.consumed.batches if self.consumed is not None else 0
+        # States from one batch before the caller's count on: a framework may hold the caller's
+        # last batch untrained (NOTE [batches Lightning holds] in held_batches.py).
+        keep = self.consumed.batches - _STATES_BEHIND if self.consumed is not None else 0
         for k in [k for k in self._states if k < keep]:
             del self._states[k]
         return item
@@ -408,9 +411,21 @@ class PackedStream:
         host, arrays, _, _ = self._take(self._packer.next_host)
         return host, self._tensors(arrays)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the caller was told the epoch ended (StopIteration)."""
+        return self._ended
+
     def state_after(self, batches: int) -> dict[str, Any]:
-        """This rank's packing entry after ``batches`` batches of this stream (NOTE [packing state])."""
-        st = self._states[batches]
+        """This rank's packing entry after ``batches`` batches of this stream (NOTE [packing state]).
+
+        Kept from ``_STATES_BEHIND`` batches before the caller's count on; LoaderStateError for earlier ones.
+        """
+        st = self._states.get(batches)
+        if st is None:
+            raise LoaderStateError(f"the packing state after {batches} batches is no longer kept (the caller has "
+                                   f"received {self._handed if self.consumed is None else self.consumed.batches}; "
+                                   f"states are kept from {_STATES_BEHIND} batch before that on)")
         if isinstance(st, dict):
             return st
         cpos, ctok, window, rows = st

@@ -8,7 +8,7 @@ the framework iterated, and the warnings Lightning emitted while it ran.
 
 A scenario is ``<framework>-<data>-<run>``: ``trainer`` (a ``Trainer`` on as many CPU
 devices as the job has processes, strategy "ddp" under torchrun) or ``fabric``; ``vec``
-(a native ``pyloader.DataLoader``), ``pack`` (``pack=PackSpec(...)``) or ``torch``
+(a native ``pyloader.DataLoader``), ``pack`` (``pack=PackSpec(...)``, through the copy engine) or ``torch``
 (torch's DataLoader over the same ShardDataset: the per-sample path); ``full`` (two
 uninterrupted epochs), ``stop`` (a checkpoint after STOP_AT steps of epoch 1, then the job
 stops) or ``resume`` (a fresh job: the checkpoint, then the rest).
@@ -36,7 +36,9 @@ SEQ_LEN, ROWS = 48, 2  # the packing loader's rows and rows per batch
 def make_loader(data: str, a: argparse.Namespace) -> Any:
     if data == "pack":
         ds = pyloader.ShardDataset(os.path.join(a.data, "docs"), shuffle=True, seed=11)
-        return pyloader.DataLoader(ds, batch_size=ROWS, num_workers=2, pack=pyloader.PackSpec(seq_len=SEQ_LEN))
+        # device="cpu": the copy engine takes batches ahead of the caller, as on a GPU.
+        return pyloader.DataLoader(ds, batch_size=ROWS, num_workers=2, pack=pyloader.PackSpec(seq_len=SEQ_LEN),
+                                   device="cpu")
     ds = pyloader.ShardDataset(os.path.join(a.data, "vec"), shuffle=True, seed=3)
     if data == "torch":
         return torch.utils.data.DataLoader(ds, batch_size=BATCH)
@@ -53,7 +55,7 @@ def ids(batch: dict[str, torch.Tensor]) -> list[int]:
 def features(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "document_ids" in batch:
         return batch["tokens"].float().reshape(-1, 8)[:4] * 1e-6
-    return batch["x"]
+    return batch["x"] / 1000
 
 
 def native_batches(loader: Any) -> int:

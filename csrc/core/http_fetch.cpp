@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "core/clock.h"
 #include "core/dynamic_library.h"
 #include "core/xxh64.h"
 
@@ -43,6 +44,7 @@ constexpr int kOptWriteFunction = 20011, kOptHeaderFunction = 20079;
 constexpr int kOptLowSpeedLimit = 19, kOptLowSpeedTime = 20, kOptFollowLocation = 52;
 constexpr int kOptHttpGet = 80, kOptBufferSize = 98, kOptNoSignal = 99, kOptConnectTimeoutMs = 156;
 constexpr int kOptProtocols = 181, kOptRedirProtocols = 182, kOptTcpKeepAlive = 213;
+constexpr int kOptSuppressConnectHeaders = 265;
 constexpr long kProtoHttp = 1, kProtoHttps = 2;
 constexpr int kInfoResponseCode = 0x200000 + 2;
 constexpr int kInfoRedirectUrl = 0x100000 + 31;  // CURLINFO_REDIRECT_URL: where a 3xx would lead
@@ -214,6 +216,7 @@ struct Download::Impl {
     uint64_t offset = 0, expect = 0;  // where the body goes and how long it must be
     bool ranged = false, checked = false, ended = false, added = false;
     bool headers_dropped = false;  // redirected to another origin: the caller's headers stay home
+    uint64_t last_byte_ns = 0;     // when the server last sent anything (See NOTE [stall])
     std::vector<char>* buf = nullptr;
     size_t fill = 0;
     std::string range;
@@ -280,6 +283,7 @@ struct Download::Impl {
     auto& p = *static_cast<PartState*>(user);
     PartResult& r = *p.res;
     size_t len = size * n;
+    p.last_byte_ns = now_ns();
     size_t v = 0;
     if (len >= 5 && std::memcmp(data, "HTTP/", 5) == 0) {  // a new response (after a redirect or a 100)
       const char* sp = static_cast<const char*>(std::memchr(data, ' ', len));
@@ -319,6 +323,7 @@ struct Download::Impl {
     auto& p = *static_cast<PartState*>(user);
     PartResult& r = *p.res;
     size_t len = size * n;
+    p.last_byte_ns = now_ns();
     if (r.status < 200 || r.status > 299) {
       if (r.error_body.size() >= 4096) return 0;  // enough to tell what it is
       r.error_body.append(data, std::min(len, 4096 - r.error_body.size()));
@@ -376,6 +381,7 @@ struct Download::Impl {
     r.bucket_region.clear();
     p.checked = false;
     p.errbuf[0] = 0;
+    p.last_byte_ns = now_ns();
     if (a.multi_add_handle(s.multi, p.easy) != 0) return false;
     p.added = true;
     return true;
@@ -413,6 +419,21 @@ struct Download::Impl {
       if (m->msg != kMsgDone) continue;
       for (PartState& p : parts)
         if (p.easy == m->easy_handle && !p.ended) finish(p, m->data.result);
+    }
+  }
+
+  // See NOTE [stall]: a part whose server sent nothing for the stall timeout ends now.
+  void end_stalled() {
+    uint64_t now = now_ns();
+    auto limit = uint64_t(std::max(0.0, req.stall_timeout_s) * 1e9);
+    for (PartState& p : parts) {
+      if (p.ended || now - p.last_byte_ns <= limit) continue;
+      if (p.added) a.multi_remove_handle(s.multi, p.easy);
+      p.added = false;
+      p.ended = true;
+      PartResult& r = *p.res;
+      r.curl_code = 28;  // CURLE_OPERATION_TIMEDOUT: the same failure as libcurl's own limits
+      r.curl_error = "the server sent nothing for " + std::to_string(req.stall_timeout_s) + " s (stall timeout)";
     }
   }
 
@@ -463,6 +484,8 @@ Download::Download(const Request& req) {
     a.easy_setopt(e, kOptProtocols, kProtoHttp | kProtoHttps);
     a.easy_setopt(e, kOptRedirProtocols, kProtoHttp | kProtoHttps);
     a.easy_setopt(e, kOptFollowLocation, 0L);  // See NOTE [redirects]: followed by Impl::follow
+    // A proxy's "200 Connection established" is not the answer to the GET (libcurl 7.54).
+    a.easy_setopt(e, kOptSuppressConnectHeaders, 1L);
     p.url = req.url;
     a.easy_setopt(e, kOptBufferSize, long(512 << 10));
     a.easy_setopt(e, kOptConnectTimeoutMs, long(req.connect_timeout_s * 1000));
@@ -483,6 +506,7 @@ Download::Download(const Request& req) {
     }
   }
   for (Impl::PartState& p : im.parts) {
+    p.last_byte_ns = now_ns();
     CURLMcode mc = a.multi_add_handle(im.s.multi, p.easy);
     if (mc != 0) {
       // The destructor does not run for a constructor that throws: detach what was added
@@ -525,6 +549,7 @@ bool Download::step(int ms) {
   im.a.multi_poll(im.s.multi, nullptr, 0, ms, &fds);
   mc = im.a.multi_perform(im.s.multi, &running);
   im.drain();
+  im.end_stalled();
   return im.all_ended();
 }
 

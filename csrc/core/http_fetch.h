@@ -18,6 +18,12 @@
 // (their sockets are the parent's): it leaks them and starts anew. Only http and https
 // are spoken, redirects included.
 //
+// NOTE [stall]: a part ends with a timeout (CURLE_OPERATION_TIMEDOUT) once its server sent
+// nothing -- no header, no body byte -- for the request's stall timeout, checked at every
+// step of the caller's loop, so within the timeout plus one step. libcurl's own low-speed
+// limit stays as a backstop only: it judges the average speed over its last seconds, so
+// after a burst it noticed a stall several seconds late (about 6.8 s for a 1 s limit).
+//
 // NOTE [redirects]: libcurl does not follow redirects itself (it would send the caller's
 // headers -- API keys, tokens -- to whatever host a redirect names, and libcurl before
 // 7.83 even its own Authorization on a downgrade, CVE-2022-27776). A part's 3xx answer is

@@ -101,7 +101,7 @@ from ..format.spec import MANIFEST_NAME, parse_manifest
 from . import temps
 from .fs import FetchError, RetryPolicy, with_retries
 from .index import CacheIndex, index_for
-from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
+from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, lock_file_name, open_lockfile, try_flock
 from .pins import PINS_FILE, DatasetPins, evict_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
 from .transport import Transport, transport_for
@@ -465,7 +465,7 @@ class DatasetCache:
 
     def lock_path(self, name: str) -> str:
         """The download lock file of shard file ``name`` (flock EX while it is downloaded or a bad copy removed)."""
-        return os.path.join(self.dir, "locks", name + ".lock")
+        return os.path.join(self.dir, "locks", lock_file_name(name))
 
     @property
     def _pins_path(self) -> str:

@@ -36,7 +36,17 @@ from typing import Any
 
 import pyloader._C as _C
 
-from .locks import LOCK_POLL_S, byte_held, byte_lock, cache_error, close_lockfile, open_lockfile, same_file, try_flock
+from .locks import (
+    LOCK_POLL_S,
+    byte_held,
+    byte_lock,
+    cache_error,
+    close_lockfile,
+    lock_file_name,
+    open_lockfile,
+    same_file,
+    try_flock,
+)
 
 __all__ = ["PINS_FILE", "DatasetPins", "evict_unpinned", "lock_unpinned", "pin_offset"]
 
@@ -161,7 +171,7 @@ def lock_unpinned(fd: int, name: str) -> bool:
 
 def evict_unpinned(ddir: str, name: str, path: str) -> bool:
     """Removes shard file ``name`` (at ``path``) of dataset dir ``ddir`` unless a reader pins it or a downloader holds it."""
-    lfd = open_lockfile(os.path.join(ddir, "locks", name + ".lock"))
+    lfd = open_lockfile(os.path.join(ddir, "locks", lock_file_name(name)))
     pfd = open_lockfile(os.path.join(ddir, PINS_FILE))
     try:
         if lfd is None or pfd is None:

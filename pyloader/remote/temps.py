@@ -20,7 +20,7 @@ import uuid
 import pyloader._C as _C
 
 from ..format.owner import owner, owner_gone, pid_alive
-from .locks import close_lockfile, open_lockfile, try_flock
+from .locks import close_lockfile, lock_file_name, open_lockfile, try_flock
 
 __all__ = ["STALE_TEMP_S", "clean_stale", "new_temp_name", "reclaim_temps", "remove_temps_at_sigterm",
            "temp_files", "temp_is_stale", "temp_stem", "track_temp", "untrack_temp"]
@@ -91,7 +91,7 @@ def temp_is_stale(ddir: str, path: str, now: float) -> bool:
         # The older <name>.<pid>.<random>.part form: its writer ran here and held the flock.
         if pid_alive(int(parts[1])):
             return old
-        fd = open_lockfile(os.path.join(ddir, "locks", parts[0] + ".lock"))
+        fd = open_lockfile(os.path.join(ddir, "locks", lock_file_name(parts[0])))
         if fd is None:
             return False
         try:

@@ -92,7 +92,21 @@ class LoaderStateError(PyloaderError, RuntimeError):
 
 
 class LoaderTimeoutError(PyloaderError, RuntimeError):
-    """No batch arrived within the DataLoader's ``timeout`` (torch raises RuntimeError too)."""
+    """No batch arrived within the DataLoader's ``timeout`` (torch raises RuntimeError too).
+
+    NOTE [timeout message]: ``timeout`` is torch's argument, so its message is torch's
+    first, word for word: "DataLoader timed out after N seconds", N printed as the user gave
+    it (``check_seconds`` keeps an int an int, so code written for torch that matches an
+    integer N still matches). Then, after a colon, what pyloader was waiting for: the stage,
+    the batch, the shards and the bytes that arrived. Every stream that takes the loader's
+    ``timeout`` raises through ``after``, in Python; the native core's own timeout text
+    (``csrc/bindings/interruptible_wait.h``) is replaced where it is caught.
+    """
+
+    @classmethod
+    def after(cls, seconds: float, detail: str) -> LoaderTimeoutError:
+        """The message torch gives for a ``timeout`` of ``seconds``, then ``detail``."""
+        return cls(f"DataLoader timed out after {seconds} seconds: {detail}")
 
 
 class DeviceError(PyloaderError, RuntimeError):
@@ -182,6 +196,10 @@ class ThreadStartError(_MessageOnly, PyloaderError, OSError):
     ``kernel.threads-max``). Nothing the failed constructor started is left running. Built as
     ``cls(errno, message)``.
     """
+
+
+class PlanMemoryError(PyloaderError, MemoryError):
+    """An epoch's plan would not fit in memory: the manifest claims more records than this machine can plan."""
 
 
 class FrameworkPathError(PyloaderError, ValueError):
@@ -319,6 +337,7 @@ __all__ = [
     "TransformWorkerError",
     "ThreadStartError",
     "FrameworkPathError",
+    "PlanMemoryError",
     "SlowPathWarning",
     "ShardFormatError",
     "ShardCorruptError",

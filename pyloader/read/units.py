@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ..contract import DEFAULTS, OrderSpec, Plan, PlannedDataset, check_callable, check_count, check_int
+from ..errors import PlanMemoryError
 from ..format.sizes import parse_size
 from ..remote.budget import readers_on_node
 from ..remote.cache import DatasetCache
@@ -109,6 +110,23 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         src = f" (from {where})" if where else ""
         raise ValueError(f"rank={r}, world_size={w}{src}: a reader needs world_size >= 1 and 0 <= rank < world_size")
     return r, w
+
+
+# NOTE [plan memory]: an epoch's plan holds, per sample of this rank's share, its unit and
+# record (two int64) and the order they came from, with the temporaries that build them:
+# about 32 bytes. The record count comes from a manifest (hostile until checked, NOTE
+# [untrusted manifest]): a few hundred bytes can claim 2^36 records, which would make every
+# rank allocate terabytes before the first shard is fetched. So each plan is checked
+# against the machine's memory before it is built: more than half of RAM is refused.
+PLAN_BYTES_PER_SAMPLE = 32
+
+
+def physical_memory() -> int:
+    """This machine's physical memory in bytes (8 GiB when it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 8 << 30
 
 
 class _OrderField:
@@ -287,10 +305,25 @@ class UnitDataset(PlannedDataset):
                 "= 0 samples: use partition='pad' (which repeats samples so that each rank reads one) or fewer ranks")
         return rank, world
 
+    def _check_plan_memory(self, world: int) -> None:
+        """Raises ``PlanMemoryError`` before a plan that would not fit in memory is built (NOTE [plan memory])."""
+        n = self.num_records
+        per_rank = -(-n // max(1, world))
+        need = per_rank * PLAN_BYTES_PER_SAMPLE
+        ram = physical_memory()
+        if need > ram // 2:
+            where = getattr(self, "url", None) or type(self).__name__
+            raise PlanMemoryError(
+                f"{where}: its manifest lists {n} records, {per_rank} for each of {world} ranks; planning an "
+                f"epoch needs about {need / 2**30:.1f} GiB per rank ({PLAN_BYTES_PER_SAMPLE} bytes a sample), more "
+                f"than half of this machine's {ram / 2**30:.1f} GiB. A manifest that claims that many records is "
+                "wrong or hostile; a real dataset that large needs more ranks (world_size) or more memory")
+
     def epoch_plan(self, epoch: int, rank: int, world: int, segments: Sequence[Sequence[int]] = (), *,
                    worker: int = 0, num_workers: int = 1, shuffle: bool | None = None,
                    seed: int | None = None) -> Plan:
         """The ``pyloader.read.order`` plan of ``epoch`` over the units (see ``PlannedDataset``)."""
+        self._check_plan_memory(world)
         o = self.order.with_overrides(shuffle=shuffle, seed=seed)
         kw: dict[str, Any] = dict(shuffle=o.shuffle, seed=o.seed, epoch=epoch, rank=rank, world_size=world,
                                   worker=worker, num_workers=num_workers, shuffle_mode=o.shuffle_mode,

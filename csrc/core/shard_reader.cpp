@@ -630,10 +630,11 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
       sh = std::make_shared<const Shard>(path, bytes_[i], records_[i], blob, fields_, max_value_bytes_, read_ahead);
     } catch (const LoaderError& e) {
       // See NOTE [self-healing]: a cached copy that cannot be opened as the manifest says.
+      const bool vanished = e.kind() == ErrorKind::kIO && e.sys_errno() == ENOENT;
       const bool healable = e.kind() == ErrorKind::kChecksum || e.kind() == ErrorKind::kFormat ||
-                            e.kind() == ErrorKind::kSchema || (e.kind() == ErrorKind::kIO && e.sys_errno() == ENOENT);
+                            e.kind() == ErrorKind::kSchema || vanished;
       std::string earlier;
-      if (pending_set_ && healable && report_corrupt(i, nullptr, e.what(), &earlier)) continue;
+      if (pending_set_ && healable && report_corrupt(i, nullptr, e.what(), &earlier, vanished)) continue;
       if (!earlier.empty())
         throw LoaderError(e.kind(), path, -1, "",
                           std::string(e.what()) +
@@ -839,18 +840,21 @@ bool ShardSet::unload(size_t i, bool force) {
   return true;
 }
 
-bool ShardSet::report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier) {
+bool ShardSet::report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier,
+                              bool vanished) {
   std::shared_ptr<const Shard> unmap;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (bad != nullptr ? open_[i].get() != bad : bool(open_[i])) return true;  // replaced meanwhile: retry
     if (state_[i] == 1) return true;                                           // a re-fetch is under way
-    if (!pending_set_ || state_[i] != 0 || healed_[i]) {
+    if (!pending_set_ || state_[i] != 0 || (healed_[i] && !vanished)) {
       if (earlier) *earlier = first_failure_[i];
       return false;
     }
-    healed_[i] = 1;
-    first_failure_[i] = message;
+    if (!vanished) {  // See NOTE [self-healing]: a vanished copy says nothing of the source
+      healed_[i] = 1;
+      first_failure_[i] = message;
+    }
     leave_idle_locked(i);
     if (open_[i]) {
       unmap = std::move(open_[i]);

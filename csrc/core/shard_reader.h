@@ -250,10 +250,12 @@ class Shard {
 // are never unmapped, so the bound can be exceeded by at most what the workers hold.
 //
 // NOTE [self-healing]: in a pending set, a cached copy that fails a checksum (or cannot be
-// opened: vanished, wrong size, corrupt header) is reported once per shard: the set drops
-// its mapping, puts the shard back to pending and records it; the fetcher discards the
-// cached file and fetches it again, and the worker retries its batch. A second failure
-// of the same shard is raised, naming both.
+// opened: vanished, wrong size, corrupt header) is reported: the set drops its mapping,
+// puts the shard back to pending and records it; the fetcher discards the cached file and
+// fetches it again, and the worker retries its batch. A second failure of the same shard's
+// bytes is raised, naming both: the source itself is then corrupt, and fetching it a third
+// time would loop. A copy that vanished (ENOENT: evicted or removed by another process) is
+// no sign of a bad source: it is fetched again however often it happens.
 struct ShardEvents {
   std::vector<uint32_t> released;                         // shards that became idle, in order
   std::vector<uint32_t> waiting;                          // shards a worker waits on now
@@ -304,7 +306,9 @@ class ShardSet {
   // See NOTE [self-healing]: true if the caller should retry (a re-fetch was requested or is
   // under way, or `bad` is no longer the shard's current mapping); false if the error is final.
   // On false, *earlier is the first failure's message.
-  bool report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier);
+  // `vanished`: the copy is gone, not corrupt (fetched again every time).
+  bool report_corrupt(size_t i, const Shard* bad, const std::string& message, std::string* earlier,
+                      bool vanished = false);
   // Waits up to timeout_ms for a release, a corrupt report or a change in what workers
   // wait on; takes the recorded events. For the fetcher's pilot thread.
   ShardEvents wait_events(int64_t timeout_ms);

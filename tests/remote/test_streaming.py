@@ -19,6 +19,7 @@ from remote_servers import Fault, S3Server
 from remote_util import sample, write_ds
 
 import pyloader
+import pyloader._C as _C
 from pyloader.bench.measure import CachePeak
 from pyloader.remote.bad_copies import verify_entry
 from pyloader.remote.fetch import working_set
@@ -251,6 +252,7 @@ def test_the_loader_timeout_names_the_shard_url_and_bytes_arrived(server, cache_
         next(iter(loader))
     assert time.monotonic() - t0 < 10
     msg = str(ei.value)
+    assert msg.startswith("DataLoader timed out after 1 seconds: no batch arrived; waiting for "), msg
     assert first in msg and url + "/" + first in msg and "bytes arrived" in msg, msg
     del loader, ds
 
@@ -315,3 +317,27 @@ def test_remote_dataset_with_auto_threads(server, cache_dir) -> None:
         assert sum(len(next(iter(b.values()))) for b in loader) == ds.num_records
         st = loader.stats()
         assert not st["started_ahead"] and 0 < st["autotune"]["memory_bytes"] <= 64 << 20
+
+
+@pytest.mark.timeout(60)
+def test_a_cached_copy_that_vanishes_again_is_fetched_again(server, cache_dir, monkeypatch):
+    """NOTE [self-healing]: a copy removed after it was published (another process's eviction
+    or ``cache clear``) is no sign of a bad source: it is fetched again each time, not only once."""
+    victim = 2
+    removed: list[str] = []
+
+    class VanishingSet(_C.ShardSet):
+        def mark_ready(self, index, path):  # the file disappears just after its download, twice
+            if index == victim and len(removed) < 2:
+                os.unlink(path)
+                removed.append(path)
+            return super().mark_ready(index, path)
+
+    monkeypatch.setattr(_C, "ShardSet", VanishingSet)
+    ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir)
+    it = ds.batches(16)
+    got = sorted(i for b in it for i in check_batch(b))
+    assert got == list(range(ds.num_records))
+    assert len(removed) == 2 and it.stats()["healed_shards"] == 2
+    name = ds.manifest["shards"][victim]["path"]
+    assert server.count("ds/" + name) == 3  # fetched, and fetched again after each vanishing

@@ -536,21 +536,33 @@ class DatasetCache:
         return out
 
     # -- pins (NOTE [cache pins]) --------------------------------------------------------
-    def pin(self, i: int) -> None:
-        """Pins shard ``i`` (a read lock on its byte of ``pins.lock``) until ``unpin`` or process exit."""
-        if not self._pins.hold(i, self.names[i]):
-            return  # this object pins it already
+    def new_pins(self) -> DatasetPins:
+        """A holder of pins of its own, for one reader (a fetcher).
+
+        Its ``release_all`` drops only its own pins: two fetchers of one dataset (a
+        ShardDataset read directly and in a Mixture) do not unpin each other's shards
+        (NOTE [cache pins]).
+        """
+        return DatasetPins(self._pins_path)
+
+    def pin(self, i: int, pins: DatasetPins | None = None) -> None:
+        """Pins shard ``i`` (a read lock on its byte of ``pins.lock``) until ``unpin`` or process exit.
+
+        Through ``pins`` (a ``new_pins()`` holder), else this object's own.
+        """
+        if not (pins or self._pins).hold(i, self.names[i]):
+            return  # this holder pins it already
         try:
-            os.utime(self.shard_file(i))  # LRU: last use
-        except OSError:
+            os.utime(self.shard_file(i), follow_symlinks=False)  # LRU: last use (a link is never followed)
+        except (OSError, NotImplementedError):
             pass
 
-    def unpin(self, i: int) -> None:
-        """Releases this object's pin on shard ``i``, if it holds one."""
-        self._pins.release(i)
+    def unpin(self, i: int, pins: DatasetPins | None = None) -> None:
+        """Releases the pin on shard ``i`` that ``pins`` (else this object) holds, if any."""
+        (pins or self._pins).release(i)
 
     def unpin_all(self) -> None:
-        """Releases every pin this object holds."""
+        """Releases every pin this object holds (not those of its ``new_pins()`` holders)."""
         self._pins.release_all()
 
     def is_pinned(self, name: str) -> bool:
@@ -615,13 +627,17 @@ class DatasetCache:
         return self._transport
 
     def acquire(self, i: int, *, cancel: threading.Event | None = None,
-                on_bytes: Callable[[int], None] | None = None) -> tuple[str, bool]:
-        """Pins shard i and makes sure it is published. Returns (local path, downloaded here?)."""
-        self.pin(i)
+                on_bytes: Callable[[int], None] | None = None,
+                pins: DatasetPins | None = None) -> tuple[str, bool]:
+        """Pins shard i (through ``pins``, else this object) and makes sure it is published.
+
+        Returns (local path, downloaded here?).
+        """
+        self.pin(i, pins)
         try:
             return self.ensure(i, cancel=cancel, on_bytes=on_bytes)
         except BaseException:
-            self.unpin(i)
+            self.unpin(i, pins)
             raise
 
     def ensure(self, i: int, *, cancel: threading.Event | None = None,

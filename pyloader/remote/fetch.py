@@ -249,6 +249,7 @@ class ShardFetcher:
         if not isinstance(jobs, int) or jobs < 1:
             raise ValueError("jobs must be a positive int")
         self.dcache = dcache
+        self.pins = dcache.new_pins()  # this fetcher's own pins: closing it drops only these (NOTE [cache pins])
         self.shards = shards
         self.on_done = on_done
         self.budget = budget
@@ -384,7 +385,7 @@ class ShardFetcher:
         self._stop.set()
         self._drop_queue()
         if self.shards is not None:
-            self.dcache.unpin_all()
+            self.pins.release_all()
         with self._cv:
             self._cv.notify_all()
 
@@ -452,7 +453,7 @@ class ShardFetcher:
                 break
             if not self.shards.unload(j, True):
                 continue  # a worker reads it now
-            self.dcache.unpin(j)
+            self.pins.release(j)
             self._held.drop(j)
             self._state[j] = _IDLE
             self._idle.pop(j, None)
@@ -467,7 +468,7 @@ class ShardFetcher:
                 continue
             if not self.shards.unload(j):
                 continue  # a batch needs it again: no longer idle
-            self.dcache.unpin(j)
+            self.pins.release(j)
             self._held.drop(j)
             self._state[j] = _IDLE
             self.unloads += 1
@@ -561,7 +562,7 @@ class ShardFetcher:
                 if heal is not None:  # See NOTE [self-healing]: drop the bad copy, then fetch it again
                     discard(self.dcache, i, reason=heal)
                     self.heals += 1
-                path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes)
+                path, fetched = self.dcache.acquire(i, cancel=self._stop, on_bytes=on_bytes, pins=self.pins)
             else:
                 path, fetched = self.dcache.ensure(i, cancel=self._stop, on_bytes=on_bytes)
             if fetched:
@@ -572,7 +573,7 @@ class ShardFetcher:
             if self.shards is not None:
                 self.shards.mark_ready(i, path)
                 if self._stop.is_set():
-                    self.dcache.unpin(i)  # closed meanwhile: hold nothing
+                    self.pins.release(i)  # closed meanwhile: hold nothing
         except BaseException as e:
             if self._room_wait(i, e):
                 return

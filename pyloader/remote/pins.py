@@ -20,7 +20,11 @@ the path still names the file it locked. Should a mapped file be unlinked anyway
 copy removed by ``discard`` or ``pyloader cache verify``, or locks that do nothing), a
 process that has it mapped keeps reading the same inode safely; its disk space is freed
 only when the last mapping goes. LRU order is the shard file's mtime, refreshed each
-time a reader pins it.
+time a reader pins it (``os.utime`` without following a link). Within a process each
+reader -- each fetcher, so a dataset read directly and as a Mixture source counts twice --
+holds its pins through a ``DatasetPins`` of its own (``DatasetCache.new_pins``), counted
+per byte by the ``_PinFile``: closing one reader drops its pins only, never a shard
+another reader of the same dataset still pins.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ and in the pinning process itself, not inherited across fork."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -298,3 +299,31 @@ def test_clear_keeps_the_pin_file_while_pinned_and_a_pinner_follows_a_new_one(tm
     assert ShardCache(cache_dir).stats()["pinned_shards"] == 1
     assert ShardCache(cache_dir).evict(to_bytes=0)[1][0].name == dd.names[3]
     dd.unpin_all()
+
+
+@pytest.mark.timeout(120)
+def test_closing_one_reader_keeps_another_readers_pins(srv_root, server, cache_dir):
+    """One dataset in two Mixtures: two fetchers over one DatasetCache.
+
+    Dropping the first mixture (its fetcher closes) must leave every shard the second holds
+    pinned, so `pyloader cache evict` (another process) removes none of them while the
+    second reads on (NOTE [cache pins]).
+    """
+    ds = pyloader.ShardDataset(server.url + "/ds", cache_dir=cache_dir)
+    keep = pyloader.Mixture([ds])
+    kept = keep.batches(16)
+    first = next(kept)
+    gone = pyloader.Mixture([ds])
+    it = gone.batches(16)
+    next(it)
+    held = ShardCache(cache_dir).stats()["pinned_shards"]
+    assert held > 0
+    it.close()
+    del it, gone
+    gc.collect()  # the first mixture's fetcher closes and drops its pins
+    assert ShardCache(cache_dir).stats()["pinned_shards"] > 0  # the other mixture's pins stand
+    r = _evict_cli(cache_dir)
+    assert r["in_use_skipped"] > 0
+    got = sorted(int(x) for b in [first, *kept] for x in b["label"])
+    assert got == list(range(N_RECORDS))  # read to the end, no shard deleted under it
+    kept.close()

@@ -121,18 +121,41 @@ def working_set(shard_idx: np.ndarray | Sequence[int], sizes: np.ndarray, horizo
 # From the median shard size: ceil(FETCH_IN_FLIGHT / median), at least FETCH_JOBS_MIN and at
 # most FETCH_JOBS_MAX. The host's AIMD window (NOTE [fetch throttling]) still bounds what
 # is in flight when the server pushes back, and a loader's autotune moves the count from
-# there (NOTE [autotune] in pyloader/loader/autotune.py).
+# there (NOTE [autotune] in pyloader/loader/autotune.py). The open-file limit caps it
+# too: each download holds up to 4 descriptors (socket, temp file, lock files), so auto
+# takes no more jobs than the descriptors left under ``ulimit -n`` allow, after what the
+# process has open and a reserve (at least one job).
 FETCH_IN_FLIGHT = 16 << 20
 FETCH_JOBS_MIN = 4
 FETCH_JOBS_MAX = 32
 
 
 def auto_fetch_jobs(sizes: Sequence[int] | np.ndarray) -> int:
-    """The downloads at once for shards of ``sizes`` bytes (NOTE [fetch jobs])."""
+    """The downloads at once for shards of ``sizes`` bytes (NOTE [fetch jobs]), within the open-file limit."""
     if len(sizes) == 0:
-        return FETCH_JOBS_MIN
-    median = max(1, int(np.median(np.asarray(sizes, dtype=np.int64))))
-    return max(FETCH_JOBS_MIN, min(FETCH_JOBS_MAX, -(-FETCH_IN_FLIGHT // median)))
+        jobs = FETCH_JOBS_MIN
+    else:
+        median = max(1, int(np.median(np.asarray(sizes, dtype=np.int64))))
+        jobs = max(FETCH_JOBS_MIN, min(FETCH_JOBS_MAX, -(-FETCH_IN_FLIGHT // median)))
+    return max(1, min(jobs, _jobs_the_fd_limit_allows()))
+
+
+# What a process keeps open besides its downloads, beyond what it has open now: a reader's
+# pin and manifest files, the native set's shard files while they are mapped and checked,
+# torch's and the program's own (NOTE [fetch jobs]).
+_FD_RESERVE = 32
+
+
+def _jobs_the_fd_limit_allows() -> int:
+    """Downloads this process can run at once under ``ulimit -n``: the descriptors left, 4 each."""
+    limit = _nofile_limit()
+    if limit <= 0 or limit >= 1 << 20:
+        return FETCH_JOBS_MAX
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 16
+    return (limit - open_now - _FD_RESERVE) // _fds_per_job()
 
 
 def first_touch_order(shard_idx: Iterable[int] | np.ndarray) -> list[int]:

@@ -327,3 +327,29 @@ def test_closing_one_reader_keeps_another_readers_pins(srv_root, server, cache_d
     got = sorted(int(x) for b in [first, *kept] for x in b["label"])
     assert got == list(range(N_RECORDS))  # read to the end, no shard deleted under it
     kept.close()
+
+
+_LOW_NOFILE_READER = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+import pyloader
+from pyloader.remote.fetch import auto_fetch_jobs
+
+url, cache = sys.argv[1:3]
+ds = pyloader.ShardDataset(url, cache_dir=cache)  # fetch_jobs="auto"
+jobs = auto_fetch_jobs(ds.shard_bytes)
+got = sorted(int(x) for b in ds.batches(16) for x in b["label"])
+print(json.dumps({"jobs": jobs, "labels_ok": got == list(range(len(ds.shard_paths))), "n": len(got)}), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_auto_fetch_jobs_fit_the_open_file_limit(srv_root, server, cache_dir):
+    """1,200 one-record shards (auto would take its maximum, 32 jobs of 4 descriptors) under ``ulimit -n 128``."""
+    write_one_record_shards(os.path.join(srv_root, "many"), 1200)
+    r = subprocess.run([sys.executable, "-c", _LOW_NOFILE_READER, server.url + "/many", cache_dir],
+                       capture_output=True, text=True, env=child_env(ROOT), timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["labels_ok"] and out["n"] == 1200
+    assert 1 <= out["jobs"] < 32 and out["jobs"] * 4 < 128

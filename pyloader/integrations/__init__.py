@@ -9,9 +9,9 @@ Each module imports its framework, so it is imported only when asked for
 
 accelerate needs no module: ``Accelerator.prepare`` keeps a native ``pyloader.DataLoader``
 (NOTE [accelerate keeps a native loader] in ``pyloader/loader/frameworks.py``). Lightning and
-Fabric need none either: both keep the loader and resume it through its ``state_dict`` (a
-loader without a length leaves out the batch Lightning's loop holds ahead of its step:
-NOTE [batches Lightning holds] in ``pyloader/loader/held_batches.py``).
+Fabric need none either: both keep the loader and resume it through its ``state_dict``; under
+Lightning's loop a native loader reads the epoch Lightning runs and leaves out of its state the
+batch Lightning holds ahead of its step (``pyloader/loader/lightning_loop.py``).
 """
 
 __all__ = ["transformers"]  # its modules (pdoc documents the modules named here)

@@ -7,7 +7,7 @@
 | ``core.py`` | ``LoaderCore``: the typed state the rooms share, and what one room calls on another |
 | ``torch_compat.py`` | room: torch's DataLoader attributes and the generic path over any other dataset, with its state (NOTE [generic loader state]) |
 | ``frameworks.py`` | what accelerate finds on a native loader: kept by ``prepare``, checked, seen by its gradient state (NOTE [accelerate keeps a native loader]) |
-| ``held_batches.py`` | the batches Lightning's training loop took from a loader ahead of its step, left out of the loader's state (NOTE [batches Lightning holds]) |
+| ``lightning_loop.py`` | what a native loader reads of Lightning's training loop: the epoch it runs (NOTE [Lightning's epoch]) and the batches it holds ahead of its step (NOTE [batches Lightning holds]) |
 | ``native_epoch.py`` | room: an epoch over a ``PlannedDataset``: threads, prefetch, epoch-ahead (NOTE [epoch ahead]), the order |
 | ``transform_epoch.py`` | room: an epoch through the per-sample transform workers |
 | ``packed_epoch.py`` | room: an epoch of packed rows, and its resumable state |
@@ -22,5 +22,5 @@ Drives datasets through ``pyloader.contract`` (NOTE [dataset contract]), never a
 """
 
 
-__all__ = ["autotune", "buffers", "core", "dataloader", "frameworks", "held_batches", "iterators", "native_epoch",
+__all__ = ["autotune", "buffers", "core", "dataloader", "frameworks", "iterators", "lightning_loop", "native_epoch",
            "options", "packed_epoch", "packing", "state", "torch_compat", "transfer", "transform_epoch"]  # its modules (pdoc documents the modules named here)

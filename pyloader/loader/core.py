@@ -127,6 +127,10 @@ class LoaderCore:
     def _pin_index(self) -> int:  # buffers
         raise NotImplementedError
 
+    def set_epoch(self, epoch: int) -> None:  # dataloader
+        """The next ``iter()`` reads ``epoch`` (``DataLoader.set_epoch``)."""
+        raise NotImplementedError
+
     def _check_pack(self, name: str) -> None:  # packed_epoch
         raise NotImplementedError
 

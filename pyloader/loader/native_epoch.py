@@ -15,6 +15,7 @@ from . import state as _state
 from . import transfer as _transfer
 from .core import LoaderCore
 from .frameworks import EpochMark
+from .lightning_loop import lightning_epoch
 
 # Records per native batch when the loader yields single samples (batch_size=None).
 _SAMPLE_BATCH = 64
@@ -98,6 +99,9 @@ class NativeEpochs(LoaderCore):
 
     def _iter_native(self) -> _it.LoaderIterator:
         ds: PlannedDataset = self.dataset
+        loop_epoch = lightning_epoch(self)  # See NOTE [Lightning's epoch]
+        if loop_epoch is not None and loop_epoch != self._next_epoch:
+            self.set_epoch(loop_epoch)
         epoch = self._next_epoch
         self._next_epoch += 1
         segments, self._resume = self._resume, []

@@ -15,7 +15,7 @@ from . import packing as _packing
 from . import state as _state
 from . import transfer as _transfer
 from .core import LoaderCore
-from .held_batches import held_by_lightning
+from .lightning_loop import held_by_lightning
 
 
 class PackedEpochs(LoaderCore):

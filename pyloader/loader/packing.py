@@ -393,7 +393,7 @@ class PackedStream:
         self._handed += 1
         self._states[self._handed] = item[-1]
         # States from one batch before the caller's count on: a framework may hold the caller's
-        # last batch untrained (NOTE [batches Lightning holds] in held_batches.py).
+        # last batch untrained (NOTE [batches Lightning holds] in lightning_loop.py).
         keep = self.consumed.batches - _STATES_BEHIND if self.consumed is not None else 0
         for k in [k for k in self._states if k < keep]:
             del self._states[k]

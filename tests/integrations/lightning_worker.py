@@ -11,7 +11,9 @@ devices as the job has processes, strategy "ddp" under torchrun) or ``fabric``; 
 (a native ``pyloader.DataLoader``), ``pack`` (``pack=PackSpec(...)``, through the copy engine) or ``torch``
 (torch's DataLoader over the same ShardDataset: the per-sample path); ``full`` (two
 uninterrupted epochs), ``stop`` (a checkpoint after STOP_AT steps of epoch 1, then the job
-stops) or ``resume`` (a fresh job: the checkpoint, then the rest).
+stops; ModelCheckpoint also writes one at each epoch's end), ``resume`` (a fresh job: the
+checkpoint of step STOP_AT, then the rest) or ``epochend`` (a fresh Trainer job from the
+checkpoint of epoch 0's end).
 """
 
 from __future__ import annotations
@@ -96,13 +98,16 @@ def run_trainer(data: str, run: str, a: argparse.Namespace, out: dict[str, Any])
                 trainer.should_stop = True
 
     ckpt = os.path.join(a.out, f"trainer-{data}.ckpt")
+    ends = os.path.join(a.out, f"trainer-{data}-ends")  # ModelCheckpoint's, at each epoch's end
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    callbacks = [StopAt(), pl.callbacks.ModelCheckpoint(ends, filename="{epoch}", save_top_k=-1)] if run == "stop" else []
     trainer = pl.Trainer(
         max_epochs=EPOCHS, accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[StopAt()] if run == "stop" else [])
+        logger=False, enable_checkpointing=run == "stop", enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=callbacks)
     model = Recorder()
-    trainer.fit(model, ckpt_path=ckpt if run == "resume" else None)
+    path = {"resume": ckpt, "epochend": os.path.join(ends, "epoch=0.ckpt")}.get(run)
+    trainer.fit(model, ckpt_path=path)
     out.update(epochs=model.seen, native_batches=native_batches(model.loader),
                iterated=type(trainer.train_dataloader).__name__, global_step=trainer.global_step)
 

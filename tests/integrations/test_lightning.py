@@ -67,10 +67,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     t0 = time.monotonic()
     run_job("lightning_worker.py", 0, [data, outs[1], "trainer-vec-full", "trainer-vec-stop", "trainer-pack-full",
                                        "trainer-pack-stop", "trainer-torch-full"], tmp)
-    run_job("lightning_worker.py", 0, [data, outs[1], "trainer-vec-resume", "trainer-pack-resume"], tmp)
+    run_job("lightning_worker.py", 0, [data, outs[1], "trainer-vec-resume", "trainer-vec-epochend",
+                                       "trainer-pack-resume"], tmp)
     run_job("lightning_worker.py", 2, [data, outs[2], "trainer-vec-full", "trainer-vec-stop", "fabric-vec-full",
                                        "fabric-vec-stop"], tmp)
-    run_job("lightning_worker.py", 2, [data, outs[2], "trainer-vec-resume", "fabric-vec-resume"], tmp)
+    run_job("lightning_worker.py", 2, [data, outs[2], "trainer-vec-resume", "trainer-vec-epochend",
+                                       "fabric-vec-resume"], tmp)
     print(f"lightning jobs: {time.monotonic() - t0:.1f} s")
     return outs
 
@@ -130,6 +132,18 @@ def test_trainer_epochs_are_the_loaders(runs, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_trainer_resumes_mid_epoch(runs, world):
     check_resumed(runs, world, "trainer-vec")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer_resumes_at_an_epochs_end(runs, world):
+    """From ModelCheckpoint's checkpoint of epoch 0's end the next epoch is the uninterrupted epoch 1.
+
+    Lightning loads no loader state there: the loader takes Lightning's epoch (NOTE [Lightning's epoch]).
+    """
+    for rank in range(world):
+        assert epochs(result(runs, world, "trainer-vec-epochend", rank)) == {
+            1: epochs(result(runs, world, "trainer-vec-full", rank))[1]}
 
 
 @pytest.mark.timeout(300)

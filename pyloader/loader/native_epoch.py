@@ -130,7 +130,7 @@ class NativeEpochs(LoaderCore):
             else:
                 src = ds.batches(native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads,
                                  prefetch=self._prefetch, pool=pool)
-        src.timeout = float(self.timeout)
+        src.timeout = self.timeout  # as given: messages print it as torch does (See NOTE [timeout message])
         src.on_finish = self._keep_stats
         consumed = _it.ConsumedCount()
         length = len(src)
@@ -279,7 +279,7 @@ class NativeEpochs(LoaderCore):
 def _last_global_rows(records: int, world: int, partition: str, batches: int, batch_size: int, drop_last: bool) -> int:
     """The real samples of an epoch's last batch over all ranks, for accelerate's ``gather_for_metrics`` (-1: unknown).
 
-    NOTE [accelerate keeps a native loader]: accelerate gathers each rank's last batch in
+    See NOTE [accelerate keeps a native loader]. accelerate gathers each rank's last batch in
     rank order and keeps the first ``remainder`` rows. partition="pad" puts its repeats at
     the end of the last rank's block (``pyloader.read.order.partition``), so they are the
     last rows of the gathered batch when they fit in the last rank's last batch.

@@ -410,4 +410,4 @@ class UnitDataset(PlannedDataset):
         return out
 
 
-__all__ = ["RemoteOptions", "UnitDataset", "node_readers", "resolve_rank"]
+__all__ = ["PLAN_BYTES_PER_SAMPLE", "RemoteOptions", "UnitDataset", "node_readers", "physical_memory", "resolve_rank"]

@@ -6,6 +6,7 @@
 | ``transport.py`` | how a download's bytes move: the native libcurl client for ``http(s)://`` and ``s3://`` (presigned), fsspec for the rest (NOTE [transport choice]) |
 | ``throttle.py`` | per-host request limits: one adaptive window of requests in flight per host (``HostLimiter``; NOTE [fetch throttling]) |
 | ``locks.py`` | lock files: ``open_lockfile`` / ``close_lockfile`` (closed in a forked child: NOTE [lock files across fork]), flock with a timeout (``Flock``), OFD byte locks, the node-wide ``SpaceLock`` |
+| ``names.py`` | the file names the cache keeps for a shard: its cached copy (``shard_cache_name``) and its download lock (``lock_file_name``), each one component within NAME_MAX (NOTE [cache paths]) |
 | ``pins.py`` | pins: one byte of a dataset's ``pins.lock`` per shard a process may have mapped (``DatasetPins``; NOTE [cache pins]) |
 | ``temps.py`` | temp files of downloads: their names and owners, which writers are gone, reclaiming them, removal at SIGTERM (NOTE [temps at SIGTERM]) |
 | ``cache.py`` | the node cache: paths (NOTE [cache paths]), publish (NOTE [cache publish]), limits and LRU eviction |
@@ -23,5 +24,5 @@ Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli
 """
 
 
-__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest",
+__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest", "names",
            "pending_files", "pins", "room", "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)

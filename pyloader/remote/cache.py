@@ -83,11 +83,9 @@ import errno
 import fcntl
 import mmap
 import os
-import re
 import stat
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +99,8 @@ from ..format.spec import MANIFEST_NAME, parse_manifest
 from . import temps
 from .fs import FetchError, RetryPolicy, with_retries
 from .index import CacheIndex, index_for
-from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, lock_file_name, open_lockfile, try_flock
+from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
+from .names import lock_file_name, shard_cache_name
 from .pins import PINS_FILE, DatasetPins, evict_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
 from .transport import Transport, transport_for
@@ -170,30 +169,6 @@ def _real_dir(path: str) -> None:
         raise cache_error(errno.ENOTDIR, f"{path} is {what}: "
                            "pyloader keeps its cache in real directories only; remove it "
                            "(and check who can write to the cache directory: docs/security.md)")
-
-
-_NAME_MAX = 255
-
-
-def shard_cache_name(path: str, digest: str) -> str:
-    """The cached file name of shard ``path`` whose manifest checksum is ``digest`` (NOTE [cache paths]).
-
-    Raises ValueError unless the result is one file-name component.
-    """
-    q = _quote(path)
-    if len(q) + 17 > _NAME_MAX:
-        q = f"{q[:160]}~{_C.xxh64(path.encode('utf-8')):016x}"
-    name = f"{q}.{digest}"
-    if "/" in name or "\0" in name or name in (".", "..") or len(name.encode("utf-8")) > _NAME_MAX:
-        raise ValueError(f"shard {path!r}: its cache name {name!r} is not one file-name component")
-    return name
-
-
-_PLAIN = re.compile(r"[A-Za-z0-9_.~-]+")  # what quote(safe="") leaves as it is
-
-
-def _quote(path: str) -> str:
-    return path if _PLAIN.fullmatch(path) else urllib.parse.quote(path, safe="")
 
 
 class _TempLost(Exception):
@@ -537,19 +512,11 @@ class DatasetCache:
 
     # -- pins (NOTE [cache pins]) --------------------------------------------------------
     def new_pins(self) -> DatasetPins:
-        """A holder of pins of its own, for one reader (a fetcher).
-
-        Its ``release_all`` drops only its own pins: two fetchers of one dataset (a
-        ShardDataset read directly and in a Mixture) do not unpin each other's shards
-        (NOTE [cache pins]).
-        """
+        """A holder of pins of one reader (a fetcher): its ``release_all`` drops its own only (NOTE [cache pins])."""
         return DatasetPins(self._pins_path)
 
     def pin(self, i: int, pins: DatasetPins | None = None) -> None:
-        """Pins shard ``i`` (a read lock on its byte of ``pins.lock``) until ``unpin`` or process exit.
-
-        Through ``pins`` (a ``new_pins()`` holder), else this object's own.
-        """
+        """Pins shard ``i`` through ``pins`` (else this object) until ``unpin`` or process exit (NOTE [cache pins])."""
         if not (pins or self._pins).hold(i, self.names[i]):
             return  # this holder pins it already
         try:
@@ -629,10 +596,7 @@ class DatasetCache:
     def acquire(self, i: int, *, cancel: threading.Event | None = None,
                 on_bytes: Callable[[int], None] | None = None,
                 pins: DatasetPins | None = None) -> tuple[str, bool]:
-        """Pins shard i (through ``pins``, else this object) and makes sure it is published.
-
-        Returns (local path, downloaded here?).
-        """
+        """Pins shard i (through ``pins``, else this object), publishes it: (local path, downloaded here?)."""
         self.pin(i, pins)
         try:
             return self.ensure(i, cancel=cancel, on_bytes=on_bytes)

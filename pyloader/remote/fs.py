@@ -156,6 +156,14 @@ class RetryPolicy:
         return self.delay(max(streak - 1, 0), None)
 
 
+class _LocalWriteError(OSError):
+    """A download's bytes could not be written to the local file (no space, a file-size limit).
+
+    Not the server's failure: it is neither retried nor reported as a fetch error; the
+    cache reports it as a ``CacheError`` naming the cache.
+    """
+
+
 # -- classifying failures (NOTE [fetch retries]) -------------------------------------------
 class _ShortBody(Exception):
     """The body ended before the manifest's size: a truncated transfer (transient)."""
@@ -347,7 +355,7 @@ def with_retries(fn: Callable[[], _T], policy: RetryPolicy, *, what: str, url: s
             raise cancelled() from last
         except _ThrottleExpired:
             raise throttle_error(limiter.streak_seconds()) from last
-        except (FetchError, KeyboardInterrupt):
+        except (FetchError, _LocalWriteError, KeyboardInterrupt):
             raise
         except Exception as e:
             last = e
@@ -560,7 +568,10 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
                                    "dataset to read the new manifest", url, shard)
             view = memoryview(data)
             while view:
-                n = os.write(fd, view)
+                try:
+                    n = os.write(fd, view)
+                except OSError as e:
+                    raise _LocalWriteError(e.errno, e.strerror) from None
                 view = view[n:]
             if on_bytes is not None:
                 on_bytes(len(data))

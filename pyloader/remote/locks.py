@@ -16,11 +16,9 @@ import struct
 import threading
 import time
 
-import pyloader._C as _C
-
 from ..errors import CacheError
 
-__all__ = ["LOCK_POLL_S", "NO_LOCKS", "Flock", "SpaceLock", "byte_held", "byte_lock", "cache_error", "lock_file_name",
+__all__ = ["LOCK_POLL_S", "NO_LOCKS", "Flock", "SpaceLock", "byte_held", "byte_lock", "cache_error",
            "close_lockfile", "open_lockfile", "same_file", "try_flock"]
 
 LOCK_POLL_S = 0.02
@@ -49,18 +47,6 @@ def cache_error(err: int, message: str, shard: str | None = None) -> CacheError:
 # not know of -- with 3 threads locking in a loop, 4 of 5 forks inherited one.
 _LOCK_FDS: set[int] = set()
 _LOCK_FDS_MU = threading.Lock()
-
-
-def lock_file_name(name: str) -> str:
-    """The file name of the download lock of shard file ``name``: ``<name>.lock``, within NAME_MAX.
-
-    A shard name may take all of a file name's 255 bytes (NOTE [cache paths] in
-    ``pyloader/remote/cache.py``); its lock then keeps the first 160 characters and adds
-    ``~`` and the XXH64 of the whole name, as the shard name does for a long path.
-    """
-    if len(os.fsencode(name)) + 5 <= 255:
-        return name + ".lock"
-    return f"{name[:160]}~{_C.xxh64(name.encode('utf-8')):016x}.lock"
 
 
 def open_lockfile(path: str) -> int | None:

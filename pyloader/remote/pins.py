@@ -46,11 +46,11 @@ from .locks import (
     byte_lock,
     cache_error,
     close_lockfile,
-    lock_file_name,
     open_lockfile,
     same_file,
     try_flock,
 )
+from .names import lock_file_name
 
 __all__ = ["PINS_FILE", "DatasetPins", "evict_unpinned", "lock_unpinned", "pin_offset"]
 

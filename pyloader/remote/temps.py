@@ -20,7 +20,8 @@ import uuid
 import pyloader._C as _C
 
 from ..format.owner import owner, owner_gone, pid_alive
-from .locks import close_lockfile, lock_file_name, open_lockfile, try_flock
+from .locks import close_lockfile, open_lockfile, try_flock
+from .names import lock_file_name
 
 __all__ = ["STALE_TEMP_S", "clean_stale", "new_temp_name", "reclaim_temps", "remove_temps_at_sigterm",
            "temp_files", "temp_is_stale", "temp_stem", "track_temp", "untrack_temp"]

@@ -39,7 +39,16 @@ from urllib.parse import quote
 import pyloader._C as _C
 
 from ..errors import FetchError, RemoteChangedError
-from .fs import _HTTP_CHUNK, _OTHER_CHUNK, _fetch_error, _ShortBody, download_into, filesystem, is_throttle
+from .fs import (
+    _HTTP_CHUNK,
+    _OTHER_CHUNK,
+    _fetch_error,
+    _LocalWriteError,
+    _ShortBody,
+    download_into,
+    filesystem,
+    is_throttle,
+)
 
 TRANSPORTS = ("auto", "native", "fsspec")
 RANGE_MIN = 64 << 20  # objects at least this big are fetched as parallel ranged GETs
@@ -248,7 +257,7 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
         raise _changed(url, shard, size, None)
     for p in ended:
         if p["write_errno"]:
-            raise OSError(p["write_errno"], os.strerror(p["write_errno"]))
+            raise _LocalWriteError(p["write_errno"], os.strerror(p["write_errno"]))
     for p in ended:
         if p["curl_code"] == 0 and not 200 <= p["status"] <= 299:
             raise _HttpStatus(p["status"], p["retry_after"], p["error_body"], p["bucket_region"])

@@ -16,7 +16,7 @@ import pyloader
 import pyloader._C as _C
 from pyloader.format.spec import dump_manifest
 from pyloader.remote.cache import shard_cache_name
-from pyloader.remote.locks import lock_file_name
+from pyloader.remote.names import lock_file_name
 
 
 def long_path(target: int) -> str:

@@ -321,8 +321,8 @@ def test_remote_dataset_with_auto_threads(server, cache_dir) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_cached_copy_that_vanishes_again_is_fetched_again(server, cache_dir, monkeypatch):
-    """NOTE [self-healing]: a copy removed after it was published (another process's eviction
-    or ``cache clear``) is no sign of a bad source: it is fetched again each time, not only once."""
+    """A copy removed after it was published (another process's eviction or ``cache clear``) is
+    no sign of a bad source: it is fetched again each time, not only once (See NOTE [self-healing])."""
     victim = 2
     removed: list[str] = []
 

@@ -71,6 +71,9 @@ _S3_KEYS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "
             "profile"}
 _S3_CLIENT_KEYS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
                    "aws_session_token", "verify"}
+# botocore Config keys that only shape the presigned URL (the download itself is libcurl's):
+# any other (proxies, timeouts, retries, pools) would be silently ignored, so it goes to fsspec.
+_S3_CONFIG_KEYS = {"signature_version", "s3", "region_name"}
 
 
 def transport_setting() -> str:
@@ -176,8 +179,11 @@ class NativeTransport:
         self._opts = opts
         self._presigner = _S3Presigner(opts) if self.proto in ("s3", "s3a") else None
         self.ranges = True  # False once the server answered a ranged GET with the whole object
-        # A CA bundle named the way Python's and AWS's clients are told of one (libcurl reads no variable).
-        self.ca_file = next((v for k in _CA_VARIABLES if (v := os.environ.get(k, ""))), "")
+        # A CA bundle named the way Python's and AWS's clients are told of one (libcurl reads no variable):
+        # s3fs's client_kwargs["verify"] path first, as botocore would use it.
+        verify = (opts.get("client_kwargs") or {}).get("verify")
+        self.ca_file = verify if isinstance(verify, str) and verify else \
+            next((v for k in _CA_VARIABLES if (v := os.environ.get(k, ""))), "")
 
     def target(self, key: str) -> str:
         """The HTTP(S) URL that the GET of object ``key`` (relative to the dataset) goes to."""
@@ -333,8 +339,13 @@ def native_unsupported(url: str, storage_options: dict[str, Any] | None) -> str 
         return None
     extra = sorted(set(opts) - _S3_KEYS)
     client_extra = sorted(set(opts.get("client_kwargs") or {}) - _S3_CLIENT_KEYS)
-    if extra or client_extra:
-        return f"storage_options {extra + client_extra} are s3fs settings the native transport does not translate"
+    config_extra = sorted(f"config_kwargs[{k!r}]" for k in set(opts.get("config_kwargs") or {}) - _S3_CONFIG_KEYS)
+    if extra or client_extra or config_extra:
+        return (f"storage_options {extra + client_extra + config_extra} are s3fs settings the native transport "
+                "does not translate")
+    verify = (opts.get("client_kwargs") or {}).get("verify")
+    if verify is not None and not (isinstance(verify, str) and verify) and verify is not True:
+        return "client_kwargs['verify'] turns TLS verification off, which the native transport never does"
     try:
         import botocore  # noqa: F401
     except ImportError:

@@ -77,6 +77,17 @@ def test_the_choice_follows_the_url_options_and_setting(server, monkeypatch):
     assert tr.transport_for(server.url + "/ds", {"client_kwargs": {"trust_env": True}}, stall_timeout=1).name == \
         "fsspec"
     assert tr.transport_for("memory://ds", None, stall_timeout=1).name == "fsspec"
+    # s3fs options: a CA bundle in client_kwargs["verify"] reaches libcurl; verification off, or a
+    # botocore Config the download would ignore (proxies, timeouts), goes through fsspec.
+    s3 = {"key": "k", "secret": "s"}
+    t = tr.transport_for("s3://bucket/ds", {**s3, "client_kwargs": {"verify": "/etc/my-ca.pem"}}, stall_timeout=1)
+    assert t.name == "native" and isinstance(t, tr.NativeTransport) and t.ca_file == "/etc/my-ca.pem"
+    assert tr.transport_for("s3://bucket/ds", {**s3, "client_kwargs": {"verify": False}}, stall_timeout=1).name == \
+        "fsspec"
+    assert tr.transport_for("s3://bucket/ds", {**s3, "config_kwargs": {"proxies": {"https": "p:1"}}},
+                            stall_timeout=1).name == "fsspec"
+    assert tr.transport_for("s3://bucket/ds", {**s3, "config_kwargs": {"signature_version": "s3v4"}},
+                            stall_timeout=1).name == "native"
     monkeypatch.setenv("PYLOADER_TRANSPORT", "fsspec")
     assert tr.transport_for(server.url + "/ds", None, stall_timeout=1).name == "fsspec"
     monkeypatch.setenv("PYLOADER_TRANSPORT", "native")

@@ -208,11 +208,15 @@ def check_callable(name: str, value: Any) -> Callable[..., Any] | None:
 
 
 def check_seconds(name: str, value: object) -> float:
-    """A finite non-negative number of seconds (0: no limit)."""
+    """A finite non-negative number of seconds (0: no limit), kept as given.
+
+    An int (a numpy integer too) stays a Python int, another real number becomes a float.
+    Messages print it as given, as torch's do: "after 2 seconds", not "2.0" (See NOTE [timeout message]).
+    """
     if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
             or not math.isfinite(float(value)) or float(value) < 0):
         raise ValueError(f"{name} option should be non-negative")
-    return float(value)
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 # -- the epoch order -----------------------------------------------------------------------

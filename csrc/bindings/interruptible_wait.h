@@ -16,7 +16,9 @@ constexpr int64_t kSignalPollMs = 50;
 
 // Calls slice(kSignalPollMs) without the GIL until it returns true, running Python signal
 // handlers (Ctrl-C) between slices. After `timeout` seconds (when > 0) raises
-// LoaderError(kTimeout): "<what> within the timeout of <timeout> s".
+// LoaderError(kTimeout): "<what> within the timeout of <timeout> s". The streams that take a
+// DataLoader's timeout word it in torch's words where they catch it (See NOTE [timeout message]
+// in pyloader/errors.py).
 template <typename Slice>
 void wait_interruptibly(Slice&& slice, double timeout, const char* what) {
   auto start = std::chrono::steady_clock::now();

@@ -8,6 +8,13 @@ torch lets code assign some of those attributes after construction (``num_worker
 ``timeout``...): such an assignment is checked by the same rules, as it builds the next
 options object with ``replace`` (``TorchCompat.__setattr__``); the loader's public attributes
 always hold the values of its current options.
+
+torch's own arguments come first, in torch's order (``num_workers``, ``timeout``,
+``prefetch_factor``, ``persistent_workers``, then the rest), with torch's messages, and
+accept what torch accepts (``shuffle``: any truth value). The checks torch makes with the
+dataset and the samplers (``sampler`` with ``shuffle``, an ``IterableDataset`` with
+``shuffle``...) are torch's own on the generic path, given the arguments as the caller wrote
+them (``TorchCompat._init_torch``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import torch
 
 from ..contract import (
     DEFAULTS,
-    check_bool,
     check_callable,
     check_choice,
     check_count,
@@ -82,11 +88,6 @@ class LoaderOptions:
         if self.num_workers != "auto":  # See NOTE [autotune]: "auto" is checked with the dataset
             put(self, "num_workers", check_count("num_workers", self.num_workers))
         workers = 1 if self.num_workers == "auto" else self.num_workers
-        bs = self.batch_size
-        put(self, "batch_size", None if bs is None else check_count("batch_size", bs))
-        put(self, "shuffle", check_bool("shuffle", self.shuffle, optional=True))
-        put(self, "drop_last", bool(self.drop_last))
-        put(self, "pin_memory", bool(self.pin_memory))
         put(self, "timeout", check_seconds("timeout", self.timeout))
         if workers == 0 and self.prefetch_factor is not None:
             raise ValueError("prefetch_factor option could only be specified in multiprocessing."
@@ -94,6 +95,14 @@ class LoaderOptions:
         put(self, "prefetch_factor", check_int("prefetch_factor", self.prefetch_factor))
         if self.persistent_workers and workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
+        # torch's rule: any truth value (its ``bool(shuffle)``); None is "unspecified" (on the
+        # native path: the dataset's own setting). torch's checks of shuffle with a sampler or
+        # an IterableDataset see the value as given, on the generic path.
+        put(self, "shuffle", None if self.shuffle is None else bool(self.shuffle))
+        bs = self.batch_size
+        put(self, "batch_size", None if bs is None else check_count("batch_size", bs))
+        put(self, "drop_last", bool(self.drop_last))
+        put(self, "pin_memory", bool(self.pin_memory))
         put(self, "device_prefetch", check_count("device_prefetch", self.device_prefetch))
         pin_device_index(self.pin_memory_device)
         put(self, "device", _transfer.resolve_device(self.device))

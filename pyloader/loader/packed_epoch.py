@@ -63,7 +63,7 @@ class PackedEpochs(LoaderCore):
             docs.close()
             raise
         src = _packing.PackedStream(docs, packer, spec, entry, rows_before)
-        src.timeout = float(self.timeout)
+        src.timeout = self.timeout  # as given: messages print it as torch does (See NOTE [timeout message])
         src.on_finish = self._keep_stats
         consumed = _it.ConsumedCount()
         src.consumed = consumed

@@ -383,7 +383,7 @@ class PackedStream:
         try:
             item = fn(self.timeout)
         except LoaderTimeoutError as e:
-            raise self._docs._timeout_error(e) from None
+            raise self._docs._timeout_error(e, self.timeout, "no packed batch arrived") from None
         if item is None:
             self._ended = True
             if self._end is None:

@@ -76,7 +76,7 @@ class TransformEpochs(LoaderCore):
             src.extra["executor_choice"] = lambda: dict(choice.report)
         if tune is not None:
             src.extra["autotune"] = lambda: tune.report(choice.executor if choice is not None else self.executor)
-        src.timeout = float(self.timeout)
+        src.timeout = self.timeout  # as given: messages print it as torch does (See NOTE [timeout message])
 
         def finish(stats: dict[str, Any]) -> None:
             self._keep_stats(stats)

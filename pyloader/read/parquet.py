@@ -651,7 +651,7 @@ class ParquetBatchIterator:
             batch = fut.result(timeout=self.timeout or None)
         except FuturesTimeout:
             self.close()
-            raise LoaderTimeoutError(f"no batch arrived within the timeout of {self.timeout} s") from None
+            raise LoaderTimeoutError.after(self.timeout, "no batch arrived") from None
         except BaseException:
             self.close()
             raise

@@ -262,7 +262,7 @@ class BatchIterator:
         while True:
             left = self.timeout - (time.perf_counter() - start) if self.timeout else None
             if left is not None and left <= 0:
-                raise LoaderTimeoutError(f"no batch arrived within the timeout of {self.timeout} s")
+                raise LoaderTimeoutError("no batch arrived")  # worded by _timeout_error
             try:
                 return fn(_TUNE_SLICE_S if left is None else max(1e-3, min(_TUNE_SLICE_S, left)))
             except LoaderTimeoutError:
@@ -274,12 +274,16 @@ class BatchIterator:
                 return _shard_error_with_fix(e, manifest_path(source.root))
         return e
 
-    def _timeout_error(self, e: LoaderTimeoutError) -> LoaderTimeoutError:
-        """``e`` with what the readers wait on: the shards, their URLs and the bytes arrived."""
+    def _timeout_error(self, e: LoaderTimeoutError, seconds: float | None = None,
+                       what: str = "no batch arrived") -> LoaderTimeoutError:
+        """The timeout ``e`` in torch's words, then what the readers wait on: shards, URLs, bytes arrived.
+
+        ``seconds``: the timeout of the stream that waited (this one's by default); ``what``:
+        what did not arrive. See NOTE [timeout message].
+        """
         waiting = self._fetcher.describe_waiting() if self._fetcher is not None else ""
-        if not waiting:
-            return e
-        out = LoaderTimeoutError(f"{e}; waiting for {waiting}")
+        out = LoaderTimeoutError.after(self.timeout if seconds is None else seconds,
+                                       f"{what}; waiting for {waiting}" if waiting else what)
         out.shard = e.shard
         return out
 

@@ -170,8 +170,8 @@ class ProcessTransformStream(TransformStream):
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise LoaderTimeoutError(f"no transformed batch within timeout={self.timeout} s (batch {k}, "
-                                                 f"transform worker {k % self._workers_n})")
+                        raise LoaderTimeoutError.after(self.timeout, f"no transformed batch arrived (batch {k}, "
+                                                                     f"transform worker {k % self._workers_n})")
                     wait = min(wait, left)
                 self._pump(wait)
         finally:

@@ -251,8 +251,8 @@ class ThreadTransformStream(TransformStream):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._stats.wait_ns += time.perf_counter_ns() - t0
-                    raise LoaderTimeoutError(f"no transformed batch within timeout={self.timeout} s (batch {k}; "
-                                             f"{len(self._threads)} transform threads)")
+                    raise LoaderTimeoutError.after(self.timeout, f"no transformed batch arrived (batch {k}; "
+                                                                 f"{len(self._threads)} transform threads)")
                 self._cv.wait(left)
             if not ended:
                 item = self._results.pop(k)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -395,6 +396,8 @@ def test_native_timeout_raises_loader_timeout_error(shards, kwargs: dict[str, An
         next(iter(loader))
     waited = time.monotonic() - start
     assert isinstance(info.value, RuntimeError)
+    # torch's words first (See NOTE [timeout message]), then what pyloader waited for.
+    assert str(info.value).startswith("DataLoader timed out after 0.3 seconds: no batch arrived"), str(info.value)
     assert 0.25 <= waited < 10, f"raised after {waited:.2f} s for a timeout of 0.3 s"
     # Once the shards arrive, the next epoch reads everything.
     for i, p in enumerate(ds.shard_paths):
@@ -406,6 +409,18 @@ def test_native_timeout_raises_loader_timeout_error(shards, kwargs: dict[str, An
         assert [int(s["label"]) for b in got for s in b] == list(range(N))
     else:
         assert_same(got, torch_read(shard_ds(shards), batch_size=4))
+
+
+@pytest.mark.timeout(60)
+def test_native_timeout_in_seconds_as_torch_prints_them(shards) -> None:
+    """An int timeout is printed as torch prints it ("after 1 seconds", not "1.0" nor
+    "1.000000 s"): torch's own test_timeout matches an integer there."""
+    loader = pyloader.DataLoader(_stalled(shards), batch_size=4, timeout=1)
+    assert loader.timeout == 1 and type(loader.timeout) is int
+    with pytest.raises(pyloader.LoaderTimeoutError) as info:
+        next(iter(loader))
+    assert re.match(r"DataLoader timed out after \d+ seconds", str(info.value)), str(info.value)
+    assert str(info.value).startswith("DataLoader timed out after 1 seconds: no batch arrived"), str(info.value)
 
 
 # --- native path: staging state, pin_memory without a driver, argument checks -----------------
@@ -934,16 +949,18 @@ class _Stalls(tud.Dataset):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [0.3, 1])
 @pytest.mark.parametrize("staging", STAGINGS)
-def test_generic_timeout_matches_torch(staging: dict[str, Any]) -> None:
+def test_generic_timeout_matches_torch(staging: dict[str, Any], timeout: float) -> None:
     """torch raises RuntimeError when a worker takes longer than ``timeout``: pyloader's
-    generic path must too, after the batches that did arrive. (The native path's timeout
-    is tested on a stalled ShardDataset above.)"""
+    generic path must too, after the batches that did arrive, with torch's message (an int
+    timeout printed as an int: "after 1 seconds"). (The native path's timeout is tested on a
+    stalled ShardDataset above.)"""
     ctx = multiprocessing.get_context("fork")
     outcomes = []
     for cls, extra in ((tud.DataLoader, {}), (pyloader.DataLoader, staging)):
         release = ctx.Event()
-        it = iter(cls(_Stalls(2, release), batch_size=2, num_workers=1, timeout=0.3, **extra))
+        it = iter(cls(_Stalls(2, release), batch_size=2, num_workers=1, timeout=timeout, **extra))
         workers = _torch_iterators(it)
         error: _Raised | None = None
         start = time.monotonic()
@@ -962,8 +979,8 @@ def test_generic_timeout_matches_torch(staging: dict[str, Any]) -> None:
     assert want_error is not None and error is not None
     assert_same(got, want)
     assert error.type is want_error.type and issubclass(error.type, RuntimeError)
-    assert error.message == want_error.message and "timed out after 0.3 seconds" in error.message
-    assert 0.25 <= waited < 10
+    assert error.message == want_error.message and f"timed out after {timeout} seconds" in error.message
+    assert timeout - 0.05 <= waited < 10
 
 
 class _Pids(tud.Dataset):

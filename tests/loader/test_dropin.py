@@ -450,6 +450,15 @@ def _has_len(loader: Any) -> bool:
     {"timeout": -1},
     {"prefetch_factor": 2},
     {"persistent_workers": True},
+    # torch checks shuffle by its truth value, with the samplers, before any type: so do we.
+    {"sampler": tud.SequentialSampler(range(3)), "shuffle": 3},
+    {"batch_sampler": [[0]], "sampler": tud.SequentialSampler(range(3)), "shuffle": 3},
+    {"batch_sampler": [[0]], "shuffle": "yes"},
+    {"batch_sampler": [[0]], "drop_last": 3},
+    # torch's order: timeout, prefetch_factor and persistent_workers before batch_size.
+    {"batch_size": 0, "timeout": -1},
+    {"batch_size": 0, "prefetch_factor": 2},
+    {"batch_size": 0, "persistent_workers": True},
 ])
 def test_patched_rejects_what_torch_rejects(patched, kw):
     with pytest.raises(ValueError) as theirs:
@@ -457,6 +466,44 @@ def test_patched_rejects_what_torch_rejects(patched, kw):
     with pytest.raises(ValueError) as ours:
         tud.DataLoader(Squares(), **kw)
     assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("kw", [
+    {"shuffle": 3},
+    {"shuffle": True},
+    {"sampler": 3},
+    {"batch_sampler": 3},
+])
+def test_patched_iterable_dataset_rejects_what_torch_rejects(patched, kw):
+    """torch's messages name the value as the caller gave it ("but got shuffle=3")."""
+    with pytest.raises(ValueError) as theirs:
+        TorchDataLoader(Counting(), **kw)
+    with pytest.raises(ValueError) as ours:
+        tud.DataLoader(Counting(), **kw)
+    assert str(ours.value) == str(theirs.value)
+    assert str(ours.value).startswith("DataLoader with IterableDataset: expected unspecified ")
+
+
+@pytest.mark.parametrize("shuffle", [1, "yes", np.bool_(True), 0, ""])
+def test_patched_takes_any_truth_value_for_shuffle_as_torch(patched, shuffle):
+    """torch shuffles a map-style dataset when ``bool(shuffle)``: a flag read as an int
+    (``--shuffle 1``) or a numpy bool shuffles the same order with the same generator."""
+    loader = tud.DataLoader(Squares(), batch_size=4, shuffle=shuffle, generator=_gen(5))
+    want = TorchDataLoader(Squares(), batch_size=4, shuffle=shuffle, generator=_gen(5))
+    assert loader.shuffle is bool(shuffle)
+    assert flat(list(loader), "x") == flat(list(want), "x")
+
+
+def test_patched_keeps_an_int_timeout_an_int(patched):
+    """torch prints the timeout as given ("DataLoader timed out after 2 seconds"; its test
+    matches an integer): an int stays an int, through the generic path's torch loader and
+    an assignment."""
+    loader = tud.DataLoader(Squares(), num_workers=1, timeout=2)
+    assert loader.timeout == 2 and type(loader.timeout) is int and type(loader._inner.timeout) is int
+    loader.timeout = np.int64(3)
+    assert type(loader.timeout) is int and loader._inner.timeout == 3 and type(loader._inner.timeout) is int
+    loader.timeout = 0.5
+    assert loader.timeout == 0.5 and loader._inner.timeout == 0.5
 
 
 @pytest.mark.timeout(60)

@@ -962,7 +962,8 @@ def test_mixture_with_a_remote_source(tmp_path, mix_sources, fast_retries, monke
                 server.inject(f"/ds/{f}", Fault("stall", seconds=8, times=None))
         remote = pyloader.ShardDataset(f"{server.url}/ds", cache_dir=str(tmp_path / "cache4"))
         mix = pyloader.Mixture([remote, pyloader.ShardDataset(dirs[0])], (0.5, 0.5), policy="renormalise")
-        with pytest.raises(pyloader.LoaderTimeoutError, match="no packed batch arrived"):
+        with pytest.raises(pyloader.LoaderTimeoutError,
+                           match="^DataLoader timed out after 1 seconds: no packed batch arrived"):
             read_all(loader(mix, spec, 3, timeout=1))
     # A remote source whose host is gone fails where it is opened.
     with socket.socket() as s:

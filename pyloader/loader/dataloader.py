@@ -100,13 +100,29 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
                  memory_budget: int | None = None, pack: PackSpec | None = None) -> None:
         # torch's __init__ is not run: the attributes torch's own code reads are set here
         # (NOTE [torch's DataLoader attributes]), from the options checked once (NOTE [loader options]).
-        opts = LoaderOptions(
-            batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, collate_fn=collate_fn,
-            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
-            generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, in_order=in_order, device=device,  # type: ignore[arg-type]
-            device_prefetch=device_prefetch, prefetch=prefetch, transform=transform, executor=executor,
-            batch_transform=batch_transform, memory_budget=memory_budget, pack=pack)
+        try:
+            opts = LoaderOptions(
+                batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, collate_fn=collate_fn,
+                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device, in_order=in_order, device=device,  # type: ignore[arg-type]
+                device_prefetch=device_prefetch, prefetch=prefetch, transform=transform, executor=executor,
+                batch_transform=batch_transform, memory_budget=memory_budget, pack=pack)
+        except ValueError:
+            if not isinstance(dataset, PlannedDataset) and not isinstance(num_workers, str):
+                # torch's words for torch's arguments (STYLE 11): over a torch dataset, an
+                # argument combination torch itself refuses gets torch's message, whichever
+                # check pyloader's options would have made first.
+                try:
+                    _TorchDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                                     batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                                     pin_memory=False, drop_last=drop_last, timeout=timeout,
+                                     worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                                     generator=generator, prefetch_factor=prefetch_factor,
+                                     persistent_workers=persistent_workers, in_order=in_order)
+                except Exception as torch_says:  # noqa: BLE001 - re-raised as torch raised it
+                    raise torch_says from None
+            raise
         self._options = opts
         for name in ("batch_size", "shuffle", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
                      "worker_init_fn", "generator", "prefetch_factor", "persistent_workers", "pin_memory_device",

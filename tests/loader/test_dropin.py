@@ -676,3 +676,15 @@ def test_custom_batch_pin_memory_is_called_like_torch():
     finally:
         stage.close()
     assert got[0].pinned is stage.pinned and torch.equal(got[1], torch.arange(3))
+
+
+def test_torch_refuses_first_whatever_pyloader_would_check_first():
+    """An argument combination torch refuses gets torch's own message on the generic path (STYLE 11)."""
+    ds = torch.utils.data.TensorDataset(torch.arange(10))
+    bs = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(ds), 2, False)
+    for kw in (dict(batch_size=0, batch_sampler=bs), dict(batch_size=0, sampler=[0, 1], shuffle=True)):
+        with pytest.raises(ValueError) as torch_err:
+            tud.dataloader.DataLoader(ds, **kw)
+        with pytest.raises(ValueError) as ours:
+            pyloader.DataLoader(ds, **kw)
+        assert str(ours.value) == str(torch_err.value)

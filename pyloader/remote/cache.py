@@ -461,11 +461,15 @@ class DatasetCache:
                 _real_dir(path)
             path = os.path.join(self.dir, MANIFEST_NAME)
             try:
-                with open(path, "rb") as f:
+                with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
                     same = f.read() == self.manifest_bytes
                 replaced = not same
             except FileNotFoundError:
                 same = replaced = False
+            except OSError as e:  # a link planted there: replaced below, never followed
+                if e.errno != errno.ELOOP:
+                    raise
+                same, replaced = False, True
             if not same:
                 _atomic_write(path, [self.manifest_bytes])
             if replaced:  # what is referenced changed: the index is listed again (NOTE [cache index])
@@ -697,9 +701,10 @@ class DatasetCache:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
             for attempt in range(2):
-                digest = with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard,
-                                                                      cancel=cancel, on_bytes=on_bytes),
-                                      self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
+                digest = with_retries(lambda stop: transport.download_into(fd, shard, size, url=url, shard=shard,
+                                                                           cancel=stop, on_bytes=on_bytes),
+                                      self.policy, what="downloading", url=url, shard=shard, cancel=cancel,
+                                      attempt_stop=True)
                 if self._durable:  # See NOTE [cache publish]: records checked on use need no fsync
                     os.fsync(fd)
                 problem = self.content_problem(fd, size, i, digest)

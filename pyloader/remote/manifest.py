@@ -117,10 +117,15 @@ def _fetch(murl: str, storage_options: dict[str, Any] | None, policy: RetryPolic
     return data
 
 
+def _open_copy(path: str) -> Any:
+    """The node's copy at ``path`` opened for reading, never through a link (ELOOP for one: docs/security.md)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
+
+
 def _fresh_copy(path: str, ttl: float) -> bytes | None:
     """The copy at ``path`` if its mtime is within ``ttl`` seconds of now and its checksum holds."""
     try:
-        with open(path, "rb") as f:
+        with _open_copy(path) as f:
             age = time.time() - os.fstat(f.fileno()).st_mtime
             if abs(age) > ttl:  # a far-future mtime (a clock set back) counts as stale too
                 return None
@@ -179,15 +184,19 @@ def _lock(path: str, timeout: float) -> int | None:
 def _store(path: str, data: bytes) -> None:
     """Makes ``data`` the node's copy at ``path``, fetched now (skipped where the cache cannot be written)."""
     try:
+        same = False
         try:
-            with open(path, "rb") as f:
+            with _open_copy(path) as f:
                 same = os.fstat(f.fileno()).st_size == len(data) and f.read() == data
+                if same:
+                    os.utime(f.fileno())  # the mtime says when it was last fetched (the file, not a link)
         except FileNotFoundError:
-            same = False
-        if same:
-            os.utime(path)  # the mtime says when it was last fetched
-        else:
-            atomic_write(path, [data])
+            pass
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+        if not same:
+            atomic_write(path, [data])  # a link planted there is replaced, never followed
     except OSError as e:
         if e.errno not in _CANNOT_SHARE:
             raise

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from remote_servers import FaultServer
-from remote_util import write_ds
+from remote_util import N_RECORDS, write_ds
 
 import pyloader
 from pyloader import _C
@@ -315,3 +315,29 @@ def test_a_linked_manifest_lock_is_refused(tmp_path):
         open_remote("memory://mlock", cache_dir=str(tmp_path / "c"))
     assert str(locks / "manifest.json.lock") in str(ei.value)
     assert os.listdir(outside) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ttl", ["0", "3600"])
+def test_a_link_planted_at_the_node_manifest_copy_is_never_followed(server, cache_dir, tmp_path, monkeypatch, ttl):
+    """docs/security.md: pyloader follows no link planted in its cache. The node's manifest
+    copy is read, refreshed (mtime) and replaced without following one: a file the link
+    names, outside the cache, is neither read as the manifest nor touched nor written."""
+    import glob
+
+    url = server.url + "/ds"
+    pyloader.ShardDataset(url, cache_dir=cache_dir)
+    (copy,) = glob.glob(os.path.join(cache_dir, "v1", "*", "manifest.json"))
+    outside = tmp_path / "outside.json"
+    with open(copy, "rb") as f:
+        outside.write_bytes(f.read())  # a valid manifest: following the link would read it as the copy
+    os.utime(outside, (1_000_000, 1_000_000))
+    os.unlink(copy)
+    os.symlink(outside, copy)
+    monkeypatch.setenv("PYLOADER_MANIFEST_TTL", ttl)
+    before = server.count("ds/manifest.json")
+    ds = pyloader.ShardDataset(url, cache_dir=cache_dir)
+    assert ds.num_records == N_RECORDS
+    assert server.count("ds/manifest.json") == before + 1  # fetched: the link is not a copy
+    assert not os.path.islink(copy) and os.path.isfile(copy)  # replaced by a real file
+    assert os.stat(outside).st_mtime == 1_000_000  # not touched through the link

@@ -43,6 +43,7 @@ import concurrent.futures
 import contextlib
 import errno
 import inspect
+import math
 import os
 import random
 import threading
@@ -50,6 +51,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urljoin, urlsplit
 
 from ..errors import FetchError, FetchNotFoundError, FetchPermissionError, RemoteChangedError
 from .throttle import CANCEL_POLL_S, _Cancelled, _ThrottleExpired, host_key, host_limiter
@@ -213,9 +215,12 @@ def _retry_after(e: BaseException) -> float | None:
     except AttributeError:
         return None
     try:
-        return float(v) if v is not None else None
+        x = float(v) if v is not None else None
     except ValueError:
         return None  # an HTTP date: fall back to our own backoff
+    # "nan", "-5": not a wait a server can mean (nan would reach time.sleep, a negative
+    # one would repeat the request at once): our own backoff instead.
+    return None if x is None or math.isnan(x) or x < 0 else x  # inf stays: capped like any long wait
 
 
 @dataclass(frozen=True)
@@ -295,11 +300,31 @@ _PERMANENT_CLASS: dict[str, tuple[type[FetchError], int]] = {
 }
 
 
-def with_retries(fn: Callable[[], _T], policy: RetryPolicy, *, what: str, url: str, shard: str | None,
-                 cancel: threading.Event | None = None) -> _T:
+class _AttemptStop(threading.Event):
+    """The cancel one attempt is given: set once ``cancel`` is, or once ``end`` (monotonic) passed.
+
+    Only ``is_set`` is meant to be asked (what the transports poll: NOTE [download cancel]).
+    """
+
+    def __init__(self, cancel: threading.Event | None, end: float) -> None:
+        super().__init__()
+        self.cancel, self.end = cancel, end
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end and not (self.cancel is not None and self.cancel.is_set())
+
+    def is_set(self) -> bool:
+        return (self.cancel is not None and self.cancel.is_set()) or time.monotonic() >= self.end
+
+
+def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: str, shard: str | None,
+                 cancel: threading.Event | None = None, attempt_stop: bool = False) -> _T:
     """Calls ``fn`` until it succeeds, retrying transient failures (NOTE [fetch retries]).
 
-    Each call holds a place in ``url``'s host limit (NOTE [fetch throttling]).
+    Each call holds a place in ``url``'s host limit (NOTE [fetch throttling]). With
+    ``attempt_stop``, ``fn`` takes the attempt's cancel (``_AttemptStop``): set by ``cancel``
+    and by the deadline, so an attempt that never stalls (a server sending a byte at a
+    time) still ends at ``deadline`` instead of whenever its body does.
     """
     limiter = host_limiter(url)
     start = time.monotonic()
@@ -329,9 +354,17 @@ def with_retries(fn: Callable[[], _T], policy: RetryPolicy, *, what: str, url: s
             with limiter.slot(cancel, give_up_after=policy.throttle_deadline) as granted:
                 waited += granted - t0
                 attempts += 1
+                stop = _AttemptStop(cancel, start + waited + policy.deadline) if attempt_stop else None
                 try:
-                    result = fn()
+                    result = fn(stop) if stop is not None else fn()
                 except FetchError as e:  # cancelled, or a changed object: final
+                    if stop is not None and e.errno == errno.ECANCELED and stop.expired():
+                        raise _fetch_error(
+                            FetchError, f"{_naming(what, url, shard)}: the server was still sending at the "
+                            f"{policy.deadline:g} s deadline (PYLOADER_FETCH_DEADLINE; gave up after "
+                            f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s): it sends too slowly to "
+                            "finish in time; check the host, or raise PYLOADER_FETCH_DEADLINE", url, shard,
+                            errno.ETIMEDOUT, transient=True, attempts=attempts) from e
                     if not e.attempts:
                         e.attempts = attempts
                     raise
@@ -450,12 +483,10 @@ async def _close_stream(f: Any) -> None:
 class _AsyncStream:
     """One streaming GET of an async filesystem's object, read from a plain thread (NOTE [download cancel])."""
 
-    def __init__(self, fs: Any, path: str, size: int, cancel: threading.Event | None, http: bool) -> None:
+    def __init__(self, fs: Any, path: str, cancel: threading.Event | None, kw: dict[str, Any]) -> None:
         self.loop = fs.loop
         self.cancel = cancel
-        # HTTP: the size skips a HEAD request; the filesystem's request options (headers,
-        # auth...) are passed as its own open() passes them.
-        kw = {**getattr(fs, "kwargs", {}), "size": size} if http else {}
+        http = "allow_redirects" in kw
         # The open may finish on the loop just after this thread saw the cancel and gave up:
         # that file is never handed over, and its finaliser would make a close() coroutine
         # nobody awaits (a RuntimeWarning at a later garbage collection). Whichever side
@@ -468,6 +499,8 @@ class _AsyncStream:
             made.append(f)
             if abandoned[0]:
                 f.closed = True
+            if http:
+                await f.read(0)  # the request: its status and headers before any byte of its body
             return f
 
         try:
@@ -481,6 +514,10 @@ class _AsyncStream:
 
     def read(self, n: int) -> bytes:
         return _run_on(self.loop, _read_up_to(self.f, n), self.cancel)
+
+    def response(self) -> Any:
+        """The HTTP response (aiohttp's) once the request was made, else None."""
+        return getattr(self.f, "r", None)
 
     def close(self) -> None:
         try:
@@ -504,9 +541,70 @@ class _SyncStream:
         data: bytes = self.f.read(n)
         return data
 
+    def response(self) -> Any:
+        return None
+
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a broken stream must not hide the real error
             self.f.close()
+
+
+class _RedirectRefused(Exception):
+    """A redirect that is not followed (NOTE [fsspec redirects]): permanent."""
+
+
+class _RedirectStatus(Exception):
+    """A 3xx answer that is not a redirect to follow: its ``status`` is classified as any other."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        super().__init__(f"HTTP {status}")
+
+
+_MAX_REDIRECTS = 5  # as the native transport's kMaxRedirects (NOTE [redirects] in csrc/core/http_fetch.h)
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    u = urlsplit(url)
+    scheme = u.scheme.lower()
+    return scheme, (u.hostname or "").lower(), u.port or {"http": 80, "https": 443}.get(scheme)
+
+
+def _follow(fs: Any, path: str, size: int, cancel: threading.Event | None) -> _AsyncStream:
+    """The stream of ``path`` over HTTP(S), redirects followed here (NOTE [fsspec redirects]).
+
+    NOTE [fsspec redirects]: aiohttp would follow a redirect with every header of the
+    request, ``storage_options["headers"]`` (API keys, tokens) included, to whatever
+    origin it names. Each request is made with ``allow_redirects=False`` and its 3xx
+    followed here, by the native transport's rule (NOTE [redirects] in
+    csrc/core/http_fetch.h): at most 5 per request; to the same origin (scheme, host,
+    port) with the filesystem's request options, to another without its ``headers`` and
+    ``auth`` (from then on, also if a later hop comes back); never from https to plain
+    http nor to another scheme. The size skips a HEAD request.
+    """
+    kw: dict[str, Any] = {**getattr(fs, "kwargs", {}), "size": size, "allow_redirects": False}
+    home, target = _origin(path), path
+    for _ in range(_MAX_REDIRECTS + 1):
+        stream = _AsyncStream(fs, target, cancel, kw)
+        r = stream.response()
+        status = getattr(r, "status", 200)
+        if not 300 <= status <= 399:
+            return stream
+        location = r.headers.get("Location", "") if status in _REDIRECTS else ""
+        stream.close()
+        if not location:
+            raise _RedirectStatus(status)
+        nxt = urljoin(target, location)
+        scheme = urlsplit(nxt).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise _RedirectRefused(f"redirected to a URL that is not http or https ({scheme}://)")
+        if urlsplit(target).scheme.lower() == "https" and scheme == "http":
+            raise _RedirectRefused("redirected from https to plain http")
+        if _origin(nxt) != home:
+            kw = {k: v for k, v in kw.items() if k not in ("headers", "auth")}
+        target = nxt
+    raise _RedirectRefused(f"redirected more than {_MAX_REDIRECTS} times")
 
 
 def _open_stream(fs: Any, path: str, size: int, cancel: threading.Event | None) -> tuple[_AsyncStream | _SyncStream,
@@ -516,9 +614,11 @@ def _open_stream(fs: Any, path: str, size: int, cancel: threading.Event | None) 
 
     http = isinstance(fs, HTTPFileSystem)
     chunk = _HTTP_CHUNK if http else _OTHER_CHUNK
+    if http and not getattr(fs, "asynchronous", False):
+        return _follow(fs, path, size, cancel), chunk
     if getattr(fs, "async_impl", False) and not getattr(fs, "asynchronous", False):
         try:
-            return _AsyncStream(fs, path, size, cancel, http), chunk
+            return _AsyncStream(fs, path, cancel, {}), chunk
         except NotImplementedError:
             pass  # no async streaming for this filesystem: read it synchronously
     if http:

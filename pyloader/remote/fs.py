@@ -500,6 +500,9 @@ class _AsyncStream:
             if abandoned[0]:
                 f.closed = True
             if http:
+                # fsspec's AsyncStreamFile loses its request options (its base class's __init__
+                # replaces .kwargs): without this, no storage_options header was ever sent.
+                f.kwargs = {k: v for k, v in kw.items() if k != "size"}
                 await f.read(0)  # the request: its status and headers before any byte of its body
             return f
 

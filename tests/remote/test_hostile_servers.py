@@ -334,3 +334,64 @@ def test_a_server_error_with_an_absurd_retry_after_waits_at_most_the_backoff_cap
     assert transient(err) and err.attempts == ATTEMPTS and "PYLOADER_FETCH_ATTEMPTS" in str(err), err
     assert took < ATTEMPTS * policy.cap + SLACK
     assert got == b"" and len(srv.requests) == ATTEMPTS
+
+
+# -- redirects (NOTE [redirects] in csrc/core/http_fetch.h, NOTE [fsspec redirects] in fs.py) --
+def redirect_to(location: Callable[[], str], times: int | None = None) -> Behaviour:
+    def behave(h: BaseHTTPRequestHandler, s: Hostile) -> None:
+        if times is not None and len(s.requests) > times:
+            serve_ranges(h, DATA)
+            return
+        head(h, 302, Location=location(), Content_Length="0")
+
+    return behave
+
+
+def leaked(srv: Hostile) -> list[str]:
+    return [p for p, h in srv.requests if "x-api-key" in h]
+
+
+def test_a_cross_origin_redirect_gets_no_header(transport, policy, tmp_path):
+    with Hostile(lambda h, s: serve_ranges(h, DATA)) as other:
+        with Hostile(redirect_to(lambda: f"{other.url}/{KEY}", times=1)) as srv:
+            t = make(transport, srv.url, {"headers": SECRET})
+            took, err, got = fetch(t, srv.url, len(DATA), policy, tmp_path)
+    assert err is None and got == DATA and took < SLACK
+    assert srv.paths() == [f"/{KEY}"] and leaked(srv) == [f"/{KEY}"]  # the origin got the key
+    assert other.paths() == [f"/{KEY}"] and leaked(other) == []  # the other origin did not
+
+
+def test_a_same_origin_redirect_keeps_the_header(transport, policy, tmp_path):
+    holder: list[Hostile] = []
+    with Hostile(redirect_to(lambda: f"{holder[0].url}/{KEY}?moved=1", times=1)) as srv:
+        holder.append(srv)
+        took, err, got = fetch(make(transport, srv.url, {"headers": SECRET}), srv.url, len(DATA), policy, tmp_path)
+    assert err is None and got == DATA
+    assert srv.paths() == [f"/{KEY}", f"/{KEY}?moved=1"] and len(leaked(srv)) == 2
+
+
+def test_a_redirect_loop_ends_after_five_hops(transport, policy, tmp_path):
+    holder: list[Hostile] = []
+    with Hostile(redirect_to(lambda: f"{holder[0].url}/{KEY}")) as srv:
+        holder.append(srv)
+        took, err, got = fetch(make(transport, srv.url, {"headers": SECRET}), srv.url, len(DATA), policy, tmp_path)
+    assert permanent(err) and err.attempts == 1 and "redirected more than 5 times" in str(err), err
+    assert srv.paths() == [f"/{KEY}"] * 6 and got == b"" and took < SLACK
+
+
+def test_https_to_plain_http_is_refused(transport, policy, tmp_path, monkeypatch):
+    from test_redirects import _certificate
+
+    cert = _certificate(tmp_path)
+    for name in tr._CA_VARIABLES:  # the bundle both clients verify against is this test's certificate
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SSL_CERT_FILE", cert[0])
+    with Hostile(lambda h, s: serve_ranges(h, DATA)) as other:
+        with Hostile(redirect_to(lambda: f"{other.url}/{KEY}"), cert=cert) as srv:
+            # aiohttp builds its default context once per process: fsspec is given this one
+            extra = {"ssl": ssl.create_default_context(cafile=cert[0])} if transport == "fsspec" else {}
+            t = make(transport, srv.url, {"headers": SECRET, **extra})
+            took, err, got = fetch(t, srv.url, len(DATA), policy, tmp_path)
+    assert permanent(err) and "from https to plain http" in str(err), err
+    assert srv.paths() == [f"/{KEY}"] and leaked(srv) == [f"/{KEY}"]  # over TLS, to its origin
+    assert other.requests == [] and got == b"" and took < SLACK

@@ -701,9 +701,10 @@ class DatasetCache:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
             for attempt in range(2):
-                digest = with_retries(lambda: transport.download_into(fd, shard, size, url=url, shard=shard,
-                                                                      cancel=cancel, on_bytes=on_bytes),
-                                      self.policy, what="downloading", url=url, shard=shard, cancel=cancel)
+                digest = with_retries(lambda stop: transport.download_into(fd, shard, size, url=url, shard=shard,
+                                                                           cancel=stop, on_bytes=on_bytes),
+                                      self.policy, what="downloading", url=url, shard=shard, cancel=cancel,
+                                      attempt_stop=True)
                 if self._durable:  # See NOTE [cache publish]: records checked on use need no fsync
                     os.fsync(fd)
                 problem = self.content_problem(fd, size, i, digest)

@@ -311,6 +311,9 @@ void BatchPipeline::close() {
     closed_ = true;
     return;
   }
+  // A second close() waits for the first: when any close() returns, every thread is joined
+  // or detached, so the destructor that may follow never destroys a joinable std::thread.
+  std::lock_guard<std::mutex> closing(close_mu_);
   bool finished;
   std::pair<std::shared_ptr<Gate>, int> next;
   {
@@ -337,14 +340,17 @@ void BatchPipeline::close() {
   std::thread mapper = stop_mapper(&unmapped);
   cv_work_->notify_all();
   cv_ready_->notify_all();
-  threads_.push_back(std::move(mapper));
-  for (auto& t : threads_)
-    if (t.joinable()) {
-      if (finished)
-        t.detach();
-      else
-        t.join();
-    }
+  // The mapper is ended beside the workers, not appended to threads_: that append allocated,
+  // and a bad_alloc there destroyed the joinable mapper (std::terminate).
+  auto end_thread = [finished](std::thread& t) {
+    if (!t.joinable()) return;
+    if (finished)
+      t.detach();
+    else
+      t.join();
+  };
+  for (auto& t : threads_) end_thread(t);
+  end_thread(mapper);
   threads_.clear();
   unmapped.clear();
   raise(next.first, next.second);

@@ -227,6 +227,7 @@ class BatchPipeline {
   // wakes everyone and joins. A worker mid-batch finishes that batch (bounded work)
   // before it sees stop_. In a forked child the threads do not exist: close() leaks
   // them instead of joining (joining or locking there could hang forever).
+  std::mutex close_mu_;  // serialises close()
   mutable std::mutex mu_;
   // Heap-allocated so that a forked child can leak them instead of destroying them.
   // Workers wait on cv_work_ for room; the consumer waits on cv_ready_ for a batch.

@@ -93,6 +93,9 @@ void Packer::close() {
     closed_ = true;
     return;
   }
+  // A second close() waits for the first (its join), as CopyEngine::close() does: when any
+  // close() returns the thread is joined, so ~Packer never destroys it joinable.
+  std::lock_guard<std::mutex> closing(close_mu_);
   {
     // stop_ is set under mu_: the packer thread tests it under mu_ before it sleeps for
     // room (cv_room_), so the wake-up below cannot fall between its test and its sleep.

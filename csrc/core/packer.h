@@ -142,6 +142,7 @@ class Packer {
   std::shared_ptr<Slot> item_hold_;
   std::deque<Piece> window_;
 
+  std::mutex close_mu_;  // serialises close()
   std::mutex mu_;
   std::unique_ptr<std::condition_variable> cv_room_ = std::make_unique<std::condition_variable>();
   std::unique_ptr<std::condition_variable> cv_ready_ = std::make_unique<std::condition_variable>();

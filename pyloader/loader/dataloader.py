@@ -109,10 +109,12 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
                 device_prefetch=device_prefetch, prefetch=prefetch, transform=transform, executor=executor,
                 batch_transform=batch_transform, memory_budget=memory_budget, pack=pack)
         except ValueError:
-            if not isinstance(dataset, PlannedDataset) and not isinstance(num_workers, str):
-                # torch's words for torch's arguments (STYLE 11): over a torch dataset, an
-                # argument combination torch itself refuses gets torch's message, whichever
-                # check pyloader's options would have made first.
+            if (not isinstance(dataset, PlannedDataset) and not isinstance(num_workers, str)
+                    and (sampler is not None or batch_sampler is not None)):
+                # torch's words for torch's arguments (STYLE 11): over a torch dataset, a
+                # combination with a sampler that torch itself refuses gets torch's message,
+                # whichever check pyloader's options would have made first (a bad value alone
+                # gets its setting's one rule, the same from every receiver: test_settings).
                 try:
                     _TorchDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                                      batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,

@@ -118,7 +118,9 @@ def run_world(path: str, nproc: int, variant: str, exit_mode: str, seed: int, to
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = free_port()
     if torchrun:
-        script = Path(tempfile.gettempdir()) / "pyloader_exit_stress_rank.py"
+        fd, name = tempfile.mkstemp(prefix="pyloader_exit_stress_rank_", suffix=".py")
+        os.close(fd)
+        script = Path(name)
         script.write_text(RANK_SCRIPT)
         cmds = [[sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                  f"--master-port={port}", str(script), path, variant, exit_mode, str(seed)]]
@@ -141,6 +143,8 @@ def run_world(path: str, nproc: int, variant: str, exit_mode: str, seed: int, to
             os.killpg(p.pid, signal.SIGKILL)
             _, err = p.communicate()
             out.append((999, "hung\n" + err))
+    if torchrun:
+        script.unlink(missing_ok=True)
     return out
 
 

@@ -132,13 +132,18 @@ def test_cold_shards_are_mapped_ahead_of_their_readers(tmp_path) -> None:
                                  prefetch_factor=2)
     it = iter(loader)
     labels = [int(x) for x in next(it)["label"]]
+    # Most, not all: on a loaded machine the first batches' workers may have read half of a
+    # shard by the time the epoch queues it, and a shard is mapped ahead only while less than
+    # half resident (NOTE [map ahead]); 94% was seen once in CI. Without the mapper only what
+    # the first batches collated is mapped (the batch and the read-ahead: about a quarter).
+    want = 0.75 * size
     deadline = time.monotonic() + 30
-    while (mapped := _mapped_bytes(files)) < 0.95 * size and time.monotonic() < deadline:
+    while (mapped := _mapped_bytes(files)) < want and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert mapped >= 0.95 * size, f"{mapped / size:.1%} of the cold shards mapped after the first batch"
-    while (ahead := loader.stats()["mapped_ahead_bytes"]) < 0.95 * size and time.monotonic() < deadline:
+    assert mapped >= want, f"{mapped / size:.1%} of the cold shards mapped after the first batch"
+    while (ahead := loader.stats()["mapped_ahead_bytes"]) < want and time.monotonic() < deadline:
         time.sleep(0.05)  # the count follows each 1 MiB piece
-    assert 0.95 * size <= ahead <= size, (ahead, size)
+    assert want <= ahead <= size, (ahead, size)
     for b in it:  # and the epoch reads what was written, in the planned order
         for x, label in zip(b["x"], b["label"]):
             assert int.from_bytes(bytes(x[:8].numpy()), "little") == int(label)

@@ -39,7 +39,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import numpy as np
 
@@ -80,6 +80,9 @@ class IntRule:
     optional: bool = False
     # torch's own wording for torch's arguments (its tests and users match on it); else the rule's.
     message: str = ""
+    # ``message`` is torch's for an int out of range only (torch has no words of its own for a
+    # value of another type, e.g. num_workers="2"): such a value gets the rule's words.
+    range_message: bool = False
     kind: str = ""  # the rule in words where "a positive int" would say less (e.g. "a positive number of bytes")
 
     def describe(self) -> str:
@@ -111,8 +114,10 @@ INT_SETTINGS: dict[str, IntRule] = {
     "pad_id": IntRule(-(2**63), 2**64 - 1, kind="an int"),
     "fetch_jobs": IntRule(1, 4096, message="fetch_jobs must be 'auto' or a positive int, got {value!r}"),
     "num_workers": IntRule(0, 4096, message="num_workers option should be non-negative; use num_workers=0 to "
-                                            "disable multiprocessing."),
-    "prefetch_factor": IntRule(0, 1 << 20, optional=True, message="prefetch_factor option should be non-negative"),
+                                            "disable multiprocessing.", range_message=True,
+                           kind="a non-negative int or 'auto'"),
+    "prefetch_factor": IntRule(0, 1 << 20, optional=True, message="prefetch_factor option should be non-negative",
+                               range_message=True),
     "device_prefetch": IntRule(1, 1 << 20),
     "memory_budget": IntRule(1, optional=True, kind="a positive number of bytes (an int, or a size such as '8G')"),
 }
@@ -150,8 +155,9 @@ def check_int(name: str, value: object) -> int | None:
     rule = INT_SETTINGS[name]
     if value is None and rule.optional:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or int(value) < rule.lo:
-        if rule.message:
+    not_int = isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
+    if not_int or int(cast(numbers.Integral, value)) < rule.lo:
+        if rule.message and not (not_int and rule.range_message):
             raise ValueError(rule.message.format(value=value))
         raise ValueError(f"{name} must be {rule.describe()}, got {value!r}")
     if int(value) > rule.hi:

@@ -256,3 +256,18 @@ def test_a_bad_size_gets_the_rule_message(sources, bad: Any) -> None:
     assert got == f"memory_budget must be a positive number of bytes (an int, or a size such as '8G') or None, " \
                   f"got {bad!r}"
     assert _error(lambda: check_size("memory_budget", bad)) == got
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, True, None])
+def test_num_workers_of_another_type_is_told_to_be_an_int(sources, bad: Any) -> None:
+    """torch words a negative num_workers (its message stays); a value of another type gets no
+    words of torch's (a TypeError from a comparison), so it gets the rule's: an int, or 'auto'."""
+    shards = sources["shards"]
+    want = f"num_workers must be a non-negative int or 'auto', got {bad!r}"
+    assert _error(lambda: pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=4, num_workers=bad)) == want
+    assert _error(lambda: pyloader.DataLoader(_Squares(), num_workers=bad)) == want
+    with pytest.raises(ValueError) as torch_says:
+        torch.utils.data.DataLoader(_Squares(), num_workers=-1)
+    assert _error(lambda: pyloader.DataLoader(_Squares(), num_workers=-1)) == str(torch_says.value)
+    assert "should be non-negative" not in _error(
+        lambda: pyloader.DataLoader(_Squares(), num_workers=2, prefetch_factor="2"))

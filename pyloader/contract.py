@@ -156,13 +156,14 @@ def check_int(name: str, value: object) -> int | None:
     if value is None and rule.optional:
         return None
     not_int = isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
-    if not_int or int(cast(numbers.Integral, value)) < rule.lo:
+    n = rule.lo - 1 if not_int else int(cast(numbers.Integral, value))
+    if n < rule.lo:
         if rule.message and not (not_int and rule.range_message):
             raise ValueError(rule.message.format(value=value))
         raise ValueError(f"{name} must be {rule.describe()}, got {value!r}")
-    if int(value) > rule.hi:
+    if n > rule.hi:
         raise ValueError(f"{name} must be at most {rule.top()}, got {value!r}")
-    return int(value)
+    return n
 
 
 def check_size(name: str, value: object) -> int | None:

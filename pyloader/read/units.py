@@ -351,6 +351,19 @@ class UnitDataset(PlannedDataset):
         n = self.num_records
         return -(-n // world) if self.order.partition == "pad" else n // world
 
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        """Not supported: a pyloader dataset is iterable-style (read in its epoch's order), with no ``ds[i]``.
+
+        Raises ``NotImplementedError`` (the type torch's ``Dataset.__getitem__`` raises)
+        saying how to read it: iterate it, or give it to a ``DataLoader``.
+        """
+        name = type(self).__name__
+        raise NotImplementedError(
+            f"{name}[{index!r}]: a {name} is an iterable-style dataset (torch.utils.data.IterableDataset): its "
+            f"samples are read in each epoch's order and it has no random access by index; iterate it "
+            f"instead: next(iter(ds)) or `for sample in ds` for samples, pyloader.DataLoader(ds, batch_size=...) "
+            f"for batches")
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         # See NOTE [per-sample path under accelerate]: checked before the first sample.
         _, world = self.rank_and_world()

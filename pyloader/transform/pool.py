@@ -345,7 +345,7 @@ class _Job:
 
 def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, busy: Any, jobs: Any, prefix: str,
                  directory: str, parent: int) -> None:
-    from torch._utils import ExceptionWrapper
+    from .stage import _NotedExceptionWrapper as ExceptionWrapper  # the notes reach the parent as notes
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     limit_native_threads(process=True)  # See NOTE [worker threads]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -77,6 +78,38 @@ def _note(e: BaseException, text: str) -> None:
     add = getattr(e, "add_note", None)  # Python >= 3.11
     if add is not None:
         add(text)
+
+
+class _NotedExceptionWrapper:
+    """torch's ``ExceptionWrapper`` (type and traceback across a process) that keeps the exception's notes apart.
+
+    The notes (PEP 678: the shard and record ``run_batch`` adds) are sent as notes, not folded
+    into the traceback text, and the exception re-raised in the parent carries them in
+    ``__notes__``, as the threads executor's does.
+    """
+
+    def __init__(self, where: str) -> None:
+        from torch._utils import ExceptionWrapper
+
+        exc = sys.exc_info()[1]
+        notes = getattr(exc, "__notes__", None)
+        self.notes = [str(n) for n in notes] if isinstance(notes, list) else []
+        if self.notes:
+            delattr(exc, "__notes__")  # formatted without them; put back below
+        try:
+            self.wrapped = ExceptionWrapper(where=where)
+        finally:
+            if self.notes:
+                setattr(exc, "__notes__", notes)  # noqa: B010 - an attribute mypy does not know
+
+    def reraise(self) -> NoReturn:
+        try:
+            self.wrapped.reraise()
+        except BaseException as e:
+            for n in self.notes:
+                _note(e, n)
+            raise
+        raise AssertionError("unreachable")  # reraise() always raises
 
 
 @dataclasses.dataclass

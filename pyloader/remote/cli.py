@@ -10,7 +10,8 @@ verification and was removed, or shards in use were left in place when the targe
 them gone); 2 bad usage, URL or manifest (none at that URL), or a ``--cache-dir`` that does
 not exist; 3 the cache cannot take the data (size limit too small, disk full, read-only);
 4 cannot reach the data (the host does not answer, the request is refused or times out,
-credentials are missing or denied: nothing was downloaded); 130 interrupted.
+credentials are missing or denied: nothing was downloaded); 130 interrupted: Ctrl-C, or
+SIGTERM (what a scheduler sends), both leaving no temp file behind.
 
 ``warm`` shows its progress on stderr unless ``--quiet`` or ``--json``: a live bar on a
 terminal, a line every ``LOG_EVERY_S`` seconds in a log (stderr not a TTY).
@@ -23,12 +24,14 @@ A request that gets no answer is not silent: after ``QUIET_S`` seconds without a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import (
@@ -164,16 +167,38 @@ def run_cache(args: argparse.Namespace) -> int:
         print(f"pyloader cache: error: name a command: {', '.join(_COMMANDS)}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _COMMANDS[args.cache_cmd](args)
+        with _sigterm_as_interrupt():
+            return _COMMANDS[args.cache_cmd](args)
     except Exception as e:
         code = exit_code(e)
         if code is None:
             raise
         _err(args, str(e))
         return code
-    except KeyboardInterrupt:
-        _err(args, "interrupted")
+    except KeyboardInterrupt as e:
+        _err(args, "interrupted by SIGTERM" if isinstance(e, _Terminated) else "interrupted")
         return EXIT_INTERRUPTED
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop) ends the command as Ctrl-C does: downloads cancelled, their temps removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -246,7 +271,7 @@ class _QuietWatch:
             quiet = now - since
             if quiet >= QUIET_S and quiet - told >= max(QUIET_S, 30.0 if told else 0.0):
                 told = quiet
-                print(f"pyloader cache: no data for {quiet:.0f} s from {self.what()}; still trying: a request "
+                print(f"pyloader cache warm: no data for {quiet:.0f} s from {self.what()}; still trying: a request "
                       f"that sends nothing for {policy.stall_timeout:g} s fails and is retried, up to "
                       f"{policy.attempts} attempts and at most {policy.deadline:g} s, whichever comes first "
                       "(PYLOADER_FETCH_STALL_TIMEOUT, PYLOADER_FETCH_ATTEMPTS, PYLOADER_FETCH_DEADLINE)",

@@ -15,15 +15,19 @@ NOTE [fetch retries]: an attempt that fails is classified (``classify``, ``_Fail
     slow down. It does not count against ``attempts`` nor ``deadline``: the host's
     request limit reacts (NOTE [fetch throttling]) and the attempt is repeated once
     the limit lets it through. Only ``throttle_deadline`` ends it;
-  - *transient* (connection reset or refused, timeouts, a body that ends early, 408,
-    500, 502, 504): retried after ``base * 2**k`` seconds with full jitter, capped at
+  - *refused* (nothing accepts the connection: refused, host or network unreachable):
+    transient, but retried at most ``REFUSED_ATTEMPTS`` attempts in all, as a server
+    that is down answers the same way to the next request; the message names it;
+  - *transient* (connection reset, timeouts, a body that ends before its Content-Length,
+    408, 500, 502, 504): retried after ``base * 2**k`` seconds with full jitter, capped at
     ``cap``, or after the server's ``Retry-After`` when it gives one (also capped), at
     most ``attempts`` attempts and never past ``deadline`` seconds of trying (time spent
     waiting on a throttling host is not counted).
 A wrong checksum with the right size may be a byte flipped in transit, so it is
 retried once; a second mismatch means the object's bytes do not match its manifest
 (``RemoteCorruptError``: corrupt at the source or a stale manifest; re-opening does not
-help), while a body larger than the manifest says is a changed object
+help), while a body larger than the manifest says, or a Content-Length smaller than it, is
+a changed object
 (``RemoteChangedError``: re-open the dataset). Every ``FetchError`` names the URL, the shard (when there is
 one) and the number of attempts in its message, and carries them as ``url``, ``shard``
 and ``attempts``; its ``errno`` is never 0.
@@ -171,6 +175,8 @@ class _ShortBody(Exception):
     """The body ended before the manifest's size: a truncated transfer (transient)."""
 
 
+REFUSED_ATTEMPTS = 3  # attempts at a connection that is refused (NOTE [fetch retries])
+_REFUSED_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH}
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
                      errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN}
 _THROTTLE_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
@@ -227,13 +233,13 @@ def _retry_after(e: BaseException) -> float | None:
 class _Failure:
     """What one failed attempt means (NOTE [fetch retries])."""
 
-    kind: str  # "throttle" | "transient" | "not_found" | "forbidden" | "permanent"
+    kind: str  # "throttle" | "transient" | "refused" | "not_found" | "forbidden" | "permanent"
     retry_after: float | None = None
     signal: str = ""  # for a throttle: what the server said, e.g. "HTTP 503"
 
     @property
     def transient(self) -> bool:
-        return self.kind in ("throttle", "transient")
+        return self.kind in ("throttle", "transient", "refused")
 
 
 def _failure(e: BaseException) -> _Failure:
@@ -267,6 +273,8 @@ def _failure(e: BaseException) -> _Failure:
             return _Failure("forbidden")
         if isinstance(x, (IsADirectoryError, NotADirectoryError)):
             return _Failure("permanent")
+        if isinstance(x, OSError) and x.errno in _REFUSED_ERRNOS:
+            return _Failure("refused")  # aiohttp's ClientConnectorError, the native transport's _CurlRefused
         name = type(x).__name__
         mod = type(x).__module__ or ""
         if isinstance(x, (TimeoutError, ConnectionError)):
@@ -394,7 +402,7 @@ def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: 
             last = e
             failure = _failure(e)
             hard += 1
-            detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            detail = _detail(e, failure)
             also = f", {throttled} of them throttled" if throttled else ""
             if not failure.transient:
                 cls, err = _PERMANENT_CLASS.get(failure.kind, (FetchError, 0))
@@ -404,19 +412,48 @@ def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: 
                                    f"{_attempts(attempts)}{also})", url, shard, err, attempts=attempts) from e
             wait = policy.delay(hard - 1, failure.retry_after)
             elapsed = time.monotonic() - start - waited
-            if hard >= policy.attempts or elapsed + wait > policy.deadline:
-                bound = (f"the limit of {policy.attempts} attempts, PYLOADER_FETCH_ATTEMPTS"
-                         if hard >= policy.attempts else
-                         f"the next retry would pass the {policy.deadline:g} s deadline, PYLOADER_FETCH_DEADLINE")
+            limit = min(policy.attempts, REFUSED_ATTEMPTS) if failure.kind == "refused" else policy.attempts
+            if hard >= limit or elapsed + wait > policy.deadline:
+                if hard < limit:
+                    bound = f"the next retry would pass the {policy.deadline:g} s deadline, PYLOADER_FETCH_DEADLINE"
+                elif limit < policy.attempts:  # a refused connection's own bound
+                    bound = f"at most {limit} attempts at a refused connection"
+                else:
+                    bound = f"the limit of {limit} attempts, PYLOADER_FETCH_ATTEMPTS"
+                fix = _GAVE_UP_FIX.get("short" if isinstance(e, _ShortBody) else failure.kind, _GAVE_UP_FIX["transient"])
                 raise _fetch_error(FetchError, f"{_naming(what, url, shard)}: {detail} (gave up after "
-                                   f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s{also}: {bound}); "
-                                   "check that the host is up and reachable from here, then run again", url, shard,
-                                   transient=True, attempts=attempts) from e
+                                   f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s{also}: {bound}); {fix}",
+                                   url, shard, transient=True, attempts=attempts) from e
             if cancel is not None:
                 if cancel.wait(wait):
                     raise cancelled() from e
             else:
                 time.sleep(wait)
+
+
+_GAVE_UP_FIX = {
+    "refused": "check that the server is running and that the URL's host and port are right, then run again",
+    "short": "the server cut the body short each time; check the server (or a proxy on the way), then run again",
+    "transient": "check that the host is up and reachable from here, then run again",
+}
+
+
+def _detail(e: BaseException, failure: _Failure) -> str:
+    """What one failed attempt was, in a message: no internal class name."""
+    if failure.kind == "refused":
+        return "cannot connect: the connection was refused or the host is unreachable (nothing accepts it there)"
+    name = type(e).__name__
+    if name.startswith("_"):
+        return str(e) or "the attempt failed"
+    return f"{name}: {e}" if str(e) else name
+
+
+def size_mismatch(url: str, shard: str | None, size: int, actual: int) -> FetchError:
+    """The error of a remote object whose length (``actual``) is not the manifest's ``size``: not retried."""
+    return _fetch_error(RemoteChangedError, f"{url}: the server's object (shard {shard!r}) is {actual} bytes, not the "
+                        f"manifest's {size} (not retried: a retry gets the same object): the object or the "
+                        "manifest changed after the dataset was written; upload the shard again, or re-open the "
+                        "dataset if a new manifest was written", url, shard)
 
 
 def read_object(url: str, storage_options: dict[str, Any] | None, policy: RetryPolicy) -> bytes:
@@ -652,6 +689,10 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
         raise cancelled() from None
     got = 0
     try:
+        r = stream.response()
+        length = getattr(r, "content_length", None) if getattr(r, "status", None) == 200 else None
+        if isinstance(length, int) and length < size:  # the whole object, shorter: no retry changes it
+            raise size_mismatch(url, shard, size, length)
         while True:
             if cancel is not None and cancel.is_set():
                 raise cancelled()
@@ -660,6 +701,10 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
                 data = stream.read(want)
             except _Cancelled:
                 raise cancelled() from None
+            except Exception as e:  # aiohttp's words for a body cut before its Content-Length: ours, as native's
+                if type(e).__name__ not in ("ClientPayloadError", "ContentLengthError"):
+                    raise
+                raise _ShortBody(f"the body ended after {got} of {size} bytes") from e
             if not data:
                 break
             if cancel is not None and cancel.is_set():
@@ -684,5 +729,5 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
         raise _ShortBody(f"the body ended after {got} of {size} bytes")
 
 
-__all__ = ["is_remote", "filesystem", "RetryPolicy", "classify", "is_throttle",
-           "with_retries", "read_object", "download_into"]
+__all__ = ["REFUSED_ATTEMPTS", "is_remote", "filesystem", "RetryPolicy", "classify", "is_throttle",
+           "size_mismatch", "with_retries", "read_object", "download_into"]

@@ -21,8 +21,9 @@ are always read through fsspec (one small GET per node). Both transports raise t
 failures for the same conditions, classified by ``fs._failure`` (NOTE [fetch retries]):
 an HTTP status as an exception with ``status``, ``headers`` (Retry-After) and, for S3,
 the error ``Code`` of its XML body; a libcurl transfer error as a ``ConnectionError`` or
-``TimeoutError`` (transient) or a permanent error; a short body as ``_ShortBody``; a
-larger or other-sized object as ``RemoteChangedError``; a cancel as ``FetchError``
+``TimeoutError`` (transient; a connection refused or unreachable with ``ECONNREFUSED``) or
+a permanent error; a body cut before its end as ``_ShortBody``; a larger or other-sized
+object (a Content-Length below the manifest's size too) as ``RemoteChangedError``; a cancel as ``FetchError``
 (ECANCELED), seen within ``CANCEL_POLL_S``; a failed write as the ``OSError`` it was.
 """
 
@@ -48,6 +49,7 @@ from .fs import (
     download_into,
     filesystem,
     is_throttle,
+    size_mismatch,
 )
 
 TRANSPORTS = ("auto", "native", "fsspec")
@@ -58,8 +60,10 @@ WRITE_BUFFER = 1 << 20  # the staging buffer of each part (See NOTE [native tran
 _CURL_BUFFER = 512 << 10  # libcurl's receive buffer per part
 # libcurl error codes whose failure a retry may fix: proxy and host resolution, connect,
 # partial file, HTTP/2 framing, TLS connect, nothing received, send and receive errors.
-_CURL_TRANSIENT = {5, 6, 7, 16, 18, 35, 52, 55, 56, 92, 95}
+_CURL_TRANSIENT = {5, 6, 16, 18, 35, 52, 55, 56, 92, 95}
 _CURL_TIMEOUT = 28
+_CURL_PARTIAL = 18
+_CURL_COULDNT_CONNECT = 7  # refused, or the host or network unreachable: fs's "refused" kind
 _CA_VARIABLES = ("AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "CURL_CA_BUNDLE")
 _WRONG_REGION_CODES = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IncorrectEndpoint",
                        "AuthorizationQueryParametersError"}
@@ -139,6 +143,10 @@ class _HttpStatus(Exception):
 
 class _CurlError(ConnectionError):
     """A transfer that libcurl ended with an error a retry may fix (refused, reset, resolve...)."""
+
+
+class _CurlRefused(ConnectionRefusedError):
+    """A connection libcurl could not make (its error 7): refused or unreachable, as aiohttp's ClientConnectorError."""
 
 
 class _CurlPermanent(Exception):
@@ -261,6 +269,9 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
         if p["range_total"] >= 0 and p["range_total"] != size:
             raise _changed(url, shard, size, p["range_total"])
         raise _changed(url, shard, size, None)
+    for p in ended:  # a whole object shorter than the manifest: See NOTE [fetch retries]
+        if not parts and p["status"] == 200 and 0 <= p["content_length"] < size:
+            raise size_mismatch(url, shard, size, p["content_length"])
     for p in ended:
         if p["write_errno"]:
             raise _LocalWriteError(p["write_errno"], os.strerror(p["write_errno"]))
@@ -275,6 +286,11 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
             msg = f"libcurl error {code}: {p['curl_error']}"
             if code == _CURL_TIMEOUT:
                 raise TimeoutError(msg)
+            if code == _CURL_PARTIAL:  # the body cut before its Content-Length: as fsspec's (fs.download_into)
+                n = next((n for (_, n), q in zip(parts, results) if q is p), size)
+                raise _ShortBody(f"the body ended after {p['written']} of {n} bytes")
+            if code == _CURL_COULDNT_CONNECT:
+                raise _CurlRefused(errno.ECONNREFUSED, msg)
             if code in _CURL_TRANSIENT:
                 raise _CurlError(msg)
             raise _CurlPermanent(msg)

@@ -215,6 +215,7 @@ def test_a_body_shorter_than_its_content_length_is_transient(transport, policy, 
     with Hostile(behave) as srv:
         took, err, got = fetch(make(transport, srv.url), srv.url, len(DATA), policy, tmp_path)
     assert transient(err) and err.attempts == ATTEMPTS, err
+    assert "_ShortBody" not in str(err) and "cut the body short each time" in str(err), err  # issue 40 item 13
     assert got == DATA[:len(got)] and len(got) <= 1000  # never more than came (both keep them buffered: none)
     assert srv.paths() == [f"/{KEY}"] * ATTEMPTS and took < ATTEMPTS * SLACK
 
@@ -229,12 +230,16 @@ def test_a_body_longer_than_the_manifest_is_a_changed_object(transport, policy, 
 
 
 def test_a_body_shorter_than_the_manifest(transport, policy, tmp_path):
-    """A whole, consistent body smaller than the manifest says: a truncated transfer (a proxy
-    may cut one), retried, as the fault server's "truncate" in test_transport.py."""
+    """A whole, consistent body (its Content-Length) smaller than the manifest says: the object
+    on the server is not the manifest's, which no retry changes (issue 40 item 13): it fails
+    at once, naming the URL and both sizes, as the fault server's "truncate" in test_fetch_messages.py."""
     with Hostile(lambda h, s: serve_ranges(h, DATA)) as srv:
         took, err, got = fetch(make(transport, srv.url), srv.url, len(DATA) + 10, policy, tmp_path)
-    assert transient(err) and err.attempts == ATTEMPTS and f"ended after {len(DATA)} of {len(DATA) + 10}" in str(err)
-    assert got == DATA and srv.paths() == [f"/{KEY}"] * ATTEMPTS and took < ATTEMPTS * SLACK
+    assert isinstance(err, RemoteChangedError) and not err.transient and err.attempts == 1, err
+    msg = str(err)
+    assert f"{srv.url}/{KEY}" in msg and f"is {len(DATA)} bytes, not the manifest's {len(DATA) + 10}" in msg, msg
+    assert "_ShortBody" not in msg and "host is up" not in msg
+    assert got == DATA[:len(got)] and srv.paths() == [f"/{KEY}"] and took < SLACK
 
 
 def test_an_endless_body_stops_at_the_manifest_size(transport, policy, tmp_path):

@@ -92,7 +92,6 @@ FAULTS = {
     "reset": [Fault("reset")],
     "500": [Fault("status", status=500)],
     "429": [Fault("status", status=429, retry_after="0")],
-    "truncate": [Fault("truncate")],
     "flip": [Fault("flip")],
     "stall": [Fault("stall", seconds=10)],
     "mixed": [Fault("status", status=502), Fault("drop"), Fault("flip")],

@@ -88,18 +88,71 @@ def filesystem(url: str, storage_options: dict[str, Any] | None, stall_timeout: 
     """(fsspec filesystem, path within it) for ``url``, with read timeouts set by default."""
     import fsspec
 
-    proto = url.split("://", 1)[0]
+    proto = url.split("://", 1)[0].lower()
     opts = dict(storage_options or {})
-    if proto in ("http", "https") and "client_kwargs" not in opts:
+    if proto in ("http", "https"):
         import aiohttp
 
-        # A stalled body must fail (and be retried), not hang a download forever.
-        opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=stall_timeout,
-                                                                  sock_read=stall_timeout)}
+        given = opts.get("client_kwargs")
+        client = dict(given) if isinstance(given, dict) else {}
+        if given is None:
+            # A stalled body must fail (and be retried), not hang a download forever.
+            client["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=stall_timeout, sock_read=stall_timeout)
+        # Every request the filesystem makes (a manifest, a listing, a HEAD) keeps the
+        # redirect rule, not only the downloads that _follow makes (NOTE [fsspec redirects]).
+        client["trace_configs"] = [*client.get("trace_configs", ()), _redirect_rule()]
+        opts["client_kwargs"] = client
     if proto in ("s3", "s3a") and "config_kwargs" not in opts:
         opts["config_kwargs"] = {"read_timeout": stall_timeout, "connect_timeout": stall_timeout}
     fs, path = fsspec.core.url_to_fs(url, **opts)
     return fs, path
+
+
+# Request headers a redirect to another origin keeps: none of them carries a credential.
+_KEPT_ACROSS_ORIGINS = frozenset({"accept", "accept-encoding", "accept-language", "user-agent", "range", "if-range",
+                                  "if-match", "if-none-match", "if-modified-since", "if-unmodified-since",
+                                  "cache-control", "pragma", "host", "content-length", "content-type"})
+_redirect_trace: list[Any] = []
+
+
+def _redirect_rule() -> Any:
+    """The trace of aiohttp's redirects that holds them to NOTE [fsspec redirects] (one per process).
+
+    aiohttp follows a redirect itself with the request's own (mutable) headers, and tells
+    the trace before it does: the trace refuses a hop from https to plain http, to another
+    scheme or past the fifth (raising, so the request fails, not retried), and, on a hop
+    to another origin than the first request's, removes every header but those in
+    ``_KEPT_ACROSS_ORIGINS`` for the rest of the request (aiohttp drops ``auth`` itself).
+    """
+    if _redirect_trace:
+        return _redirect_trace[0]
+    import aiohttp
+
+    async def on_redirect(session: Any, ctx: Any, params: Any) -> None:
+        ctx.hops = getattr(ctx, "hops", 0) + 1
+        if ctx.hops > _MAX_REDIRECTS:
+            raise _RedirectRefused(f"redirected more than {_MAX_REDIRECTS} times")
+        here = str(params.url)
+        if not hasattr(ctx, "home"):
+            ctx.home = _origin(here)
+        location = params.response.headers.get("Location") or params.response.headers.get("URI")
+        if not location:
+            return
+        nxt = urljoin(here, location)
+        scheme = urlsplit(nxt).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise _RedirectRefused(f"redirected to a URL that is not http or https ({scheme}://)")
+        if urlsplit(here).scheme.lower() == "https" and scheme == "http":
+            raise _RedirectRefused("redirected from https to plain http")
+        if _origin(nxt) != ctx.home:
+            for name in list(params.headers.keys()):
+                if name.lower() not in _KEPT_ACROSS_ORIGINS:
+                    params.headers.popall(name, None)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(on_redirect)
+    _redirect_trace.append(trace)
+    return trace
 
 
 def _env_float(name: str, default: float) -> float:
@@ -621,7 +674,9 @@ def _follow(fs: Any, path: str, size: int, cancel: threading.Event | None) -> _A
     csrc/core/http_fetch.h): at most 5 per request; to the same origin (scheme, host,
     port) with the filesystem's request options, to another without its ``headers`` and
     ``auth`` (from then on, also if a later hop comes back); never from https to plain
-    http nor to another scheme. The size skips a HEAD request.
+    http nor to another scheme. The size skips a HEAD request. The requests fsspec makes
+    itself (a manifest's ``cat_file``, a HEAD, a listing) follow aiohttp's redirects, held
+    to the same rule by a trace on each of them (``_redirect_rule``).
     """
     kw: dict[str, Any] = {**getattr(fs, "kwargs", {}), "size": size, "allow_redirects": False}
     home, target = _origin(path), path

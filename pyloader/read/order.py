@@ -27,7 +27,7 @@ _INV_M1 = np.uint64(pow(0xBF58476D1CE4E5B9, -1, 1 << 64))
 _INV_M2 = np.uint64(pow(0x94D049BB133111EB, -1, 1 << 64))
 _CHUNK = 1 << 16  # elements per pass in mix64/_unmix64 (512 KiB: stays in cache)
 _STREAM_MUL = 0xD1B54A32D192ED03  # C1 in sample_keys: odd, so streams never collide
-STREAM_GLOBAL, STREAM_SHARDS, STREAM_WINDOW = 0, 1, 2
+STREAM_GLOBAL, STREAM_SHARDS, STREAM_WINDOW, STREAM_FILE_SHARDS = 0, 1, 2, 3
 
 
 def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
@@ -129,7 +129,8 @@ def sample_keys(ids: np.ndarray, *, seed: int, epoch: int, stream: int) -> np.nd
         key(id) = mix64(mix64(mix64(seed ^ (stream * C1)) ^ epoch) ^ id)
 
     ``stream`` separates independent uses: 0 = global sample shuffle,
-    1 = shard order, 2 = within-window shuffle. For fixed (seed, epoch,
+    1 = shard order (or file order), 2 = within-window shuffle, 3 = the order of
+    the shards within a file (``shard_files``). For fixed (seed, epoch,
     stream) the key is a bijection of the id, so distinct ids never tie and
     sorting by (key, id) is sorting by key alone: a well-defined permutation.
     """
@@ -171,6 +172,7 @@ def epoch_order(
     epoch: int,
     shuffle_mode: str = "global",
     window: int = 65536,
+    shard_files: Sequence[int] | np.ndarray | None = None,
 ) -> np.ndarray:
     """The epoch's read order: all N global sample ids, int64.
 
@@ -179,6 +181,12 @@ def epoch_order(
     ``shuffle_mode="window"``: shards sorted by ``sample_keys(arange(S), stream=1)``;
     their ids concatenated in that order; that sequence cut into consecutive
     windows of ``window`` samples, each sorted by ``sample_keys(ids, stream=2)``.
+    With ``shard_files`` (the file of each shard, for shards that are parts of
+    files: Parquet row groups), window mode sorts the files instead, by
+    ``sample_keys(file, stream=1)``, and the shards of each file by
+    ``sample_keys(shard, stream=3)``, so a file's shards are consecutive in the
+    sequence; the windows are cut and shuffled as above. Unshuffled and global
+    orders do not depend on ``shard_files``.
 
     NOTE [window size]: a window is the unit of both randomness and locality.
     A reader touches only the shards overlapping the current window, so about
@@ -186,15 +194,50 @@ def epoch_order(
     or being fetched). Larger windows mix samples from more shards (closer to
     a global shuffle) but keep more shards live and cached; smaller windows
     stream with little cache but keep samples near their shard neighbours.
+    How far apart neighbours land: two records of one shard that follow each
+    other are consecutive in the sequence, so they fall in one window or two
+    adjacent ones: less than ``2 * window`` positions apart in the epoch; two
+    samples next to each other in the epoch come from one window, i.e. from the
+    at most ``window / records_per_shard + 2`` shards it overlaps. With
+    ``shard_files`` the same holds with files in place of shards: the files are
+    what a window overlaps (``window / records_per_file + 2`` at most), so a
+    file is live for ``records_per_file + 2 * window`` positions of the epoch at
+    most, whatever its number of shards; its shards come in a shuffled order
+    within that span, and two records of one shard still land less than
+    ``2 * window`` apart. Without it, a file's shards would be spread over the
+    whole epoch and every file live from its first shard to its last.
     """
     window = _order_args(shuffle, shuffle_mode, window, seed, epoch)
     counts = _counts(records_per_shard)
+    files = _shard_files(shard_files, counts.size)
     n = int(counts.sum())
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     if shuffle_mode == "global":
         return _global_order(n, 0, n, seed, epoch)
-    return _window_order(counts, 0, n, seed, epoch, window)
+    return _window_order(counts, 0, n, seed, epoch, window, files)
+
+
+def _shard_files(shard_files: Sequence[int] | np.ndarray | None, shards: int) -> np.ndarray | None:
+    """``shard_files`` checked (ValueError): one non-negative int per shard, or None."""
+    if shard_files is None:
+        return None
+    files = _int_array("shard_files", shard_files).astype(np.int64)
+    if files.size != shards:
+        raise ValueError(f"shard_files must name the file of each of the {shards} shards, got {files.size} values")
+    if files.size and (files.min() < 0 or files.max() >= 2**62):
+        raise ValueError("shard_files must be non-negative ints below 2**62")
+    return files
+
+
+def _shard_sequence(count: int, seed: int, epoch: int, files: np.ndarray | None) -> np.ndarray:
+    """The shards of window mode in sequence order (``epoch_order``): by shard key, or by file key then shard key."""
+    shards = np.arange(count)
+    if files is None:
+        return _sort_by_key(shards, seed, epoch, STREAM_SHARDS)
+    file_key = sample_keys(files, seed=seed, epoch=epoch, stream=STREAM_SHARDS)  # one key per file: a bijection
+    shard_key = sample_keys(shards, seed=seed, epoch=epoch, stream=STREAM_FILE_SHARDS)
+    return np.lexsort((shard_key, file_key)).astype(np.int64)
 
 
 def _global_order(n: int, lo: int, hi: int, seed: int, epoch: int) -> np.ndarray:
@@ -205,16 +248,17 @@ def _global_order(n: int, lo: int, hi: int, seed: int, epoch: int) -> np.ndarray
     return _C.global_order(n, int(_key_state(seed, epoch, STREAM_GLOBAL)), lo, hi)
 
 
-def _window_order(counts: np.ndarray, lo: int, hi: int, seed: int, epoch: int, window: int) -> np.ndarray:
+def _window_order(counts: np.ndarray, lo: int, hi: int, seed: int, epoch: int, window: int,
+                  files: np.ndarray | None = None) -> np.ndarray:
     """``epoch_order(...)[lo:hi]`` of window mode, from the windows overlapping ``[lo, hi)`` alone.
 
     So a rank that reads 1/W of the epoch shuffles about 1/W of it; only the shard order
-    (one key per shard) is computed whole.
+    (one key per shard) is computed whole. ``files``: checked ``shard_files`` or None.
     """
     if hi <= lo:
         return np.zeros(0, np.int64)
     n = int(counts.sum())
-    shard_order = _sort_by_key(np.arange(counts.size), seed, epoch, STREAM_SHARDS)
+    shard_order = _shard_sequence(counts.size, seed, epoch, files)
     lens = counts[shard_order]
     seg_end = np.cumsum(lens)  # position in the shuffled-shard sequence where each shard ends
     seg_start = seg_end - lens
@@ -302,10 +346,11 @@ def plan(
     shuffle_mode: str = "global",
     window: int = 65536,
     partition: str = "pad",
+    shard_files: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(shard_idx int32, record_idx int64), C-contiguous, in this (rank, worker)'s read order.
 
-    ``epoch_order`` -> ``partition`` -> ``split_workers`` -> ``locate``, exactly. Arguments
+    ``epoch_order`` (with ``shard_files``) -> ``partition`` -> ``split_workers`` -> ``locate``, exactly. Arguments
     are validated before any per-sample work is done. The (rank, worker) block is one or
     two runs of positions of the epoch order (two where ``pad`` wraps around), so only
     those positions are computed: without shuffle and in window mode, a reader's cost is
@@ -314,6 +359,7 @@ def plan(
     world_size, num_workers = _reader_args(rank, world_size, worker, num_workers, partition)
     window = _order_args(shuffle, shuffle_mode, window, seed, epoch)
     counts = _counts(records_per_shard)
+    files = _shard_files(shard_files, counts.size)
     n = int(counts.sum())
     if n == 0:
         raise ValueError("cannot partition an empty order (the dataset has no samples)")
@@ -329,7 +375,7 @@ def plan(
     elif shuffle_mode == "global":  # every position depends on every key: two passes over them all
         mine = np.concatenate([_global_order(n, lo, hi, seed, epoch) for lo, hi in runs])
     else:
-        mine = np.concatenate([_window_order(counts, lo, hi, seed, epoch, window) for lo, hi in runs])
+        mine = np.concatenate([_window_order(counts, lo, hi, seed, epoch, window, files) for lo, hi in runs])
     shard, record = locate(mine, counts)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
 
@@ -547,10 +593,11 @@ def resume_plan(
     shuffle_mode: str = "global",
     window: int = 65536,
     partition: str = "pad",
+    shard_files: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``plan`` for the rest of an epoch already consumed by ``segments``.
 
-    Equals ``epoch_order`` -> ``resume_partition`` -> ``split_workers`` -> ``locate``, and
+    Equals ``epoch_order`` (with ``shard_files``) -> ``resume_partition`` -> ``split_workers`` -> ``locate``, and
     with no segments it equals ``plan``; like ``plan`` it computes only this (rank,
     worker)'s positions of the order (NOTE [resume runs]).
     """
@@ -558,6 +605,7 @@ def resume_plan(
     segs = [_segment_arg(i, s) for i, s in enumerate(segments)]
     window = _order_args(shuffle, shuffle_mode, window, seed, epoch)
     counts = _counts(records_per_shard)
+    files = _shard_files(shard_files, counts.size)
     n = int(counts.sum())
     if n == 0:
         raise ValueError("cannot partition an empty order (the dataset has no samples)")
@@ -575,7 +623,7 @@ def resume_plan(
         if z > left:  # pad fillers: the lowest filler stream indices not read, wrapping after n
             k = np.asarray(_first_unread(taken, z - left)[max(a, left) - left:], np.int64) % n
             r_lo, r_hi = _merged(np.concatenate([r_lo, k]), np.concatenate([r_hi, k + 1]))
-    mine = _order_at_runs(counts, n, r_lo, r_hi, shuffle, shuffle_mode, seed, epoch, window)
+    mine = _order_at_runs(counts, n, r_lo, r_hi, shuffle, shuffle_mode, seed, epoch, window, files)
     shard, record = locate(mine, counts)
     return np.ascontiguousarray(shard), np.ascontiguousarray(record)
 
@@ -584,7 +632,7 @@ _MAX_ORDER_RANGES = 16
 
 
 def _order_at_runs(counts: np.ndarray, n: int, lo: np.ndarray, hi: np.ndarray, shuffle: bool, shuffle_mode: str,
-                   seed: int, epoch: int, window: int) -> np.ndarray:
+                   seed: int, epoch: int, window: int, files: np.ndarray | None = None) -> np.ndarray:
     """``epoch_order(...)`` at the positions of the runs ``[lo[i], hi[i])``, concatenated.
 
     Computed from ranges of positions around the runs only. Ascending runs with gaps no longer than the run before plus 1 M share one range (a
@@ -606,12 +654,12 @@ def _order_at_runs(counts: np.ndarray, n: int, lo: np.ndarray, hi: np.ndarray, s
         if shuffle_mode == "global":
             vals = _global_order(n, x, y, seed, epoch)
         else:
-            vals = _window_order(counts, x, y, seed, epoch, window)
+            vals = _window_order(counts, x, y, seed, epoch, window, files)
         o0, o1 = int(offs[g0]), int(offs[g1 - 1] + lens[g1 - 1])
         out[o0:o1] = vals[pos[o0:o1] - x]
     return out
 
 
-__all__ = ["STREAM_GLOBAL", "STREAM_SHARDS", "STREAM_WINDOW", "SHUFFLE_MODES", "PARTITIONS", "mix64", "sample_keys",
-           "epoch_order", "partition", "split_workers", "locate", "plan", "unread_count", "resume_partition", "unread",
+__all__ = ["STREAM_GLOBAL", "STREAM_SHARDS", "STREAM_WINDOW", "STREAM_FILE_SHARDS", "SHUFFLE_MODES", "PARTITIONS",
+           "mix64", "sample_keys", "epoch_order", "partition", "split_workers", "locate", "plan", "unread_count", "resume_partition", "unread",
            "resume_plan"]

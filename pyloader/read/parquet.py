@@ -2,7 +2,10 @@
 
 Row groups play the part of shards: the epoch plan (``pyloader.read.order``) orders and
 partitions rows exactly as ``ShardDataset`` orders records, with row group ``g`` as
-"shard" ``g`` (row groups numbered file by file, files sorted by path).
+"shard" ``g`` (row groups numbered file by file, files sorted by path), except that
+window mode shuffles the files and then the row groups within each file
+(``order.epoch_order``'s ``shard_files``), so that a shuffled epoch holds a file only
+while a window overlaps it (NOTE [window size] in ``pyloader.read.order``).
 
 NOTE [row group lifetime]: a batch iterator knows the whole plan, so it decodes a row
 group when the first batch that reads it is submitted (or up to ``num_threads`` row
@@ -123,7 +126,10 @@ class ParquetDataset(UnitDataset, IterableDataset):
     Nulls raise ``ParquetReadError`` naming the column and row unless ``nulls="zero"``.
 
     Ordering, shuffling and partitioning are ``ShardDataset``'s (same arguments, same
-    guarantees), with row groups as shards; ``shuffle_mode`` defaults to ``"window"``
+    guarantees), with row groups as shards, except that window mode shuffles files, then
+    the row groups within each file (``unit_files``: NOTE [window size] in
+    ``pyloader.read.order``), so a file's rows are read within ``rows of the file + 2 *
+    window`` positions of the epoch; ``shuffle_mode`` defaults to ``"window"``
     because a row group is decoded whole (NOTE [row group lifetime]). Remote URLs stream
     through the node cache (``cache_dir``, ``cache_limit``, ``fetch_jobs``,
     ``storage_options`` as for ShardDataset): each file is fetched whole, ahead of the
@@ -132,8 +138,8 @@ class ParquetDataset(UnitDataset, IterableDataset):
     in ``pyloader.remote.fetch``, NOTE [pending files] in ``pyloader.remote.pending_files``):
     a dataset many times the cache limit reads through it. What must fit is the plan's
     working set (``CacheLimitError`` otherwise): unshuffled, the files a few batches span;
-    shuffled, row groups are ordered across all files, so only files of one row group each
-    stream through a cache smaller than the dataset.
+    window-shuffled, the files a window and the batches read ahead overlap (about
+    ``window / rows per file + 2``); a global shuffle holds every file.
     Resumable: ``pyloader.DataLoader.state_dict()`` / ``load_state_dict()`` work as for
     ``ShardDataset`` (docs/resume.md). ``fingerprint`` (what a state names) identifies the
     files by relative path, row-group row counts, size and footer bytes, and the columns
@@ -244,7 +250,8 @@ class ParquetDataset(UnitDataset, IterableDataset):
         self.group_file: list[int] = []
         self.group_index: list[int] = []
         self.records_per_group: list[int] = []
-        self.unit_records = self.records_per_group  # UnitDataset plans by row group
+        self.unit_records = self.records_per_group  # UnitDataset plans by row group...
+        self.unit_files = self.group_file  # ...and window mode shuffles them file by file (NOTE [window size])
         self.group_row0: list[int] = []  # first row of each group within its file (for errors)
         for i, md in enumerate(metas):
             r = 0
@@ -301,10 +308,12 @@ class ParquetDataset(UnitDataset, IterableDataset):
             return 0, 0
         need, count = _fetch.working_set(self._plan_files(groups), self._file_sizes(), horizon)
         o = self.order
-        if o.shuffle:
-            hint = ("or write files of one row group each: a shuffle orders row groups, not files, so a file "
-                    "of several row groups is held from the first to the last of them the plan reads, "
-                    "which the shuffle spreads over the epoch")
+        if o.shuffle and o.shuffle_mode == "global":
+            hint = ("or shuffle_mode='window': a global shuffle spreads every file's rows over the whole epoch, "
+                    "so every file is held from its first row read to its last")
+        elif o.shuffle:
+            hint = (f"or a smaller window (now {o.window} rows: a window shuffles the rows of the files it "
+                    "overlaps, each held until its last row is read), batch_size or prefetch, or smaller files")
         else:
             hint = "or a smaller batch_size or prefetch, or smaller files"
         check_share(self._cache.url, self._cache.cache.limit, need, node_readers(readers),

@@ -198,12 +198,15 @@ class UnitDataset(PlannedDataset):
     (records per unit).
 
     A subclass sets ``unit_records``, ``num_records``, ``fields``, ``order``, ``rank``,
-    ``world_size`` and ``epoch``, and implements ``batches`` and ``fingerprint``. It also
+    ``world_size`` and ``epoch``, and implements ``batches`` and ``fingerprint``; units that
+    are parts of files (Parquet row groups) also set ``unit_files``, the file of each unit,
+    which window mode shuffles file by file (``order.epoch_order``'s ``shard_files``). It also
     gets the per-sample iteration torch's ``DataLoader`` uses (``__iter__``, split by
     ``get_worker_info()``) and ``plan()`` for its own epoch.
     """
 
     unit_records: list[int]
+    unit_files: list[int] | None = None
     rank = _ReaderSetting()
     world_size = _ReaderSetting()
     num_records = _ReaderSetting()
@@ -327,7 +330,7 @@ class UnitDataset(PlannedDataset):
         o = self.order.with_overrides(shuffle=shuffle, seed=seed)
         kw: dict[str, Any] = dict(shuffle=o.shuffle, seed=o.seed, epoch=epoch, rank=rank, world_size=world,
                                   worker=worker, num_workers=num_workers, shuffle_mode=o.shuffle_mode,
-                                  window=o.window, partition=o.partition)
+                                  window=o.window, partition=o.partition, shard_files=self.unit_files)
         if segments:
             return _order.resume_plan(self.unit_records, segments=segments, **kw)
         return _order.plan(self.unit_records, **kw)

@@ -9,8 +9,9 @@ its working set (``fetch.working_set``). Every reader streams: ``ShardDataset`` 
 ``Mixture`` hold the shards overlapping their window plus the batches read ahead;
 ``ParquetDataset`` the files whose row groups its plan decodes at once plus those read
 ahead, each held from its first to its last row group read (NOTE [pending files] in
-``pyloader.remote.pending_files``), so a shuffle, which orders row groups and not files,
-keeps a file of several row groups across the epoch. A need above the share raises
+``pyloader.remote.pending_files``): a window shuffle orders files, then the row groups of
+each, so a file is held while a window overlaps it (NOTE [window size] in
+``pyloader.read.order``); a global shuffle holds every file. A need above the share raises
 ``CacheLimitError`` naming both numbers and the limit that would do; the streaming fetcher
 is then held to the share (its ``budget``).
 """

@@ -183,6 +183,61 @@ def test_window_mode_locality_and_shard_order() -> None:
     assert shard_orders[0] != shard_orders[1]
 
 
+def ref_file_window_order(counts: list[int], files: list[int], seed: int, epoch: int, window: int) -> list[int]:
+    """Window mode with ``shard_files``: files by key (stream 1), their shards by key (stream 3), then windows."""
+    offsets = [sum(counts[:s]) for s in range(len(counts))]
+    shards = sorted(range(len(counts)), key=lambda s: (ref_key(files[s], seed, epoch, 1), ref_key(s, seed, epoch, 3)))
+    seq = [offsets[s] + r for s in shards for r in range(counts[s])]
+    out: list[int] = []
+    for start in range(0, len(seq), window):
+        out += ref_sorted(seq[start : start + window], seed, epoch, 2)
+    return out
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 3)), min_size=1, max_size=12), seed_st,
+       st.integers(0, 1000), st.integers(1, 40))
+def test_window_order_by_files_matches_reference(shards: list[tuple[int, int]], seed: int, epoch: int,
+                                                 window: int) -> None:
+    counts = [c for c, _ in shards]
+    files = [int(f) for f in np.cumsum([step for _, step in shards])]  # non-decreasing, gaps allowed (files of no shard)
+    order = epoch_order(counts, shuffle=True, seed=seed, epoch=epoch, shuffle_mode="window", window=window,
+                        shard_files=files)
+    assert order.tolist() == ref_file_window_order(counts, files, seed, epoch, window)
+
+
+@pytest.mark.parametrize("window", [7, 40, 100])
+def test_window_mode_by_files_holds_a_file_for_its_rows_plus_two_windows(window: int) -> None:
+    # 12 files of 8 shards (Parquet files of 8 row groups) of 20 records: 160 a file.
+    counts, files, per_file = [20] * 96, np.repeat(np.arange(12), 8), 160
+    for epoch in range(3):
+        kw: dict[str, Any] = {"shuffle": True, "seed": 4, "epoch": epoch, "shuffle_mode": "window", "window": window}
+        order = epoch_order(counts, shard_files=files, **kw)
+        assert np.array_equal(np.sort(order), np.arange(sum(counts)))
+        pos = np.empty_like(order)
+        pos[order] = np.arange(order.size)  # where each record lands in the epoch
+        by_file = pos.reshape(12, per_file)
+        assert (by_file.max(1) - by_file.min(1) < per_file + 2 * window).all()
+        # Neighbours in a shard land in one window or the next.
+        by_shard = pos.reshape(96, 20)
+        assert (np.abs(np.diff(by_shard, axis=1)) < 2 * window).all()
+        shard, _ = locate(order, counts)
+        assert sorted(set(shard[: per_file // 2].tolist())) != list(range(8))  # row groups shuffled within a file
+        # Without the files, row groups of one file spread over the whole epoch.
+        loose = np.empty_like(order)
+        loose[epoch_order(counts, **kw)] = np.arange(order.size)
+        spread = loose.reshape(12, per_file)
+        assert (spread.max(1) - spread.min(1)).max() > order.size // 2
+        # Every rank and every resumed rank reads its part of this order.
+        full = [global_ids(*plan(counts, rank=r, world_size=3, shard_files=files, **kw), counts) for r in range(3)]
+        assert np.array_equal(np.concatenate(full), order)
+        segs = [(3, 8, 5)]
+        rest = [global_ids(*_plan.resume_plan(counts, rank=r, world_size=2, segments=segs, shard_files=files, **kw),
+                           counts) for r in range(2)]
+        want = [_plan.resume_partition(order, rank=r, world_size=2, segments=segs) for r in range(2)]
+        assert all(np.array_equal(a, b) for a, b in zip(rest, want, strict=True))
+
+
 # --- partitioning -------------------------------------------------------------
 
 CASES = {  # name -> records_per_shard
@@ -384,6 +439,8 @@ BAD_CALLS = {
     "negative key id": lambda: sample_keys(np.array([-2]), seed=0, epoch=0, stream=0),
     "negative stream": lambda: sample_keys(np.array([2]), seed=0, epoch=0, stream=-1),
     "split bad worker": lambda: split_workers(np.arange(4), worker=-1, num_workers=2),
+    "shard_files too short": lambda: plan([4, 2], **GOOD, shuffle_mode="window", shard_files=[0]),
+    "negative shard_files": lambda: plan([4, 2], **GOOD, shuffle_mode="window", shard_files=[0, -1]),
 }
 
 

@@ -104,24 +104,63 @@ def test_two_epochs_stream_through_an_eighth_of_the_data(www, tmp_path, shuffle)
     assert ds._fetcher.downloaded > files  # the second epoch fetched again what was evicted
 
 
+@pytest.mark.timeout(180)
+def test_a_shuffled_epoch_of_files_of_many_row_groups_streams_through_an_eighth(www, tmp_path):
+    root, url = www
+    # 32 files of 8 row groups: a window shuffles files, then the row groups within each
+    # (NOTE [window size]), so a file is held only while a window overlaps it.
+    files, rows, group = 32, 320, 40
+    total = _write(os.path.join(root, "data"), files, rows, group)
+    limit = total // 8
+    kw: dict[str, Any] = dict(columns=COLUMNS, shuffle=True, window=40, seed=5)
+    cache = str(tmp_path / "cache")
+    ds = pyloader.ParquetDataset(url + "/data/", cache_dir=cache, cache_limit=limit, fetch_jobs=3, **kw)
+    local = pyloader.ParquetDataset(os.path.join(root, "data"), **kw)
+    orders = []
+    with CachePeak(cache) as usage:
+        for epoch in range(2):
+            it = ds.batches(16, epoch=epoch, num_threads=2, prefetch=2)
+            got = []
+            for b, ref in zip(it, local.batches(16, epoch=epoch), strict=True):
+                _same(b, ref)
+                got += b["id"].tolist()
+            assert sorted(got) == list(range(files * rows))  # every row once
+            orders.append(got)
+            stats = it.stats()
+            assert stats["cache_peak_held_bytes"] <= stats["cache_budget_bytes"] == limit
+            assert 0 < stats["cache_working_set_bytes"] <= limit
+            assert stats["files_unloaded"] > 0
+    assert usage.samples > 10
+    assert usage.peak <= limit, (usage.peak, limit)
+    assert orders[0] != orders[1]
+    # Shuffled: neither files in path order nor row groups in file order.
+    first = [i // rows for i in orders[0]]
+    assert sorted(set(first[: rows // 2])) != [0] and orders[0][:group] != list(range(group))
+
+
 @pytest.mark.timeout(120)
-def test_a_working_set_above_the_cache_limit_is_refused_up_front(www, tmp_path):
+@pytest.mark.parametrize("mode", ["window", "global"])
+def test_a_working_set_above_the_cache_limit_is_refused_up_front(www, tmp_path, mode):
     root, url = www
     total = _write(os.path.join(root, "data"), 24, 160, 40)
-    # Shuffled row groups of files of 4 groups: every file is held from its first group to its last.
-    with pytest.raises(CacheLimitError, match="one row group each") as e:
-        ds = pyloader.ParquetDataset(url + "/data/", columns=COLUMNS, shuffle=True, window=80,
+    # A window of 800 rows spans 6 files; a global shuffle holds every file across the epoch.
+    fix = "a smaller window (now 800 rows" if mode == "window" else "shuffle_mode='window'"
+    with pytest.raises(CacheLimitError, match=fix.replace("(", r"\(")) as e:
+        ds = pyloader.ParquetDataset(url + "/data/", columns=COLUMNS, shuffle=True, shuffle_mode=mode, window=800,
                                      cache_dir=str(tmp_path / "c"), cache_limit=total // 8)
         ds.batches(16)
     assert url in str(e.value) and "cache_limit >=" in str(e.value)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("stop", [3, 17])
-@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "window-shuffle"])
-def test_resume_mid_epoch_while_streaming_gives_exactly_the_rest(www, tmp_path, stop, shuffle):
+@pytest.mark.parametrize("stop", [3, 17, 150])
+@pytest.mark.parametrize("shape", ["in-order", "window-shuffle", "shuffled-row-groups"])
+def test_resume_mid_epoch_while_streaming_gives_exactly_the_rest(www, tmp_path, stop, shape):
     root, url = www
-    files, rows, group = (24, 160, 40) if not shuffle else (64, 60, 60)
+    shuffle = shape != "in-order"
+    # Shuffled files of one row group each, or of 8 (shuffled within each file, NOTE [window size]).
+    files, rows, group = {"in-order": (24, 160, 40), "window-shuffle": (64, 60, 60),
+                          "shuffled-row-groups": (32, 480, 60)}[shape]
     total = _write(os.path.join(root, "data"), files, rows, group)
     kw: dict[str, Any] = dict(columns=["id", "tokens"], shuffle=shuffle, window=60, seed=1,
                               cache_limit=total // 8, fetch_jobs=2)

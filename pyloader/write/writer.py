@@ -35,7 +35,33 @@ def _writable_dir(path: str | os.PathLike[str]) -> str:
     return s
 
 
-def _unclosed(path: str, encoder: ShardEncoder, pid: int) -> None:
+def _make_dirs(path: str) -> list[str]:
+    """``os.makedirs(path)``; returns the folders it created, outermost first (none if ``path`` existed)."""
+    created: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        created.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    os.makedirs(path, exist_ok=True)
+    return created[::-1]
+
+
+def _remove_created(dirs: list[str]) -> None:
+    """Removes the folders a writer created (``_make_dirs``), innermost first, while they are empty.
+
+    A folder that holds anything (a file someone else put there) stays, with those above it.
+    """
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def _unclosed(path: str, encoder: ShardEncoder, pid: int, created: list[str] | None = None) -> None:
     """NOTE [unclosed writer]: a ShardWriter dropped without close() publishes nothing.
 
     Its records are not written as a dataset: a writer abandoned half way (an exception
@@ -49,6 +75,7 @@ def _unclosed(path: str, encoder: ShardEncoder, pid: int) -> None:
         return
     n, on_disk = encoder.records, len(encoder.shards)
     encoder.abort()
+    _remove_created(created or [])
     warnings.warn(
         f"ShardWriter({path!r}) was never closed: its {n} records were not published "
         f"({on_disk} shard files removed, no manifest written). Call close() or use `with ShardWriter(...)`.",
@@ -82,7 +109,9 @@ class ShardWriter:
 
     The manifest is written on a clean ``close()``; until then the dataset does not exist.
     If the ``with`` block raises, the shards written so far are removed and no manifest is
-    written. A writer garbage-collected (or alive at interpreter exit) without ``close()``
+    written, and so are the folders the writer created (a schema error at the first
+    ``write()`` leaves nothing behind; a folder that existed, or holds other files, stays).
+    ``compression`` is checked before anything is created. A writer garbage-collected (or alive at interpreter exit) without ``close()``
     publishes nothing either: it removes its shards and emits a RuntimeWarning naming the
     folder and the records lost (NOTE [unclosed writer]).
     """
@@ -93,6 +122,9 @@ class ShardWriter:
         self._closed = True  # until constructed: nothing to close
         self._dir = _writable_dir(path)
         self.fields: list[Field] = make_fields(fields)
+        if isinstance(compression, str) and compression not in _COMPRESSIONS:
+            raise ValueError(f"compression must be one of {_COMPRESSIONS} or None (or a dict of them per field), "
+                             f"got {compression!r}")
         if compression is None or isinstance(compression, str):
             compression = {f.name: compression for f in self.fields}
         elif not isinstance(compression, Mapping):
@@ -114,15 +146,19 @@ class ShardWriter:
             raise ValueError("min_gain must be in [0, 1)")
         if version not in (2, 3) or isinstance(version, bool):
             raise ValueError(f"version must be 2 or 3 (the shard format versions written), got {version!r}")
-        os.makedirs(self._dir, exist_ok=True)
-        # NOTE [overwrite] (pyloader/format/encode.py): new shards get a fresh token; the old
-        # ones are deleted only once the new manifest is in place.
-        token, self._replaced = replace_token(self._dir, overwrite=overwrite,
-                                              hint="pass overwrite=True to replace it")
-        self._encoder = ShardEncoder(self._dir, self.fields, self._codec, shard_bytes=shard_bytes,
-                                     prefix=f"shard-{token}", min_gain=min_gain, version=version)
+        self._created = _make_dirs(self._dir)  # removed again by abort() while empty
+        try:
+            # NOTE [overwrite] (pyloader/format/encode.py): new shards get a fresh token; the old
+            # ones are deleted only once the new manifest is in place.
+            token, self._replaced = replace_token(self._dir, overwrite=overwrite,
+                                                  hint="pass overwrite=True to replace it")
+            self._encoder = ShardEncoder(self._dir, self.fields, self._codec, shard_bytes=shard_bytes,
+                                         prefix=f"shard-{token}", min_gain=min_gain, version=version)
+        except BaseException:
+            _remove_created(self._created)
+            raise
         self._closed = False
-        self._finalizer = weakref.finalize(self, _unclosed, self._dir, self._encoder, os.getpid())
+        self._finalizer = weakref.finalize(self, _unclosed, self._dir, self._encoder, os.getpid(), self._created)
 
     # -- sample validation -------------------------------------------------------------
     def _to_array(self, f: Field, value: Any, sample_no: int) -> np.ndarray:
@@ -247,10 +283,11 @@ class ShardWriter:
         self._closed = True
 
     def abort(self) -> None:
-        """Discards everything this writer wrote (shards and no manifest)."""
+        """Discards everything this writer wrote (shards and no manifest), and the folders it created while empty."""
         if not self._closed:
             self._finalizer.detach()
             self._encoder.abort()
+            _remove_created(self._created)
         self._closed = True
 
     @property

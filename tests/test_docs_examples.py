@@ -347,3 +347,11 @@ def test_readme_says_what_each_extra_brings():
         for req in reqs:
             name = re.split(r"[\[<>=!~ ]", req, maxsplit=1)[0].lower()
             assert name in para_lower, f"the README does not name {name} (extra {extra})"
+
+
+def test_readme_says_how_long_the_tests_take():
+    """Issue 40 item 23: the test command is followed by how long it takes and where the time goes."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index("python -m pytest -q            # tests"):].split("\n\n")[0]
+    assert re.search(r"about \d+ minutes on \d+ CPU cores", after), after
+    assert "build the C++ extension" in after and re.search(r"\d,\d{3} s", after), after

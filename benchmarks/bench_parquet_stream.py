@@ -12,12 +12,15 @@ latency per request (benchmarks/throttled_http.py, in its own process), all in o
 
 The passes alternate, ``--repeat`` times; the table shows each pass's median and min-max,
 and the ratio of the streaming epoch's time to the fully cached cold epoch's, repeat by
-repeat (1.0: streaming costs nothing). The consumer only iterates (no step). For each
+repeat (1.0: streaming costs nothing). ``--shuffle`` reads every pass window-shuffled
+(``--window`` rows, default one row group): files in a shuffled order, then their row
+groups, so a file is held only while a window overlaps it (NOTE [window size] in
+pyloader/read/order.py). The consumer only iterates (no step). For each
 pass: wall seconds, samples/s, the consumer's wait fraction, the cache's peak size on disk
 (published files plus download temps, sampled every few ms) against the limit, files
 downloaded and unloaded (released to make room).
 
-Writes bench_results/parquet_stream.json. Usage: python benchmarks/bench_parquet_stream.py [--quick]
+Writes bench_results/parquet_stream.json. Usage: python benchmarks/bench_parquet_stream.py [--quick] [--shuffle]
 """
 
 from __future__ import annotations
@@ -67,12 +70,13 @@ def epoch(ds: pyloader.ParquetDataset, batch: int, epoch_no: int, cache_dir: str
     with CachePeak(cache_dir, interval) as peak:
         t0 = time.perf_counter()
         it = ds.batches(batch, epoch=epoch_no, num_threads=2)
-        n = 0
-        for b in it:
-            n += int(b["id"].shape[0])
+        ids = [b["id"].numpy().copy() for b in it]
         wall = time.perf_counter() - t0
     s = it.stats()
+    seen = np.sort(np.concatenate(ids))
+    n = int(seen.size)
     return {"wall_s": wall, "samples": n, "samples_per_s": n / wall, "wait_fraction": s["consumer_wait_s"] / wall,
+            "every_row_once": bool(np.array_equal(seen, np.arange(ds.num_records))),
             "cache_peak_bytes": peak.peak, "cache_samples": peak.samples,
             "files_downloaded": s.get("files_downloaded"), "files_unloaded": s.get("files_unloaded"),
             "peak_held_bytes": s.get("cache_peak_held_bytes"), "budget_bytes": s.get("cache_budget_bytes"),
@@ -91,6 +95,8 @@ def main() -> int:
     ap.add_argument("--cache-fraction", type=float, default=8, help="dataset size / cache limit (default 8)")
     ap.add_argument("--jobs", type=int, default=4, help="fetch_jobs (default 4)")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--shuffle", action="store_true", help="window-shuffled epochs (default: in order)")
+    ap.add_argument("--window", type=int, default=None, help="shuffle window in rows (default: --group)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of the three passes (default 3)")
     ap.add_argument("--sample-ms", type=float, default=5, help="cache-size sampler interval, ms (default 5)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "parquet_stream.json"))
@@ -98,6 +104,7 @@ def main() -> int:
     if args.quick:
         args.tokens, args.repeat = 64, 1
     interval = args.sample_ms / 1e3
+    window = args.window or args.group
     tmp = tempfile.mkdtemp(prefix="pyloader-bench-pqstream-")
     proc: subprocess.Popen[str] | None = None
     try:
@@ -113,8 +120,9 @@ def main() -> int:
         print(f"{args.files} files, {args.files * args.rows} rows in row groups of {args.group}, "
               f"{total / MB:.1f} MB; link {args.link_mbps:g} MB/s shared, {args.latency_ms:g} ms per request; "
               f"cache limit {limit / MB:.2f} MB (dataset / {args.cache_fraction:g}); batch {args.batch}, "
-              f"fetch_jobs {args.jobs}")
-        kw: dict[str, Any] = dict(columns=["id", "tokens"], shuffle=False, fetch_jobs=args.jobs)
+              f"fetch_jobs {args.jobs}; " + (f"window shuffle of {window} rows" if args.shuffle else "in order"))
+        kw: dict[str, Any] = dict(columns=["id", "tokens"], shuffle=args.shuffle, window=window, seed=7,
+                                  fetch_jobs=args.jobs)
         passes: list[dict[str, Any]] = []
         for r in range(args.repeat):
             c1 = os.path.join(tmp, f"cache-stream-{r}")
@@ -152,6 +160,8 @@ def main() -> int:
               + f" (median {statistics.median(ratios):.2f})")
         print("stream 1/8 / full warm, per repeat: " + ", ".join(f"{x:.2f}" for x in warm)
               + f" (median {statistics.median(warm):.2f})")
+        print("every row read once in every pass" if all(p["every_row_once"] for p in passes) else
+              "SOME PASS DID NOT READ EVERY ROW ONCE")
         over = [p for p in passes if p["kind"] == "stream 1/8" and p["cache_peak_bytes"] > limit]
         print("cache peak within the limit in every streaming pass" if not over else
               f"cache peak ABOVE the limit in {len(over)} streaming pass(es)")
@@ -161,7 +171,8 @@ def main() -> int:
                                   "tokens": args.tokens, "dataset_bytes": total, "cache_limit": limit,
                                   "cache_fraction": args.cache_fraction, "link_bytes_per_s": args.link_mbps * MB,
                                   "latency_s": args.latency_ms / 1e3, "fetch_jobs": args.jobs, "batch": args.batch,
-                                  "num_threads": 2, "repeat": args.repeat},
+                                  "num_threads": 2, "repeat": args.repeat, "shuffle": args.shuffle,
+                                  "window": window},
                        "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                                        "cpus": os.cpu_count(), "pyloader": pyloader.__version__},
                        "passes": passes, "ratio_stream_over_full_cold": ratios,

@@ -217,8 +217,11 @@ def _print_transform(t: dict[str, Any]) -> None:
     limit = t["limit_samples_per_s"]
     print(f"    per sample: {t['per_sample_us']:.0f} us of transform and decoding on a worker"
           + (f" (limit with {t['workers']} workers: {limit:,.0f} samples/s)" if limit else ""))
+    m = t["measured"]
     print(f"    share of each sample's time in the loader: {100 * t['share_of_sample_time']:.0f}%; workers busy "
-          f"{100 * t['workers_busy']:.0f}%, the consumer waited {100 * t['wait_fraction']:.0f}%")
+          f"{100 * t['workers_busy']:.0f}%, the consumer waited {100 * t['wait_fraction']:.0f}% (over the "
+          f"{m['batches']} batches of {m['epochs']} timed epoch{'s' if m['epochs'] != 1 else ''}, "
+          f"{m['wall_s']:.2f} s)")
     if t["skipped_samples"]:
         print(f"    skipped samples (undecodable images): {t['skipped_samples']}")
     print(f"    pyloader / torch DataLoader with the transform: {t['speedup_vs_torch']:.2f}x")
@@ -282,13 +285,13 @@ def _print_bench(r: dict[str, Any]) -> None:
           "against that stage's measured capacity:")
     print(f"    {'stage':<10}{'capacity':>12}{'drawn':>12}{'used':>8}  measured as")
     for name, row in dg["stages"].items():
-        how = row["how"] + (f"; measured {row['measured_gbps']:.2f} GB/s, below the loader's own rate, taken as "
-                            "that rate (see the note)" if row.get("clamped") else "")
+        how = row["how"] + (f"; measured {row['measured_gbps']:.2f} GB/s, below what the loader's own epochs "
+                            "show, raised to that (see the note)" if row.get("clamped") else "")
         print(f"    {name:<10}{row['capacity_gbps']:>7.2f} GB/s{row['demand_gbps']:>7.2f} GB/s"
               f"{100 * row['utilization']:>7.0f}%  {how}")
     if dg["bound"]:
         row = dg["stages"][dg["bound"]]
-        if row.get("clamped"):
+        if row.get("clamped") and row["utilization"] >= 0.995:
             print(f"  bound by: {dg['bound']}, at its limit (the loader drew {row['demand_gbps']:.2f} GB/s from it; "
                   f"measured apart: {row['measured_gbps']:.2f} GB/s, see the note)")
         else:

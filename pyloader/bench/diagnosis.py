@@ -20,11 +20,16 @@ MIN_SHARE = 0.01
 
 # NOTE [a diagnosis true to its figures]: nothing the diagnosis prints may contradict
 # another of its figures or the machine it ran on.
-# - No stage is used above 100%, and none has a capacity below the rate the loader drew
-#   from it: the loader's own epochs show it can carry that rate. A stage measured apart
-#   below it (another moment of a shared machine, a different way to move the bytes) is
-#   clamped to the loader's rate (``clamped``, its own figure kept as ``measured_gbps``)
-#   and a note says so and why; its headroom is then 1.00x, never below.
+# - No stage is used above 100%, and none has a capacity below what the loader's own epochs
+#   show it carries: the rate the loader drew from it and, for the work its threads do
+#   (decode, collate), that rate over the threads' busy share (they did it in at most that
+#   share of their time). So a worker stage is never used more than the workers were busy,
+#   and the table never shows decode "100% used" beside a verdict that no stage is near its
+#   limit. A stage measured apart below that floor (another moment of a shared machine, a
+#   different way to move the bytes) is raised to it (``clamped``, its own figure kept as
+#   ``measured_gbps``) and a note says so and why.
+# - ``bound`` is None exactly when every row is used below ``BOUND_AT``; else it names a row
+#   used at least that much, and ``bound_utilization`` is that row's share.
 # - Advice is what this machine and this dataset can take: "add threads" only while the
 #   loader runs fewer threads than the CPUs this process may use (``cpus``, from its
 #   affinity); `pyloader cache warm` only for a remote dataset (it refuses local paths);
@@ -33,6 +38,10 @@ MIN_SHARE = 0.01
 #   ``MIN_SHARE`` of them (collation when the values are LZ4 blocks decoded straight into
 #   the batch) has no row; a note says what carried the bytes instead.
 # - A warning never blames the options a run was given for what they cannot change.
+# - The transform and packing stages' verdicts follow from the figures printed beside them
+#   (``transform_hint``, ``pack_verdict``): "enough" only when the consumer rarely waited,
+#   "reading limits" only when reading alone is not much faster, "builds rows most of the
+#   time" only above half the time, and advice that costs padding says how much.
 
 _HOW = {
     "network": "every shard downloaded once into the node cache",
@@ -70,12 +79,11 @@ def diagnose(st: dict[str, Any], *, cpus: int | None = None) -> dict[str, Any]:
     py = st["pyloader"]
     cpus = cpu_budget() if cpus is None else max(1, int(cpus))
     rows, notes = _stage_rows(st)
-    clamped = _clamp_to_the_loaders_rate(rows)
     busy = py.get("workers_busy")
-    cpu_idle = busy is not None and busy < BOUND_AT
-    candidates = [k for k in rows if k != "workers" and not (cpu_idle and k in ("decode", "collate"))]
+    clamped = _clamp_to_the_loaders_rate(rows, busy)
+    candidates = [k for k in rows if k != "workers"]
     bound, use = _bound_stage(rows, candidates, busy)
-    notes = [_headline(bound, rows, candidates, st, cpus)] + _stage_notes(rows, clamped, cpu_idle, busy) + notes
+    notes = [_headline(bound, rows, candidates, st, cpus)] + _stage_notes(rows, clamped, busy) + notes
     notes += _loader_notes(py)
     return {"bound": bound, "bound_utilization": use, "loader_gbps": py["gbps"], "cpus": cpus,
             "stages": rows,
@@ -125,16 +133,23 @@ def _stage_rows(st: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str
     return rows, notes
 
 
-def _clamp_to_the_loaders_rate(rows: dict[str, dict[str, Any]]) -> list[str]:
-    """Raises each capacity measured below the loader's rate to that rate; returns those stages' names.
+# The stages whose work the loader's own threads do (the workers row times them).
+_WORKER_STAGES = ("decode", "collate")
 
-    See NOTE [a diagnosis true to its figures].
+
+def _clamp_to_the_loaders_rate(rows: dict[str, dict[str, Any]], busy: float | None) -> list[str]:
+    """Raises each capacity measured below what the loader's epochs show to that floor; returns those names.
+
+    The floor is the rate the loader drew from the stage, over the workers' busy share for
+    the work its threads do. See NOTE [a diagnosis true to its figures].
     """
     clamped = []
+    share = min(max(busy, 1e-3), 1.0) if busy else 1.0
     for name, row in rows.items():
-        if row["demand_gbps"] > row["capacity_gbps"]:
-            row.update(measured_gbps=row["capacity_gbps"], capacity_gbps=row["demand_gbps"], utilization=1.0,
-                       clamped=True)
+        floor = row["demand_gbps"] / (share if name in _WORKER_STAGES else 1.0)
+        if floor > row["capacity_gbps"]:
+            row.update(measured_gbps=row["capacity_gbps"], capacity_gbps=floor,
+                       utilization=row["demand_gbps"] / max(floor, 1e-12), clamped=True)
             clamped.append(name)
     return clamped
 
@@ -196,22 +211,27 @@ def _advice(bound: str, st: dict[str, Any], cpus: int) -> str:
     return "; ".join(x for x in (first, halve, "" if more_threads else "or run on more CPUs") if x)
 
 
-def _stage_notes(rows: dict[str, dict[str, Any]], clamped: list[str], cpu_idle: bool,
-                 busy: float | None) -> list[str]:
-    """Why a stage measured apart does not bind, or why its capacity was raised to the loader's rate."""
+def _stage_notes(rows: dict[str, dict[str, Any]], clamped: list[str], busy: float | None) -> list[str]:
+    """Why a stage's capacity was raised above what it measured apart (See NOTE [a diagnosis true to its figures])."""
     notes = []
-    for name, row in rows.items():
-        if cpu_idle and name in ("decode", "collate") and row["utilization"] >= BOUND_AT:
-            measured = row.get("measured_gbps", row["capacity_gbps"])
-            notes.append(f"{name} measured apart at {measured:.2f} GB/s (the loader drew {row['demand_gbps']:.2f} "
-                         f"GB/s from it), yet the loader's own "
-                         f"workers, doing this work in the same epochs, were busy only {100 * (busy or 0):.0f}% of "
-                         "the time, so it does not bind: the separate run (another moment, Python threads calling "
-                         "the decoder or copy) reads low; the workers row is timed with the loader")
-        elif name in clamped:
-            notes.append(f"{name} measured {row['measured_gbps']:.2f} GB/s, below the {row['demand_gbps']:.2f} GB/s "
-                         f"the loader drew from it ({row['how']}): {_BELOW[name]}; its capacity is taken as the "
-                         "loader's own rate (100% used, no headroom): read it as at its limit")
+    for name in clamped:
+        row = rows[name]
+        measured, demand, use = row["measured_gbps"], row["demand_gbps"], row["utilization"]
+        at_limit = "read it as at its limit" if use >= 0.995 else f"{100 * use:.0f}% used"
+        if measured < demand:
+            why = (f"{name} measured {measured:.2f} GB/s, below the {demand:.2f} GB/s the loader drew from it "
+                   f"({row['how']}): {_BELOW[name]}")
+        else:
+            why = (f"{name} measured apart at {measured:.2f} GB/s ({row['how']}), less than the loader's own "
+                   f"workers showed: the separate run (another moment, Python threads calling the decoder or "
+                   "copy) reads low")
+        if name in _WORKER_STAGES and busy and busy < 1.0:
+            why += (f"; the loader's workers, doing this work in the same epochs, drew {demand:.2f} GB/s from it "
+                    f"while busy only {100 * busy:.0f}% of the time, so its capacity is taken as "
+                    f"{row['capacity_gbps']:.2f} GB/s ({at_limit})")
+        else:
+            why += f"; its capacity is taken as the loader's own rate (no headroom): {at_limit}"
+        notes.append(why)
     return notes
 
 
@@ -260,18 +280,83 @@ def _warnings(st: dict[str, Any]) -> list[str]:
     return warnings
 
 
-def transform_hint(hint: str, workers: int, cpus: int, executor: str = "threads") -> str:
-    """The loader's ``transform_hint``, kept from advising more workers than the CPUs can run.
+# The transform stage's verdicts, as the loader's transform_hint draws them: the consumer
+# "rarely waits" under this share of its time; the workers bind at or above BUSY_AT busy.
+RARELY_WAITS = 0.05
+BUSY_AT = 0.85
+# "Reading limits" only while reading alone is at most this much faster than with the transform.
+READING_AT = 1.25
 
-    See NOTE [a diagnosis true to its figures].
+
+def transform_hint(*, wait_fraction: float, workers_busy: float, workers: int, cpus: int, executor: str,
+                   with_rate: float, without_rate: float, shard_wait_s: float, wall_s: float,
+                   batches: int, gil_held: float | None = None) -> str:
+    """The transform stage's verdict, drawn from the figures printed beside it.
+
+    ``wait_fraction``/``workers_busy``: the consumer's wait and the transform workers' busy
+    share over ``batches`` batches in ``wall_s``; ``with_rate``/``without_rate``: samples/s
+    with and without the transform; ``shard_wait_s``: the native workers' time opening
+    shards in those epochs. More workers are advised only below the CPUs this process may
+    use; reading is blamed only when reading alone is not much faster. See NOTE [a
+    diagnosis true to its figures]. ``gil_held``: the share of a sample's time holding the
+    GIL, when executor="auto" measured it (processes are suggested only when it is high).
     """
-    if workers < cpus or not hint.startswith("more workers would help"):
-        return hint
-    return (f"the transform binds: {hint.split(': ', 1)[1].split(' (if cores are free')[0]}, and the {workers} "
-            f"workers already match the {cpus} CPUs this process may use, so more workers will not help here: a "
-            "cheaper transform or more CPUs"
-            + (", or executor='processes' for a transform that holds the GIL on threads" if executor == "threads"
-               else ""))
+    waits, busy = f"{100 * wait_fraction:.0f}%", f"{100 * workers_busy:.0f}%"
+    if wait_fraction < RARELY_WAITS:
+        return f"enough: the consumer waited only {waits} of the time for transformed batches"
+    if workers_busy >= BUSY_AT:
+        binds = (f"the consumer waits {waits} of the time and the {workers} transform worker(s) are busy {busy} "
+                 "of it")
+        gil = (", or executor='processes' for a transform that holds the GIL on threads"
+               if executor == "threads" and (gil_held is None or gil_held >= 0.5) else "")
+        if workers < cpus:
+            return f"more workers would help: {binds} ({workers} of the {cpus} CPUs this process may use{gil})"
+        return (f"the transform binds: {binds}, and the {workers} workers already match the {cpus} CPUs this "
+                f"process may use, so more workers will not help here: a cheaper transform or more CPUs{gil}")
+    idle = f"the consumer waits {waits} of the time but the transform workers are busy only {busy}"
+    ratio = without_rate / max(with_rate, 1e-12)
+    if ratio <= READING_AT:
+        opening = (f"; the native workers spent {shard_wait_s:.2f} s of the {wall_s:.2f} s opening shards or "
+                   "waiting for downloads" if shard_wait_s > 0.05 * wall_s else "")
+        return (f"reading limits, not the transform: {idle}, and pyloader without the transform delivers "
+                f"{without_rate:,.0f} samples/s, no more than {ratio:.2f}x the {with_rate:,.0f} with it{opening}")
+    short = (f"; with only {batches} batches measured, the start of each epoch weighs on it"
+             if batches < MIN_BATCHES else "")
+    return (f"neither the transform nor reading binds: {idle}, and reading alone delivers {ratio:.1f}x this rate: "
+            "the wait is in handing batches between the native pipeline, the transform workers and the "
+            f"consumer{short}")
 
 
-__all__ = ["BOUND_AT", "MIN_BATCHES", "MIN_EPOCH_S", "MIN_SHARE", "diagnose", "transform_hint"]
+def pack_verdict(*, busy: float, starved: float, wait_fraction: float, mode: str, padding: float,
+                 greedy_padding: float | None, threads: int, cpus: int) -> str:
+    """What binds the packing stage, from its shares of time; advice that costs padding says how much.
+
+    ``busy``/``starved``: the packer thread's share of time building rows and waiting for
+    documents; ``wait_fraction``: the consumer's; ``padding``: this mode's padding share;
+    ``greedy_padding``: greedy's on the same documents (measured when the advice needs it).
+    "most of the time" means more than half. See NOTE [a diagnosis true to its figures].
+    """
+    shares = (f"the packer thread built rows {100 * busy:.0f}% of the time and waited for documents "
+              f"{100 * starved:.0f}%")
+    if wait_fraction < 0.5:
+        return (f"consumer: it waited only {100 * wait_fraction:.0f}% of the time: the loop took the batches no "
+                "faster than they were packed")
+    if starved > 0.5:
+        more = ("more --threads help when its workers are busy" if threads < cpus
+                else f"its {threads} threads already use every CPU this process may use")
+        return (f"documents: {shares}: it waits for the native pipeline that reads them; what binds that "
+                f"pipeline is in the stages above ({more})")
+    if busy > 0.5:
+        if mode != "first_fit":
+            return f"packer: {shares}; greedy is already the cheapest mode: a faster CPU packs faster"
+        if greedy_padding is None or greedy_padding <= padding + 0.005:
+            return f"packer: {shares}; greedy packs faster at no more padding on these documents"
+        return (f"packer: {shares}; greedy (or a smaller --pack-lookahead) packs faster but pads more: greedy "
+                f"padded {100 * greedy_padding:.1f}% of row tokens on these documents against "
+                f"{100 * padding:.1f}% here, so it wastes that share of every step")
+    return (f"no part most of the time: {shares}, and the consumer waited {100 * wait_fraction:.0f}%: the rest is "
+            "handing rows to the consumer and per-batch overhead, which these shares do not measure")
+
+
+__all__ = ["BOUND_AT", "BUSY_AT", "MIN_BATCHES", "MIN_EPOCH_S", "MIN_SHARE", "RARELY_WAITS", "READING_AT", "diagnose",
+           "pack_verdict", "transform_hint"]

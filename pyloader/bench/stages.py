@@ -9,6 +9,7 @@ time (the search over counts is ``au.py``'s).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
@@ -37,7 +38,7 @@ from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
 from . import measure as B
 from .au import AU_CEILING, Workload, max_accelerators
-from .diagnosis import transform_hint
+from .diagnosis import MIN_BATCHES, pack_verdict, transform_hint
 
 SCHEMA_VERSION = 2
 
@@ -136,7 +137,7 @@ _STAT_SUMS = ("batches", "records", "stored_bytes", "decoded_bytes", "lz4_stored
 
 
 def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: int,
-                    min_seconds: float, max_epochs: int = 100_000) -> dict[str, Any]:
+                    min_seconds: float, max_epochs: int = 100_000, min_batches: int = 0) -> dict[str, Any]:
     """The best of ``rounds`` timed rounds of one loader, after its first epoch, timed apart.
 
     The first epoch (torch starts its worker processes; pyloader maps the shards, verifies
@@ -144,8 +145,10 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
     ``make_loader()`` to the end of that epoch as ``startup_s``, to its first batch as
     ``first_batch_s``, and its rate as ``first_epoch_samples_per_s``. A round runs whole
     epochs back to back until it spans ``min_seconds`` (at most ``max_epochs``), so that a
-    small dataset is still timed over enough time; the round with the highest rate is kept
-    (the steady state), and ``first_epoch_vs_steady`` is the first epoch's rate over it.
+    small dataset is still timed over enough time, and ``min_batches`` batches; the round
+    with the highest rate is kept (the steady state), and ``first_epoch_vs_steady`` is the
+    first epoch's rate over it. A pyloader loader's round also keeps each epoch's
+    ``stats()`` and wall time (``epoch_stats``: what the transform stage's figures sum).
     """
     t_make = time.perf_counter()
     loader = make_loader()
@@ -165,16 +168,20 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
     for _ in range(rounds):
         n = nbytes = epochs = 0
         stats: dict[str, float] = {k: 0 for k in _STAT_SUMS}
+        per_epoch: list[tuple[dict[str, Any], float]] = []
         with B.CpuTimer() as t:
             while True:
+                t_epoch = t.elapsed()
                 s, nb = B.epoch_samples(loader)
                 n, nbytes, epochs = n + s, nbytes + nb, epochs + 1
                 if isinstance(loader, DataLoader):
                     st = loader.stats()
+                    per_epoch.append((st, t.elapsed() - t_epoch))
                     for k in _STAT_SUMS:
                         stats[k] += st.get(k, 0)  # (the process executor reads in its workers)
                 # The timer's own clock: the round's wall time is then never below min_seconds.
-                if t.elapsed() >= min_seconds or epochs >= max_epochs:
+                enough = t.elapsed() >= min_seconds and epochs * math.ceil(samples / batch_size) >= min_batches
+                if enough or epochs >= max_epochs:
                     break
         r: dict[str, Any] = {"samples": n // epochs, "bytes": nbytes // epochs, "epochs": epochs,
                              "wall_s": t.wall, "epoch_s": t.wall / epochs, "cpu_s": t.cpu,
@@ -183,7 +190,7 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
                              "first_batch_s": first_batch or 0.0,
                              "first_epoch_samples_per_s": samples / startup if startup > 0 else 0.0}
         if isinstance(loader, DataLoader):
-            r["stats"] = stats
+            r["stats"], r["epoch_stats"] = stats, per_epoch
         if best is None or r["samples_per_s"] > best["samples_per_s"]:
             best = r
     assert best is not None
@@ -250,6 +257,7 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
     e2e = _measure_loader(lambda: DataLoader(ds, batch_size=batch_size, num_workers="auto" if auto else n),
                           rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     st = e2e.pop("stats")
+    e2e.pop("epoch_stats")
     tuned = e2e.pop("autotune", None)
     used = tuned["threads"] if auto and tuned else n
     stages["pyloader"] = {**e2e, "threads": used,
@@ -333,40 +341,68 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
     ``transform_hint`` (whether more workers would help).
     """
     progress(f"transform stage: pyloader with the transform ({threads} {executor} workers)")
+    # Its figures come from the same epochs as its rate: at least MIN_BATCHES batches of them.
     with_tr = _measure_loader(lambda: DataLoader(make_ds(decode=decode), batch_size=batch_size, num_workers=threads,
                                                  transform=fn, executor=executor),
-                              rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
+                              rounds=epochs, batch_size=batch_size, min_seconds=min_seconds, min_batches=MIN_BATCHES)
     progress("transform stage: pyloader without it (the same records, encoded fields as bytes)")
     without = _measure_loader(lambda: DataLoader(make_ds(decode=False), batch_size=batch_size, num_workers=threads),
                               rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
-    loader = DataLoader(make_ds(decode=decode), batch_size=batch_size, num_workers=threads, transform=fn,
-                        executor=executor)
-    B.epoch_samples(loader)
-    st = loader.stats()
     progress(f"transform stage: torch DataLoader running it in its workers (num_workers={torch_workers})")
     torch_r = _measure_loader(lambda: torch.utils.data.DataLoader(
         make_ds(decode=decode, transform=fn), batch_size=batch_size, num_workers=torch_workers,
         persistent_workers=torch_workers > 0, prefetch_factor=4 if torch_workers else None),
         rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     with_tr.pop("stats", None)
+    st = _transform_figures(with_tr.pop("epoch_stats"), batch_size)
     without.pop("stats", None)
-    per_sample_s = st["transform_per_sample_us"] / 1e6
+    without.pop("epoch_stats", None)
+    per_sample_s = st["per_sample_us"] / 1e6
     sample_s = threads / max(with_tr["samples_per_s"], 1e-12)  # worker time each sample took in the loader
+    used = st["executor"] or executor
     return {
         # The executor that ran (executor="auto" chooses it: NOTE [executor choice]), what was asked, and why.
-        "executor": st.get("transform_executor", executor), "executor_asked": executor,
-        "executor_choice": st.get("executor_choice"), "workers": threads,
+        "executor": used, "executor_asked": executor,
+        "executor_choice": st["executor_choice"], "workers": threads,
         "with_transform": with_tr, "without_transform": without, "torch_dataloader": {**torch_r,
                                                                                        "num_workers": torch_workers},
-        "per_sample_us": st["transform_per_sample_us"], "decode_s": st["decode_s"], "transform_s": st["transform_s"],
+        "per_sample_us": st["per_sample_us"], "decode_s": st["decode_s"], "transform_s": st["transform_s"],
         "share_of_sample_time": min(1.0, per_sample_s / sample_s) if sample_s > 0 else 0.0,
-        "workers_busy": st["transform_busy_fraction"], "wait_fraction": st["wait_fraction"],
-        "skipped_samples": st["skipped_samples"],
-        "hint": transform_hint(st["transform_hint"], threads, autotune.cpu_budget(),
-                               st.get("transform_executor", executor)),
+        "workers_busy": st["workers_busy"], "wait_fraction": st["wait_fraction"],
+        "skipped_samples": st["skipped_samples"], "measured": st["measured"],
+        "hint": transform_hint(wait_fraction=st["wait_fraction"], workers_busy=st["workers_busy"], workers=threads,
+                               cpus=autotune.cpu_budget(), executor=used,
+                               with_rate=with_tr["samples_per_s"], without_rate=without["samples_per_s"],
+                               shard_wait_s=st["shard_wait_s"], wall_s=st["measured"]["wall_s"],
+                               batches=st["measured"]["batches"],
+                               gil_held=(st["executor_choice"] or {}).get("gil_held")),
         "limit_samples_per_s": threads / per_sample_s if per_sample_s > 0 else None,
         "speedup_vs_torch": with_tr["samples_per_s"] / max(torch_r["samples_per_s"], 1e-12),
     }
+
+
+def _transform_figures(epochs: list[tuple[dict[str, Any], float]], batch_size: int) -> dict[str, Any]:
+    """The transform stage's counters summed over the timed epochs (``stats()`` and wall time of each).
+
+    The workers' busy share and the consumer's wait are weighted by each epoch's wall time;
+    the cost per sample is the summed transform and decode time over the samples. An epoch
+    whose stats show no transformed sample (the executor being swapped) is left out.
+    """
+    kept = [(s, w) for s, w in epochs if s.get("transformed_samples", 0) + s.get("skipped_samples", 0) > 0]
+    stats = [s for s, _ in kept]
+    wall = max(sum(w for _, w in kept), 1e-12)
+    samples = sum(s["transformed_samples"] + s["skipped_samples"] for s in stats)
+    work = sum(s["transform_s"] + s["decode_s"] for s in stats)
+    last = stats[-1] if stats else {}
+    return {"executor": last.get("transform_executor"), "executor_choice": last.get("executor_choice"),
+            "per_sample_us": 1e6 * work / max(samples, 1), "transform_s": sum(s["transform_s"] for s in stats),
+            "decode_s": sum(s["decode_s"] for s in stats), "skipped_samples": sum(s["skipped_samples"] for s in stats),
+            "workers_busy": sum(s["transform_busy_fraction"] * w for s, w in kept) / wall,
+            "wait_fraction": sum(s["wait_fraction"] * w for s, w in kept) / wall,
+            "shard_wait_s": sum(s.get("shard_wait_s", 0.0) for s in stats),
+            "measured": {"epochs": len(kept), "batches": sum(math.ceil(s["transformed_samples"] / batch_size)
+                                                              for s in stats),
+                         "samples": samples, "wall_s": sum(w for _, w in kept)}}
 
 
 def _token_epochs(loader: Any, count: Callable[[dict[str, torch.Tensor]], int], rounds: int,
@@ -412,22 +448,24 @@ def run_pack_stage(make_ds: Callable[[], ShardDataset], spec: Any, *, rows: int,
     pk = st["packing"]
     wall = max(st["wall_s"], 1e-12)
     busy, starved = pk["pack_s"] / wall, pk["input_wait_s"] / wall
-    if st["wait_fraction"] < 0.5:
-        bound = "consumer: the loop took the batches no faster than they were packed"
-    elif starved >= busy:
-        more = ("more --threads help when its workers are busy" if threads < autotune.cpu_budget()
-                else f"its {threads} threads already use every CPU this process may use")
-        bound = ("documents: the packer waits for the native pipeline that reads them; what binds that pipeline "
-                 f"is in the stages above ({more})")
-    else:
-        bound = ("packer: its thread builds rows most of the time; a smaller lookahead (or greedy) packs faster, "
-                 "at more padding")
+    greedy_padding = None
+    if spec.mode == "first_fit" and st["wait_fraction"] >= 0.5 and busy > 0.5 >= starved:
+        # The advice would be greedy: one epoch of it on the same documents gives the padding it costs.
+        progress("packing stage: one greedy epoch, for the padding it costs")
+        greedy = DataLoader(make_ds(), batch_size=rows, num_workers=threads,
+                            pack=dataclasses.replace(spec, mode="greedy", lookahead=None))
+        for _b in greedy:
+            pass
+        greedy_padding = greedy.stats()["packing"]["padding_fraction"]
+    bound = pack_verdict(busy=busy, starved=starved, wait_fraction=st["wait_fraction"], mode=spec.mode,
+                         padding=pk["padding_fraction"], greedy_padding=greedy_padding, threads=threads,
+                         cpus=autotune.cpu_budget())
     return {"field": field, "seq_len": spec.seq_len, "mode": spec.mode, "lookahead": spec.window,
             "rows_per_batch": rows, "threads": threads, "tokens_per_s": packed_rate,
             "unpacked_tokens_per_s": plain_rate, "packed_vs_unpacked": packed_rate / max(plain_rate, 1e-12),
             "padding_fraction": pk["padding_fraction"], "split_documents": pk["split_documents"],
             "truncated_tokens": pk["truncated_tokens"], "packer_busy": busy, "packer_waiting": starved,
-            "wait_fraction": st["wait_fraction"], "bound": bound}
+            "wait_fraction": st["wait_fraction"], "bound": bound, "greedy_padding_fraction": greedy_padding}
 
 
 # -- accelerator utilization ------------------------------------------------------------

@@ -28,6 +28,7 @@ import numpy as np
 
 import pyloader._C as _C
 
+from ..errors import FetchError
 from .spec import (
     CODEC_LZ4,
     CODEC_RAW,
@@ -338,6 +339,8 @@ def replace_token(root: str, *, overwrite: bool, hint: str,
     store = store if store is not None else LocalStore(root)
     try:
         data = store.get(MANIFEST_NAME)
+    except FetchError:
+        raise  # a destination that cannot be reached (no credentials, no connection) holds nothing we know of
     except OSError:
         data = b""  # there but unreadable: a dataset whose shards cannot be named
     if data is None:

@@ -412,7 +412,7 @@ def convert(src: Any, dst: str | os.PathLike[str], *, kind: str | None = None, f
     created = isinstance(store, LocalStore) and not os.path.isdir(root)  # removed again if the run fails
     if isinstance(store, LocalStore):
         os.makedirs(root, exist_ok=True)
-    token, old = replace_token(root, overwrite=overwrite, hint="pass overwrite=True / --overwrite", store=store)
+    token, old = replace_token(root, overwrite=overwrite, hint="pass overwrite=True to replace it", store=store)
     remove_leftovers(store, keep=old)  # See NOTE [convert leftovers]: a killed run's files
     compress = [comp[f.name] == "lz4" for f in source.fields]
     ranges = _split_units(source.unit_bytes, jobs) if engine == "local" else plan_tasks(source.unit_bytes, task_bytes)

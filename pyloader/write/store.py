@@ -17,12 +17,17 @@ A store pickles as its URL and options, and makes its own filesystem in each pro
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
+from ..errors import FetchError, FetchPermissionError
 from ..format.encode import DatasetStore, LocalStore
+
+_T = TypeVar("_T")
 
 __all__ = ["RemoteStore", "is_url", "local_path", "open_store"]
 
@@ -78,11 +83,23 @@ class RemoteStore:
         """The URL of file ``name`` of the dataset, for messages."""
         return f"{self.location}/{name}"
 
+    def _call(self, what: str, name: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``; a destination it cannot reach (no credentials, denied, no connection) raises ``FetchError``."""
+        try:
+            return fn()
+        except Exception as e:
+            err = _unreachable(f"{what} {self.url(name)}", self.location, e)
+            if err is None:
+                raise
+            raise err from e
+
     def put(self, name: str, chunks: Sequence[Any]) -> None:
         """Uploads the file ``name`` in one PUT (NOTE [remote publish])."""
         data = chunks[0] if len(chunks) == 1 and isinstance(chunks[0], bytes) else b"".join(chunks)
         try:
-            self.fs.pipe_file(self.path(name), data)
+            self._call("uploading", name, lambda: self.fs.pipe_file(self.path(name), data))
+        except FetchError:
+            raise
         except OSError as e:
             msg = f"uploading {self.url(name)}: {e.strerror or e}"
             raise (type(e)(msg) if e.errno is None else type(e)(e.errno, msg)) from e
@@ -92,7 +109,7 @@ class RemoteStore:
     def get(self, name: str) -> bytes | None:
         """The bytes of file ``name``, None if it does not exist."""
         try:
-            data: bytes = self.fs.cat_file(self.path(name))
+            data: bytes = self._call("reading", name, lambda: self.fs.cat_file(self.path(name)))
         except FileNotFoundError:
             return None
         return data
@@ -101,7 +118,7 @@ class RemoteStore:
         """Deletes the files ``names``; ones already gone are skipped."""
         for name in names:
             try:
-                self.fs.rm_file(self.path(name))
+                self._call("removing", name, functools.partial(self.fs.rm_file, self.path(name)))
             except FileNotFoundError:
                 pass
 
@@ -110,10 +127,49 @@ class RemoteStore:
         fs = self.fs
         fs.invalidate_cache(self._path)  # a listing cached before this process's own writes is stale
         try:
-            entries = fs.ls(self._path, detail=True)
+            entries = self._call("listing", "", lambda: fs.ls(self._path, detail=True))
         except FileNotFoundError:
             return []
         return sorted(os.path.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+
+
+# What a backend raises when the destination cannot be reached: no credentials found,
+# credentials refused, or no connection (botocore's, aiohttp's and the builtins' names).
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError",
+                   "DefaultCredentialsError", "RefreshError"}
+_DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                 "AllAccessDisabled"}
+_NO_CONNECTION = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ClientConnectorError",
+                  "ServerDisconnectedError", "ReadTimeoutError"}
+
+
+def _unreachable(what: str, url: str, e: BaseException) -> FetchError | None:
+    """The ``FetchError`` (exit code 4, NOTE [exit codes]) for a destination ``e`` says cannot be reached, else None."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in chain and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    err: FetchError | None = None
+    for x in chain:
+        name = type(x).__name__
+        resp = getattr(x, "response", None)
+        code = str((resp.get("Error") or {}).get("Code", "")) if isinstance(resp, dict) else ""
+        if name in _NO_CREDENTIALS:
+            err = FetchPermissionError(errno.EACCES, f"{what}: no credentials to write to {url} ({name}: {x}); give "
+                                       "them as the backend reads them (for S3: AWS_ACCESS_KEY_ID and "
+                                       "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or in storage_options=")
+        elif code in _DENIED_CODES or isinstance(x, PermissionError):
+            err = FetchPermissionError(errno.EACCES, f"{what}: access denied ({code or name}: {x}); check that the "
+                                       f"credentials are right and may write to {url}")
+        elif name in _NO_CONNECTION or isinstance(x, (ConnectionError, TimeoutError)):
+            err = FetchError(errno.ECONNREFUSED, f"{what}: cannot reach the destination ({name}: {x}); check the "
+                             "endpoint (for S3: AWS_ENDPOINT_URL, or endpoint_url in storage_options=) and that it "
+                             "is up and reachable from here")
+        if err is not None:
+            err.url = url
+            return err
+    return None
 
 
 def open_store(dst: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> DatasetStore:

@@ -58,7 +58,7 @@ from ..remote.budget import MAX_OPEN, check_share, reader_share
 from ..remote.cache import DatasetCache
 from ..remote.fs import is_remote
 from ..remote.pending_files import PendingFiles
-from .parquet_remote import ParquetFileCache, fetch_error, list_remote
+from .parquet_remote import ParquetFileCache, fetch_error, list_remote, remote_path
 from .units import RemoteOptions, UnitDataset, node_readers
 
 
@@ -194,7 +194,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
                     with open(local, "rb") as fh:
                         footers.append(_footer_digest(fh, size, self.files[i]))
                 else:  # only the footer is read: the file is fetched whole when the plan needs it
-                    with fs.open(root + "/" + rel, "rb") as fh:
+                    with fs.open(remote_path(root, root_url, rel), "rb") as fh:
                         metas.append(self._metadata(fh, self.files[i]))
                         footers.append(_footer_digest(fh, size, self.files[i]))
                 named.append((rel, size))

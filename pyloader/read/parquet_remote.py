@@ -9,6 +9,7 @@ a file whose fetch failed raises ``fetch_error``'s ``ParquetReadError``.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 import pyloader._C as _C
 
@@ -16,8 +17,9 @@ from ..errors import ParquetReadError, PyloaderError
 from ..format.arrow import PARQUET_EXT as _PARQUET_EXT
 from ..remote.cache import DatasetCache
 from ..remote.fs import RetryPolicy, filesystem
+from ..remote.names import quote_key
 
-__all__ = ["ParquetFileCache", "fetch_error", "list_remote", "sized_info"]
+__all__ = ["ParquetFileCache", "fetch_error", "list_remote", "remote_path", "sized_info"]
 
 
 class ParquetFileCache(DatasetCache):
@@ -66,6 +68,7 @@ def list_remote(url: str, storage_options: dict[str, Any] | None
     """
     fs, path = filesystem(url, storage_options, RetryPolicy.from_env().stall_timeout)
     proto = url.split("://", 1)[0]
+    http = proto.lower() in ("http", "https")
     infos: list[dict[str, Any]]
     if fs.isdir(path):
         root = path.rstrip("/")
@@ -77,6 +80,8 @@ def list_remote(url: str, storage_options: dict[str, Any] | None
     for info in sorted(infos, key=lambda i: i["name"]):
         name = info["name"]
         rel = name[len(root):].lstrip("/") if name.startswith(root) else name.rsplit("/", 1)[-1]
+        if http:  # a listing's href is quoted: the file's own name is what the manifest holds (quote_key)
+            rel = unquote(rel)
         if info.get("size") is None:
             info = sized_info(fs, url, name, info)
         tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
@@ -87,6 +92,12 @@ def list_remote(url: str, storage_options: dict[str, Any] | None
     return fs, root, root_url, out
 
 
+def remote_path(root: str, url: str, rel: str) -> str:
+    """The path in the filesystem of file ``rel`` (a listed name) under ``root`` (``url``'s): quoted over HTTP(S)."""
+    http = url.split("://", 1)[0].lower() in ("http", "https")
+    return root.rstrip("/") + "/" + (quote_key(rel) if http else rel)
+
+
 def fetch_error(cache: DatasetCache, i: int, message: str, _errno: int = 0) -> ParquetReadError:
     """Why remote file ``i`` of ``cache`` could not be fetched: ``message``, and whether it changed on the store.
 
@@ -95,7 +106,7 @@ def fetch_error(cache: DatasetCache, i: int, message: str, _errno: int = 0) -> P
     listed = int(cache.shards[i]["bytes"])
     try:
         fs, root = filesystem(cache.url, cache.storage_options, cache.policy.stall_timeout)
-        now = fs.info(root.rstrip("/") + "/" + cache.shards[i]["path"]).get("size")
+        now = fs.info(remote_path(root, cache.url, cache.shards[i]["path"])).get("size")
     except Exception:  # noqa: BLE001 - the store cannot say: the fetch's own message stands
         now = None
     if now is not None and int(now) != listed:

@@ -100,7 +100,7 @@ from . import temps
 from .fs import FetchError, RetryPolicy, with_retries
 from .index import CacheIndex, index_for
 from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
-from .names import lock_file_name, shard_cache_name
+from .names import lock_file_name, quote_key, shard_cache_name
 from .pins import PINS_FILE, DatasetPins, evict_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
 from .transport import Transport, transport_for
@@ -436,7 +436,8 @@ class DatasetCache:
 
     def shard_url(self, i: int) -> str:
         """The remote URL of shard ``i``."""
-        return self.url + "/" + self.shards[i]["path"]
+        path = self.shards[i]["path"]
+        return self.url + "/" + (quote_key(path) if self.url.split("://", 1)[0].lower() in ("http", "https") else path)
 
     def lock_path(self, name: str) -> str:
         """The download lock file of shard file ``name`` (flock EX while it is downloaded or a bad copy removed)."""

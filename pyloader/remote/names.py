@@ -1,4 +1,4 @@
-"""The names of the files the node cache keeps for a shard (NOTE [cache paths] in ``pyloader/remote/cache.py``)."""
+"""The names of a shard: its cache files (NOTE [cache paths] in cache.py) and its URL path."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import urllib.parse
 
 import pyloader._C as _C
 
-__all__ = ["lock_file_name", "shard_cache_name"]
+__all__ = ["lock_file_name", "shard_cache_name", "quote_key"]
 
 _NAME_MAX = 255
 
@@ -44,3 +44,13 @@ def lock_file_name(name: str) -> str:
     if len(os.fsencode(name)) + 5 <= 255:
         return name + ".lock"
     return f"{name[:160]}~{_C.xxh64(name.encode('utf-8')):016x}.lock"
+
+
+def quote_key(key: str) -> str:
+    """A manifest's shard path as the path of an HTTP(S) URL: every byte of the name is the name's.
+
+    A path is a name, not a URL (NOTE [untrusted manifest] in pyloader/format/spec.py): a
+    ``%``, ``#``, ``?`` or space in it is quoted, so a file named ``a%20b`` is asked for as
+    ``a%2520b``, never as ``a b``; both transports send these same bytes.
+    """
+    return urllib.parse.quote(key, safe="/~!$&'()*+,;=:@")

@@ -35,7 +35,6 @@ import re
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
-from urllib.parse import quote
 
 import pyloader._C as _C
 
@@ -51,6 +50,7 @@ from .fs import (
     is_throttle,
     size_mismatch,
 )
+from .names import quote_key
 
 TRANSPORTS = ("auto", "native", "fsspec")
 RANGE_MIN = 64 << 20  # objects at least this big are fetched as parallel ranged GETs
@@ -111,12 +111,14 @@ class FsspecTransport:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None, stall_timeout: float) -> None:
         self.fs, self.root = filesystem(url, storage_options, stall_timeout)
-        self._chunk = _HTTP_CHUNK if url.split("://", 1)[0].lower() in ("http", "https") else _OTHER_CHUNK
+        self._http = url.split("://", 1)[0].lower() in ("http", "https")
+        self._chunk = _HTTP_CHUNK if self._http else _OTHER_CHUNK
 
     def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
                       cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
         """One attempt through fsspec (``fs.download_into``); no hash on the way."""
-        path = self.root.rstrip("/") + "/" + key
+        # fsspec's HTTP filesystem keeps a valid %XX of a URL as it is: the key is quoted here.
+        path = self.root.rstrip("/") + "/" + (quote_key(key) if self._http else key)
         download_into(fd, self.fs, path, size, url=url, shard=shard, cancel=cancel, on_bytes=on_bytes)
         return None
 
@@ -199,7 +201,7 @@ class NativeTransport:
             bucket_key = self.base.split("://", 1)[1] + "/" + key
             bucket, _, obj = bucket_key.partition("/")
             return self._presigner.url(bucket, obj)
-        return self.base + "/" + quote(key, safe="/~!$&'()*+,;=:@")
+        return self.base + "/" + quote_key(key)
 
     def buffer_bytes(self, size: int) -> int:
         """A staging buffer and libcurl's receive buffer per part."""

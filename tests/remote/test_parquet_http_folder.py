@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import http.server
 import threading
+import urllib.parse
 from collections.abc import Iterator
 
 import pytest
@@ -63,3 +64,33 @@ def test_a_folder_whose_sizes_cannot_be_learned_says_what_to_do(folder_server, t
     with pytest.raises(pyloader.ParquetReadError, match="does not give the size") as ei:
         pyloader.ParquetDataset(url + "/data/", cache_dir=str(tmp_path / "cache"))
     assert "part-0.parquet" in str(ei.value) and "copy the folder" in str(ei.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["native", "fsspec"])
+def test_files_named_with_spaces_and_percent_signs_are_read_by_their_names(tmp_path, monkeypatch, transport) -> None:
+    """The listing's hrefs are quoted; the files are asked for by their own names on both transports."""
+    import pyloader._C as _C
+
+    if transport == "native" and not _C.http_available()[0]:
+        pytest.skip("no libcurl.so.4 here")
+    monkeypatch.setenv("PYLOADER_TRANSPORT", transport)
+    root = tmp_path / "www"
+    (root / "data").mkdir(parents=True)
+    names = ["a b.parquet", "a%20b.parquet", "100%.parquet", "x#y.parquet"]
+    for k, name in enumerate(names):  # "a b" and "a%20b" are two files: the second must not be read as the first
+        pq.write_table(pa.table({"x": pa.array(range(10 * k, 10 * k + 10 + k), pa.int64())}), str(root / "data" / name))
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/data/"
+        ds = pyloader.ParquetDataset(url, cache_dir=str(tmp_path / "cache"))
+        assert sorted(urllib.parse.unquote(f.rsplit("/", 1)[1]) for f in ds.files) == sorted(names)
+        got = sorted(int(v) for b in ds.batches(8) for v in b["x"])
+        assert got == sorted(v for k in range(len(names)) for v in range(10 * k, 10 * k + 10 + k))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(10)

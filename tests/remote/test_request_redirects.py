@@ -119,3 +119,36 @@ def test_a_dataset_whose_manifest_moved_to_another_origin_opens_without_leaking(
     assert b.gets["/ds/manifest.json"] == 1
     assert [p for p, h in b.request_headers if "x-api-key" in h] == []
     assert os.listdir(tmp_path / "cache")
+
+
+# -- the name a shard is asked for: the same bytes on the wire from both transports --------
+ODD_KEYS = ["dir/a b.bin", "dir/100%.bin", "dir/a%20b.bin", "dir/x#y.bin", "dir/q?v=1.bin", "dir/ü.bin",
+            "year=2024/m+n,o;p.bin"]
+
+
+@pytest.mark.parametrize("transport", ["native", "fsspec"])
+def test_a_shard_path_is_asked_for_as_its_literal_name(transport, policy, tmp_path):
+    """A manifest's path is a name, not a URL: a '%' or '#' in it is part of the name, on both transports."""
+    from test_hostile_servers import fetch, make
+
+    import pyloader._C as _C
+
+    if transport == "native" and not _C.http_available()[0]:
+        pytest.skip("no libcurl.so.4 here")
+    from urllib.parse import unquote
+
+    files = {k: os.urandom(100 + i) for i, k in enumerate(ODD_KEYS)}
+
+    def behave(h, s) -> None:  # noqa: ANN001 - the handler and the server
+        data = files.get(unquote(h.path.lstrip("/")))
+        if data is None:
+            head(h, 404, Content_Length="0")
+        else:
+            head(h, 200, Content_Length=str(len(data)))
+            h.wfile.write(data)
+
+    with Hostile(behave) as srv:
+        for key, data in files.items():
+            took, err, got = fetch(make(transport, srv.url), srv.url, len(data), policy, tmp_path, key=key)
+            assert err is None and got == data, (key, err)
+    assert len(srv.requests) == len(files)

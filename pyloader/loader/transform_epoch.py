@@ -71,7 +71,8 @@ class TransformEpochs(LoaderCore):
         src: _stage.TransformStream = stream(0, executor or "threads", 1 if choice is not None and executor is None
                                              else None)
         if choice is not None and executor is None:
-            src = AutoTransformStream(src, choice, stream)  # type: ignore[arg-type]  # a thread stream
+            src = AutoTransformStream(src, choice, stream,  # type: ignore[arg-type]  # a thread stream
+                                      shortcut=spec.transform is not None)
         if choice is not None:
             src.extra["executor_choice"] = lambda: dict(choice.report)
         if tune is not None:

@@ -23,6 +23,16 @@ the GIL follows (Amdahl): ``g = (W' / s - 1) / (W' - 1)``. (Rates, not each thre
 time: under the GIL a thread also waits for it outside the transform, between batches,
 which a per-thread measure would leave out.) Then:
 
+* a user's transform, 2 workers or more, that computes (its thread's CPU time over
+  ``COMPUTING`` of its working time) while the loop waits for it (over ``LOOP_WAIT`` of
+  the time), both read from the first 1-thread phase alone: **processes**, at once. The
+  rules below give processes to every such transform that holds the GIL over
+  ``GIL_COMPUTING`` of its time, and one that holds it less (native code throughout) makes
+  as many samples on processes (measured: ``ImageDecode``, g 0.03-0.09, 1.09x on
+  processes); the other three phases, on one core out of two for a transform that holds
+  the GIL, cost the first epoch more than the choice could gain (a light PIL pipeline:
+  0.3 s of a 1.1 s first epoch, with the fork). ``gil_held`` and ``scaling`` are then not
+  measured (None);
 * one worker (``num_workers`` 0 or 1): **threads**. No worker waits for another, and one
   worker process gains nothing over one thread (measured, one process over one thread:
   1.09x on a PIL pipeline, 0.87x on a tokenizer, 0.97x on numpy features, 1.00x on
@@ -34,7 +44,10 @@ which a per-thread measure would leave out.) Then:
   and the rest of the epoch is made by worker processes, in plan order: the loop sees one
   stream;
 * ``g`` over ``GIL_COMPUTING`` for a transform that computes (its thread's CPU time over
-  ``COMPUTING`` of its working time in the 1-thread phases, from ``time.thread_time``):
+  ``COMPUTING`` of its working time in the 1-thread phases, from ``time.thread_time``; the
+  time it was ready but waited for a CPU taken by another process, from Linux's
+  schedstat, is not working time -- on a loaded machine a light PIL pipeline measured
+  0.30 without that, a transform that waits):
   **processes** too. Threads that compute lose to processes long before the GIL is held
   half the time: each hand-over of the GIL stalls the thread that waits for it, and the
   consuming thread (the training step) takes the GIL too. Measured on 2 CPUs, 2 workers:
@@ -102,20 +115,24 @@ class ScalingProbe:
     """
 
     def __init__(self, stream: ThreadTransformStream,
-                 earlier: tuple[int, int, dict[int, list[float]]] | None = None) -> None:
+                 earlier: tuple[int, int, dict[int, list[float]]] | None = None, *, shortcut: bool = False) -> None:
         self.stream = stream
         self.workers = stream.planned
+        # A computing transform may be decided after the first phase (NOTE [executor choice]).
+        self.shortcut = shortcut and self.workers >= 2
+        self.early = False  # decided after the first 1-thread phase, the scaling unmeasured
         # No more threads than CPUs: beyond them even a transform without the GIL stops
         # scaling, and the formula would read the CPUs' limit as the GIL's.
         self.wide = max(2, min(self.workers, cpu_budget()))
         self.phases = [1, self.wide, 1, self.wide]
         self.i = 0
-        # samples, wall seconds, busy and CPU seconds of the working threads, the loop's wait
-        self.rates: dict[int, list[float]] = {1: [0.0] * 5, self.wide: [0.0] * 5}
+        # samples, wall seconds, busy and CPU seconds of the working threads, the loop's wait,
+        # the working threads' wait for a CPU
+        self.rates: dict[int, list[float]] = {1: [0.0] * 6, self.wide: [0.0] * 6}
         if earlier is not None and earlier[0] == self.wide:
             # The phases an earlier epoch (too short to finish them) completed count.
             self.i, self.rates = earlier[1], earlier[2]
-        self._mark: tuple[float, int, int, int, int, int] | None = None
+        self._mark: tuple[float, int, int, int, int, int, int] | None = None
         stream.set_workers(self.phases[self.i])
 
     def step(self) -> bool:
@@ -124,13 +141,13 @@ class ScalingProbe:
         now = time.perf_counter()
         done, working = self.stream.progress()
         phase = self.phases[self.i]
-        snap = (now, done, st.busy_ns, st.batches, st.cpu_ns, st.wait_ns)
+        snap = (now, done, st.busy_ns, st.batches, st.cpu_ns, st.wait_ns, st.queued_ns)
         if self._mark is None:
             if working > phase:
                 return False  # a thread of the wider phase is still finishing its batch
             self._mark = snap
             return False
-        t0, n0, b0, k0, c0, w0 = self._mark
+        t0, n0, b0, k0, c0, w0, q0 = self._mark
         if now - t0 < PHASE_S or done - n0 < PHASE_SAMPLES * phase:
             return False
         acc = self.rates[self.phases[self.i]]
@@ -139,8 +156,12 @@ class ScalingProbe:
         acc[2] += (snap[2] - b0) / 1e9
         acc[3] += (snap[4] - c0) / 1e9
         acc[4] += (snap[5] - w0) / 1e9
+        acc[5] += (snap[6] - q0) / 1e9
         self.i += 1
         self._mark = None
+        if self.i == 1 and self.shortcut and self.computing > COMPUTING and acc[1] > 0 and acc[4] / acc[1] > LOOP_WAIT:
+            self.early = True  # (one thread on: the rest of the epoch goes to processes)
+            return True
         if self.i == len(self.phases):
             self.stream.set_workers(self.workers)
             return True
@@ -163,13 +184,18 @@ class ScalingProbe:
     @property
     def loop_bound(self) -> bool:
         """Whether the loop, not the workers, set the pace with ``W'`` threads (it hardly waited for them)."""
-        _, tw, _, _, ww = self.rates[self.wide]
+        _, tw, _, _, ww, _ = self.rates[self.wide]
         return tw > 0 and ww / tw < LOOP_WAIT
 
     @property
     def computing(self) -> float:
-        """The share of one thread's working time that is CPU time (not a wait), from the 1-thread phases."""
-        b1, c1 = self.rates[1][2:4]
+        """The share of one thread's working time that is CPU time (not a wait), from the 1-thread phases.
+
+        The time the thread was ready but waited for a CPU (other processes on the machine)
+        is not working time: it computes for all that.
+        """
+        b1, c1, q1 = self.rates[1][2], self.rates[1][3], self.rates[1][5]
+        b1 = max(c1, b1 - q1)
         return min(1.0, c1 / b1) if b1 > 0 else 0.0
 
     @property
@@ -204,6 +230,8 @@ class ExecutorChoice:
         """
         self.unfinished = None
         g, scaling, computing = probe.gil_held, probe.scaling, probe.computing
+        if probe.early:
+            return self._decide_early(probe, room)
         seen = (f"{probe.wide} threads made {scaling:.2f}x the samples of 1: a sample holds the GIL about "
                 f"{g:.0%} of its time")
         processes = None
@@ -240,6 +268,19 @@ class ExecutorChoice:
         assert self.executor is not None
         return self.executor
 
+    def _decide_early(self, probe: ScalingProbe, room: tuple[str, int, int] | None) -> str:
+        """Processes for a transform that computes, from the first 1-thread phase (NOTE [executor choice])."""
+        why = (f"one thread of it computes {probe.computing:.0%} of its working time while the loop waits: a "
+               f"transform that computes makes at least as many samples on processes (the scaling was not measured)")
+        self.executor = "processes"
+        if room is not None and room[1] < room[2]:
+            self.executor = "threads"
+            why = (f"{why}; but {room[0]} has {room[1]} bytes free, under the {room[2]} the process executor's "
+                   f"batches would take there: threads (make it larger, or set PYLOADER_SHM_DIR)")
+        self.report = {"executor": self.executor, "gil_held": None, "scaling": None,
+                       "computing": round(probe.computing, 3), "threads_compared": [1], "why": why}
+        return self.executor
+
     def fall_back(self, error: BaseException) -> None:
         """The process pool could not start: threads, with the reason."""
         self.executor = "threads"
@@ -256,11 +297,12 @@ class AutoTransformStream(TransformStream):
     """An epoch under ``executor="auto"`` whose executor is not chosen yet (NOTE [executor choice]).
 
     ``head``: the thread stream the epoch starts on; ``make_tail(start, executor)``: a stream
-    of the epoch's batches from batch ``start`` on, on ``executor``.
+    of the epoch's batches from batch ``start`` on, on ``executor``; ``shortcut``: the epoch
+    runs a user's transform, which the probe may decide after its first phase.
     """
 
     def __init__(self, head: ThreadTransformStream, choice: ExecutorChoice,
-                 make_tail: Callable[[int, str], TransformStream]) -> None:
+                 make_tail: Callable[[int, str], TransformStream], *, shortcut: bool = False) -> None:
         super().__init__("threads", head.planned, len(head))
         self._head = head
         self._tail: TransformStream | None = None
@@ -268,8 +310,8 @@ class AutoTransformStream(TransformStream):
         self._start: int | None = None  # the first batch of the tail, once processes are chosen
         self._choice = choice
         self._make_tail = make_tail
-        self._probe: ScalingProbe | None = (ScalingProbe(head, choice.unfinished) if choice.executor is None
-                                            else None)
+        self._probe: ScalingProbe | None = (ScalingProbe(head, choice.unfinished, shortcut=shortcut)
+                                            if choice.executor is None else None)
         if self._probe is not None:
             choice.report = {"executor": None, "why": "the scaling probe is running (threads meanwhile; an epoch that "
                                                       "ends first leaves it to the next)"}
@@ -324,6 +366,8 @@ class AutoTransformStream(TransformStream):
             free = 0
         need = (default_prefetch(self._head.workers) + SLOTS_HELD) * self._batch_bytes
         executor = self._choice.decide(probe, (directory, free, need))
+        if probe.early and executor == "threads":
+            self._head.set_workers(probe.workers)  # the probe left one working
         if executor == "threads" and self._tuner is not None:
             self._tuner.jump(self._head, probe.computing)  # See NOTE [transform autotune]
         if executor == "processes":

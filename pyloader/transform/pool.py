@@ -511,6 +511,10 @@ class WorkerPool:
         # collector gets them back right after.
         freeze = self.ctx.get_start_method() == "fork"
         if freeze:
+            # numpy.random loads on first use (~80 ms): a worker seeding the global generators
+            # (NOTE [sample seeds]) would load it again in every worker of every pool; loaded
+            # here once, forked workers share it.
+            import numpy.random  # noqa: F401
             gc.freeze()
         try:
             for w in range(len(self.procs), workers):

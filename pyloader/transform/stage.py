@@ -122,6 +122,7 @@ class BatchWork:
     transform_ns: int = 0
     decode_ns: int = 0
     cpu_ns: int = 0  # the worker's CPU time for the batch (thread time: not the time it waited)
+    queued_ns: int = 0  # the time it was ready to run but waited for a CPU (the probe's runs only)
 
 
 class _Stopped(Exception):
@@ -153,6 +154,7 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
     skipped = 0
     t_dec = t_tr = 0
     cpu0 = time.thread_time_ns()
+    queued0 = queued_ns() if progress is not None else 0
     for i in range(rows):
         if stop is not None and stop():
             raise _Stopped
@@ -201,7 +203,27 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
         else:
             result = (collate_samples(out, alloc) if alloc is not None and spec.collate is collate_samples
                       else spec.collate(out))
-    return BatchWork(result, len(out), skipped, t_tr, t_dec, time.thread_time_ns() - cpu0)
+    return BatchWork(result, len(out), skipped, t_tr, t_dec, time.thread_time_ns() - cpu0,
+                     queued_ns() - queued0 if progress is not None else 0)
+
+
+def queued_ns() -> int:
+    """The nanoseconds the calling thread has been ready to run but waited for a CPU; 0 where unknown.
+
+    Linux's schedstat (its second field). On a machine whose CPUs others keep busy, a thread
+    that computes throughout gets a CPU only part of its time: its CPU time alone would read
+    as a transform that waits (NOTE [executor choice]). About 20 us a call.
+    """
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        return int(os.read(fd, 128).split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    finally:
+        os.close(fd)
 
 
 # NOTE [worker threads]: a transform worker computes on one core, so the libraries it calls
@@ -276,7 +298,7 @@ class TransformStats:
     def __init__(self, executor: str, workers: int) -> None:
         self.executor, self.workers = executor, workers
         self.samples = self.skipped = self.batches = 0
-        self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = self.cpu_ns = 0
+        self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = self.cpu_ns = self.queued_ns = 0
         self.start = time.perf_counter()
         self.end: float | None = None
         self._lock = threading.Lock()
@@ -289,6 +311,7 @@ class TransformStats:
             self.skipped += work.skipped
             self.transform_ns += work.transform_ns
             self.cpu_ns += work.cpu_ns
+            self.queued_ns += work.queued_ns
             self.decode_ns += work.decode_ns
             self.busy_ns += busy_ns
 
@@ -500,5 +523,5 @@ def _stack(name: str, values: list[Any], alloc: _Alloc | None = None) -> torch.T
     return torch.stack(ts, out=out)
 
 
-__all__ = ["EXECUTORS", "limit_native_threads", "unlimit_native_threads", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
+__all__ = ["EXECUTORS", "queued_ns", "limit_native_threads", "unlimit_native_threads", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
            "TransformStream", "collate_samples"]

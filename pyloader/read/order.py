@@ -197,8 +197,9 @@ def epoch_order(
     How far apart neighbours land: two records of one shard that follow each
     other are consecutive in the sequence, so they fall in one window or two
     adjacent ones: less than ``2 * window`` positions apart in the epoch; two
-    samples next to each other in the epoch come from one window, i.e. from the
-    at most ``window / records_per_shard + 2`` shards it overlaps. With
+    samples next to each other in the epoch come from one window (or, at its
+    edge, from two), and a window from the at most ``window / records_per_shard
+    + 2`` shards it overlaps. With
     ``shard_files`` the same holds with files in place of shards: the files are
     what a window overlaps (``window / records_per_file + 2`` at most), so a
     file is live for ``records_per_file + 2 * window`` positions of the epoch at

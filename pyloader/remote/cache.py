@@ -482,8 +482,13 @@ class DatasetCache:
         except CacheError:
             raise
         except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and os.path.isdir(self.dir):
                 return  # read-only cache: usable for shards that are already there
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # nothing of it there, and none can be
+                where = next(p for p in (self.cache.base, self.cache.root, self.dir) if not os.path.isdir(p))
+                raise cache_error(e.errno, f"cache directory {self.cache.base}: cannot create {where} "
+                                   f"({os.strerror(e.errno)}) to cache {self.url}; give a writable one (cache_dir=, "
+                                   "--cache-dir or PYLOADER_CACHE_DIR)") from None
             raise cache_error(e.errno or errno.EIO, f"{self.url}: cannot write {path} in cache {self.cache.base}: "
                                f"{os.strerror(e.errno or errno.EIO)}{_FULL_HINT.get(e.errno or 0, '')}") from None
 

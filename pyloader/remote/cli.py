@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -444,8 +445,24 @@ def _verify(args: argparse.Namespace) -> int:
     return EXIT_PARTIAL if bad else EXIT_OK
 
 
+def _removable(cache: ShardCache, command: str) -> ShardCache:
+    """``cache``, once it is known that files can be removed from it; else a CacheError naming why.
+
+    On a read-only filesystem every shard would otherwise look held (its pins cannot be
+    write-locked) and the command would report them as in use.
+    """
+    top = cache.root if os.path.isdir(cache.root) else cache.base
+    if os.path.isdir(top) and not os.access(top, os.W_OK):
+        if os.statvfs(top).f_flag & os.ST_RDONLY:
+            raise CacheError(errno.EROFS, f"cache {cache.base} is on a read-only filesystem: `cache {command}` "
+                             "cannot remove anything from it; run it where the cache is mounted read-write")
+        raise CacheError(errno.EACCES, f"cache {cache.base} is not writable by this user: `cache {command}` "
+                         "cannot remove anything from it; run it as the cache's owner")
+    return cache
+
+
 def _evict(args: argparse.Namespace) -> int:
-    cache = _cache(args)
+    cache = _removable(_cache(args), "evict")
     evicted, busy = cache.evict(to_bytes=args.to, url=args.url)
     left = cache.usage()
     r = {"evicted": len(evicted), "evicted_bytes": sum(e.bytes for e in evicted), "in_use_skipped": len(busy),
@@ -456,7 +473,7 @@ def _evict(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    removed, busy = _cache(args).clear(args.url)
+    removed, busy = _removable(_cache(args), "clear").clear(args.url)
     _emit(args, {"removed_files": removed, "in_use_kept": busy},
           f"removed {removed} files; {busy} shards in use kept")
     return EXIT_PARTIAL if busy else EXIT_OK

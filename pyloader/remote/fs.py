@@ -98,6 +98,9 @@ def filesystem(url: str, storage_options: dict[str, Any] | None, stall_timeout: 
         if given is None:
             # A stalled body must fail (and be retried), not hang a download forever.
             client["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=stall_timeout, sock_read=stall_timeout)
+        # The proxy variables (HTTPS_PROXY, NO_PROXY...) libcurl and botocore read: the native
+        # transport's downloads and these requests go the same way (docs/security.md).
+        client.setdefault("trust_env", True)
         # Every request the filesystem makes (a manifest, a listing, a HEAD) keeps the
         # redirect rule, not only the downloads that _follow makes (NOTE [fsspec redirects]).
         client["trace_configs"] = [*client.get("trace_configs", ()), _redirect_rule()]

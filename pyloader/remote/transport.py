@@ -64,6 +64,7 @@ _CURL_TRANSIENT = {5, 6, 16, 18, 35, 52, 55, 56, 92, 95}
 _CURL_TIMEOUT = 28
 _CURL_PARTIAL = 18
 _CURL_COULDNT_CONNECT = 7  # refused, or the host or network unreachable: fs's "refused" kind
+_PROXY_REFUSED = re.compile(r"CONNECT tunnel failed, response (\d{3})")  # libcurl's words (error 56)
 _CA_VARIABLES = ("AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "CURL_CA_BUNDLE")
 _WRONG_REGION_CODES = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IncorrectEndpoint",
                        "AuthorizationQueryParametersError"}
@@ -286,6 +287,8 @@ def _judge(results: list[dict[str, Any]], parts: list[tuple[int, int]], size: in
             if p["status"] and not 200 <= p["status"] <= 299 and p["status"] not in (301, 302, 303, 307, 308):
                 raise _HttpStatus(p["status"], p["retry_after"], p["error_body"], p["bucket_region"])
             msg = f"libcurl error {code}: {p['curl_error']}"
+            if (m := _PROXY_REFUSED.search(p["curl_error"])) is not None:  # the proxy's status, as aiohttp's
+                raise _HttpStatus(int(m.group(1)), "", f"the proxy refused the CONNECT tunnel ({msg})".encode())
             if code == _CURL_TIMEOUT:
                 raise TimeoutError(msg)
             if code == _CURL_PARTIAL:  # the body cut before its Content-Length: as fsspec's (fs.download_into)

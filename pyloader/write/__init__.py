@@ -4,6 +4,7 @@
 |---|---|
 | ``writer.py`` | ``ShardWriter``: validates samples one by one, encodes them with ``ShardEncoder`` |
 | ``sources.py`` | convert's sources (Parquet/Arrow, numpy, files, tars): ``open_source``, units, chunks |
+| ``hf_saved.py`` | a Hugging Face ``save_to_disk`` folder: the Arrow files that hold its rows (``hf_saved_files``) |
 | ``convert.py`` | ``convert()``: compression choice, parallel jobs that encode chunks, progress, leftovers |
 | ``cluster.py`` | ``convert(engine="dask")``: the task plan, tasks on a Dask cluster, one manifest merge |
 | ``store.py`` | where convert writes: a local folder or an fsspec URL (``s3://``), uploads whole files |
@@ -14,4 +15,4 @@ Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C``: never
 """
 
 
-__all__ = ["cli", "cluster", "convert", "sources", "store", "verify", "writer"]  # its modules (pdoc documents the modules named here)
+__all__ = ["cli", "cluster", "convert", "hf_saved", "sources", "store", "verify", "writer"]  # its modules (pdoc documents the modules named here)

@@ -32,6 +32,7 @@ from ..format.arrow import (
     var_from_bytes,
 )
 from ..format.spec import IMAGE_ENCODINGS, Field, make_field
+from .hf_saved import hf_saved_files
 
 KINDS = ("parquet", "arrow", "numpy", "files", "tar")
 NULL_POLICIES = ("error", "zero")
@@ -722,7 +723,8 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
 
     ``kind`` (``"parquet"``, ``"arrow"``, ``"numpy"``, ``"files"``, ``"tar"``) overrides the
     guess: a file by its extension; a folder is Parquet, Arrow, tar or numpy when every
-    (non-hidden) file in it is of that kind, else a folder of files. Patterns are expanded
+    (non-hidden) file in it is of that kind, the Arrow files of a Hugging Face dataset when
+    ``save_to_disk`` wrote it (``hf_saved.py``), else a folder of files. Patterns are expanded
     as a shell would (``expand_paths``); a list may mix patterns and files.
     """
     if kind is not None and kind not in KINDS:
@@ -749,7 +751,10 @@ def open_source(src: Any, *, kind: str | None = None, fields: Any = None, nulls:
                                "with pyloader.ParquetDataset, which fetches through the node cache)")
         if not os.path.exists(s):
             raise FileNotFoundError(f"no such file or folder: {s!r}")
-        if os.path.isdir(s):
+        hf = hf_saved_files(s) if os.path.isdir(s) and kind in (None, "arrow") else None
+        if hf is not None:  # a Hugging Face save_to_disk folder: its Arrow files' rows
+            paths, kind = hf, "arrow"
+        elif os.path.isdir(s):
             if kind == "files" or (kind is None and not _list_files(s)):
                 return _files_source(s, fields, labels)
             paths = _list_files(s)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import PyloaderError, ShardNotFoundError, exit_code
+from ..errors import CollateError, PyloaderError, ShardNotFoundError, exit_code
 from ..loader.autotune import cpu_budget
 from . import au as A
 
@@ -116,11 +116,14 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
             def make_ds(**kw: Any) -> ShardDataset:
                 return ShardDataset(url, cache_dir=args.cache_dir if args.url else None, **kw)
 
-            result["transform"] = R.run_transform_stage(
-                make_ds, fn, executor=args.executor, decode=decode, batch_size=args.batch_size,
-                threads=cpu_budget() if args.threads == "auto" else args.threads, epochs=args.epochs,
-                torch_workers=args.torch_workers,
-                min_seconds=args.min_seconds, progress=progress)
+            try:
+                result["transform"] = R.run_transform_stage(
+                    make_ds, fn, executor=args.executor, decode=decode, batch_size=args.batch_size,
+                    threads=cpu_budget() if args.threads == "auto" else args.threads, epochs=args.epochs,
+                    torch_workers=args.torch_workers,
+                    min_seconds=args.min_seconds, progress=progress)
+            except CollateError as e:
+                raise CollateError(_collate_advice(str(e), args, ds)) from None
             result["transform"]["function"] = args.transform
 
         if spec is not None:
@@ -154,6 +157,20 @@ def _bench_result(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collate_advice(message: str, args: argparse.Namespace, ds: ShardDataset) -> str:
+    """A collation error of the transform stage, with its fix in this command's options (not Python's)."""
+    what = message.split("; every sample of a batch", 1)[0]
+    images = [f.name for f in ds.fields if f.encoding is not None]
+    fixes = []
+    if images and args.image_size is None:
+        fixes.append(f"pass --image-size N to decode the image field{'s' if len(images) > 1 else ''} "
+                     f"({', '.join(map(repr, images))}) to N x N")
+    if args.transform:
+        fixes.append(f"make --transform {args.transform} return one shape for every sample (for sequences, pad or "
+                     "cut to a fixed length)")
+    return f"{what}; every sample of a batch needs one shape and dtype: {', or '.join(fixes) or 'pass --image-size N'}"
 
 
 def _generate_documents(tmp: str, records: int, progress: Any) -> str:
@@ -357,6 +374,24 @@ def _au_stops(au: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _plot_bars(r: dict[str, Any]) -> list[tuple[str, float]]:
+    """The throughput bars of ``--plot``: (name, GB/s), each stage's capacity as the diagnosis took it.
+
+    A stage measured apart below the rate the loader drew from it is drawn at that rate
+    (See NOTE [a diagnosis true to its figures]), so no bar contradicts the table.
+    """
+    st, rows = r["stages"], r["diagnosis"]["stages"]
+
+    def capacity(row: str, measured: float) -> float:
+        return float(rows[row]["capacity_gbps"]) if row in rows else measured
+
+    bars = [("storage read", capacity("storage", st["storage_read"]["gbps"]))]
+    if st["decode"]:
+        bars.append(("LZ4 decode", capacity("decode", st["decode"]["gbps"])))
+    return bars + [("collation copy", capacity("collate", st["collate_limit"]["memcpy_gbps"])),
+                   ("pyloader", st["pyloader"]["gbps"]), ("torch DataLoader", st["torch_dataloader"]["gbps"])]
+
+
 def _plot_bench(r: dict[str, Any], path: str) -> None:
     try:
         import matplotlib
@@ -365,13 +400,7 @@ def _plot_bench(r: dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'pyloader[plot]'") from None
-    st = r["stages"]
-    names, vals = ["storage read"], [st["storage_read"]["gbps"]]
-    if st["decode"]:
-        names.append("LZ4 decode")
-        vals.append(st["decode"]["gbps"])
-    names += ["collation copy", "pyloader", "torch DataLoader"]
-    vals += [st["collate_limit"]["memcpy_gbps"], st["pyloader"]["gbps"], st["torch_dataloader"]["gbps"]]
+    names, vals = zip(*_plot_bars(r))
     au = r.get("accelerator_utilization")
     fig, axes = plt.subplots(1, 2 if au else 1, figsize=(11 if au else 6, 4))
     ax = axes[0] if au else axes

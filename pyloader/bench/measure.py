@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import resource
 import threading
@@ -486,16 +487,68 @@ def resident_fraction(paths: list[str]) -> float:
     return have / total if total else 0.0
 
 
+def _value_bytes(x: Any) -> int:
+    """Bytes of one collated value: a tensor or array, bytes, a string, or a list of them (a bytes field)."""
+    if isinstance(x, torch.Tensor):
+        return x.nelement() * x.element_size()
+    if isinstance(x, np.ndarray):
+        return int(x.nbytes)
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return len(x)
+    if isinstance(x, str):
+        return len(x.encode())
+    if isinstance(x, dict):
+        return batch_payload(x)[1]
+    if isinstance(x, (list, tuple)):
+        return sum(_value_bytes(v) for v in x)
+    return 0
+
+
+def _rows(x: Any) -> int | None:
+    """How many samples a collated value holds: a tensor's first dimension, a list's length; None if neither."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return int(x.shape[0]) if x.ndim else None
+    if isinstance(x, (list, tuple)):
+        return len(x)
+    return None
+
+
+def batch_payload(batch: Any) -> tuple[int, int]:
+    """(samples, payload bytes) of one batch, as its fields hold them.
+
+    A batch is a dict of fields or a tuple of them. Tensors count their elements; a bytes or
+    string field collated to a list (torch's ``default_collate``, pyloader's transform
+    stage) counts each value's length. A variable field padded to its longest sample counts
+    only each sample's ``<name>_lengths`` rows, and the lengths themselves are not payload:
+    padding is not data, so an undecoded batch never counts more bytes than were read for it.
+    """
+    values = list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
+    keys = {k for k, _ in values}
+    n: int | None = None
+    nbytes = 0
+    for k, x in values:
+        if isinstance(k, str) and k.endswith("_lengths") and k[: -len("_lengths")] in keys:
+            continue  # a padded field's lengths: counted with the field
+        if n is None:
+            n = _rows(x)
+        lengths = batch.get(f"{k}_lengths") if isinstance(batch, dict) and isinstance(k, str) else None
+        if lengths is not None and isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[0] == len(lengths):
+            row = math.prod(x.shape[2:]) * x.element_size()  # one step of the padded dimension
+            nbytes += int(torch.as_tensor(lengths).sum()) * row
+        else:
+            nbytes += _value_bytes(x)
+    return n or 0, nbytes
+
+
 def epoch_samples(loader: Any, *, touch: bool = False) -> tuple[int, int]:
-    """Iterates one epoch; returns (samples, payload bytes). Untimed: callers time whole rounds."""
+    """Iterates one epoch; returns (samples, payload bytes, ``batch_payload``'s). Untimed: callers time whole rounds."""
     n = nbytes = 0
     for batch in loader:
-        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
-        n += int(tensors[-1].shape[0])
-        for x in tensors:
-            nbytes += x.nelement() * x.element_size()
+        s, b = batch_payload(batch)
+        n, nbytes = n + s, nbytes + b
         if touch:
-            tensors[0].view(-1)[0].item()
+            first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+            first.view(-1)[0].item()
     return n, nbytes
 
 
@@ -619,6 +672,6 @@ def environment() -> dict[str, Any]:
 
 
 __all__ = ["available_memory", "pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "epoch_samples", "loader_epoch", "pyloader_loader",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "batch_payload", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

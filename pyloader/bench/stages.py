@@ -36,6 +36,7 @@ from ..format.spec import (
 from ..loader import autotune
 from ..loader.dataloader import DataLoader
 from ..read.shards import ShardDataset
+from ..transform.stage import collate_samples
 from . import measure as B
 from .au import AU_CEILING, Workload, max_accelerators
 from .diagnosis import MIN_BATCHES, pack_verdict, transform_hint
@@ -157,9 +158,8 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
     for batch in loader:
         if first_batch is None:
             first_batch = time.perf_counter() - t_make
-        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
-        samples += int(tensors[-1].shape[0])
-        del batch, tensors  # as the timed epochs do: the slot goes back to the pool
+        samples += B.batch_payload(batch)[0]
+        del batch  # as the timed epochs do: the slot goes back to the pool
     startup = time.perf_counter() - t_make
     # New batch memory in the first epoch: the kernel populating (and zeroing) fresh pages,
     # on the collating threads (thread time, summed over them).
@@ -320,7 +320,8 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
     resident.append(B.resident_fraction(files))
     B.pretouch(warm)
     with B.CpuTimer() as t:
-        cold = ShardDataset(ds.url, shuffle=True, seed=0, max_value_bytes=ds.max_value_bytes)
+        # Encoded fields (images) as the bytes they are, as every I/O stage reads them.
+        cold = ShardDataset(ds.url, shuffle=True, seed=0, max_value_bytes=ds.max_value_bytes, decode=False)
         loader = DataLoader(cold, batch_size=batch_size, num_workers=threads)
         samples, _ = B.epoch_samples(loader)
     stored = loader.stats()["stored_bytes"]
@@ -349,9 +350,12 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
     without = _measure_loader(lambda: DataLoader(make_ds(decode=False), batch_size=batch_size, num_workers=threads),
                               rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     progress(f"transform stage: torch DataLoader running it in its workers (num_workers={torch_workers})")
+    # Collated as pyloader's transform stage collates (variable fields padded, with their
+    # lengths): torch's default_collate cannot stack the sequences of a variable field.
     torch_r = _measure_loader(lambda: torch.utils.data.DataLoader(
         make_ds(decode=decode, transform=fn), batch_size=batch_size, num_workers=torch_workers,
-        persistent_workers=torch_workers > 0, prefetch_factor=4 if torch_workers else None),
+        collate_fn=collate_samples, persistent_workers=torch_workers > 0,
+        prefetch_factor=4 if torch_workers else None),
         rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     with_tr.pop("stats", None)
     st = _transform_figures(with_tr.pop("epoch_stats"), batch_size)

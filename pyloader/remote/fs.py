@@ -298,13 +298,30 @@ class _Failure:
         return self.kind in ("throttle", "transient", "refused")
 
 
-def _failure(e: BaseException) -> _Failure:
-    # Walk the cause chain: fsspec and s3fs wrap the client's exception.
+def _chain(e: BaseException) -> list[BaseException]:
+    # The cause chain: fsspec and s3fs wrap the client's exception.
     seen: list[BaseException] = []
     cur: BaseException | None = e
     while cur is not None and cur not in seen and len(seen) < 8:
         seen.append(cur)
         cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def _unframed(e: BaseException) -> BaseException | None:
+    """The error of aiohttp's parser under ``e``, if any: bytes that are not HTTP, not the server's status.
+
+    aiohttp reports it as a ``ClientResponseError`` with status 400 (e.g. "Bad status line"
+    where bytes past a body's Content-Length came in the same read): a transient failure
+    of the transfer, never taken for the server's own 400.
+    """
+    return next((x for x in _chain(e) if type(x).__module__ == "aiohttp.http_exceptions"), None)
+
+
+def _failure(e: BaseException) -> _Failure:
+    seen = _chain(e)
+    if _unframed(e) is not None:
+        return _Failure("transient")
     for x in seen:
         if isinstance(x, _ShortBody):
             return _Failure("transient")
@@ -498,6 +515,9 @@ def _detail(e: BaseException, failure: _Failure) -> str:
     """What one failed attempt was, in a message: no internal class name."""
     if failure.kind == "refused":
         return "cannot connect: the connection was refused or the host is unreachable (nothing accepts it there)"
+    if (bad := _unframed(e)) is not None:
+        return (f"the server's answer is not valid HTTP ({getattr(bad, 'message', '') or type(bad).__name__}): "
+                "bytes past a body's Content-Length, or not an HTTP server")
     name = type(e).__name__
     if name.startswith("_"):
         return str(e) or "the attempt failed"

@@ -21,6 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+
+import pyloader
+from pyloader.bench.measure import batch_payload, epoch_samples
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -191,3 +195,24 @@ def test_padding_is_not_data(converted) -> None:
     assert os.path.getsize(plot) > 0
     bars = dict(_plot_bars(r))
     assert bars["pyloader"] <= bars["storage read"]
+
+
+def _sample(i: int) -> dict[str, Any]:
+    return {"image": np.full((3, 4, 4), i % 251, np.uint8), "label": i, "tokens": np.arange(i % 9, dtype=np.int32),
+            "blob": bytes([i % 256]) * (i % 5), "half": np.array([i, -i], np.float16)}
+
+
+def test_batch_payload_counts_each_field_kind(write_dataset) -> None:
+    """Every field kind a batch holds, counted as the records hold it: padding and lengths are not payload."""
+    fields = {"image": ("uint8", (3, 4, 4)), "label": ("int64", ()), "tokens": ("int32", (None,)),
+              "blob": ("bytes", ()), "half": ("float16", (2,))}
+    path = write_dataset(50, fields, _sample)  # fixed, scalar, variable, bytes and float16 fields
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=16, num_workers=2)
+    want = sum(48 + 8 + 4 * (i % 9) + i % 5 + 4 for i in range(50))
+    assert epoch_samples(loader) == (50, want)
+    # What torch's default_collate and pyloader's transform stage make of bytes and strings: lists.
+    assert batch_payload({"path": [b"ab", b"c", b""], "x": torch.zeros(3, 2), "name": ["é", "a", "b"]}) == (3, 31)
+    assert batch_payload({"label": torch.arange(4), "data": [b"xy"] * 4}) == (4, 40)
+    # A tuple batch (torch's per-sample baseline), and a padded field with all lengths 0.
+    assert batch_payload((torch.zeros(4, 2, dtype=torch.int16), torch.arange(4))) == (4, 48)
+    assert batch_payload({"t": torch.zeros(2, 0, 3), "t_lengths": torch.zeros(2, dtype=torch.int64)}) == (2, 0)

@@ -272,8 +272,15 @@ class NativeEpochs(LoaderCore):
 
     @property
     def _settings(self) -> dict[str, Any]:
-        """What the epoch order and partition depend on (the order keys of a state)."""
-        return self._order.settings()
+        """What the epoch order and partition depend on (the order keys of a state).
+
+        A dataset whose window shuffle orders files first (``unit_files``: a ParquetDataset)
+        adds ``window_units="files"`` (NOTE [resume state]).
+        """
+        settings = self._order.settings()
+        if getattr(self.dataset, "unit_files", None) is not None:
+            settings["window_units"] = "files"
+        return settings
 
 
 def _last_global_rows(records: int, world: int, partition: str, batches: int, batch_size: int, drop_last: bool) -> int:

@@ -9,6 +9,7 @@ epoch, never the samples themselves::
      "records": N,                    # samples in the dataset
      "shuffle": bool, "seed": int, "shuffle_mode": "global"|"window", "window": int,
      "partition": "pad"|"drop",       # the loader's OrderSpec: the epoch order and pad/drop rule
+     ["window_units": "files",]       # a window shuffle that orders files first (ParquetDataset)
      "epoch": e,                      # the epoch in progress (or the next one)
      "segments": [[world_size, batch_size, steps], ...]}   # how epoch e was consumed
 
@@ -34,6 +35,7 @@ from typing import Any
 from ..errors import ResumeError
 
 STATE_VERSION = 1
+_UNITS = "units"  # window_units of a state without the key: the window shuffle of units alone
 _KEYS = ("version", "dataset", "records", "shuffle", "seed", "shuffle_mode", "window", "partition",
          "epoch", "segments")
 
@@ -79,7 +81,7 @@ def _relevant(settings: Mapping[str, Any]) -> list[str]:
     if settings["shuffle"]:
         keys += ["seed", "shuffle_mode"]
         if settings["shuffle_mode"] == "window":
-            keys.append("window")
+            keys += ["window", "window_units"]
     return keys
 
 
@@ -115,9 +117,11 @@ def check_state(state: object, *, fingerprint: str, records: int, settings: Mapp
             f"{_differing_parts(state.get('dataset_parts'), parts)}. Resume with the same data the state was "
             "taken from (ShardDataset: the same manifest; ParquetDataset: the same files and columns)")
     for key in _relevant(settings):
-        if state[key] != settings[key]:
+        # A key a state may lack (window_units: absent in states of a window shuffle by units alone).
+        saved, now = state.get(key, _UNITS if key == "window_units" else None), settings.get(key, _UNITS)
+        if saved != now:
             raise ResumeError(
-                f"the state was saved with {key}={state[key]!r} but this loader uses {key}={settings[key]!r}; "
+                f"the state was saved with {key}={saved!r} but this loader uses {key}={now!r}; "
                 "the epoch order would differ, so the consumed samples cannot be recomputed")
     epoch = state["epoch"]
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:

@@ -196,3 +196,21 @@ def test_the_same_files_elsewhere_resume(pq_dir, tmp_path):
             assert got == full[3:]
     finally:
         mem.rm("/pyl-resume", recursive=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_window_state_without_the_file_first_order_is_refused(pq_dir):
+    """A window shuffle of a ParquetDataset orders files first (NOTE [window size]): a state
+    saved by a window order of row groups alone (a state without ``window_units``, as an
+    older pyloader wrote it) names another order, and is refused rather than resumed
+    into other samples."""
+    state = _stopped_state(pq_dir, shuffle_mode="window", window=40)
+    assert state["window_units"] == "files"
+    (loader,) = loaders(pq_dir, 1, 10, shuffle_mode="window", window=40)
+    loader.load_state_dict(dict(state))  # its own state resumes
+    old = {k: v for k, v in state.items() if k != "window_units"}
+    (loader,) = loaders(pq_dir, 1, 10, shuffle_mode="window", window=40)
+    with pytest.raises(pyloader.ResumeError, match="window_units='units' but this loader uses window_units='files'"):
+        loader.load_state_dict(old)
+    (loader,) = loaders(pq_dir, 1, 10, shuffle_mode="global")  # a global shuffle does not depend on it
+    loader.load_state_dict({**old, "shuffle_mode": "global"})

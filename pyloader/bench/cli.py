@@ -331,22 +331,42 @@ def _print_bench(r: dict[str, Any]) -> None:
               f"batch {w['batch_size']}, {w['compute_s'] * 1e3:.1f} ms compute per batch ({w['name']}); "
               f"AU >= {100 * au['pyloader']['threshold']:.0f}% wanted")
         print(f"  {'accelerators':>14}{'AU pyloader':>14}{'AU torch':>12}")
-        py = {t["accelerators"]: t["au"] for t in au["pyloader"]["trials"]}
-        tc = {t["accelerators"]: t["au"] for t in au["torch_dataloader"]["trials"]}
+        py = {t["accelerators"]: t for t in au["pyloader"]["trials"]}
+        tc = {t["accelerators"]: t for t in au["torch_dataloader"]["trials"]}
         for n in sorted(set(py) | set(tc)):
-            a = f"{100 * py[n]:.1f}%" if n in py else "-"
-            b = f"{100 * tc[n]:.1f}%" if n in tc else "-"
-            print(f"  {n:>14}{a:>14}{b:>12}")
+            print(f"  {n:>14}{_au_cell(py.get(n)):>14}{_au_cell(tc.get(n)):>12}")
+        print("  (AU: the median of the trials at that count, xN: N trials)")
         print(f"  max accelerators at AU >= {100 * au['pyloader']['threshold']:.0f}%: pyloader "
               f"{_au_count(au['pyloader'])}, torch DataLoader {_au_count(au['torch_dataloader'])}")
         for line in _au_stops(au):
             print(f"  ({line})")
+        if au.get("shared_loader"):
+            limited = any(t.get("prefetch_limit") == "memory" for key in ("pyloader", "torch_dataloader")
+                          for t in au[key]["trials"])
+            print("  (the accelerators of a trial share one loader, as one node's processes share its CPUs: "
+                  "N x --au-threads threads, N x --au-torch-workers for torch, at most the CPUs this process may "
+                  "use, and N batches read ahead"
+                  + (f", at most the {au['memory_batches']} that fit in 40% of free memory" if limited else "")
+                  + ": memory bounds the read-ahead, not the count; docs/bench.md)")
+
+
+def _au_cell(t: dict[str, Any] | None) -> str:
+    """One count's AU in the table: the median of its trials, and how many there were."""
+    if t is None:
+        return "-"
+    k = len(t.get("au_trials") or [t["au"]])
+    return f"{100 * t['au']:.1f}%" + (f" x{k}" if k > 1 else "")
 
 
 def _au_count(r: dict[str, Any]) -> str:
-    """A search's result: the maximum, or a lower bound saying what stopped it (See NOTE [AU search])."""
+    """A search's result: the maximum with its range, or a lower bound saying what stopped it (See NOTE [AU search])."""
     if not r.get("capped"):
-        return str(r["max_accelerators"])
+        lo, hi = r.get("range") or (r["max_accelerators"], r["max_accelerators"])
+        many = max((len(t.get("au_trials") or ()) for t in r.get("trials", ())), default=1)
+        if lo == hi:
+            return f"{r['max_accelerators']} (its trials agree)" if many > 1 else str(r["max_accelerators"])
+        how = "at 95% confidence" if "crossing" in r else "where its trials disagree"
+        return f"{r['max_accelerators']} ({lo} to {hi} {how}, {many} trials per count near it)"
     why = "time budget" if r.get("stopped_by") == "time" else "cap"
     below = f", fewer than {r['fails_at']}" if r.get("fails_at") else ""
     return f"at least {r['max_accelerators']}{below} ({why})"
@@ -355,16 +375,13 @@ def _au_count(r: dict[str, Any]) -> str:
 def _au_stops(au: dict[str, Any]) -> list[str]:
     """Why a search stopped short of the maximum, and what lets it go further (one line per reason)."""
     lines: list[str] = []
-    for key, label in (("pyloader", "pyloader"), ("torch_dataloader", "torch DataLoader")):
+    for key in ("pyloader", "torch_dataloader"):
         r = au[key]
         if not r.get("capped"):
             continue
         cap = r.get("cap", au["cap"])
         if r.get("stopped_by") == "time":
             line = f"the search spent its {r['budget_s']:g} s of trials: raise --au-budget to search further"
-        elif r.get("cap_reason", au.get("cap_reason")) == "memory":
-            what = "batches and worker processes" if key == "torch_dataloader" else "batches"
-            line = f"{label}: the search stopped at {cap}: more loaders' {what} would not fit in 40% of free memory"
         elif r.get("cap_reason", au.get("cap_reason")) == "ceiling":
             line = f"the search stopped at {cap}, its ceiling without --max-accelerators"
         else:

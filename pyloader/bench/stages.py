@@ -473,46 +473,56 @@ def run_pack_stage(make_ds: Callable[[], ShardDataset], spec: Any, *, rows: int,
 
 
 # -- accelerator utilization ------------------------------------------------------------
-def _accelerator(make_iter: Callable[[], Iterator[Any]], compute_s: float, batches: int,
-                 out: list[dict[str, float]], barrier: threading.Barrier) -> None:
-    it = make_iter()
+def _accelerator(take: Callable[[], Any], compute_s: float, batches: int, out: list[dict[str, float]],
+                 barrier: threading.Barrier) -> None:
     first = time.perf_counter()
-    next(it)  # startup (first batch) is reported apart from the steady state
+    take()  # startup (first batch) is reported apart from the steady state
     startup = time.perf_counter() - first
     barrier.wait()
     waited = 0.0
     t0 = time.perf_counter()
     for _ in range(batches):
         w = time.perf_counter()
-        try:
-            next(it)
-        except StopIteration:
-            it = make_iter()
-            next(it)
+        take()  # the batch is dropped at once: its copy to the device is not simulated
         waited += time.perf_counter() - w
         time.sleep(compute_s)  # the simulated accelerator computes; releases the GIL
     wall = time.perf_counter() - t0
     out.append({"au": batches * compute_s / wall, "wait_s": waited, "wall_s": wall, "startup_s": startup})
 
 
-def _measure_au(factory: Callable[[int, int], Callable[[], Iterator[Any]]], n: int, compute_s: float,
-               batches: int) -> dict[str, float]:
+def _measure_au(loader: Any, n: int, compute_s: float, batches: int) -> dict[str, float]:
+    """AU of ``n`` simulated accelerators taking their batches from one ``loader``, in turn.
+
+    Each accelerator is a thread: it takes the next batch (the loader starts a new epoch when
+    one ends), then "computes" for ``compute_s``.
+    """
     results: list[dict[str, float]] = []
     barrier = threading.Barrier(n)
     errors: list[BaseException] = []
+    lock = threading.Lock()
+    current: list[Iterator[Any]] = [iter(loader)]
 
-    def run(rank: int) -> None:
+    def take() -> None:
+        with lock:
+            try:
+                next(current[0])
+            except StopIteration:
+                current[0] = iter(loader)
+                next(current[0])
+
+    def run() -> None:
         try:
-            _accelerator(factory(rank, n), compute_s, batches, results, barrier)
+            _accelerator(take, compute_s, batches, results, barrier)
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
             errors.append(e)
             barrier.abort()
 
-    ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    ts = [threading.Thread(target=run, daemon=True) for _ in range(n)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
+    current.clear()
     real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
     if real or errors:
         raise (real or errors)[0]
@@ -521,69 +531,74 @@ def _measure_au(factory: Callable[[int, int], Callable[[], Iterator[Any]]], n: i
             "startup_s": float(np.max([r["startup_s"] for r in results]))}
 
 
+# NOTE [one loader for the accelerators]: the N simulated accelerators of an AU trial share
+# one loader, as the processes of one node's job share its CPUs and memory: N loaders of
+# their own (the bench did that before) each hold their read-ahead batches, so the search
+# stopped where N times that no longer fit in memory (24 to 48 resnet50 accelerators on a
+# machine with a few GB free), well below what the CPUs could feed. The shared loader runs
+# N x --au-threads threads (torch: N x --au-torch-workers worker processes), at most the
+# CPUs this process may use (more would only share them), and holds up to N batches ahead
+# (each accelerator one, so a batch is ready when it asks; at least a lone loader's default;
+# torch's workers persistent, as a training job keeps them), at most what fits in 40% of
+# free memory: ``prefetch`` and ``prefetch_limit`` ("memory" when that bound applied) in
+# each trial. Memory then bounds the read-ahead, not the count, and the search goes on to
+# where AU falls.
+def _au_memory_batches(batch_bytes: int) -> int:
+    """Batches that fit in 40% of free memory (at least 2)."""
+    try:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return max(2, int(0.4 * avail / max(batch_bytes, 1)))
+
+
 def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int, torch_workers: int,
            batches: int, threshold: float, cap: int | None, budget_s: float,
            progress: Callable[[str], None]) -> dict[str, Any]:
     """Largest number of simulated accelerators pyloader and torch's DataLoader each keep busy.
 
-    Each accelerator reads its rank's part of the dataset at ``path`` with its own loader
-    and computes ``w.compute_s`` per batch; the count that keeps AU >= ``threshold`` is
-    searched up to ``cap`` (None: ``AU_CEILING``), lowered further so that each loader's
-    accelerators fit in 40% of free memory (torch's worker processes counted too), for at most
-    ``budget_s`` of trials per loader (See NOTE [AU search]). Each loader's result has its
-    ``cap`` and ``cap_reason``; the top level's are pyloader's. ``w.record_bytes`` is the
-    size of the records at ``path`` (what sizes the memory cap).
+    The accelerators of a trial share one loader over the dataset at ``path`` (See NOTE
+    [one loader for the accelerators]) and compute ``w.compute_s`` per batch; the count
+    that keeps AU >= ``threshold`` is searched up to ``cap`` (None: ``AU_CEILING``), for at
+    most ``budget_s`` of trials per loader, with repeated trials near the boundary (See NOTE
+    [AU search]). Each loader's result has its ``cap`` and ``cap_reason``; the top level's
+    are pyloader's. ``w.record_bytes`` is the size of the records at ``path`` (what sizes
+    the read-ahead's memory bound).
     """
-    batch_bytes = w.record_bytes * w.batch_size
-    try:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        avail = 8 << 30
+    mem_batches = _au_memory_batches(w.record_bytes * w.batch_size)
     given, given_reason = (AU_CEILING, "ceiling") if cap is None else (cap, "max_accelerators")
+    cpus = autotune.cpu_budget()
+    ds = ShardDataset(path, cache_dir=cache_dir)
 
-    def capped(per_accelerator: int) -> tuple[int, str]:
-        mem_cap = max(1, int(0.4 * avail / max(per_accelerator, 1)))
-        return (mem_cap, "memory") if mem_cap < given else (given, given_reason)
+    def ahead(n: int) -> tuple[int, str]:
+        return (n, "accelerators") if n <= mem_batches else (mem_batches, "memory")
 
-    # Each accelerator's loader holds about (prefetch + 2) batches. A torch worker process is
-    # forked from this one and can come to own a copy of its private memory (copy on write).
-    py_cap, py_reason = capped(batch_bytes * (2 * threads + 3))
-    torch_cap, torch_reason = capped(batch_bytes * (2 * torch_workers + 3) + torch_workers * _private_bytes())
+    def py_trial(n: int) -> dict[str, Any]:
+        workers = min(n * threads, cpus)
+        depth, why = ahead(max(n, 4 * workers))  # at least a lone loader's read-ahead
+        loader = DataLoader(ds, batch_size=w.batch_size, num_workers=workers, prefetch=depth)
+        return {**_measure_au(loader, n, w.compute_s, batches), "threads": workers, "prefetch": depth,
+                "prefetch_limit": why}
 
-    def py_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
-        ds = ShardDataset(path, rank=rank, world_size=n, cache_dir=cache_dir)
-        loader = DataLoader(ds, batch_size=w.batch_size, num_workers=threads)
-        return lambda: iter(loader)
+    def torch_trial(n: int) -> dict[str, Any]:
+        workers = min(n * torch_workers, cpus)
+        depth, why = ahead(max(n, 2 * workers))  # at least torch's default read-ahead
+        loader = torch.utils.data.DataLoader(ds, batch_size=w.batch_size, num_workers=workers,
+                                             collate_fn=PadCollate(ds), persistent_workers=workers > 0,
+                                             prefetch_factor=max(2, math.ceil(depth / workers)) if workers else None)
+        r = _measure_au(loader, n, w.compute_s, batches)
+        del loader  # its worker processes end before the next trial starts its own
+        return {**r, "workers": workers, "prefetch": depth if workers else 0, "prefetch_limit": why}
 
-    def torch_factory(rank: int, n: int) -> Callable[[], Iterator[Any]]:
-        ds = ShardDataset(path, rank=rank, world_size=n, cache_dir=cache_dir)
-        loader = torch.utils.data.DataLoader(ds, batch_size=w.batch_size, num_workers=torch_workers,
-                                             collate_fn=PadCollate(ds),
-                                             prefetch_factor=2 if torch_workers else None)
-        return lambda: iter(loader)
-
-    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": py_cap, "cap_reason": py_reason}
-    out["pyloader"] = max_accelerators(lambda n: _measure_au(py_factory, n, w.compute_s, batches),
-                                       threshold=threshold, cap=py_cap, budget_s=budget_s, progress=progress,
-                                       label="pyloader")
-    out["pyloader"]["cap_reason"] = py_reason
-    out["torch_dataloader"] = max_accelerators(lambda n: _measure_au(torch_factory, n, w.compute_s, batches),
-                                               threshold=threshold, cap=torch_cap, budget_s=budget_s,
+    out: dict[str, Any] = {"workload": dict(w.__dict__), "cap": given, "cap_reason": given_reason,
+                           "shared_loader": True, "memory_batches": mem_batches}
+    out["pyloader"] = max_accelerators(py_trial, threshold=threshold, cap=given, budget_s=budget_s,
+                                       progress=progress, label="pyloader")
+    out["pyloader"]["cap_reason"] = given_reason
+    out["torch_dataloader"] = max_accelerators(torch_trial, threshold=threshold, cap=given, budget_s=budget_s,
                                                progress=progress, label="torch DataLoader")
-    out["torch_dataloader"].update(cap_reason=torch_reason, num_workers=torch_workers)
+    out["torch_dataloader"].update(cap_reason=given_reason, num_workers=torch_workers)
     return out
-
-
-def _private_bytes() -> int:
-    """This process's private (anonymous) resident memory: what a forked worker can come to copy."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 256 << 20  # no /proc: a typical Python process with torch imported
 
 
 __all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "cold_read_stage", "run_transform_stage", "run_pack_stage",

@@ -254,7 +254,8 @@ def test_au_search_goes_past_32_while_au_holds() -> None:
     r = _search(lambda n: 0.91 if n <= 150 else 0.6)
     assert r["max_accelerators"] == 150 and not r["capped"]
     assert max(t["accelerators"] for t in r["trials"]) == 256
-    assert bench_cli._au_count(r) == "150"
+    lo, hi = r["range"]
+    assert lo <= 150 <= hi and bench_cli._au_count(r) == f"150 ({lo} to {hi} at 95% confidence, 3 trials per count near it)"
 
 
 def test_au_search_at_the_cap_says_at_least() -> None:
@@ -282,12 +283,11 @@ def test_each_loaders_stop_is_named_once() -> None:
     py = _search(lambda n: 0.99, cap=64)
     py["cap_reason"] = "ceiling"
     tc = _search(lambda n: 0.99, cap=8)
-    tc["cap_reason"] = "memory"
+    tc["cap_reason"] = "max_accelerators"
     au = {"cap": 64, "cap_reason": "ceiling", "pyloader": py, "torch_dataloader": tc}
     assert bench_cli._au_stops(au) == [
         "the search stopped at 64, its ceiling without --max-accelerators",
-        "torch DataLoader: the search stopped at 8: more loaders' batches and worker processes would not fit in 40% "
-        "of free memory"]
+        "the search stopped at 8, the cap: raise --max-accelerators to search further"]
     both = {**au, "torch_dataloader": {**py}}
     assert len(bench_cli._au_stops(both)) == 1
 

@@ -228,7 +228,7 @@ def test_bench_packing_stage_on_a_token_dataset(tmp_path) -> None:
     assert p["split_documents"] == 0 and p["truncated_tokens"] == 0 and p["generated"] is False
     assert p["tokens_per_s"] > 0 and p["unpacked_tokens_per_s"] > 0
     assert p["packed_vs_unpacked"] == pytest.approx(p["tokens_per_s"] / p["unpacked_tokens_per_s"])
-    assert p["bound"].split(":")[0] in ("consumer", "documents", "packer")
+    assert p["bound"].split(":")[0] in ("consumer", "documents", "packer", "no part most of the time")
     # The table names the stage.
     table = run_cli(path, "--epochs", "1", "--torch-workers", "0", "--workload", "none", "--quiet", "--pack", "64",
                     "--min-seconds", "0.05")
@@ -253,16 +253,18 @@ def test_bench_au_search_without_a_cap_ends_by_the_threshold_or_its_budget() -> 
     res = run_cli(*argv, "--au-budget", "1.5", "--json", "--quiet")
     assert res.returncode == 0, res.stderr
     au = json.loads(res.stdout)["accelerator_utilization"]
-    assert au["cap_reason"] in ("ceiling", "memory") and au["cap"] > 32
-    # torch's worker processes (forked copies of this one) count against memory too.
-    assert au["torch_dataloader"]["cap"] <= au["pyloader"]["cap"] == au["cap"]
-    assert au["torch_dataloader"]["cap_reason"] in ("ceiling", "memory")
+    # One loader shared by a trial's accelerators: memory bounds its read-ahead, not the count.
+    assert au["cap_reason"] == "ceiling" and au["cap"] > 32 and au["shared_loader"] is True
+    assert au["torch_dataloader"]["cap"] == au["pyloader"]["cap"] == au["cap"]
+    assert au["torch_dataloader"]["cap_reason"] == "ceiling"
     for key in ("pyloader", "torch_dataloader"):
         r = au[key]
         assert r["budget_s"] == 1.5 and r["stopped_by"] in (None, "time"), r
         below = [t["accelerators"] for t in r["trials"] if t["au"] < r["threshold"]]
-        if r["stopped_by"] is None:  # a measured maximum: the next count failed
-            assert not r["capped"] and r["fails_at"] == r["max_accelerators"] + 1 and r["fails_at"] in below
+        if r["stopped_by"] is None:  # a measured maximum, within its range; a count above it failed
+            lo, hi = r["range"]
+            assert not r["capped"] and lo <= r["max_accelerators"] <= hi
+            assert r["fails_at"] is None or (r["fails_at"] > r["max_accelerators"] and r["fails_at"] in below)
         else:  # out of time: a lower bound
             assert r["capped"] and (r["fails_at"] is None or r["max_accelerators"] < r["fails_at"])
         # No trial started once the budget was spent: all of them took at most the budget and one more.

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import FrameworkPathError
+from ..read.frameworks import calling_selves
 
 _MAX_FRAMES = 8
 
@@ -48,15 +49,10 @@ def calling_accelerator() -> tuple[Any, bool | None] | None:
     cls = getattr(mod, "Accelerator", None)
     if cls is None:
         return None
-    frame: Any = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
+    for frame, obj in calling_selves(1, _MAX_FRAMES):
         if isinstance(obj, cls):
             placement = frame.f_locals.get("device_placement")
             return obj, placement if isinstance(placement, bool) else None
-        frame = frame.f_back
     return None
 
 

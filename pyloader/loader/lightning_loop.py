@@ -48,6 +48,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..read.frameworks import calling_selves
+
 _LOOP_MODULES = ("lightning.pytorch.loops.loop", "pytorch_lightning.loops.loop")
 _MAX_FRAMES = 16  # the loader's iter() or state_dict() is within ten frames of the loop that called it
 
@@ -60,18 +62,13 @@ def _calling_fit_loop(loader: Any) -> tuple[Any, Any, int] | None:
     bases = tuple(cls for name in _LOOP_MODULES if (cls := getattr(sys.modules.get(name), "_Loop", None)) is not None)
     if not bases:
         return None
-    frame: Any = sys._getframe(2)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
+    for _, obj in calling_selves(2, _MAX_FRAMES):
         if isinstance(obj, bases):
             fit_loop = getattr(getattr(obj, "trainer", None), "fit_loop", None)
             combined = getattr(fit_loop, "_combined_loader", None)
             flat = list(getattr(combined, "flattened", None) or [])
             index = next((i for i, dl in enumerate(flat) if dl is loader), None)
             return None if index is None else (fit_loop, combined, index)
-        frame = frame.f_back
     return None
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import get_worker_info
@@ -49,21 +50,32 @@ FIX = ("give accelerate a pyloader.DataLoader over the dataset (Accelerator.prep
        "builds one). See docs/integrations.md")
 
 
+def calling_selves(up: int, limit: int) -> Iterator[tuple[Any, Any]]:
+    """(frame, its ``self``) of the methods on the call stack, innermost first, from ``up`` frames above.
+
+    ``up`` counts from the function that iterates this (1: its caller); at most ``limit``
+    frames are looked at. How pyloader finds the framework that called it (accelerate's
+    loaders, its ``Accelerator``, Lightning's loop) without patching the framework.
+    """
+    frame: Any = sys._getframe(up + 1)
+    for _ in range(limit):
+        if frame is None:
+            return
+        obj = frame.f_locals.get("self")
+        if obj is not None:
+            yield frame, obj
+        frame = frame.f_back
+
+
 def _accelerate_readers() -> list[str]:
     """Class names of accelerate's loaders and dataset wrappers on the call stack, innermost first."""
     found: list[str] = []
-    frame: Any = sys._getframe(2)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        obj = frame.f_locals.get("self")
-        if obj is not None:
-            for c in type(obj).__mro__:
-                if c.__name__ in _ACCELERATE_READERS and c.__module__.startswith("accelerate."):
-                    if c.__name__ not in found:
-                        found.append(c.__name__)
-                    break
-        frame = frame.f_back
+    for _, obj in calling_selves(2, _MAX_FRAMES):
+        for c in type(obj).__mro__:
+            if c.__name__ in _ACCELERATE_READERS and c.__module__.startswith("accelerate."):
+                if c.__name__ not in found:
+                    found.append(c.__name__)
+                break
     return found
 
 
@@ -118,4 +130,4 @@ def check_per_sample_reader(dataset: Any, rank_explicit: bool, world: int) -> No
         f"per epoch) and DataLoader.stats() stays empty. To fix: {FIX}", SlowPathWarning, stacklevel=3)
 
 
-__all__ = ["FIX", "check_per_sample_reader"]
+__all__ = ["FIX", "calling_selves", "check_per_sample_reader"]

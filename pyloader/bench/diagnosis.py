@@ -186,7 +186,8 @@ def _advice(bound: str, st: dict[str, Any], cpus: int) -> str:
     more_threads = threads < cpus
     at_cpus = (f"the loader already runs {threads} threads on the {cpus} CPUs this process may use, so more "
                "threads will not help here")
-    compress = "write the dataset with compression='lz4' (fewer bytes to move)" if uncompressed else ""
+    compress = ("write the dataset with LZ4 (`pyloader convert --compression lz4`, or ShardWriter's "
+                "compression='lz4'): fewer bytes to move" if uncompressed else "")
     if bound == "network":
         return "; ".join(x for x in ("run `pyloader cache warm URL` on each node before training, or raise "
                                      "fetch_jobs", compress) if x)
@@ -194,8 +195,8 @@ def _advice(bound: str, st: dict[str, Any], cpus: int) -> str:
         where = ("warm the node cache onto fast local storage (`pyloader cache warm URL`)" if remote
                  else "move the dataset to faster storage (local NVMe)")
         return "; ".join(x for x in (where, compress) if x)
-    no_lz4 = ("write the dataset with compression='none' if storage is fast enough to carry the larger files"
-              if compressed else "")
+    no_lz4 = ("write the dataset uncompressed (`pyloader convert --compression none`, or ShardWriter's "
+              "compression='none') if storage is fast enough to carry the larger files" if compressed else "")
     if bound == "decode":
         first = f"add threads (--threads / num_workers; {threads} of {cpus} CPUs used)" if more_threads else at_cpus
         return "; ".join(x for x in (first, no_lz4, "" if more_threads else "or run on more CPUs") if x)
@@ -206,8 +207,8 @@ def _advice(bound: str, st: dict[str, Any], cpus: int) -> str:
     # workers: they verify, decode and copy every batch
     first = (f"add threads (--threads / num_workers; {threads} of {cpus} CPUs used): they verify, decode and "
              "copy every batch" if more_threads else at_cpus)
-    halve = ("with compression, writing the dataset with compression='none' halves their work if storage "
-             "keeps up" if compressed else "")
+    halve = ("with compression, writing the dataset uncompressed (`pyloader convert --compression none`, or "
+             "compression='none') halves their work if storage keeps up" if compressed else "")
     return "; ".join(x for x in (first, halve, "" if more_threads else "or run on more CPUs") if x)
 
 

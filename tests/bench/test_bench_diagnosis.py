@@ -92,6 +92,7 @@ def test_storage_bound_local_dataset_gets_local_advice(capsys) -> None:
     head = dg["notes"][0]
     assert head.startswith("to go faster: move the dataset to faster storage")
     assert "compression='lz4'" in head and "cache warm" not in head  # it refuses local paths
+    assert "`pyloader convert --compression lz4`" in head  # the command's option, beside the Python argument
     assert_true_to_its_figures(st, dg, 8)
     assert "bound by: storage, at 90% of its capacity (0.90 of 1.00 GB/s)" in printed(st, dg, capsys)
 
@@ -135,6 +136,7 @@ def test_decode_bound_at_the_cpu_count_does_not_add_threads(capsys) -> None:
     assert "add threads" not in head
     assert "already runs 2 threads on the 2 CPUs this process may use" in head
     assert "compression='none'" in head and "more CPUs" in head
+    assert "`pyloader convert --compression none`" in head
     assert any(n.startswith("decode measured 0.69 GB/s, below the 0.89 GB/s") for n in dg["notes"])
     assert_true_to_its_figures(st, dg, 2)
     out = printed(st, dg, capsys)

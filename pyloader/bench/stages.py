@@ -149,7 +149,8 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
     small dataset is still timed over enough time, and ``min_batches`` batches; the round
     with the highest rate is kept (the steady state), and ``first_epoch_vs_steady`` is the
     first epoch's rate over it. A pyloader loader's round also keeps each epoch's
-    ``stats()`` and wall time (``epoch_stats``: what the transform stage's figures sum).
+    ``stats()`` and wall time (``epoch_stats``, after the untimed first epoch's with wall time
+    0: what the transform stage's figures sum).
     """
     t_make = time.perf_counter()
     loader = make_loader()
@@ -164,6 +165,7 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
     # New batch memory in the first epoch: the kernel populating (and zeroing) fresh pages,
     # on the collating threads (thread time, summed over them).
     first_alloc = loader.host_memory() if isinstance(loader, DataLoader) else None
+    first_stats = loader.stats() if isinstance(loader, DataLoader) else None
     best: dict[str, Any] | None = None
     for _ in range(rounds):
         n = nbytes = epochs = 0
@@ -190,7 +192,7 @@ def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: 
                              "first_batch_s": first_batch or 0.0,
                              "first_epoch_samples_per_s": samples / startup if startup > 0 else 0.0}
         if isinstance(loader, DataLoader):
-            r["stats"], r["epoch_stats"] = stats, per_epoch
+            r["stats"], r["epoch_stats"] = stats, [(first_stats, 0.0), *per_epoch]
         if best is None or r["samples_per_s"] > best["samples_per_s"]:
             best = r
     assert best is not None
@@ -388,11 +390,23 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
 def _transform_figures(epochs: list[tuple[dict[str, Any], float]], batch_size: int) -> dict[str, Any]:
     """The transform stage's counters summed over the timed epochs (``stats()`` and wall time of each).
 
-    The workers' busy share and the consumer's wait are weighted by each epoch's wall time;
-    the cost per sample is the summed transform and decode time over the samples. An epoch
-    whose stats show no transformed sample (the executor being swapped) is left out.
+    ``epochs[0]`` is the untimed first epoch's (wall time 0): it only says which executor
+    ran before the first timed epoch. The workers' busy share and the consumer's wait are
+    weighted by each epoch's wall time; the cost per sample is the summed transform and
+    decode time over the samples. An epoch in which executor="auto" swapped executors is
+    left out (``left_out`` counts them): its stats add up both parts' counts, but its busy
+    share is the new part's alone (``AutoTransformStream.stats``); so is one with no
+    transformed sample.
     """
-    kept = [(s, w) for s, w in epochs if s.get("transformed_samples", 0) + s.get("skipped_samples", 0) > 0]
+    kept: list[tuple[dict[str, Any], float]] = []
+    before = epochs[0][0].get("transform_executor") if epochs else None
+    for s, w in epochs[1:]:
+        swapped = s.get("transform_executor") != before
+        before = s.get("transform_executor")
+        if not swapped and s.get("transformed_samples", 0) + s.get("skipped_samples", 0) > 0:
+            kept.append((s, w))
+    if not kept:  # every timed epoch swapped (or none transformed): their counts, as they are
+        kept = [(s, w) for s, w in epochs[1:] if s.get("transformed_samples", 0) + s.get("skipped_samples", 0) > 0]
     stats = [s for s, _ in kept]
     wall = max(sum(w for _, w in kept), 1e-12)
     samples = sum(s["transformed_samples"] + s["skipped_samples"] for s in stats)
@@ -404,7 +418,7 @@ def _transform_figures(epochs: list[tuple[dict[str, Any], float]], batch_size: i
             "workers_busy": sum(s["transform_busy_fraction"] * w for s, w in kept) / wall,
             "wait_fraction": sum(s["wait_fraction"] * w for s, w in kept) / wall,
             "shard_wait_s": sum(s.get("shard_wait_s", 0.0) for s in stats),
-            "measured": {"epochs": len(kept), "batches": sum(math.ceil(s["transformed_samples"] / batch_size)
+            "measured": {"epochs": len(kept), "left_out": len(epochs) - 1 - len(kept), "batches": sum(math.ceil(s["transformed_samples"] / batch_size)
                                                               for s in stats),
                          "samples": samples, "wall_s": sum(w for _, w in kept)}}
 

@@ -420,7 +420,11 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
 
     Args:
         path: dataset directory (or its ``manifest.json``), a local path or ``file://`` URL.
-        shuffle: shuffle samples each epoch.
+        shuffle: shuffle samples each epoch. Iterated sample by sample (directly, or by
+            torch's ``DataLoader``, workers or not), the k-th iteration since the dataset was
+            built or since ``set_epoch(e)`` reads epoch ``e + k``: a new order each epoch
+            without ``set_epoch``, and the order ``set_epoch`` names when a framework calls it
+            (NOTE [epoch per iteration] in pyloader/read/units.py).
         seed: shuffle seed.
         shuffle_mode: ``"global"`` (a permutation of all samples: best randomness, every
             batch touches many shards -- right for local data) or ``"window"`` (shards in a

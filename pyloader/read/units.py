@@ -8,9 +8,18 @@ gives torch's ``DataLoader`` per-sample iteration.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import mmap
 import os
+import struct
+import tempfile
+import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing import context as _mp_context
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 import numpy as np
@@ -147,6 +156,120 @@ class _OrderField:
         obj.order = dataclasses.replace(obj.order, **{self.name: value})
 
 
+# NOTE [epoch per iteration]: a dataset iterated sample by sample -- directly (``for s in
+# ds``), or by torch's ``DataLoader`` -- reads on its k-th iteration since it was built or
+# since ``set_epoch(e)`` epoch ``e + k``: pyloader.DataLoader's rule for its ``iter()``s
+# (NOTE [iterators of one loader]). So ``shuffle=True`` gives each epoch a new order
+# without ``set_epoch``, as LitData's StreamingDataset does, while ``set_epoch`` (which
+# transformers' Trainer and accelerate call, and a DistributedSampler loop calls by habit)
+# names the epoch outright, so a resumed job that calls it reads the right order.
+# ``ds.epoch`` stays the epoch set_epoch named. Under torch's DataLoader with workers the
+# iteration starts in each worker process, on a copy of the dataset: a non-persistent worker
+# is a fresh copy each epoch, so a count kept in the object would never move (and a
+# persistent worker never saw the parent's set_epoch). The count lives in a small shared
+# file instead (a memfd, mapped; a fork inherits it, a spawned worker gets its descriptor,
+# a plain pickle or deepcopy gets a file of its own at the same count), under a lock
+# (lockf between processes, a mutex between threads): the next epoch, and the epochs of
+# recent iterations by key. The workers of one iteration share torch's base seed
+# (``seed - id``) and, persistent, their copy's count of iterations: the first to arrive
+# takes the next epoch, the others (``num_workers`` in all) find it by that key, so every
+# worker of an iteration reads the same epoch and the ranks, each counting its own
+# iterations, stay in step. pyloader.DataLoader plans its epochs itself and never runs this.
+_RING = 32  # iterations whose epoch workers may still ask for
+_WORDS = 2 + 4 * _RING  # int64: the next epoch, the ring's cursor, then (key, epoch, claimed, workers) each
+_SHARED_BYTES = 8 * _WORDS
+
+
+def _shared_file() -> int:
+    """The descriptor of ``_SHARED_BYTES`` zero bytes in memory (a memfd; an unlinked temp file elsewhere)."""
+    try:
+        fd = os.memfd_create("pyloader-epochs")
+    except (AttributeError, OSError):
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    os.ftruncate(fd, _SHARED_BYTES)
+    return fd
+
+
+def _close_shared(m: mmap.mmap, fd: int) -> None:
+    with contextlib.suppress(Exception):
+        m.close()
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _attach_epochs(dup: Any, count: int) -> _IterationEpochs:
+    return _IterationEpochs(0, dup.detach(), count)
+
+
+class _IterationEpochs:
+    """The epoch each per-sample iteration of a dataset reads, shared with torch's workers (NOTE [epoch per iteration])."""
+
+    def __init__(self, epoch: int, fd: int | None = None, count: int = 0) -> None:
+        self._fd = _shared_file() if fd is None else fd
+        self._map = mmap.mmap(self._fd, _SHARED_BYTES)
+        weakref.finalize(self, _close_shared, self._map, self._fd)
+        self._count = count  # this copy's iterations: a persistent worker's part of the key
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        if fd is None:
+            self.restart(epoch)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if _mp_context.get_spawning_popen() is not None:  # a worker being spawned shares the file
+            return _attach_epochs, (DupFd(self._fd), self._count)
+        return _IterationEpochs, (self.next_epoch(), None, self._count)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        if self._pid != os.getpid():  # a forked copy: a thread of the parent may have held the mutex
+            self._lock, self._pid = threading.Lock(), os.getpid()
+        with self._lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def _get(self, i: int) -> int:
+        return int(struct.unpack_from("<q", self._map, 8 * i)[0])
+
+    def _put(self, i: int, value: int) -> None:
+        struct.pack_into("<q", self._map, 8 * i, value)
+
+    def restart(self, epoch: int) -> None:
+        """The next iteration reads ``epoch`` (``set_epoch``)."""
+        with self._locked():
+            self._put(0, epoch)
+
+    def next_epoch(self) -> int:
+        """The epoch a new iteration would read."""
+        with self._locked():
+            return self._get(0)
+
+    def take(self, info: Any) -> int:
+        """The epoch of a new iteration; ``info``: ``get_worker_info()`` (None outside torch's workers)."""
+        self._count += 1
+        with self._locked():
+            nxt = self._get(0)
+            if info is None:
+                self._put(0, nxt + 1)
+                return nxt
+            key = (hash((int(info.seed) - int(info.id), self._count)) & (2**62 - 1)) | 1  # 0 marks a free slot
+            for k in range(_RING):
+                at = 2 + 4 * k
+                if self._get(at) == key and self._get(at + 2) < self._get(at + 3):
+                    self._put(at + 2, self._get(at + 2) + 1)
+                    return self._get(at + 1)
+            cursor = self._get(1)
+            at = 2 + 4 * (cursor % _RING)
+            for i, v in enumerate((key, nxt, 1, int(info.num_workers))):
+                self._put(at + i, v)
+            self._put(1, cursor + 1)
+            self._put(0, nxt + 1)
+            return nxt
+
+
 # NOTE [reader checks]: a dataset that cannot be read as configured fails when it is
 # built, naming the values, not at its first epoch. ``rank`` and ``world_size`` (None:
 # found at plan time by ``resolve_rank``) and ``num_records`` are checked when assigned;
@@ -263,6 +386,26 @@ class UnitDataset(PlannedDataset):
         self.transform = transform
         self.epoch = 0
 
+    @property
+    def epoch(self) -> int:
+        """The epoch ``set_epoch`` named (0 by default).
+
+        What ``plan()`` and ``batches()`` read when given none, and what the first per-sample
+        iteration after ``set_epoch`` reads; each further iteration reads the next epoch
+        (NOTE [epoch per iteration]).
+        """
+        return int(self.__dict__.get("_epoch_set", 0))
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        value = check_count("epoch", value)
+        self.__dict__["_epoch_set"] = value
+        shared = self.__dict__.get("_epochs")
+        if shared is None:
+            self.__dict__["_epochs"] = _IterationEpochs(value)
+        else:
+            shared.restart(value)
+
     def global_index(self, units: np.ndarray, records: np.ndarray) -> np.ndarray:
         """The global record indices of plan rows (see ``PlannedDataset``): unit offset + record."""
         offsets = self._unit_offsets
@@ -371,15 +514,16 @@ class UnitDataset(PlannedDataset):
         # See NOTE [per-sample path under accelerate]: checked before the first sample.
         _, world = self.rank_and_world()
         check_per_sample_reader(self, self.rank is not None and self.world_size is not None, world)
-        return self._samples()
-
-    def _samples(self) -> Iterator[dict[str, Any]]:
-        """The samples of this rank's (and torch worker's) share of the current epoch."""
         info = get_worker_info()
+        epoch = self.__dict__["_epochs"].take(info)  # See NOTE [epoch per iteration]
+        return self._samples(epoch, info)
+
+    def _samples(self, epoch: int, info: Any) -> Iterator[dict[str, Any]]:
+        """The samples of this rank's (and torch worker's) share of ``epoch``."""
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        units, records = self.plan(worker=worker, num_workers=num_workers)
+        units, records = self.plan(epoch=epoch, worker=worker, num_workers=num_workers)
         it = self.batches(_SAMPLE_MODE_BATCH, plan=(units, records), num_threads=1, prefetch=2)
-        spec = self._sample_spec()
+        spec = self._sample_spec(epoch)
         try:
             if spec is None:
                 for batch in it:
@@ -400,14 +544,14 @@ class UnitDataset(PlannedDataset):
         finally:
             it.close()
 
-    def _sample_spec(self) -> Any:
+    def _sample_spec(self, epoch: int) -> Any:
         """The ``TransformSpec`` of this dataset's own transform and decoding (None: nothing to do)."""
         from ..transform.stage import TransformSpec
 
         decode = dict(self.image_decoders)
         if self.transform is None and not decode:
             return None
-        return TransformSpec(self.transform, decode, None, self.order.seed, self.epoch)
+        return TransformSpec(self.transform, decode, None, self.order.seed, epoch)
 
     def sample(self, batch: Mapping[str, torch.Tensor], i: int) -> dict[str, Any]:
         """Row ``i`` of ``batch`` per field (views unless ``clone_samples``).

@@ -569,5 +569,30 @@ class UnitDataset(PlannedDataset):
                 out[f.name] = t.clone() if self.clone_samples else t
         return out
 
+    def samples(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+        """Every row of ``batch`` as ``sample(batch, i)`` gives it, split one field at a time.
+
+        What a transform worker takes its samples from: about 1 us a row where ``sample`` takes
+        7 (a torch index and, for a variable field, its length, per field and row). A
+        subclass that overrides ``sample`` gets its own, row by row.
+        """
+        rows = int(batch[self.fields[0].name].shape[0]) if self.fields else 0
+        if type(self).sample is not UnitDataset.sample:
+            return [self.sample(batch, i) for i in range(rows)]
+        out: list[dict[str, Any]] = [{} for _ in range(rows)]
+        for f in self.fields:
+            t = batch[f.name]
+            lengths = batch[f"{f.name}_lengths"].tolist() if f.variable else None
+            if f.dtype == "bytes":
+                a = t.numpy()
+                for i in range(rows):
+                    out[i][f.name] = (a[i, : lengths[i]] if lengths is not None else a[i]).tobytes()
+                continue
+            views = torch.unbind(t)
+            for i in range(rows):
+                v = views[i] if lengths is None else views[i][: lengths[i]]
+                out[i][f.name] = v.clone() if self.clone_samples else v
+        return out
+
 
 __all__ = ["PLAN_BYTES_PER_SAMPLE", "RemoteOptions", "UnitDataset", "node_readers", "physical_memory", "resolve_rank"]

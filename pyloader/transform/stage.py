@@ -155,10 +155,15 @@ def run_batch(spec: TransformSpec, ds: PlannedDataset, raw: Mapping[str, torch.T
     t_dec = t_tr = 0
     cpu0 = time.thread_time_ns()
     queued0 = queued_ns() if progress is not None else 0
+    split = getattr(ds, "samples", None)  # every row at once, where the dataset can (UnitDataset.samples)
+    rows_split: list[Any] | None = split(raw) if split is not None and rows else None
     for i in range(rows):
         if stop is not None and stop():
             raise _Stopped
-        sample = ds.sample(raw, i)
+        if rows_split is not None:
+            sample, rows_split[i] = rows_split[i], None
+        else:
+            sample = ds.sample(raw, i)
         seed = int(seeds[i])
         t0 = time.perf_counter_ns()
         skip = False

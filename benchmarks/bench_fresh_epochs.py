@@ -1,0 +1,338 @@
+"""A user's own transforms, each loader in a fresh process: epoch 1 (with the loader's construction) and epoch 3.
+
+What a user sees the first time: a new process builds the loader and iterates it. Each run
+here is a child process that imports, loads what its loader needs (torch: the records in
+memory, as a map-style dataset holds them; pyloader: nothing, the shards are on disk), then
+times the loader's construction plus its first epoch, and its next epochs; it also reports
+the CPU time of itself and its children (every worker reaped) per sample, a measure of the
+loaders' overheads that load from other processes disturbs less than their rates.
+
+  light     a 96x96 JPEG decoded with PIL, a random 64x64 crop, a random flip, a float CHW
+            tensor normalised with torch ops (well under a millisecond a sample)
+  medium    bench_user_transforms.py's image pipeline: a 320-500 px JPEG, a random resized
+            crop to 224 (one PIL ``resize(box=...)``), flip, normalise (~1-2 ms)
+  features  bench_user_transforms.py's numpy log-mel features of a 1 s signal
+  tokenize  bench_user_transforms.py's ``tokenizers`` BPE encode of a 1-4 KB text, padded to 512
+
+pyloader: ``DataLoader(ShardDataset(path, shuffle=True, seed=0), batch_size=64,
+transform=f, num_workers=2)``, every other argument its default (``executor="auto"``,
+``persistent_workers=False``). torch: ``DataLoader(ds, batch_size=64, shuffle=True,
+num_workers=w, persistent_workers=True)`` for each ``w`` of --torch-workers; per round the
+best of them ("torch best") is the baseline. The ceiling: 2 (the CPUs this process may use)
+forked processes running the transform alone over the records at once, as
+bench_user_transforms.py measures it, once per round. Rounds run every loader once, in an
+order rotated each round; ratios are paired per round and printed as [min, max].
+
+    python benchmarks/bench_fresh_epochs.py [--rounds 3] [--only light,medium,features,tokenize] \
+        [--out bench_results/fresh_epochs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import pickle
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+
+BATCH = 64
+EPOCHS = 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+_NORM: Any = None  # (mean, std) tensors, made on first use
+
+
+def light_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    """A 96x96 JPEG -> float32 [3, 64, 64]: a random crop, a random flip, normalised."""
+    global _NORM
+    import torch
+    from PIL import Image
+
+    if _NORM is None:
+        _NORM = (torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1))
+    img = Image.open(io.BytesIO(sample["jpeg"])).convert("RGB")
+    w, h = img.size
+    x0, y0 = random.randint(0, w - 64), random.randint(0, h - 64)
+    img = img.crop((x0, y0, x0 + 64, y0 + 64))
+    if random.random() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float().div_(255)
+    return {"image": (x - _NORM[0]) / _NORM[1], "label": sample["label"]}
+
+
+def make_small_jpegs(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` 96x96 JPEGs (quality 90): gradients plus noise."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    y = np.linspace(0, 1, 96, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 1, 96, dtype=np.float32)[None, :, None]
+    for _ in range(n):
+        a, b = rng.uniform(-120, 120, (2, 3)).astype(np.float32)
+        img = 128 + a * x + b * y + 9 * rng.standard_normal((96, 96, 3), dtype=np.float32)
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def _user_module() -> Any:
+    sys.path.insert(0, HERE)
+    import bench_user_transforms as user
+
+    return user
+
+
+def transform_of(name: str, data: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The user's function of transform ``name`` (the tokenizer loaded from ``data``)."""
+    if name == "light":
+        return light_transform
+    user = _user_module()
+    if name == "tokenize":
+        from tokenizers import Tokenizer
+
+        user.TOKENIZER = Tokenizer.from_file(os.path.join(data, "tokenizer.json"))
+    return {"medium": user.image_transform, "features": user.features_transform,
+            "tokenize": user.tokenize_transform}[name]
+
+
+def make_data(name: str, n: int, data: str) -> int:
+    """Writes transform ``name``'s records: a shard dataset and a pickle of the columns; returns the count."""
+    import pyloader
+
+    user = _user_module()
+    if name == "light":
+        cols: dict[str, list[Any]] = {"jpeg": make_small_jpegs(n), "label": [i % 1000 for i in range(n)]}
+        schema: dict[str, Any] = {"jpeg": "bytes", "label": "int64"}
+    elif name == "medium":
+        from bench_transforms import make_jpegs
+
+        cols = {"jpeg": make_jpegs(n), "label": [i % 1000 for i in range(n)]}
+        schema = {"jpeg": "bytes", "label": "int64"}
+    elif name == "features":
+        cols = {"audio": user.make_audio(n), "label": [i % 35 for i in range(n)]}
+        schema = {"audio": ("float32", (user.AUDIO,)), "label": "int64"}
+    else:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        texts = user.make_texts(n)
+        bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+        bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+        bpe.train_from_iterator((t.decode() for t in texts), trainers.BpeTrainer(
+            vocab_size=8000, special_tokens=["[PAD]", "[UNK]"], show_progress=False))
+        bpe.save(os.path.join(data, "tokenizer.json"))
+        cols = {"text": texts, "label": [i % 10 for i in range(n)]}
+        schema = {"text": "bytes", "label": "int64"}
+    with pyloader.ShardWriter(os.path.join(data, name), schema, compression="none") as w:
+        for i in range(n):
+            w.write({k: v[i] for k, v in cols.items()})
+    with open(os.path.join(data, f"{name}.pkl"), "wb") as f:
+        pickle.dump(cols, f)
+    return n
+
+
+class RecordDataset:
+    """torch's side: the records in memory; ``__getitem__`` is the user's transform of one record."""
+
+    def __init__(self, cols: dict[str, list[Any]], fn: Callable[[dict[str, Any]], Any]) -> None:
+        self.cols, self.fn = cols, fn
+        self.n = len(cols["label"])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.fn({k: v[i] for k, v in self.cols.items()})
+
+
+def _cpu(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
+    """One loader in this (fresh) process: construction + epoch 1, then epochs 2..EPOCHS."""
+    import multiprocessing
+
+    import torch.utils.data
+
+    fn = transform_of(name, data)
+    cols = None
+    if kind == "torch":
+        with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
+            cols = pickle.load(f)
+    cpu0 = _cpu(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    if cols is not None:
+        loader: Any = torch.utils.data.DataLoader(RecordDataset(cols, fn), batch_size=BATCH, shuffle=True,
+                                                  num_workers=workers, persistent_workers=workers > 0)
+    else:
+        import pyloader
+
+        loader = pyloader.DataLoader(pyloader.ShardDataset(os.path.join(data, name), shuffle=True, seed=0),
+                                     batch_size=BATCH, transform=fn, num_workers=workers)
+    built = time.perf_counter() - t0
+    epochs, n = [], 0
+    for _ in range(EPOCHS):
+        t1 = time.perf_counter()
+        n = 0
+        for b in loader:
+            n += int(b["label"].shape[0])
+        epochs.append(time.perf_counter() - t1)
+    out: dict[str, Any] = {"built_s": built, "epoch_s": epochs, "samples": n}
+    if kind != "torch":
+        st = loader.stats()
+        out["executor"] = st.get("transform_executor")
+        out["executor_choice"] = st.get("executor_choice")
+    del loader
+    gc.collect()
+    for c in multiprocessing.active_children():
+        c.join(5)
+    out["cpu_self_s"] = _cpu(resource.RUSAGE_SELF) - cpu0
+    out["cpu_children_s"] = _cpu(resource.RUSAGE_CHILDREN)
+    return out
+
+
+def ceiling(name: str, data: str, seconds: float = 1.0) -> tuple[float, float]:
+    """(samples/s of the CPUs' processes running the transform alone at once, CPU us a sample on one thread)."""
+    import torch
+
+    fn = transform_of(name, data)
+    with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
+        cols = pickle.load(f)
+    n = len(cols["label"])
+    for i in range(10):
+        fn({k: v[i] for k, v in cols.items()})
+    t = time.thread_time()
+    for i in range(100):
+        fn({k: v[i % n] for k, v in cols.items()})
+    us = (time.thread_time() - t) / 100 * 1e6
+    procs = len(os.sched_getaffinity(0))
+    per = max(50, int(seconds * 1e6 / us))
+    t0 = time.perf_counter()
+    pids = []
+    for p in range(procs):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                from threadpoolctl import threadpool_limits
+
+                threadpool_limits(limits=1)
+                for i in range(per):
+                    fn({c: v[(p * per + i) % n] for c, v in cols.items()})
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return procs * per / (time.perf_counter() - t0), us
+
+
+def run_child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, name, data, str(workers)],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"{kind} {name} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _span(xs: list[float]) -> str:
+    return f"{min(xs):.2f}..{max(xs):.2f}"
+
+
+def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, Any]:
+    make_data(name, n, data)
+    loaders = [(f"torch-w{w}", "torch", w) for w in args.torch_workers] + [("pyloader", "pyloader", 2)]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _, _ in loaders}
+    ceilings: list[float] = []
+    us = 0.0
+    for r in range(args.rounds):
+        c, us = ceiling(name, data)
+        ceilings.append(c)
+        order = loaders[r % len(loaders):] + loaders[:r % len(loaders)]
+        for label, kind, w in order:
+            runs[label].append(run_child(kind, name, data, w))
+    rate1 = {k: [n / (d["built_s"] + d["epoch_s"][0]) for d in v] for k, v in runs.items()}
+    rate3 = {k: [n / d["epoch_s"][-1] for d in v] for k, v in runs.items()}
+    torch_keys = [k for k in runs if k.startswith("torch")]
+    best1 = [max(rate1[k][r] for k in torch_keys) for r in range(args.rounds)]
+    best3 = [max(rate3[k][r] for k in torch_keys) for r in range(args.rounds)]
+    py1, py3 = rate1["pyloader"], rate3["pyloader"]
+    res = {
+        "records": n, "transform_cpu_us": us, "ceiling_samples_per_s": ceilings, "runs": runs,
+        "samples_per_s_epoch1": rate1, "samples_per_s_epoch3": rate3,
+        "pyloader_over_torch_best": {"epoch1": [a / b for a, b in zip(py1, best1)],
+                                     "epoch3": [a / b for a, b in zip(py3, best3)]},
+        "pyloader_over_ceiling": {"epoch1": [a / b for a, b in zip(py1, ceilings)],
+                                  "epoch3": [a / b for a, b in zip(py3, ceilings)]},
+        "torch_best_over_ceiling": {"epoch1": [a / b for a, b in zip(best1, ceilings)],
+                                    "epoch3": [a / b for a, b in zip(best3, ceilings)]},
+        "cpu_us_per_sample": {k: [1e6 * (d["cpu_self_s"] + d["cpu_children_s"]) / (n * EPOCHS) for d in v]
+                              for k, v in runs.items()},
+    }
+    f, c = res["pyloader_over_torch_best"], res["pyloader_over_ceiling"]
+    tc = res["torch_best_over_ceiling"]
+    print(f"[{name}] {n} records, {us:.0f} us CPU a sample on one thread; ceiling {min(ceilings):.0f}..{max(ceilings):.0f}"
+          f" samples/s; load {os.getloadavg()[0]:.1f}", flush=True)
+    for k in runs:
+        cpu = res["cpu_us_per_sample"][k]
+        print(f"  {k:<10} epoch 1 (with construction) {min(rate1[k]):6.0f}..{max(rate1[k]):6.0f} samples/s, "
+              f"epoch {EPOCHS} {min(rate3[k]):6.0f}..{max(rate3[k]):6.0f}; CPU {min(cpu):.0f}..{max(cpu):.0f} us a sample",
+              flush=True)
+    print(f"  pyloader / torch best: epoch 1 {_span(f['epoch1'])}, epoch {EPOCHS} {_span(f['epoch3'])}; "
+          f"pyloader / ceiling: epoch 1 {_span(c['epoch1'])}, epoch {EPOCHS} {_span(c['epoch3'])}; "
+          f"torch best / ceiling: epoch 1 {_span(tc['epoch1'])}, epoch {EPOCHS} {_span(tc['epoch3'])}", flush=True)
+    choice = runs["pyloader"][-1].get("executor_choice") or {}
+    print(f"  pyloader executor: {runs['pyloader'][-1].get('executor')} ({choice.get('why', '')})", flush=True)
+    return res
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="light,medium,features,tokenize")
+    ap.add_argument("--records", default="light=4096,medium=768,features=1024,tokenize=2048",
+                    help="records per transform, name=count pairs")
+    ap.add_argument("--torch-workers", default="2,3", help="torch's num_workers to run (the best of them per round)")
+    ap.add_argument("--out", default="bench_results/fresh_epochs.json")
+    args = ap.parse_args()
+    args.torch_workers = [int(w) for w in args.torch_workers.split(",")]
+    counts = {k: int(v) for k, v in (kv.split("=") for kv in args.records.split(","))}
+    res: dict[str, Any] = {"config": {**vars(args), "batch_size": BATCH, "epochs": EPOCHS},
+                           "cpus": len(os.sched_getaffinity(0)), "loadavg_start": list(os.getloadavg()),
+                           "transforms": {}}
+    with tempfile.TemporaryDirectory(prefix="pyloader-bench-fresh-") as data:
+        for name in [s.strip() for s in args.only.split(",") if s.strip()]:
+            res["transforms"][name] = bench(name, counts[name], args, data)
+    res["loadavg_end"] = list(os.getloadavg())
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"wrote {args.out}; median pyloader / torch best, epoch 1: "
+          + ", ".join(f"{k} {statistics.median(v['pyloader_over_torch_best']['epoch1']):.2f}"
+                      for k, v in res["transforms"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 | file | what it is for |
 |---|---|
 | ``fs.py`` | fsspec access: filesystems with timeouts, retries, per-host throttling (``HostLimiter``), whole-object reads, cancellable downloads into a file |
+| ``failure_messages.py`` | what a failed fetch's message says: each failure without internal names, the fix once retries end, a remote object of another size (NOTE [fetch retries]) |
 | ``transport.py`` | how a download's bytes move: the native libcurl client for ``http(s)://`` and ``s3://`` (presigned), fsspec for the rest (NOTE [transport choice]) |
 | ``throttle.py`` | per-host request limits: one adaptive window of requests in flight per host (``HostLimiter``; NOTE [fetch throttling]) |
 | ``locks.py`` | lock files: ``open_lockfile`` / ``close_lockfile`` (closed in a forked child: NOTE [lock files across fork]), flock with a timeout (``Flock``), OFD byte locks, the node-wide ``SpaceLock`` |
@@ -24,5 +25,5 @@ Imports only ``pyloader.errors``, ``pyloader.format`` and ``pyloader._C`` (``cli
 """
 
 
-__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "fetch", "fs", "index", "locks", "manifest", "names",
+__all__ = ["bad_copies", "budget", "cache", "cli", "download_threads", "failure_messages", "fetch", "fs", "index", "locks", "manifest", "names",
            "pending_files", "pins", "room", "temps", "throttle", "transport"]  # its modules (pdoc documents the modules named here)

@@ -171,6 +171,13 @@ def _real_dir(path: str) -> None:
                            "(and check who can write to the cache directory: docs/security.md)")
 
 
+def _uncreatable(d: DatasetCache, err: int) -> CacheError:
+    """The error of dataset ``d``'s directory that cannot be created: its cache and the settings that move it."""
+    where = next(p for p in (d.cache.base, d.cache.root, d.dir) if not os.path.isdir(p))
+    return cache_error(err, f"cache directory {d.cache.base}: cannot create {where} ({os.strerror(err)}) to cache "
+                       f"{d.url}; give a writable one (cache_dir=, --cache-dir or PYLOADER_CACHE_DIR)")
+
+
 class _TempLost(Exception):
     """Our temp file vanished before its rename (reclaimed as stale): download again."""
 
@@ -482,13 +489,10 @@ class DatasetCache:
         except CacheError:
             raise
         except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and os.path.isdir(self.dir):
-                return  # read-only cache: usable for shards that are already there
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # nothing of it there, and none can be
-                where = next(p for p in (self.cache.base, self.cache.root, self.dir) if not os.path.isdir(p))
-                raise cache_error(e.errno, f"cache directory {self.cache.base}: cannot create {where} "
-                                   f"({os.strerror(e.errno)}) to cache {self.url}; give a writable one (cache_dir=, "
-                                   "--cache-dir or PYLOADER_CACHE_DIR)") from None
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                if os.path.isdir(self.dir):
+                    return  # read-only cache: usable for shards that are already there
+                raise _uncreatable(self, e.errno) from None  # nothing of it there, and none can be
             raise cache_error(e.errno or errno.EIO, f"{self.url}: cannot write {path} in cache {self.cache.base}: "
                                f"{os.strerror(e.errno or errno.EIO)}{_FULL_HINT.get(e.errno or 0, '')}") from None
 

@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import FetchError, FetchNotFoundError, FetchPermissionError, RemoteChangedError
+from .failure_messages import GAVE_UP_FIX, detail_of, size_mismatch
 from .throttle import CANCEL_POLL_S, _Cancelled, _ThrottleExpired, host_key, host_limiter
 
 _T = TypeVar("_T")
@@ -475,7 +476,7 @@ def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: 
             last = e
             failure = _failure(e)
             hard += 1
-            detail = _detail(e, failure)
+            detail = detail_of(e, failure.kind, _unframed(e))
             also = f", {throttled} of them throttled" if throttled else ""
             if not failure.transient:
                 cls, err = _PERMANENT_CLASS.get(failure.kind, (FetchError, 0))
@@ -493,7 +494,7 @@ def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: 
                     bound = f"at most {limit} attempts at a refused connection"
                 else:
                     bound = f"the limit of {limit} attempts, PYLOADER_FETCH_ATTEMPTS"
-                fix = _GAVE_UP_FIX.get("short" if isinstance(e, _ShortBody) else failure.kind, _GAVE_UP_FIX["transient"])
+                fix = GAVE_UP_FIX.get("short" if isinstance(e, _ShortBody) else failure.kind, GAVE_UP_FIX["transient"])
                 raise _fetch_error(FetchError, f"{_naming(what, url, shard)}: {detail} (gave up after "
                                    f"{_attempts(attempts)} in {time.monotonic() - start:.1f} s{also}: {bound}); {fix}",
                                    url, shard, transient=True, attempts=attempts) from e
@@ -502,34 +503,6 @@ def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: 
                     raise cancelled() from e
             else:
                 time.sleep(wait)
-
-
-_GAVE_UP_FIX = {
-    "refused": "check that the server is running and that the URL's host and port are right, then run again",
-    "short": "the server cut the body short each time; check the server (or a proxy on the way), then run again",
-    "transient": "check that the host is up and reachable from here, then run again",
-}
-
-
-def _detail(e: BaseException, failure: _Failure) -> str:
-    """What one failed attempt was, in a message: no internal class name."""
-    if failure.kind == "refused":
-        return "cannot connect: the connection was refused or the host is unreachable (nothing accepts it there)"
-    if (bad := _unframed(e)) is not None:
-        return (f"the server's answer is not valid HTTP ({getattr(bad, 'message', '') or type(bad).__name__}): "
-                "bytes past a body's Content-Length, or not an HTTP server")
-    name = type(e).__name__
-    if name.startswith("_"):
-        return str(e) or "the attempt failed"
-    return f"{name}: {e}" if str(e) else name
-
-
-def size_mismatch(url: str, shard: str | None, size: int, actual: int) -> FetchError:
-    """The error of a remote object whose length (``actual``) is not the manifest's ``size``: not retried."""
-    return _fetch_error(RemoteChangedError, f"{url}: the server's object (shard {shard!r}) is {actual} bytes, not the "
-                        f"manifest's {size} (not retried: a retry gets the same object): the object or the "
-                        "manifest changed after the dataset was written; upload the shard again, or re-open the "
-                        "dataset if a new manifest was written", url, shard)
 
 
 def read_object(url: str, storage_options: dict[str, Any] | None, policy: RetryPolicy) -> bytes:
@@ -808,4 +781,4 @@ def download_into(fd: int, fs: Any, path: str, size: int, *, url: str, shard: st
 
 
 __all__ = ["REFUSED_ATTEMPTS", "is_remote", "filesystem", "RetryPolicy", "classify", "is_throttle",
-           "size_mismatch", "with_retries", "read_object", "download_into"]
+           "with_retries", "read_object", "download_into"]

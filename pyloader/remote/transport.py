@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import pyloader._C as _C
 
 from ..errors import FetchError, RemoteChangedError
+from .failure_messages import size_mismatch
 from .fs import (
     _HTTP_CHUNK,
     _OTHER_CHUNK,
@@ -48,7 +49,6 @@ from .fs import (
     download_into,
     filesystem,
     is_throttle,
-    size_mismatch,
 )
 from .names import quote_key
 

@@ -27,6 +27,7 @@ from ..errors import (
     PyloaderError,
     SchemaError,
     ShardCorruptError,
+    ShardFormatError,
     ShardNotFoundError,
 )
 from ..format.sizes import parse_size
@@ -115,6 +116,28 @@ def batch_to_torch(fields: list[Field], arrays: list[Any], lengths: list[Any]) -
     return out
 
 
+def _check_local_shards(paths: list[str], sizes: list[int], manifest: str) -> None:
+    """Stats every shard file ``manifest`` lists (nothing is read): one gone, or of another size, fails now.
+
+    Not when an epoch reaches it, maybe hours later. A file that cannot be stat'ed for another
+    reason is left to the reader, which names it when it opens it.
+    """
+    for path, size in zip(paths, sizes, strict=True):
+        try:
+            got = os.stat(path).st_size
+        except FileNotFoundError:
+            e: PyloaderError = ShardNotFoundError(errno.ENOENT, f"shard {path!r}: no such file")
+        except OSError:
+            continue
+        else:
+            if got == size:
+                continue
+            e = ShardFormatError(f"shard {path!r}: file is {got} bytes but the manifest says {size} (truncated or "
+                                 "replaced)")
+        e.shard = path
+        raise _shard_error_with_fix(e, manifest)
+
+
 def _shard_error_with_fix(e: PyloaderError, manifest: str) -> PyloaderError:
     """``e`` (a native error of a local dataset's shard) with the action that fixes it (STYLE.md, convention 10).
 
@@ -130,11 +153,12 @@ def _shard_error_with_fix(e: PyloaderError, manifest: str) -> PyloaderError:
         text = (f"{e} -- the shard is listed in {manifest!r} but its file is gone: the dataset is incomplete; "
                 f"copy the dataset folder again whole, or write it again (ShardWriter or `pyloader convert`)")
         out: PyloaderError = ShardNotFoundError(e.errno or errno.ENOENT, text)
-    elif isinstance(e, ShardCorruptError):
-        text = (f"{e} -- the file differs from what was written (the manifest {manifest!r} lists its checksums): "
-                f"replace {os.path.basename(shard)!r} with a good copy, or write the dataset again "
+    elif isinstance(e, ShardCorruptError) or (isinstance(e, ShardFormatError) and "truncated" in str(e)
+                                               and not isinstance(e, ManifestError)):  # a file cut short or replaced
+        text = (f"{e} -- the file differs from what was written (the manifest {manifest!r} lists its size and "
+                f"checksums): replace {os.path.basename(shard)!r} with a good copy, or write the dataset again "
                 f"(ShardWriter or `pyloader convert`)")
-        out = ShardCorruptError(text)
+        out = type(e)(text)
     else:
         return e
     out.shard, out.record, out.field = e.shard, e.record, e.field
@@ -240,7 +264,7 @@ class BatchIterator:
             item = self._take(self._pipeline.next)
         except LoaderTimeoutError as e:
             raise self._timeout_error(e) from None
-        except (ShardCorruptError, ShardNotFoundError) as e:
+        except (ShardCorruptError, ShardFormatError, ShardNotFoundError) as e:
             raise self._with_fix(e) from None
         if item is None:
             self._ended()
@@ -299,7 +323,7 @@ class BatchIterator:
             item = self._take(self._pipeline.next_host)
         except LoaderTimeoutError as e:
             raise self._timeout_error(e) from None
-        except (ShardCorruptError, ShardNotFoundError) as e:
+        except (ShardCorruptError, ShardFormatError, ShardNotFoundError) as e:
             raise self._with_fix(e) from None
         if item is None:
             self._ended()
@@ -528,6 +552,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         self.num_records = int(self.manifest["records"])
         if self.num_records == 0:
             raise ManifestError(f"manifest {mpath!r}: the dataset holds no records")
+        if self._remote is None:
+            _check_local_shards(self.shard_paths, self.shard_bytes, mpath)
         self._schema = encode_schema(self.fields)
         for f in self.fields:  # See NOTE [value bounds]: before any batch buffer is sized from the schema
             if not f.variable and f.row_bytes > self.max_value_bytes:

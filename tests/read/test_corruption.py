@@ -791,9 +791,10 @@ def test_manifest_with_unsafe_shard_path(sess, bad):
 
 
 def test_missing_shard_file_is_named_when_read(sess):
+    """A shard gone after the dataset was opened: named when the epoch reaches it (the reader opens shards lazily)."""
     shard = sess.paths[1]
+    ds = pyloader.ShardDataset(sess.dir)
     os.unlink(shard)
-    ds = pyloader.ShardDataset(sess.dir)  # the manifest is fine; shards open lazily
     got = []
     with pytest.raises(FileNotFoundError) as ei:
         for b in ds.batches(BATCH, num_threads=2):
@@ -1000,8 +1001,9 @@ def test_torch_dataloader_reraises_with_shard_path(sess, num_workers):
 @pytest.mark.timeout(120)
 def test_torch_dataloader_workers_reraise_missing_shard(sess):
     shard = sess.paths[0]
+    ds = pyloader.ShardDataset(sess.dir)  # opened before the shard goes: an opened one is caught by the constructor
     os.unlink(shard)
-    loader = torch.utils.data.DataLoader(pyloader.ShardDataset(sess.dir), batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     _, errors = drain(loader, pyloader.PyloaderError)
     assert 1 <= len(errors) <= 2
     for err in errors:

@@ -582,7 +582,7 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
     mem_batches = _au_memory_batches(w.record_bytes * w.batch_size)
     given, given_reason = (AU_CEILING, "ceiling") if cap is None else (cap, "max_accelerators")
     cpus = autotune.cpu_budget()
-    ds = ShardDataset(path, cache_dir=cache_dir)
+    ds = ShardDataset(path, cache_dir=cache_dir, decode=False)  # encoded fields as bytes, as the I/O stages read them
 
     def ahead(n: int) -> tuple[int, str]:
         return (n, "accelerators") if n <= mem_batches else (mem_batches, "memory")

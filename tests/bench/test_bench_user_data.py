@@ -37,6 +37,9 @@ from remote_servers import FaultServer  # noqa: E402
 FAST = ["--epochs", "1", "--min-seconds", "0.05", "--batch-size", "16", "--threads", "2", "--torch-workers", "0",
         "--workload", "none", "--json", "--quiet"]
 TRANSFORM = "usertr:identity"
+# One tiny AU trial on the dataset's own records (what a bench without --workload none runs).
+AU = ["--workload", "custom", "--au-batch-size", "8", "--compute-time", "0.001", "--max-accelerators", "1",
+      "--au-seconds", "0.05", "--au-budget", "1", "--au-torch-workers", "0"]
 
 
 def _jpeg(rng: np.random.Generator) -> bytes:
@@ -116,7 +119,7 @@ def bench(converted: dict[str, Any], kind: str, *opts: str, remote: bool = False
 
 
 CASES = [
-    ("images", False, []),
+    ("images", False, AU),
     ("images", False, ["--image-size", "32"]),
     ("images", True, ["--image-size", "32"]),
     ("wds", False, ["--image-size", "32", "--transform", TRANSFORM]),
@@ -127,10 +130,12 @@ CASES = [
     ("numpy", True, ["--transform", TRANSFORM]),
 ]
 
+NAMED = ("--image-size", "--transform", "--pack", "--workload")
+
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind,remote,opts", CASES,
-                         ids=[f"{k}-{'http' if r else 'local'}{''.join(o[::2])}" for k, r, o in CASES])
+                         ids=[f"{k}-{'http' if r else 'local'}{''.join(x for x in o if x in NAMED)}" for k, r, o in CASES])
 def test_bench_runs_on_what_convert_writes(converted, kind: str, remote: bool, opts: list[str]) -> None:
     r = json.loads(bench(converted, kind, *opts, remote=remote).stdout)
     n = r["dataset"]["records"]
@@ -155,6 +160,12 @@ def test_bench_runs_on_what_convert_writes(converted, kind: str, remote: bool, o
         assert len(image) == 1
         # Decoded to 32 x 32 x 3; the other fields as they are stored.
         assert r["transform"]["with_transform"]["bytes"] > n * 32 * 32 * 3
+    mean = converted["mean_bytes"][kind]
+    if mean is not None:
+        assert py["bytes"] / n == pytest.approx(mean)  # the mean record: padding is not data
+    if "--workload" in opts:
+        assert r["accelerator_utilization"]["workload"]["record_bytes"] == round(py["bytes"] / n)
+        assert r["accelerator_utilization"]["pyloader"]["trials"]
     if "--pack" in opts:
         p = r["packing"]
         assert p["field"] == "tokens" and p["tokens_per_s"] > 0 and 0 <= p["padding_fraction"] < 1
@@ -175,9 +186,7 @@ def test_a_collation_error_names_the_commands_options(converted) -> None:
 def test_padding_is_not_data(converted) -> None:
     """Uneven token lists, padded to the longest in each batch: delivered and record size count values only."""
     plot = os.path.join(converted["root"], "parquet.png")
-    res = bench(converted, "parquet", "--plot", plot, "--workload", "custom", "--au-batch-size", "8",
-                "--compute-time", "0.001", "--max-accelerators", "1", "--au-seconds", "0.05", "--au-budget", "1",
-                "--au-torch-workers", "0")
+    res = bench(converted, "parquet", "--plot", plot, *AU)
     r = json.loads(res.stdout)
     st, dg = r["stages"], r["diagnosis"]
     py = st["pyloader"]

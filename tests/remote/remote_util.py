@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 import pyloader
+from pyloader.remote.fs import RetryPolicy
 
 N_RECORDS = 300  # 4 KB shards: about 16 of them
 FIELDS = {"image": ("uint8", (3, 8, 8)), "label": ("int64", ()), "tokens": ("int32", (None,))}
@@ -74,3 +75,8 @@ def closed_port() -> int:
     return port
 
 
+def fetch_policy(monkeypatch: Any, **settings: float) -> RetryPolicy:
+    """The retry policy of ``PYLOADER_FETCH_<NAME>`` set from ``settings`` (e.g. stall_timeout=1), for one test."""
+    for name, value in settings.items():
+        monkeypatch.setenv(f"PYLOADER_FETCH_{name.upper()}", str(value))
+    return RetryPolicy.from_env()

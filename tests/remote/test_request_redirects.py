@@ -12,6 +12,7 @@ import ssl
 
 import pytest
 from remote_servers import Fault, FaultServer
+from remote_util import fetch_policy
 from test_hostile_servers import DATA, KEY, SECRET, Hostile, head, leaked, permanent, redirect_to, serve_ranges
 
 from pyloader.remote import transport as tr
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def policy(monkeypatch) -> RetryPolicy:
-    monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", "3")
-    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF", "0.01")
-    monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", "2")
-    return RetryPolicy.from_env()
+    return fetch_policy(monkeypatch, stall_timeout=2, attempts=3, backoff=0.01)
 
 
 def read(url: str, policy: RetryPolicy, opts: dict | None = None) -> tuple[bytes | None, BaseException | None]:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from remote_servers import Fault
+from remote_util import fetch_policy
 
 import pyloader._C as _C
 from pyloader.errors import FetchError
@@ -30,11 +31,7 @@ SLACK = 0.6  # one loop step, process start of the request, a loaded machine
 
 @pytest.fixture
 def policy(monkeypatch) -> RetryPolicy:
-    monkeypatch.setenv("PYLOADER_FETCH_STALL_TIMEOUT", str(STALL))
-    monkeypatch.setenv("PYLOADER_FETCH_ATTEMPTS", str(ATTEMPTS))
-    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF", "0.01")
-    monkeypatch.setenv("PYLOADER_FETCH_BACKOFF_CAP", "0.01")
-    return RetryPolicy.from_env()
+    return fetch_policy(monkeypatch, stall_timeout=STALL, attempts=ATTEMPTS, backoff=0.01, backoff_cap=0.01)
 
 
 class Silent:

@@ -233,7 +233,6 @@ struct Download::Impl {
   uint64_t unreported = 0;
 
   bool flush(PartState& p) {
-    if (!p.ranged) p.hash.update(p.buf->data(), p.fill);
     size_t done = 0;
     while (done < p.fill) {
       ssize_t n = ::pwrite(req.fd, p.buf->data() + done, p.fill - done, off_t(p.offset + p.res->written + done));
@@ -337,7 +336,12 @@ struct Download::Impl {
     }
     while (len) {
       size_t k = std::min(len, p.buf->size() - p.fill);
-      std::memcpy(p.buf->data() + p.fill, data, k);
+      // A whole object's bytes are hashed as they are staged, while libcurl's piece is still
+      // in cache: one read of it for both (the staged copy is not read back to hash it).
+      if (p.ranged)
+        std::memcpy(p.buf->data() + p.fill, data, k);
+      else
+        p.hash.update_copy(p.buf->data() + p.fill, data, k);
       p.fill += k;
       data += k;
       len -= k;

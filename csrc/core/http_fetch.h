@@ -5,7 +5,9 @@
 // NOTE [native transport]: one download is one attempt: a GET of the whole object, or one
 // ranged GET per part, all driven by one multi handle on the calling thread and written
 // with pwrite() at their offsets through a staging buffer per part (libcurl hands the body
-// over in 16 KiB pieces; writing those one by one costs more CPU than the transfer). The
+// over in 16 KiB pieces; writing those one by one costs more CPU than the transfer). A
+// whole GET's XXH64 is taken in the same pass as that copy, while the piece is in cache,
+// so its bytes are read once by pyloader (Xxh64Stream::update_copy), never read back. The
 // caller drives it in slices (`step`) and, between slices, sees the bytes written and may
 // cancel. Nothing is retried here and nothing is judged: each part reports its status line,
 // the headers that matter (Content-Length, Content-Range, Retry-After), the start of an

@@ -54,6 +54,43 @@ inline uint64_t finish(uint64_t acc, const uint8_t* p, const uint8_t* end) noexc
   return acc;
 }
 
+// Accumulates the 32-byte stripes of p[0, n) (n a multiple of 32) into the four lanes, which
+// stay in registers for the whole loop; when kCopy, also stores each stripe at *out (advanced).
+// Shared by the one-shot and the streaming hash so that they cannot drift apart.
+template <bool kCopy>
+inline const uint8_t* stripes(const uint8_t* p, size_t n, uint64_t* a1, uint64_t* a2, uint64_t* a3, uint64_t* a4,
+                              uint8_t** out) noexcept {
+  uint64_t v1 = *a1, v2 = *a2, v3 = *a3, v4 = *a4;
+  uint8_t* o = kCopy ? *out : nullptr;
+  const uint8_t* const end = p + n;
+  for (; p != end; p += 32) {
+    // Load the stripe once; the four lanes are independent dependency chains.
+    const uint64_t l1 = le64(p);
+    const uint64_t l2 = le64(p + 8);
+    const uint64_t l3 = le64(p + 16);
+    const uint64_t l4 = le64(p + 24);
+    if constexpr (kCopy) {
+      if constexpr (kBigEndian) {
+        std::memcpy(o, p, 32);  // the lanes are byte-swapped; copy the raw bytes
+      } else {
+        // Store the lanes already in registers instead of reading src a second time.
+        std::memcpy(o, &l1, 8);
+        std::memcpy(o + 8, &l2, 8);
+        std::memcpy(o + 16, &l3, 8);
+        std::memcpy(o + 24, &l4, 8);
+      }
+      o += 32;
+    }
+    v1 = lane_round(v1, l1);
+    v2 = lane_round(v2, l2);
+    v3 = lane_round(v3, l3);
+    v4 = lane_round(v4, l4);
+  }
+  *a1 = v1, *a2 = v2, *a3 = v3, *a4 = v4;
+  if constexpr (kCopy) *out = o;
+  return p;
+}
+
 // Hashes p[0, len); when kCopy, also copies it to out. Shared so that xxh64 and
 // xxh64_copy cannot drift apart.
 template <bool kCopy>
@@ -65,31 +102,7 @@ inline uint64_t hash_impl(const uint8_t* p, size_t len, uint64_t seed, uint8_t* 
     uint64_t v2 = seed + kPrime2;
     uint64_t v3 = seed;
     uint64_t v4 = seed - kPrime1;
-    const uint8_t* const last_stripe = end - 32;
-    do {
-      // Load the stripe once; the four lanes are independent dependency chains.
-      const uint64_t l1 = le64(p);
-      const uint64_t l2 = le64(p + 8);
-      const uint64_t l3 = le64(p + 16);
-      const uint64_t l4 = le64(p + 24);
-      if constexpr (kCopy) {
-        if constexpr (kBigEndian) {
-          std::memcpy(out, p, 32);  // the lanes are byte-swapped; copy the raw bytes
-        } else {
-          // Store the lanes already in registers instead of reading src a second time.
-          std::memcpy(out, &l1, 8);
-          std::memcpy(out + 8, &l2, 8);
-          std::memcpy(out + 16, &l3, 8);
-          std::memcpy(out + 24, &l4, 8);
-        }
-        out += 32;
-      }
-      v1 = lane_round(v1, l1);
-      v2 = lane_round(v2, l2);
-      v3 = lane_round(v3, l3);
-      v4 = lane_round(v4, l4);
-      p += 32;
-    } while (p <= last_stripe);
+    p = stripes<kCopy>(p, (len / 32) * 32, &v1, &v2, &v3, &v4, &out);
     acc = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
     acc = merge_lane(acc, v1);
     acc = merge_lane(acc, v2);
@@ -121,28 +134,38 @@ Xxh64Stream::Xxh64Stream(uint64_t seed) noexcept
     : seed_(seed), v_{seed + kPrime1 + kPrime2, seed + kPrime2, seed, seed - kPrime1} {}
 
 void Xxh64Stream::update(const void* data, size_t len) noexcept {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
+  consume<false>(static_cast<const uint8_t*>(data), len, nullptr);
+}
+
+void Xxh64Stream::update_copy(void* dst, const void* src, size_t len) noexcept {
+  consume<true>(static_cast<const uint8_t*>(src), len, static_cast<uint8_t*>(dst));
+}
+
+template <bool kCopy>
+void Xxh64Stream::consume(const uint8_t* p, size_t len, uint8_t* out) noexcept {
   total_ += len;
   if (held_) {  // complete the stripe held from the last call first
     size_t k = len < 32 - held_ ? len : 32 - held_;
     std::memcpy(buf_ + held_, p, k);
+    if constexpr (kCopy) {
+      std::memcpy(out, p, k);
+      out += k;
+    }
     held_ += k;
     p += k;
     len -= k;
     if (held_ < 32) return;
-    stripe(buf_);
+    stripes<false>(buf_, 32, &v_[0], &v_[1], &v_[2], &v_[3], nullptr);
     held_ = 0;
   }
-  for (; len >= 32; p += 32, len -= 32) stripe(p);
-  if (len) std::memcpy(buf_, p, len);
+  size_t whole = (len / 32) * 32;
+  p = stripes<kCopy>(p, whole, &v_[0], &v_[1], &v_[2], &v_[3], &out);
+  len -= whole;
+  if (len) {
+    std::memcpy(buf_, p, len);
+    if constexpr (kCopy) std::memcpy(out, p, len);
+  }
   held_ = len;
-}
-
-void Xxh64Stream::stripe(const uint8_t* p) noexcept {
-  v_[0] = lane_round(v_[0], le64(p));
-  v_[1] = lane_round(v_[1], le64(p + 8));
-  v_[2] = lane_round(v_[2], le64(p + 16));
-  v_[3] = lane_round(v_[3], le64(p + 24));
 }
 
 uint64_t Xxh64Stream::digest() const noexcept {

@@ -21,11 +21,15 @@ class Xxh64Stream {
  public:
   explicit Xxh64Stream(uint64_t seed = 0) noexcept;
   void update(const void* data, size_t len) noexcept;
+  // update(src, len) that also copies src[0, len) to dst (not overlapping it), reading each
+  // stripe once: the copy rides along with the hash, as in xxh64_copy.
+  void update_copy(void* dst, const void* src, size_t len) noexcept;
   uint64_t digest() const noexcept;
   uint64_t length() const noexcept { return total_; }
 
  private:
-  void stripe(const uint8_t* p) noexcept;
+  template <bool kCopy>
+  void consume(const uint8_t* p, size_t len, uint8_t* out) noexcept;
   uint64_t seed_;
   uint64_t v_[4];
   uint64_t total_ = 0;

@@ -50,16 +50,27 @@ def au_batches(w: Workload, seconds: float) -> int:
 # of the moment (the issue's run: 133 -> 97.0%, 134 -> 80.9%, 144 -> 86.1%), so a single
 # boundary would move from run to run: the counts around it (``REFINE`` of the last count
 # that held and of the first that failed) are then measured ``repeats`` times each,
-# round-robin, and each count's AU is the median of its trials. ``max_accelerators`` is the
-# largest count whose median holds below the smallest whose median fails (``fails_at``);
-# ``range`` is [the largest count up to which every trial held, the largest count at which
-# some trial held, below the smallest at which all failed]: a run on the same machine is
-# expected to land inside it. Only the measurement should end the search, so it goes on
-# past any round number while AU holds; it stops short at ``cap`` (--max-accelerators or
-# AU_CEILING) or when its time budget is spent: a trial starts only when the time spent so
-# far plus the last trial's time fits in the budget. A search that stopped short is
+# round-robin, and each count's AU is the median of its trials. Before that, while
+# doubling and bisecting, a count that failed or held by less than ``CONFIRM`` is measured
+# again up to ``repeats`` times, so that one trial that dipped does not end the doubling. Near the boundary AU falls
+# about linearly with the count, so a line is fitted through every trial there: where it
+# crosses the threshold (``crossing``) is the estimate, ``max_accelerators`` its floor (kept
+# between the largest count up to which every trial held and the largest at which some
+# trial held), and ``range`` the crossing +- 2 standard errors of it (95%), within the
+# counts measured; without a falling line the maximum is the largest count whose median
+# holds below the smallest whose median fails, and the range reaches from it to the largest
+# count whose median held.
+# ``fails_at`` is the smallest count above the maximum whose median failed. A run on the
+# same machine is expected to land inside the range. Only the measurement should end the
+# search, so it goes on past any round number while AU holds; it stops short at ``cap``
+# (--max-accelerators or AU_CEILING) or when its time budget is spent: a trial starts only
+# when the time spent so far plus the last trial's time fits in the budget (the repeated
+# trials too: cut short, the range rests on fewer). A search that stopped short is
 # ``capped`` (a lower bound, printed "at least N") and ``stopped_by`` says why.
 REFINE = (0.9, 0.95, 1.0, 1.05, 1.1)
+# A count whose AU is below the threshold plus this is measured again (up to ``repeats``
+# trials) before the doubling or bisection turns on it.
+CONFIRM = 0.03
 AU_REPEATS = 3
 
 
@@ -75,7 +86,8 @@ def max_accelerators(measure: Callable[[int], dict[str, float]], *, threshold: f
     """Largest accelerator count with AU >= ``threshold``, by ``measure(n)`` (See NOTE [AU search]).
 
     ``measure(n)`` runs ``n`` simulated accelerators and returns at least ``{"au": ...}``.
-    Returns ``max_accelerators``, ``range`` ([low, high] its trials leave open), ``repeats``,
+    Returns ``max_accelerators``, ``range`` ([low, high], 95%), ``crossing`` (with a fitted
+    line), ``repeats``,
     ``capped`` (a lower bound), ``stopped_by`` (None, "cap" or "time"), ``fails_at``,
     ``threshold``, ``cap``, ``budget_s`` and the ``trials`` in order of count, each with its
     median ``au``, every trial's AU (``au_trials``) and their summed ``trial_s``.
@@ -101,6 +113,10 @@ def max_accelerators(measure: Callable[[int], dict[str, float]], *, threshold: f
 
     def holds(n: int) -> bool:
         if n not in trials:
+            run(n)
+        # A count that failed, or held by less than CONFIRM, is measured again before the
+        # search turns on it: one trial dipped 15% below its neighbours on a loaded machine.
+        while len(trials[n]["au_trials"]) < repeats and trials[n]["au"] < threshold + CONFIRM and affordable():
             run(n)
         return bool(trials[n]["au"] >= threshold)
 
@@ -172,8 +188,9 @@ def _verdict(trials: dict[int, dict[str, Any]], threshold: float, around: list[i
     maybe = max([n for n in counts if max(trials[n]["au_trials"]) >= threshold
                  and (not none_held or n < none_held[0])] or [0])
     fit = _crossing(trials, threshold, around)
-    if fit is None:
-        return {"max_accelerators": best, "fails_at": fails_at, "range": [min(sure, best), max(maybe, best)]}
+    if fit is None:  # the medians alone: from the maximum to the largest count whose median held
+        last = max([n for n in counts if trials[n]["au"] >= threshold] or [0])
+        return {"max_accelerators": best, "fails_at": fails_at, "range": [best, max(last, best)]}
     cross, se = fit
     best = min(max(math.floor(cross), sure), maybe)
     above = [n for n in failing if n > best]
@@ -189,8 +206,9 @@ def _crossing(trials: dict[int, dict[str, Any]], threshold: float,
     """Where AU crosses the threshold and its standard error, from a line through every trial ``around`` it.
 
     Over the counts near the boundary AU falls about linearly with the count; the standard
-    error comes from the trials' scatter about the line. None without a falling line (too
-    few trials, or noise larger than the trend).
+    error comes from the trials' scatter about the line. None without a falling line that
+    crosses the threshold within the counts ``around`` (too few trials, noise larger than
+    the trend).
     """
     if not around:
         return None
@@ -206,8 +224,10 @@ def _crossing(trials: dict[int, dict[str, Any]], threshold: float,
     icpt = mean_y - slope * mean_n
     resid = math.sqrt(sum((y - icpt - slope * x) ** 2 for x, y in pts) / (k - 2))
     cross = (threshold - icpt) / slope
+    if not around[0] <= cross <= around[-1]:
+        return None  # a line too flat for the noise about it: it crosses outside the counts measured
     return cross, resid * math.sqrt(1 / k + (cross - mean_n) ** 2 / sxx) / -slope
 
 
-__all__ = ["AU_BUDGET_S", "AU_CEILING", "AU_REPEATS", "REFINE", "WORKLOADS", "Workload", "au_batches",
+__all__ = ["AU_BUDGET_S", "AU_CEILING", "AU_REPEATS", "CONFIRM", "REFINE", "WORKLOADS", "Workload", "au_batches",
            "max_accelerators"]

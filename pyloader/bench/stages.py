@@ -3,8 +3,8 @@
 Stages are measured apart (storage read, LZ4 decode, the memcpy limit of collation) and
 together (the end-to-end loader), with torch's DataLoader on the same data in the same
 run; ``diagnosis.py`` reads the figures. The AU mode follows MLPerf Storage: simulated
-accelerators each take a batch, then "compute" for a fixed time; AU = compute time / wall
-time (the search over counts is ``au.py``'s).
+accelerators each take a batch, then "compute" for a fixed time; AU = compute time /
+(compute time + time waiting for batches) (the search over counts is ``au.py``'s).
 """
 
 from __future__ import annotations
@@ -501,7 +501,10 @@ def _accelerator(take: Callable[[], Any], compute_s: float, batches: int, out: l
         waited += time.perf_counter() - w
         time.sleep(compute_s)  # the simulated accelerator computes; releases the GIL
     wall = time.perf_counter() - t0
-    out.append({"au": batches * compute_s / wall, "wait_s": waited, "wall_s": wall, "startup_s": startup})
+    # AU = compute / (compute + the time spent waiting for data): a sleep that overran (the
+    # simulation's own thread not scheduled on a loaded machine) is not the loader's stall.
+    busy = batches * compute_s
+    out.append({"au": busy / (busy + waited), "wait_s": waited, "wall_s": wall, "startup_s": startup})
 
 
 def _measure_au(loader: Any, n: int, compute_s: float, batches: int) -> dict[str, float]:

@@ -123,14 +123,14 @@ import pyloader
 if __name__ == "__main__":
     ds = pyloader.ShardDataset({shards!r}, shuffle=True, seed=3)
     loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn",
-                                         timeout=60)
+                                         timeout=120)
     orders = [[int(x) for b in loader for x in b["label"]] for _ in range(2)]
     assert all(sorted(o) == list(range({N})) for o in orders), orders
     assert orders[0] != orders[1]
     ref = pyloader.ShardDataset({shards!r}, shuffle=True, seed=3)
     ref.set_epoch(1)
     again = torch.utils.data.DataLoader(ref, batch_size=4, num_workers=2, multiprocessing_context="spawn",
-                                        timeout=60)
+                                        timeout=120)
     assert [int(x) for b in again for x in b["label"]] == orders[1]
     print("ok")
 """)

@@ -70,7 +70,7 @@ def au_batches(w: Workload, seconds: float) -> int:
 REFINE = (0.9, 0.95, 1.0, 1.05, 1.1)
 # A count whose AU is below the threshold plus this is measured again (up to ``repeats``
 # trials) before the doubling or bisection turns on it.
-CONFIRM = 0.03
+CONFIRM = 0.05
 AU_REPEATS = 3
 
 

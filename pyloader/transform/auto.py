@@ -24,8 +24,11 @@ time: under the GIL a thread also waits for it outside the transform, between ba
 which a per-thread measure would leave out.) Then:
 
 * a user's transform, 2 workers or more, that computes (its thread's CPU time over
-  ``COMPUTING`` of its working time) while the loop waits for it (over ``LOOP_WAIT`` of
-  the time), both read from the first 1-thread phase alone: **processes**, at once. The
+  ``EARLY_COMPUTING`` of its working time: a transform that waits, a sleep or the network,
+  reads under 0.1, one that computes 0.9-1.0 on a quiet machine and 0.5 on one whose CPUs
+  others keep busy, as the thread also waits for the GIL a descheduled loop holds) while
+  the loop waits for it (over ``LOOP_WAIT`` of the time), both read from the first
+  1-thread phase alone: **processes**, at once. The
   rules below give processes to every such transform that holds the GIL over
   ``GIL_COMPUTING`` of its time, and one that holds it less (native code throughout) makes
   as many samples on processes (measured: ``ImageDecode``, g 0.03-0.09, 1.09x on
@@ -98,6 +101,7 @@ GIL_HIGH = 0.5  # a sample holds the GIL more than this share of its time: proce
 LOOP_WAIT = 0.05  # the loop waited less than this share of the W'-thread phases: it set the pace
 GIL_COMPUTING = 0.05  # ...or more than this, for a transform that computes: processes
 COMPUTING = 0.5  # a thread whose CPU time is more than this share of its working time computes
+EARLY_COMPUTING = 0.25  # ...for the choice from the first phase alone (a user's transform, 2 workers or more)
 SLOTS_HELD = 2  # batches a loop is assumed to hold besides the prefetched ones (the room check)
 
 
@@ -159,7 +163,8 @@ class ScalingProbe:
         acc[5] += (snap[6] - q0) / 1e9
         self.i += 1
         self._mark = None
-        if self.i == 1 and self.shortcut and self.computing > COMPUTING and acc[1] > 0 and acc[4] / acc[1] > LOOP_WAIT:
+        if (self.i == 1 and self.shortcut and self.computing > EARLY_COMPUTING and acc[1] > 0
+                and acc[4] / acc[1] > LOOP_WAIT):
             self.early = True  # (one thread on: the rest of the epoch goes to processes)
             return True
         if self.i == len(self.phases):
@@ -422,5 +427,6 @@ class AutoTransformStream(TransformStream):
         return self._with_extra(s)
 
 
-__all__ = ["PHASE_S", "PHASE_SAMPLES", "GIL_HIGH", "LOOP_WAIT", "GIL_COMPUTING", "SLOTS_HELD", "batch_bytes", "COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
+__all__ = ["PHASE_S", "PHASE_SAMPLES", "GIL_HIGH", "LOOP_WAIT", "GIL_COMPUTING", "SLOTS_HELD", "batch_bytes", "COMPUTING",
+           "EARLY_COMPUTING", "gil_enabled", "ScalingProbe", "ExecutorChoice",
            "AutoTransformStream"]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import pyloader
+from pyloader.transform.auto import EARLY_COMPUTING
 from pyloader.transform.pool import shm_dir
 
 FIELDS = {"x": ("float32", (4,)), "label": "int64"}
@@ -122,7 +123,7 @@ def test_a_gil_bound_transform_moves_to_processes_with_the_same_batches(shards) 
     assert choice["executor"] == "processes", choice
     # A transform that computes goes to processes from the first 1-thread phase: the
     # scaling phases are skipped (NOTE [executor choice]).
-    assert choice["computing"] > 0.5 and choice["threads_compared"] == [1], choice
+    assert choice["computing"] > EARLY_COMPUTING and choice["threads_compared"] == [1], choice
     assert choice["gil_held"] is None and "computes" in choice["why"], choice
     second = epoch(auto)
     st = auto.stats()
@@ -144,7 +145,7 @@ def test_a_transform_that_computes_and_holds_the_gil_part_of_its_time_moves_to_p
     # on threads before the rule for transforms that compute (it took g over 0.5); now decided
     # from the first 1-thread phase, as it computes.
     assert choice["executor"] == "processes", choice
-    assert choice["computing"] > 0.5 and "computes" in choice["why"], choice
+    assert choice["computing"] > EARLY_COMPUTING and "computes" in choice["why"], choice
     assert sorted(labels) == list(range(N))
 
 
@@ -169,7 +170,7 @@ def test_a_transform_that_computes_reads_as_computing_on_a_machine_whose_cpus_ar
         for h in hogs:
             h.wait()
     choice = ld.stats()["executor_choice"]
-    assert choice["executor"] == "processes" and choice["computing"] > 0.5, choice
+    assert choice["executor"] == "processes" and choice["computing"] > EARLY_COMPUTING, choice
 
 
 @pytest.mark.timeout(120)
@@ -185,7 +186,7 @@ def test_processes_are_not_chosen_where_shared_memory_has_no_room(shards) -> Non
     labels = until_chosen(ld)
     choice = ld.stats()["executor_choice"]
     assert choice["executor"] == "threads" and ld.stats()["transform_executor"] == "threads", choice
-    assert choice["computing"] > 0.5 and "computes" in choice["why"], choice  # processes, had there been room
+    assert choice["computing"] > EARLY_COMPUTING and "computes" in choice["why"], choice  # processes, had there been room
     assert shm_dir() in choice["why"] and "PYLOADER_SHM_DIR" in choice["why"], choice
     assert sorted(labels) == list(range(N))
 
@@ -253,7 +254,7 @@ _FALLBACK = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {here!r})
     import pyloader
-    from test_auto import BATCH, N, gil_bound, loader
+    from test_auto import BATCH, EARLY_COMPUTING, N, gil_bound, loader
 
     plain = [int(i) for b in loader({shards!r}, batch_size=BATCH) for i in b["label"]]
     for _ in range(3):  # (a probe that misjudged the transform as scaling tries no pool: measured again)
@@ -261,7 +262,7 @@ _FALLBACK = textwrap.dedent("""
                     multiprocessing_context="spawn")
         labels = [int(i) for b in ld for i in b["label"]]
         choice = ld.stats()["executor_choice"]
-        if choice["computing"] > 0.5:
+        if choice["computing"] > EARLY_COMPUTING:
             break
     print(json.dumps({{"choice": choice, "in_order": labels == plain, "once": sorted(labels) == list(range(N)),
                       "executor": ld.stats()["transform_executor"]}}))
@@ -279,7 +280,7 @@ def test_a_transform_spawn_cannot_pickle_falls_back_to_threads(shards) -> None:
     got = json.loads(run.stdout.strip().splitlines()[-1])
     choice = got["choice"]
     assert choice["executor"] == "threads" and got["executor"] == "threads", choice
-    assert choice["computing"] > 0.5 and "computes" in choice["why"], choice  # it was measured as computing...
+    assert choice["computing"] > EARLY_COMPUTING and "computes" in choice["why"], choice  # it was measured as computing...
     assert "no process pool could start" in choice["why"], choice  # ...but had to stay
     assert "spawn" in choice["why"] and "picklable" in choice["why"], choice
     assert got["in_order"] and got["once"]  # every record once, in plan order

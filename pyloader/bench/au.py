@@ -60,8 +60,9 @@ def au_batches(w: Workload, seconds: float) -> int:
 # counts measured; without a falling line the maximum is the largest count whose median
 # holds below the smallest whose median fails, and the range reaches from it to the largest
 # count whose median held.
-# ``fails_at`` is the smallest count above the maximum whose median failed. A run on the
-# same machine is expected to land inside the range. Only the measurement should end the
+# ``fails_at`` is the smallest count above the maximum whose median failed. Another run
+# under the same load is expected to land inside the range; load that changes between runs
+# (other jobs on the machine) moves the maximum by more than one run's trials can show. Only the measurement should end the
 # search, so it goes on past any round number while AU holds; it stops short at ``cap``
 # (--max-accelerators or AU_CEILING) or when its time budget is spent: a trial starts only
 # when the time spent so far plus the last trial's time fits in the budget (the repeated

@@ -23,8 +23,11 @@ _IndexArray: TypeAlias = npt.NDArray[np.integer[Any]] | Sequence[int]
 
 # register_codec.cpp
 
-def xxh64(data: _BufferLike, *, seed: int = 0) -> int:
-    """XXH64 of a contiguous buffer (the checksum of shard format version 1 and of the manifest). Releases the GIL."""
+def xxh64(data: _BufferLike, *, seed: int = 0, impl: str = "auto") -> int:
+    """XXH64 of a contiguous buffer (the checksum of shard format version 1 and of the manifest).
+
+    `impl` picks the 32-byte stripe loop ('auto', 'scalar', 'avx512'; for tests). Releases the GIL.
+    """
 
 def xxh3_64(data: _BufferLike, *, impl: str = "auto") -> int:
     """XXH3-64 (seed 0) of a contiguous buffer (the checksum of shard format version 2).

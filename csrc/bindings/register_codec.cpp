@@ -44,18 +44,35 @@ Xxh3Impl xxh3_impl(const std::string& name) {
   return impl;
 }
 
+// An Xxh64Impl by name; ValueError if unknown or if this CPU cannot run it.
+Xxh64Impl xxh64_impl(const std::string& name) {
+  Xxh64Impl impl;
+  if (name == "auto") {
+    impl = Xxh64Impl::kAuto;
+  } else if (name == "scalar") {
+    impl = Xxh64Impl::kScalar;
+  } else if (name == "avx512") {
+    impl = Xxh64Impl::kAvx512;
+  } else {
+    throw py::value_error("impl must be 'auto', 'scalar' or 'avx512', not '" + name + "'");
+  }
+  if (!xxh64_impl_available(impl)) throw py::value_error("this build or CPU cannot run the " + name + " XXH64 loop");
+  return impl;
+}
+
 }  // namespace
 
 void register_codec(py::module_& m) {
   m.def(
       "xxh64",
-      [](const py::buffer& data, uint64_t seed) {
+      [](const py::buffer& data, uint64_t seed, const std::string& impl) {
         ReadView v(data);
-        return without_gil([&] { return xxh64(v.data(), v.size(), seed); });
+        const Xxh64Impl which = xxh64_impl(impl);
+        return without_gil([&] { return xxh64_with(which, v.data(), v.size(), seed); });
       },
-      py::arg("data"), py::kw_only(), py::arg("seed") = 0,
-      "XXH64 of a contiguous buffer (the checksum of shard format version 1 and of the manifest). "
-      "Releases the GIL.");
+      py::arg("data"), py::kw_only(), py::arg("seed") = 0, py::arg("impl") = "auto",
+      "XXH64 of a contiguous buffer (the checksum of shard format version 1 and of the manifest). `impl` "
+      "picks the 32-byte stripe loop ('auto', 'scalar', 'avx512'; for tests). Releases the GIL.");
 
   m.def(
       "xxh3_64",

@@ -15,6 +15,17 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) noexcept;
 // so the copy rides along with the hash instead of making a second pass over src.
 uint64_t xxh64_copy(void* dst, const void* src, size_t len, uint64_t seed) noexcept;
 
+// The implementations of the 32-byte stripe loop. kAuto picks the faster this CPU runs (the
+// four lanes in one AVX-512 vector on AMD CPUs with AVX-512 VL and DQ, else scalar); the
+// others exist so that tests can check each one against the reference.
+enum class Xxh64Impl { kAuto, kScalar, kAvx512 };
+
+// Whether this build and CPU can run `impl` (kAuto and kScalar always can).
+bool xxh64_impl_available(Xxh64Impl impl) noexcept;
+
+// xxh64 using `impl`, which must be available.
+uint64_t xxh64_with(Xxh64Impl impl, const void* data, size_t len, uint64_t seed) noexcept;
+
 // XXH64 of bytes given in pieces: digest() after update() calls over data[0, len) in order
 // equals xxh64(data, len, seed).
 class Xxh64Stream {

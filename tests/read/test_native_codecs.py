@@ -315,6 +315,46 @@ def test_xxh64_matches_reference(data, seed):
     assert _C.xxh64(data, seed=seed) == ref_xxh64(data, seed)
 
 
+def _xxh64_impls() -> list[str]:
+    """The stripe loops this build and CPU run ("auto" is one of them)."""
+    out = []
+    for impl in ("scalar", "avx512"):
+        try:
+            _C.xxh64(b"", impl=impl)
+        except ValueError:
+            continue
+        out.append(impl)
+    return out
+
+
+XXH64_IMPLS = _xxh64_impls()
+
+
+def test_xxh64_impls_cover_the_machine():
+    assert "scalar" in XXH64_IMPLS
+    if sys.platform.startswith("linux") and os.uname().machine == "x86_64":
+        with open("/proc/cpuinfo") as fh:
+            flags = set(fh.read().split())
+        assert ("avx512" in XXH64_IMPLS) == ({"avx512f", "avx512vl", "avx512dq"} <= flags)
+    with pytest.raises(ValueError, match="impl must be"):
+        _C.xxh64(b"x", impl="avx2")
+
+
+@pytest.mark.parametrize("impl", XXH64_IMPLS + ["auto"])
+def test_xxh64_every_loop_matches_reference(impl):
+    # The reference over stripes plus every tail, big seeds; then large unaligned inputs
+    # against the scalar loop (the reference is too slow for megabytes).
+    for n in list(range(0, 130)) + [1000, 4096 + 7]:
+        data = bytes((i * 131 + n) % 256 for i in range(n))
+        for seed in (0, 0x9E3779B185EBCA87, _M64):
+            assert _C.xxh64(data, seed=seed, impl=impl) == ref_xxh64(data, seed), (impl, n, seed)
+    big = memoryview(np.random.default_rng(5).bytes((1 << 20) + 64))
+    for start, n in ((0, 1 << 20), (1, (1 << 20) - 3), (7, 65536 + 33), (3, 32 * 1000)):
+        view = big[start:start + n]
+        assert _C.xxh64(view, seed=5, impl=impl) == _C.xxh64(view, seed=5, impl="scalar") == \
+            xxhash.xxh64_intdigest(view, seed=5), (impl, start, n)
+
+
 # --- XXH3-64 against the reference implementation (the xxhash package) ---------------------
 
 

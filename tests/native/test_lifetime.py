@@ -324,18 +324,18 @@ def _prepared(loader: pyloader.DataLoader, timeout: float = 20.0) -> Any:
 
 @pytest.mark.timeout(120)
 def test_built_loader_prepares_its_first_epoch_slots(write_dataset) -> None:
-    """The constructor starts making prefetch + 1 slots, fixed-shape buffers populated (NOTE
-    [prepared slots]); a first epoch whose loop drops each batch then reads into them, making
-    at most the one more the next epoch's early batch can take (NOTE [epoch ahead])."""
+    """The constructor starts making prefetch + 3 slots, fixed-shape buffers populated (NOTE
+    [prepared slots]); a first epoch whose loop drops each batch then reads into them and
+    makes none."""
     n, bs, threads, prefetch = 64, 8, 2, 3
     ds = open_ds(write_dataset(n, BIG_FIELDS, lambda i: {"label": i, "payload": np.full(BIG, i % 251, np.uint8)},
                                shard_bytes=4 << 20), shuffle=True, seed=2)
     loader = pyloader.DataLoader(ds, batch_size=bs, num_workers=threads, prefetch=prefetch)
     pool = _prepared(loader)
-    assert pool.created == pool.free == prefetch + 1
+    assert pool.created == pool.free == prefetch + 3
     mem = pool.memory()
     # label (8 rows of int64: one page) and payload (8 x 150,000 bytes in whole pages), exact.
-    assert mem["live_bytes"] == (prefetch + 1) * (4096 + -(-bs * BIG // 4096) * 4096), mem
+    assert mem["live_bytes"] == (prefetch + 3) * (4096 + -(-bs * BIG // 4096) * 4096), mem
     expected = plan_labels(ds, epoch=0)
     # Not enumerate(): its cached result tuple keeps the previous batch alive while it asks
     # for the next, so the loop would hold two slots at that moment, not one.
@@ -347,8 +347,29 @@ def test_built_loader_prepares_its_first_epoch_slots(write_dataset) -> None:
         del batch
         k += 1
     assert k * bs == n
-    assert prefetch + 1 <= pool.created <= prefetch + 2
+    assert pool.created == prefetch + 3
     assert pool.memory()["driver_frees"] == 0  # no prepared buffer was regrown
+
+
+@pytest.mark.timeout(120)
+def test_plain_loop_reads_into_the_prepared_slots_only(write_dataset) -> None:
+    """A plain ``for batch in loader:`` loop -- its variable still holds the previous batch
+    while it asks for the next, and the next epoch's first batches are made ahead (NOTE
+    [epoch ahead]) -- reads epoch after epoch into the slots the constructor prepared (NOTE
+    [prepared slots]): no slot is made, no batch memory populated, inside an epoch."""
+    n, bs, threads, prefetch = 96, 8, 2, 3
+    ds = open_ds(write_dataset(n, BIG_FIELDS, lambda i: {"label": i, "payload": np.full(BIG, i % 251, np.uint8)},
+                               shard_bytes=4 << 20), shuffle=True, seed=3)
+    loader = pyloader.DataLoader(ds, batch_size=bs, num_workers=threads, prefetch=prefetch)
+    pool = _prepared(loader)
+    prepared = pool.created
+    seen = 0
+    for _ in range(4):
+        for batch in loader:
+            seen += int(batch["label"].shape[0])
+            time.sleep(0.002)  # a training step: the read-ahead fills up meanwhile
+    assert seen == 4 * n
+    assert pool.created == prepared == prefetch + 3, f"prepared {prepared} slots, the loop made {pool.created - prepared} more"
 
 
 @pytest.mark.timeout(120)
@@ -359,7 +380,7 @@ def test_loader_dropped_or_forked_while_preparing_its_slots(write_dataset, tmp_p
                          shard_bytes=4 << 20)
     base = threads_now()
     for _ in range(3):
-        loader = pyloader.DataLoader(open_ds(path), batch_size=16, num_workers=4, prefetch=16)  # 17 x 2.3 MiB
+        loader = pyloader.DataLoader(open_ds(path), batch_size=16, num_workers=4, prefetch=16)  # 19 x 2.3 MiB
         assert loader._batch_pool is not None
         del loader
         gc.collect()
@@ -378,7 +399,7 @@ def test_loader_dropped_or_forked_while_preparing_its_slots(write_dataset, tmp_p
     forked = run_in_forked_child(child, str(tmp_path / "child.log"), timeout=30)
     assert forked.code == 0, f"child exit code {forked.code}; its steps:\n{forked.log}"
     pool = _prepared(loader)
-    assert pool.created == 17
+    assert pool.created == 16 + 3
     labels = [int(x) for b in loader for x in b["label"]]
     assert labels == list(range(16))
 
@@ -395,7 +416,7 @@ def test_loaders_that_prepare_no_slots_when_built(write_dataset) -> None:
         loader = pyloader.DataLoader(ds, **args)
         assert loader._batch_pool is None, kw
     plain = pyloader.DataLoader(ds, batch_size=4, num_workers=2)
-    assert _prepared(plain).created == 2 * 2 + 1
+    assert _prepared(plain).created == 2 * 2 + 3
 
 
 # --- the GIL ------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ forked processes running the transform alone over the records at once, as
 bench_user_transforms.py measures it, once per round. Rounds run every loader once, in an
 order rotated each round; ratios are paired per round and printed as [min, max].
 
+pyloader's construction in a fresh process includes importing the modules it loads on
+first use. Where Python writes no bytecode cache (``PYTHONDONTWRITEBYTECODE=1``, as in
+this repository's development container) every run compiles them first: about 0.3 s of
+the construction on 2 loaded CPUs, 0.1 s with the cache. An installed package has it; to
+measure what it does, run ``python -m compileall -q pyloader`` first.
+
     python benchmarks/bench_fresh_epochs.py [--rounds 3] [--only light,medium,features,tokenize] \
         [--out bench_results/fresh_epochs.json]
 """

@@ -176,6 +176,9 @@ class BatchIterator:
     def __init__(self, dataset: ShardDataset, pipeline: _C.BatchPipeline, num_threads: int = 1,
                  prefetch: int = 1) -> None:
         self._fields = dataset.fields
+        # Held while this reads: a dataset dropped by its caller (``for b in ShardDataset(url).batches(n)``)
+        # would otherwise be collected mid-epoch, and its finaliser cancel the downloads this reads.
+        self._dataset = dataset
         self._shards = dataset._shards
         self._fetcher = dataset._fetcher
         # A local dataset's shard errors name their fix (_shard_error_with_fix); the node cache heals a

@@ -11,7 +11,7 @@ import errno
 
 from ..errors import FetchError, RemoteChangedError
 
-__all__ = ["GAVE_UP_FIX", "detail_of", "size_mismatch"]
+__all__ = ["GAVE_UP_FIX", "detail_of", "permanent_fix", "size_mismatch"]
 
 GAVE_UP_FIX = {
     "refused": "check that the server is running and that the URL's host and port are right, then run again",
@@ -31,6 +31,21 @@ def detail_of(e: BaseException, kind: str, unframed: BaseException | None = None
     if name.startswith("_"):
         return str(e) or "the attempt failed"
     return f"{name}: {e}" if str(e) else name
+
+
+# What a client raises when it finds no credentials to sign with (botocore's, google-auth's names).
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError",
+                   "DefaultCredentialsError"}
+
+
+def permanent_fix(chain: list[BaseException], kind: str) -> str:
+    """The fix for a failure no retry changes, from its cause ``chain`` and its ``kind`` ("" if none is known)."""
+    if any(type(x).__name__ in _NO_CREDENTIALS for x in chain):
+        return ("; give credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE for s3:// "
+                "(GOOGLE_APPLICATION_CREDENTIALS for gs://), or storage_options (--storage-options in the CLI)")
+    if kind == "forbidden":
+        return "; check that the credentials given may read it"
+    return ""
 
 
 def size_mismatch(url: str, shard: str | None, size: int, actual: int) -> FetchError:

@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import FetchError, FetchNotFoundError, FetchPermissionError, RemoteChangedError
-from .failure_messages import GAVE_UP_FIX, detail_of, size_mismatch
+from .failure_messages import GAVE_UP_FIX, detail_of, permanent_fix, size_mismatch
 from .throttle import CANCEL_POLL_S, _Cancelled, _ThrottleExpired, host_key, host_limiter
 
 _T = TypeVar("_T")
@@ -483,7 +483,8 @@ def with_retries(fn: Callable[..., _T], policy: RetryPolicy, *, what: str, url: 
                 if not err:
                     err = getattr(e, "errno", None) or errno.EIO
                 raise _fetch_error(cls, f"{_naming(what, url, shard)}: {detail} (permanent, not retried; "
-                                   f"{_attempts(attempts)}{also})", url, shard, err, attempts=attempts) from e
+                                   f"{_attempts(attempts)}{also}){permanent_fix(_chain(e), failure.kind)}", url,
+                                   shard, err, attempts=attempts) from e
             wait = policy.delay(hard - 1, failure.retry_after)
             elapsed = time.monotonic() - start - waited
             limit = min(policy.attempts, REFUSED_ATTEMPTS) if failure.kind == "refused" else policy.attempts

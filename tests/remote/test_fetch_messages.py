@@ -135,3 +135,25 @@ def test_sigterm_to_cache_warm_exits_cleanly_and_leaves_no_temp(slow_server, tmp
     assert p.returncode == EXIT_INTERRUPTED, err
     assert "pyloader cache warm: error: interrupted by SIGTERM" in err and "Traceback" not in err, err
     assert temp_files(cache) == []
+
+
+@pytest.mark.timeout(120)
+def test_no_credentials_for_s3_names_where_to_give_them(tmp_path, monkeypatch):
+    """An s3:// dataset opened without any credentials: one permanent error naming the fix."""
+    from remote_servers import S3Server
+
+    for name in [k for k in os.environ if k.startswith("AWS_") and "CA_BUNDLE" not in k]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3 = S3Server(max_life=100).start()
+    try:
+        opts = {"client_kwargs": {"endpoint_url": s3.endpoint, "region_name": "us-east-1"},
+                "skip_instance_cache": True}
+        with pytest.raises(pyloader.FetchError) as ei:
+            pyloader.ShardDataset("s3://bucket/ds", cache_dir=str(tmp_path / "cache"), storage_options=opts)
+    finally:
+        s3.stop()
+    msg = str(ei.value)
+    assert "permanent, not retried" in msg and "give credentials" in msg and "AWS_ACCESS_KEY_ID" in msg, msg

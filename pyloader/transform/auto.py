@@ -92,7 +92,7 @@ import torch
 from ..contract import cpu_budget, default_prefetch
 from ..errors import LoaderStateError
 from .pool import flatten, shm_dir
-from .stage import TransformStream
+from .stage import TransformStream, stage_figures
 from .threads import ThreadTransformStream
 
 PHASE_S = 0.1  # a probe phase lasts at least this long...
@@ -412,18 +412,23 @@ class AutoTransformStream(TransformStream):
         self._finish()
 
     def stats(self) -> dict[str, Any]:
-        """The parts' counters, added up; the executor and workers of the current part; the loader's ``extra`` keys."""
+        """The whole epoch's figures, over both parts where it switched executor (``stage_figures``).
+
+        Counters add up; the busy share, cost per sample and hint are the whole epoch's;
+        ``transform_executor``/``transform_workers`` are the current part's, and
+        ``transform_switched_at`` the batch the switch began from. The loader's ``extra`` keys.
+        """
         s = dict(self._head.stats())
         if self._tail is not None:
             t = self._tail.stats()
             for k in _SUMMED:
                 if k in t:
                     s[k] = s.get(k, 0) + t[k]
-            for k, v in t.items():
-                if k not in _SUMMED and k.startswith("transform_"):
-                    s[k] = v
             wall = (self._stats.end or time.perf_counter()) - self._t0
-            s["wait_fraction"] = s["consumer_wait_s"] / wall if wall > 0 else 0.0
+            read = s.get("native_wait_s", 0.0) + t["native_wait_s"] if "native_wait_s" in t else None
+            s.update(stage_figures([self._head._stats, self._tail._stats], wall_s=wall,
+                                   executor=t["transform_executor"], workers=t["transform_workers"], read_wait_s=read))
+            s["transform_switched_at"] = self._start
         return self._with_extra(s)
 
 

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from ..contract import PlannedDataset
+from ..contract import PlannedDataset, cpu_budget
 from ..errors import CollateError, ImageDecodeError, LoaderStateError
 from .context import SampleContext, _splitmix64, sample_seeds
 from .image import ImageDecode
@@ -320,38 +320,96 @@ class TransformStats:
             self.decode_ns += work.decode_ns
             self.busy_ns += busy_ns
 
-    def as_dict(self) -> dict[str, Any]:
-        """The counters and what they imply (``transform_hint``: whether more workers would help)."""
-        wall = (self.end or time.perf_counter()) - self.start
-        n = max(1, self.samples + self.skipped)
-        busy = self.busy_ns / 1e9 / (wall * self.workers) if wall > 0 else 0.0
-        waited = self.wait_ns / 1e9
-        wait_fraction = waited / wall if wall > 0 else 0.0
-        per_sample_us = (self.transform_ns + self.decode_ns) / n / 1e3
-        if wait_fraction < 0.05:
-            hint = "enough: the consumer rarely waits for transformed batches"
-        elif busy > 0.85:
-            hint = (f"more workers would help: the consumer waits {wait_fraction:.0%} of the time and the "
-                    f"{self.workers} transform worker(s) are busy {busy:.0%} of it (if cores are free"
-                    + ("; a transform that holds the GIL scales on executor='processes')" if self.executor == "threads"
-                       else ")"))
-        else:
-            hint = (f"the consumer waits {wait_fraction:.0%} of the time but the transform workers are busy only "
-                    f"{busy:.0%}: reading, not the transform, limits (see shard_wait_s)")
-        return {
-            "transform_executor": self.executor,
-            "transform_workers": self.workers,
-            "transform_batches": self.batches,
-            "transformed_samples": self.samples,
-            "skipped_samples": self.skipped,
-            "transform_s": self.transform_ns / 1e9,
-            "decode_s": self.decode_ns / 1e9,
-            "transform_per_sample_us": per_sample_us,
-            "transform_busy_fraction": busy,
-            "transform_hint": hint,
-            "consumer_wait_s": waited,
-            "wait_fraction": wait_fraction,
-        }
+    def worker_s(self) -> float:
+        """The workers' time available so far: the wall time since the start times the workers."""
+        return ((self.end or time.perf_counter()) - self.start) * self.workers
+
+    def as_dict(self, read_wait_s: float | None = None) -> dict[str, Any]:
+        """The counters and what they imply (``transform_hint``, ``stage_figures``)."""
+        return stage_figures([self], wall_s=(self.end or time.perf_counter()) - self.start, executor=self.executor,
+                             workers=self.workers, read_wait_s=read_wait_s)
+
+
+# The transform stage's verdicts (``transform_hint``; pyloader/bench/diagnosis.py draws the
+# bench's from the same shares): the consumer "rarely waits" under RARELY_WAITS of its time;
+# the workers bind at or above BUSY_AT busy; reading binds when the workers waited for the
+# native pipeline's batches at least READ_SHARE as long as the consumer waited for theirs.
+RARELY_WAITS = 0.05
+BUSY_AT = 0.85
+READ_SHARE = 0.5
+# Workers on a CPU under this share of their busy time are waiting (sleep, I/O): more of them help.
+WAITING_CPU = 0.3
+
+
+def transform_hint(*, wait_fraction: float, busy: float, workers: int, executor: str, wall_s: float,
+                   read_wait_s: float | None, cpus: int, cpu_share: float | None = None) -> str:
+    """Whether the transform, reading or neither binds, from the figures ``stats()`` prints beside it.
+
+    ``read_wait_s``: the workers' wait for native batches (``native_wait_s``; None where the
+    workers read their own shards, as processes do: their reading is then in ``busy``);
+    ``cpu_share``: the share of the workers' busy time they ran on a CPU (None: not measured).
+    """
+    waits, busy_s = f"{wait_fraction:.0%}", f"{busy:.0%}"
+    if wait_fraction < RARELY_WAITS:
+        return f"enough: the consumer waited only {waits} of the time for transformed batches"
+    if busy >= BUSY_AT:
+        binds = f"the consumer waits {waits} of the time and the {workers} transform worker(s) are busy {busy_s} of it"
+        gil = "; a transform that holds the GIL scales on executor='processes'" if executor == "threads" else ""
+        if workers < cpus:
+            return f"more workers would help: {binds} ({workers} of the {cpus} CPUs this process may use{gil})"
+        if cpu_share is not None and cpu_share < WAITING_CPU:
+            return (f"more workers would help: {binds}, but on a CPU only {cpu_share:.0%} of that: the transform "
+                    f"waits (sleep, I/O), so workers beyond the {cpus} CPUs this process may use still help")
+        if cpu_share is None:
+            return (f"the transform binds: {binds}, and the workers match the {cpus} CPUs this process may use: more "
+                    "workers would help only a transform that waits (sleep, I/O); else a cheaper transform or more "
+                    f"CPUs{gil}")
+        return (f"the transform binds: {binds}, on a CPU {cpu_share:.0%} of that, and the workers already match the "
+                f"{cpus} CPUs this process may use: a cheaper transform or more CPUs{gil}")
+    idle = f"the consumer waits {waits} of the time but the transform workers are busy only {busy_s}"
+    if read_wait_s is None:
+        return (f"neither the transform nor reading binds: {idle}, their own reading included: the wait is in "
+                "handing batches to the consumer and the start of the epoch")
+    read = f"the workers waited {read_wait_s:.3f} s of the {wall_s:.3f} s for the native pipeline (native_wait_s)"
+    if read_wait_s >= READ_SHARE * wait_fraction * wall_s and read_wait_s >= RARELY_WAITS * wall_s:
+        return f"reading limits, not the transform: {idle}, and {read}; see shard_wait_s for opening shards"
+    return (f"neither the transform nor reading binds: {idle}, and {read}: the wait is in handing batches to the "
+            "consumer and the start of the epoch")
+
+
+def stage_figures(parts: Sequence[TransformStats], *, wall_s: float, executor: str, workers: int,
+                  read_wait_s: float | None = None) -> dict[str, Any]:
+    """The ``transform_*`` figures of an epoch made by ``parts`` (two where executor="auto" switched).
+
+    Counters add up over the parts; the busy share is their busy time over their workers'
+    time; the consumer's wait is over ``wall_s``, the epoch's wall time.
+    """
+    samples = sum(p.samples for p in parts)
+    skipped = sum(p.skipped for p in parts)
+    work_ns = sum(p.transform_ns + p.decode_ns for p in parts)
+    capacity = sum(p.worker_s() for p in parts)
+    busy_ns = sum(p.busy_ns for p in parts)
+    busy = busy_ns / 1e9 / capacity if capacity > 0 else 0.0
+    waited = sum(p.wait_ns for p in parts) / 1e9
+    measured = all(p.cpu_ns > 0 for p in parts if p.busy_ns > 0)  # processes do not send theirs
+    cpu_share = sum(p.cpu_ns for p in parts) / busy_ns if measured and busy_ns > 0 else None
+    wait_fraction = waited / wall_s if wall_s > 0 else 0.0
+    return {
+        "transform_executor": executor,
+        "transform_workers": workers,
+        "transform_batches": sum(p.batches for p in parts),
+        "transformed_samples": samples,
+        "skipped_samples": skipped,
+        "transform_s": sum(p.transform_ns for p in parts) / 1e9,
+        "decode_s": sum(p.decode_ns for p in parts) / 1e9,
+        "transform_per_sample_us": work_ns / max(1, samples + skipped) / 1e3,
+        "transform_busy_fraction": busy,
+        "transform_hint": transform_hint(wait_fraction=wait_fraction, busy=busy, workers=workers, executor=executor,
+                                         wall_s=wall_s, read_wait_s=read_wait_s, cpus=cpu_budget(),
+                                         cpu_share=cpu_share),
+        "consumer_wait_s": waited,
+        "wait_fraction": wait_fraction,
+    }
 
 
 class TransformStream:
@@ -529,4 +587,5 @@ def _stack(name: str, values: list[Any], alloc: _Alloc | None = None) -> torch.T
 
 
 __all__ = ["EXECUTORS", "queued_ns", "limit_native_threads", "unlimit_native_threads", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
+           "RARELY_WAITS", "BUSY_AT", "READ_SHARE", "WAITING_CPU", "transform_hint", "stage_figures",
            "TransformStream", "collate_samples"]

@@ -299,7 +299,7 @@ class ThreadTransformStream(TransformStream):
         """
         s = dict(self._src.stats())
         s["native_wait_s"] = s.get("consumer_wait_s", 0.0)
-        s.update(self._stats.as_dict())
+        s.update(self._stats.as_dict(read_wait_s=s["native_wait_s"]))
         return self._with_extra(s)
 
 

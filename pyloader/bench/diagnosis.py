@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..loader.autotune import cpu_budget
+from ..transform.stage import BUSY_AT, RARELY_WAITS
 
 # A stage used at or above this share of its measured capacity is what binds the loader.
 BOUND_AT = 0.8
@@ -281,10 +282,9 @@ def _warnings(st: dict[str, Any]) -> list[str]:
     return warnings
 
 
-# The transform stage's verdicts, as the loader's transform_hint draws them: the consumer
-# "rarely waits" under this share of its time; the workers bind at or above BUSY_AT busy.
-RARELY_WAITS = 0.05
-BUSY_AT = 0.85
+# The transform stage's verdicts share the loader's thresholds (pyloader/transform/stage.py):
+# the consumer "rarely waits" under RARELY_WAITS of its time; the workers bind at or above
+# BUSY_AT busy.
 # "Reading limits" only while reading alone is at most this much faster than with the transform.
 READING_AT = 1.25
 

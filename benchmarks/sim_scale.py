@@ -160,8 +160,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 def make_manifest_dataset(d: str, shards: int, records: int, shard_bytes: int) -> int:
     """A local dataset folder whose manifest lists ``shards`` entries as a written one does.
 
-    The shard files themselves are not written: nothing measured here reads one. Returns
-    the manifest's size in bytes.
+    The shard files are empty: nothing measured here reads one, but opening a local dataset
+    lists their folder and refuses one that is missing. Returns the manifest's size in bytes.
     """
     import pyloader._C as _C
     from pyloader.format.spec import MANIFEST_NAME, dump_manifest
@@ -175,6 +175,8 @@ def make_manifest_dataset(d: str, shards: int, records: int, shard_bytes: int) -
     data = dump_manifest(body, _C.xxh64)
     with open(os.path.join(d, MANIFEST_NAME), "wb") as f:
         f.write(data)
+    for entry in body["shards"]:
+        open(os.path.join(d, entry["path"]), "wb").close()
     return len(data)
 
 

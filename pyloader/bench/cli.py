@@ -241,7 +241,15 @@ def _print_transform(t: dict[str, Any]) -> None:
           f"{m['wall_s']:.2f} s)")
     if t["skipped_samples"]:
         print(f"    skipped samples (undecodable images): {t['skipped_samples']}")
+    c = t["ceiling"]
+    print(f"    ceiling               {c['samples_per_s']:>12,.0f} samples/s ({c['processes']} processes running it "
+          f"alone on {c['samples']} samples held in memory)")
+    print(f"    first epoch (from building the loader): pyloader {t['first_epoch_samples_per_s']:,.0f} samples/s, "
+          f"torch DataLoader {t['torch_first_epoch_samples_per_s']:,.0f} samples/s")
     print(f"    pyloader / torch DataLoader with the transform: {t['speedup_vs_torch']:.2f}x")
+    print(f"    pyloader / ceiling: {t['of_ceiling']:.2f}")
+    print(f"    first epoch: pyloader / torch DataLoader {t['first_epoch_vs_torch']:.2f}x, pyloader's first epoch / "
+          f"its steady epochs {t['first_epoch_vs_steady']:.2f}")
     print(f"    {t['hint']}")
 
 

@@ -272,6 +272,63 @@ def parallel(fn: Callable[[], None], threads: int) -> float:
     return wall
 
 
+def forked_rate(work: Callable[[int], int], procs: int, seconds: float) -> float:
+    """Units/s of ``procs`` forked processes each calling ``work(i)`` (i = p, p + procs, ...) for ``seconds``.
+
+    ``work`` returns the units it did (samples). Each process runs torch and the BLAS
+    libraries on one thread, as a loader's worker does, and reports its count and end time
+    through a pipe; the rate is their sum over the time from the first fork to the last
+    end (so process start is counted, as in benchmarks/bench_user_transforms.py). A
+    process whose ``work`` raises makes this raise ``RuntimeError`` with its error.
+    """
+    import gc
+    import pickle
+
+    gc.collect()  # a child collects nothing a parent's finalizer would (native threads are the parent's)
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    kids: list[tuple[int, int]] = []
+    for p in range(procs):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            gc.disable()
+            os.close(r)
+            try:
+                torch.set_num_threads(1)
+                if importlib.util.find_spec("threadpoolctl") is not None:
+                    from threadpoolctl import threadpool_limits
+
+                    threadpool_limits(limits=1)
+                n, i = 0, p
+                while True:
+                    n += work(i)
+                    i += procs
+                    if time.perf_counter() >= deadline:
+                        break
+                out: Any = (n, time.perf_counter())
+            except BaseException as e:  # noqa: BLE001 - told to the parent, which raises it
+                out = f"{type(e).__name__}: {e}"
+            os.write(w, pickle.dumps(out))
+            os._exit(0)
+        os.close(w)
+        kids.append((pid, r))
+    counts, end, errors = 0, t0, []
+    for pid, r in kids:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        got = pickle.loads(data) if data else "it ended without a result"
+        if isinstance(got, str):
+            errors.append(got)
+        else:
+            counts, end = counts + got[0], max(end, got[1])
+    if errors:
+        raise RuntimeError(f"a process running the work alone failed: {errors[0]}; run it on one sample in this "
+                           f"process to see where")
+    return counts / max(end - t0, 1e-9)
+
+
 def memcpy_gbps(threads: int, nbytes: int = 64 << 20, repeat: int = 8) -> float:
     """Copy bandwidth (GB/s of bytes copied) with numpy copies on `threads` threads."""
     bufs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(threads)]
@@ -671,7 +728,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-__all__ = ["available_memory", "pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved",
+__all__ = ["available_memory", "pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved", "forked_rate",
            "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "batch_payload", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

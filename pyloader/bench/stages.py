@@ -333,6 +333,52 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
             "resident": max(resident)}
 
 
+CEILING_SAMPLES = 1024  # the most samples the ceiling's processes cycle over (the same records the loaders read)
+CEILING_BYTES = 64 << 20  # and the most stored bytes of them held in memory
+
+
+def transform_ceiling(ds: ShardDataset, *, batch_size: int, processes: int, rounds: int,
+                      seconds: float) -> dict[str, Any]:
+    """The most the transform can give on ``processes`` CPUs: that many processes running it alone.
+
+    The first records of ``ds``'s epoch 0 (at most ``CEILING_SAMPLES`` and ``CEILING_BYTES``)
+    are read once into memory as batches; forked processes then run on them, sample by
+    sample, what a transform worker runs on a sample (``run_batch``: the dataset's image
+    decoding, then ``ds.transform`` with its seeds and context), with no reading, queue,
+    collation or hand-off, for ``seconds`` (``measure.forked_rate``), ``rounds`` times; the
+    best rate is kept, as benchmarks/bench_user_transforms.py measures its ceiling. No loader
+    running the same code on as many workers passes it.
+    """
+    from ..transform.stage import run_batch
+
+    spec = ds._sample_spec(0)
+    units, records = ds.plan(epoch=0, worker=0, num_workers=1)
+    held: list[tuple[dict[str, torch.Tensor], Any, Any, Any]] = []
+    count = nbytes = 0
+    it = ds.batches(batch_size, plan=(units, records), num_threads=1)
+    try:
+        for batch in it:
+            rows = int(next(iter(batch.values())).shape[0])
+            sl = slice(count, count + rows)
+            held.append(({k: v.clone() for k, v in batch.items()}, units[sl], records[sl],
+                         ds.global_index(units[sl], records[sl])))
+            count += rows
+            nbytes += sum(v.numel() * v.element_size() for v in batch.values())
+            del batch
+            if count >= CEILING_SAMPLES or nbytes >= CEILING_BYTES:
+                break
+    finally:
+        it.close()
+
+    def work(i: int) -> int:
+        raw, u, r, g = held[i % len(held)]
+        return run_batch(spec, ds, raw, u, r, g, 0).samples if spec is not None else len(u)
+
+    runs = [B.forked_rate(work, processes, seconds) for _ in range(rounds)]
+    return {"samples_per_s": max(runs), "runs_samples_per_s": runs, "processes": processes, "samples": count,
+            "seconds": seconds}
+
+
 def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., Any] | None, *, executor: str,
                         decode: Any, batch_size: int, threads: int, epochs: int, torch_workers: int,
                         min_seconds: float, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -359,6 +405,9 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
         collate_fn=collate_samples, persistent_workers=torch_workers > 0,
         prefetch_factor=4 if torch_workers else None),
         rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
+    progress(f"transform stage: the ceiling ({threads} processes running it alone)")
+    ceiling = transform_ceiling(make_ds(decode=decode, transform=fn), batch_size=batch_size, processes=threads,
+                                rounds=min(epochs, 3), seconds=min_seconds)
     with_tr.pop("stats", None)
     st = _transform_figures(with_tr.pop("epoch_stats"), batch_size)
     without.pop("stats", None)
@@ -384,6 +433,13 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
                                gil_held=(st["executor_choice"] or {}).get("gil_held")),
         "limit_samples_per_s": threads / per_sample_s if per_sample_s > 0 else None,
         "speedup_vs_torch": with_tr["samples_per_s"] / max(torch_r["samples_per_s"], 1e-12),
+        "ceiling": ceiling, "of_ceiling": with_tr["samples_per_s"] / max(ceiling["samples_per_s"], 1e-12),
+        # The first epoch, from building the loader (its executor probe and worker processes included).
+        "first_epoch_samples_per_s": with_tr["first_epoch_samples_per_s"],
+        "torch_first_epoch_samples_per_s": torch_r["first_epoch_samples_per_s"],
+        "first_epoch_vs_torch": with_tr["first_epoch_samples_per_s"] / max(torch_r["first_epoch_samples_per_s"],
+                                                                            1e-12),
+        "first_epoch_vs_steady": with_tr["first_epoch_vs_steady"],
     }
 
 
@@ -618,5 +674,5 @@ def run_au(path: str, w: Workload, *, cache_dir: str | None = None, threads: int
     return out
 
 
-__all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "cold_read_stage", "run_transform_stage", "run_pack_stage",
+__all__ = ["SCHEMA_VERSION", "lz4_blocks", "PadCollate", "run_stages", "cold_read_stage", "CEILING_SAMPLES", "CEILING_BYTES", "transform_ceiling", "run_transform_stage", "run_pack_stage",
            "run_au"]

@@ -176,9 +176,10 @@ class BatchIterator:
     def __init__(self, dataset: ShardDataset, pipeline: _C.BatchPipeline, num_threads: int = 1,
                  prefetch: int = 1) -> None:
         self._fields = dataset.fields
-        # Held while this reads: a dataset dropped by its caller (``for b in ShardDataset(url).batches(n)``)
-        # would otherwise be collected mid-epoch, and its finaliser cancel the downloads this reads.
-        self._dataset = dataset
+        # Held while this reads (until it ends or closes): a dataset dropped by its caller (``for b in
+        # ShardDataset(url).batches(n)``) would otherwise be collected mid-epoch, and its finaliser
+        # cancel the downloads this reads.
+        self._dataset: ShardDataset | None = dataset
         self._shards = dataset._shards
         self._fetcher = dataset._fetcher
         # A local dataset's shard errors name their fix (_shard_error_with_fix); the node cache heals a
@@ -357,6 +358,7 @@ class BatchIterator:
             # Built once: the loader's iterator asks again as it closes, at the epoch boundary.
             self._final = self.stats()
             cb(dict(self._final))
+        self._dataset = None  # ended or closed: the stream no longer keeps its dataset alive
 
     def __del__(self) -> None:
         try:

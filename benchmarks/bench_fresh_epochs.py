@@ -215,7 +215,7 @@ def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
 
 def ceiling(name: str, data: str, seconds: float = 1.0) -> tuple[float, float]:
     """(samples/s of the CPUs' processes running the transform alone at once, CPU us a sample on one thread)."""
-    import torch
+    import bench_user_transforms as user
 
     fn = transform_of(name, data)
     with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
@@ -229,26 +229,7 @@ def ceiling(name: str, data: str, seconds: float = 1.0) -> tuple[float, float]:
     us = (time.thread_time() - t) / 100 * 1e6
     procs = len(os.sched_getaffinity(0))
     per = max(50, int(seconds * 1e6 / us))
-    t0 = time.perf_counter()
-    pids = []
-    for p in range(procs):
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                torch.set_num_threads(1)
-                from threadpoolctl import threadpool_limits
-
-                threadpool_limits(limits=1)
-                for i in range(per):
-                    fn({c: v[(p * per + i) % n] for c, v in cols.items()})
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    for pid in pids:
-        os.waitpid(pid, 0)
-    return procs * per / (time.perf_counter() - t0), us
+    return user.parallel_rate(fn, cols, procs, per), us
 
 
 def run_child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:

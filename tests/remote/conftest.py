@@ -9,12 +9,15 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from remote_servers import FaultServer
 from remote_util import temp_files, write_ds
+
+import pyloader
 
 FETCH_DEADLINE_S = 20  # fast_retries: no download retries past this
 # The longest a download thread lives once its dataset is gone: cancelled at its next chunk,
@@ -43,6 +46,18 @@ def srv_root(tmp_path) -> str:
 @pytest.fixture
 def server(srv_root):
     with FaultServer(srv_root, max_life=120) as s:
+        yield s
+
+
+@pytest.fixture
+def slow_server(tmp_path):
+    """1,200 records of 4 KiB in 1 MiB shards under /ds, served at 300 KB/s: downloads that last."""
+    root = str(tmp_path / "slow-srv")
+    with pyloader.ShardWriter(os.path.join(root, "ds"), {"x": ("uint8", (4096,))}, compression="none",
+                              shard_bytes=1 << 20) as w:
+        for i in range(1200):
+            w.write({"x": np.full(4096, i % 251, np.uint8)})
+    with FaultServer(root, bandwidth=300_000, max_life=120) as s:
         yield s
 
 

@@ -9,12 +9,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from remote_servers import FaultServer
 from remote_util import temp_files
-
-import pyloader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,14 +44,8 @@ def _default_sigint() -> None:
 
 
 @pytest.fixture
-def slow_ds(tmp_path):
-    root = str(tmp_path / "srv")
-    with pyloader.ShardWriter(os.path.join(root, "ds"), {"x": ("uint8", (4096,))}, compression="none",
-                              shard_bytes=1 << 20) as w:
-        for i in range(1200):
-            w.write({"x": np.full(4096, i % 251, np.uint8)})
-    with FaultServer(root, bandwidth=300_000, max_life=120) as s:
-        yield s.url + "/ds", str(tmp_path / "cache"), s
+def slow_ds(slow_server, tmp_path):
+    return slow_server.url + "/ds", str(tmp_path / "cache"), slow_server
 
 
 def _start(code: str, url: str, cache: str) -> subprocess.Popen:

@@ -13,9 +13,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from remote_servers import Fault, FaultServer
+from remote_servers import Fault
 from remote_util import child_env, closed_port, temp_files
 
 import pyloader
@@ -101,17 +100,6 @@ def test_the_waiting_line_has_the_commands_prefix(cache_dir, capsys, monkeypatch
     err = capsys.readouterr().err
     assert code == EXIT_UNREACHABLE and "no data for" in err, err
     assert all(ln.startswith("pyloader cache warm: ") for ln in err.splitlines() if ln.strip()), err
-
-
-@pytest.fixture
-def slow_server(tmp_path):
-    root = str(tmp_path / "srv")
-    with pyloader.ShardWriter(os.path.join(root, "ds"), {"x": ("uint8", (4096,))}, compression="none",
-                              shard_bytes=1 << 20) as w:
-        for i in range(1200):
-            w.write({"x": np.full(4096, i % 251, np.uint8)})
-    with FaultServer(root, bandwidth=300_000, max_life=120) as s:
-        yield s
 
 
 @pytest.mark.timeout(120)

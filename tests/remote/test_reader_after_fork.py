@@ -29,7 +29,9 @@ def labels_of(batch: dict) -> list[int]:
 
 
 def collate(samples: list[dict]) -> dict:
-    return {"label": [s["label"] for s in samples]}
+    # Plain ints: no tensor crosses from a worker (torch would pass its storage as a file
+    # descriptor, and a worker killed in the middle of that handing over is torch's own race).
+    return {"label": [int(s["label"]) for s in samples]}
 
 
 def read_new(url: str, cache: str) -> tuple[float, list[int]]:

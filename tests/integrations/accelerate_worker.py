@@ -122,8 +122,9 @@ def main() -> None:
         result = run(scenario, a)
         with open(os.path.join(a.out, f"{scenario}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized():  # (gloo torn down by the exit may abort: pytorch#190489)
         torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

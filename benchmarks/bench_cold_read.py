@@ -7,14 +7,18 @@ fadvise``: ``posix_fadvise(DONTNEED)`` on each of its files, which needs no root
 other programs' pages alone; ``--drop all``: ``sync; echo 3 > /proc/sys/vm/drop_caches``,
 root only):
 
-- ``pyloader``: one globally shuffled epoch of ``pyloader.DataLoader(num_workers=2)``, from
-  the constructor to the last batch (and to the first: ``first_batch_s``);
-- ``gather``: torch's DataLoader over the ``.npy`` file, one ``np.take`` of the whole
-  shuffled batch per step (the fastest plain peer of bench_core.py);
+- ``pyloader``: one in-order epoch (``shuffle=False``, the peers' default and the first epoch
+  of most jobs) of ``pyloader.DataLoader(num_workers=2)``, from the constructor to the last
+  batch (and to the first: ``first_batch_s``); ``pyloader_shuf``: the same, globally shuffled;
+- ``gather``: torch's DataLoader over the ``.npy`` file, one ``np.take`` of the whole batch
+  per step (the fastest plain peer of bench_core.py), in order; ``gather_shuf``: shuffled;
 - ``seq``: the storage's sequential bandwidth: the shard files read start to end in 8 MiB
   reads (``pyloader.bench.measure.read_gbps``), one thread; ``seq2``: the same on two
   threads (the device's best; "best seq" is the higher of the two);
 - with ``--baseline ROOT`` (a checkout with its own built ``_C``): ``pyloader`` run from it.
+
+Ratios are of medians, and (``per round``) the median of each round's variant over that
+round's best sequential read: the device's speed drifts from round to round.
 
 Variants are interleaved (round 1 of each, then round 2, ...) and medians reported: the
 machine is shared. Before each child, ``--pretouch`` times the dataset's size of memory is
@@ -68,13 +72,14 @@ def child(kind: str, path: str, npy: str, batch: int) -> dict:
         files = dataset_files(path)
         gbps = B.read_gbps(files, 2 if kind == "seq2" else 1)
         return {"gbps": gbps, "bytes": sum(os.path.getsize(f) for f in files)}
-    if kind == "pyloader":
-        loader = B.pyloader_loader(path, batch, shuffle=True, threads=2)
+    shuffle = kind.endswith("_shuf")
+    if kind.startswith("pyloader"):
+        loader = B.pyloader_loader(path, batch, shuffle=shuffle, threads=2)
     else:
         import numpy as np
 
         mm = np.load(npy, mmap_mode="r")
-        loader = B.gather_loader(npy, mm.shape, str(mm.dtype), batch, shuffle=True)
+        loader = B.gather_loader(npy, mm.shape, str(mm.dtype), batch, shuffle=shuffle)
         del mm
     it = iter(loader)
     first = next(it)
@@ -105,6 +110,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profiles", default="image12k,tokens8k,blob150k")
+    ap.add_argument("--order", choices=("inorder", "shuffled", "both"), default="both",
+                    help="the epochs measured: in order (shuffle=False), globally shuffled, or both")
     ap.add_argument("--drop", choices=("fadvise", "all"), default="fadvise")
     ap.add_argument("--pretouch", type=float, default=3.0,
                     help="memory touched and freed before each child, in dataset sizes (0: none)")
@@ -121,9 +128,12 @@ def main() -> None:
     from pyloader.bench import measure as B
 
     tmp = a.dir or tempfile.mkdtemp(prefix="pyloader-bench-cold-read-")
-    variants = {"pyloader": ROOT, "gather": ROOT, "seq": ROOT, "seq2": ROOT}
-    if a.baseline:
-        variants["pyloader_baseline"] = a.baseline
+    suffixes = {"inorder": [""], "shuffled": ["_shuf"], "both": ["", "_shuf"]}[a.order]
+    variants = {"seq": ROOT, "seq2": ROOT}
+    for sfx in suffixes:
+        variants.update({f"pyloader{sfx}": ROOT, f"gather{sfx}": ROOT})
+        if a.baseline:
+            variants[f"pyloader_baseline{sfx}"] = a.baseline
     result: dict = {"config": vars(a), "cpus": os.cpu_count(), "profiles": {}}
     try:
         for name in a.profiles.split(","):
@@ -138,7 +148,7 @@ def main() -> None:
             firsts: dict[str, list[float]] = {}
             for _ in range(a.rounds):
                 for v, root in variants.items():
-                    kind = "pyloader" if v.startswith("pyloader") else v
+                    kind = v.replace("_baseline", "")
                     got = run_child(root, a.drop, kind, path, npy, a.batch, int(a.pretouch * a.mb * 1e6))
                     runs[v].append(got["gbps"])
                     if "first_batch_s" in got:
@@ -148,10 +158,22 @@ def main() -> None:
             result["profiles"][name] = {"records": n, "record_bytes": p.record_bytes, "gbps": runs, "median": med,
                                         "first_batch_s": firsts, "first_batch_median_s": first}
             line = " ".join(f"{v} {g:.3f}" for v, g in med.items())
-            extra = f", baseline/gather {med['pyloader_baseline'] / med['gather']:.2f}x" if a.baseline else ""
-            print(f"{name:>9}: GB/s {line} | pyloader/gather {med['pyloader'] / med['gather']:.2f}x, "
-                  f"pyloader/seq {med['pyloader'] / med['seq']:.2f}, pyloader/best seq "
-                  f"{med['pyloader'] / max(med['seq'], med['seq2']):.2f}{extra}; first batch (ms) "
+            seq = max(med["seq"], med["seq2"])
+            # Each round's own ratio too: the device's speed drifts between rounds (here 0.6-2.5 GB/s
+            # for the same sequential read), and a round's variants ran minutes apart at most.
+            best = [max(x, y) for x, y in zip(runs["seq"], runs["seq2"])]
+            paired = {v: statistics.median(g / b for g, b in zip(runs[v], best)) for v in runs if v not in ("seq", "seq2")}
+            result["profiles"][name]["of_best_seq_per_round_median"] = paired
+            ratios = []
+            for sfx in suffixes:
+                pl, g = med["pyloader" + sfx], med["gather" + sfx]
+                r = (f"{'shuffled' if sfx else 'in order'}: pyloader/gather {pl / g:.2f}x, pyloader/best seq {pl / seq:.2f}"
+                     f" (per round {paired['pyloader' + sfx]:.2f}; gather {paired['gather' + sfx]:.2f})")
+                if a.baseline:
+                    b = med["pyloader_baseline" + sfx]
+                    r += f", baseline/gather {b / g:.2f}x, baseline/best seq {b / seq:.2f}"
+                ratios.append(r)
+            print(f"{name:>9}: GB/s {line} | " + "; ".join(ratios) + "; first batch (ms) "
                   + " ".join(f"{v} {1e3 * f:.0f}" for v, f in first.items()) + f"  (rounds: {runs})", flush=True)
     finally:
         if not a.dir:

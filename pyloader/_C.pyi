@@ -165,6 +165,20 @@ class ShardSet:
     def waiting(self) -> list[int]:
         """The shards a worker waits on now."""
 
+    def trust(self, index: int, dev: int, ino: int, size: int, mtime_ns: int, ctime_ns: int) -> None:
+        """Shard `index`, when mapped from a file of exactly this identity, is read without checksum checks.
+
+        The identity is os.stat's st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns of a
+        file verified in full before (NOTE [verified files] in core/shard_reader.cpp).
+        """
+
+    def newly_verified(self) -> list[tuple[int, tuple[int, int, int, int, int], int]]:
+        """Mapped shards whose every record was verified, not reported before.
+
+        (index, (dev, ino, size, mtime_ns, ctime_ns), opened_ns): the file's identity and
+        when it was opened (as time.time_ns()). Each is reported once.
+        """
+
     def counts(self) -> dict[str, int]:
         """Mapped, idle and active shards, heals, unloads, the peak of mapped shards, and remaps (NOTE [mapping bound])."""
 

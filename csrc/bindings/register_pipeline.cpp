@@ -95,6 +95,30 @@ void register_pipeline(py::module_& m) {
       .def(
           "waiting", [](ShardSet& s) { return without_gil([&] { return s.waiting(); }); },
           "The shards a worker waits on now.")
+      .def(
+          "trust",
+          [](ShardSet& s, size_t i, uint64_t dev, uint64_t ino, uint64_t size, int64_t mtime_ns, int64_t ctime_ns) {
+            s.trust(i, FileIdentity{dev, ino, size, mtime_ns, ctime_ns});
+          },
+          py::arg("index"), py::arg("dev"), py::arg("ino"), py::arg("size"), py::arg("mtime_ns"), py::arg("ctime_ns"),
+          "Shard `index`, when mapped from a file of exactly this identity (os.stat's st_dev, st_ino, st_size, "
+          "st_mtime_ns, st_ctime_ns), is read without checksum checks: it was verified in full before "
+          "(NOTE [verified files] in core/shard_reader.cpp).")
+      .def(
+          "newly_verified",
+          [](ShardSet& s) {
+            auto v = without_gil([&] { return s.newly_verified(); });
+            py::list out;
+            for (const auto& e : v)
+              out.append(py::make_tuple(e.index,
+                                        py::make_tuple(e.identity.dev, e.identity.ino, e.identity.size,
+                                                       e.identity.mtime_ns, e.identity.ctime_ns),
+                                        e.opened_ns));
+            return out;
+          },
+          "Mapped shards whose every record was verified, not reported before: (index, (dev, ino, size, "
+          "mtime_ns, ctime_ns), opened_ns) with the file's identity and when it was opened (time.time_ns()). "
+          "Each is reported once (NOTE [verified files] in core/shard_reader.cpp).")
       .def("counts",
            [](ShardSet& s) {
              ShardSet::Counts c = s.counts();

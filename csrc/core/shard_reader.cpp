@@ -204,6 +204,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     const uint64_t total_blocks = read_column_table(regions, fields);
     assign_index_slots(regions);
     validate_index_entries(regions, fields, max_value_bytes);
+    total_blocks_ = total_blocks;
     block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
     verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
     if (read_ahead) claim_read_ahead();
@@ -231,6 +232,14 @@ void Shard::map_file(uint64_t expected_bytes) {
     ::close(fd);
     throw LoaderError(ErrorKind::kIO, path_, -1, "", std::string("cannot stat: ") + std::strerror(e), e);
   }
+  {
+    struct timespec now;
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    opened_ns_ = int64_t(now.tv_sec) * 1000000000 + now.tv_nsec;
+  }
+  identity_ = FileIdentity{uint64_t(st.st_dev), uint64_t(st.st_ino), uint64_t(st.st_size),
+                           int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
+                           int64_t(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec};
   uint64_t fsize = uint64_t(st.st_size);
   if (fsize != expected_bytes) {
     ::close(fd);
@@ -490,6 +499,47 @@ Shard::~Shard() {
   if (base_) ::munmap(const_cast<uint8_t*>(base_), map_size_);
 }
 
+// NOTE [verified files]: a process verifies a record's checksums the first time it reads
+// it (NOTE [verify once] in shard_reader.h); a new process would hash every byte of a warm
+// dataset again, which made a first epoch 1.4x as long as the next ones. So a file that a
+// process verified in full is remembered by its identity: (st_dev, st_ino, st_size,
+// st_mtime, st_ctime) from fstat() of the descriptor it was mapped from. The loader keeps
+// these records in a small file it owns (pyloader/read/verified.py says where, and when it
+// writes one) and hands them to ShardSet::trust(); a shard mapped later from a file of the
+// same identity is marked verified in full and read without hashing. Any write to a file,
+// truncate, chmod, or rename over it changes st_ctime (or st_ino) and user space cannot set
+// st_ctime back, so a file written since it was verified is verified again -- with two
+// limits, which the recorder observes: the kernel stamps ctime from a coarse clock, so a
+// file is recorded only if its ctime lies well before the open that began its hashing
+// (another write in the same clock tick would otherwise look unchanged); and stores
+// through a shared writable mapping update ctime only when written back, which the loader
+// does not guard against (as NOTE [verify once] already assumes within a process).
+// The header, schema and index checksums are checked at every open regardless.
+void Shard::mark_all_verified() const noexcept {
+  for (uint64_t w = 0; w < (num_records_ + 63) / 64; ++w) {
+    const uint64_t left = num_records_ - w * 64;
+    verified_[w].store(left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1, std::memory_order_release);
+  }
+  for (uint64_t w = 0; w < (total_blocks_ + 63) / 64; ++w) {
+    const uint64_t left = total_blocks_ - w * 64;
+    block_verified_[w].store(left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1, std::memory_order_release);
+  }
+}
+
+bool Shard::all_verified() const noexcept {
+  for (uint64_t w = 0; w < (num_records_ + 63) / 64; ++w) {
+    const uint64_t left = num_records_ - w * 64;
+    const uint64_t full = left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
+    if ((verified_[w].load(std::memory_order_acquire) & full) != full) return false;
+  }
+  for (uint64_t w = 0; w < (total_blocks_ + 63) / 64; ++w) {
+    const uint64_t left = total_blocks_ - w * 64;
+    const uint64_t full = left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
+    if ((block_verified_[w].load(std::memory_order_acquire) & full) != full) return false;
+  }
+  return true;
+}
+
 bool Shard::check_block(size_t c, uint64_t block, uint64_t* got, uint64_t* want) const noexcept {
   const ColumnSpec& col = columns_[c];
   const uint64_t first = block << col.block_shift;
@@ -568,6 +618,7 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   idle_next_.assign(n, kNone);
   in_idle_.assign(n, 0);
   release_noted_.assign(n, 0);
+  reported_.assign(n, 0);
   if (max_mapped_ != 0) {  // See NOTE [mapping bound]
     use_prev_.assign(n, kNone);
     use_next_.assign(n, kNone);
@@ -652,6 +703,10 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
       continue;
     }
     if (!open_[i]) {
+      if (!trusted_.empty() && trusted_[i].size != 0 && trusted_[i] == sh->identity()) {
+        sh->mark_all_verified();  // See NOTE [verified files]
+        reported_[i] = 1;
+      }
       open_[i] = std::move(sh);
       if (++mapped_ > peak_mapped_) peak_mapped_ = mapped_;
       if (active_[i] == 0) make_idle_locked(i);
@@ -666,6 +721,32 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
     }
     return open_[i];
   }
+}
+
+void ShardSet::trust(size_t i, const FileIdentity& id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (i >= paths_.size()) throw std::out_of_range("shard index out of range");
+  if (trusted_.empty()) trusted_.resize(paths_.size());
+  trusted_[i] = id;
+}
+
+std::vector<ShardSet::VerifiedShard> ShardSet::newly_verified() {
+  std::vector<std::pair<size_t, std::shared_ptr<const Shard>>> open;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < open_.size(); ++i)
+      if (open_[i] && !reported_[i]) open.emplace_back(i, open_[i]);
+  }
+  std::vector<VerifiedShard> out;
+  for (auto& [i, sh] : open)
+    if (sh->all_verified()) out.push_back(VerifiedShard{i, sh->identity(), sh->opened_ns()});
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!out.empty() && trusted_.empty()) trusted_.resize(paths_.size());
+  for (const VerifiedShard& v : out) {
+    reported_[v.index] = 1;
+    trusted_[v.index] = v.identity;  // a re-open of the same file (NOTE [mapping bound]) needs no hashing
+  }
+  return out;
 }
 
 ShardSet::~ShardSet() {

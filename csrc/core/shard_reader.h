@@ -97,6 +97,16 @@ struct ColumnSpec {
   uint64_t first_block = 0;  // this column's first bit in the shard's block bitmap
 };
 
+// What a file is on its filesystem, from fstat() of the descriptor a shard was mapped
+// from (NOTE [verified files]). Equal identities: the same file, not written since.
+struct FileIdentity {
+  uint64_t dev = 0, ino = 0, size = 0;
+  int64_t mtime_ns = 0, ctime_ns = 0;
+  bool operator==(const FileIdentity& o) const noexcept {
+    return dev == o.dev && ino == o.ino && size == o.size && mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns;
+  }
+};
+
 class Shard {
  public:
   // Opens and validates. expected_bytes/records come from the manifest; schema must equal
@@ -168,6 +178,13 @@ class Shard {
   void mark_verified(uint64_t record) const noexcept {
     verified_[record >> 6].fetch_or(uint64_t(1) << (record & 63), std::memory_order_release);
   }
+  // NOTE [verified files] in shard_reader.cpp: the file this shard was mapped from, when it
+  // was opened (CLOCK_REALTIME ns, before anything was hashed), every record and block
+  // marked verified at once, and whether all of them are.
+  const FileIdentity& identity() const noexcept { return identity_; }
+  int64_t opened_ns() const noexcept { return opened_ns_; }
+  void mark_all_verified() const noexcept;
+  bool all_verified() const noexcept;
   // The same for the blocks of columns (NOTE [column layout]); `bit` is first_block + block.
   bool block_verified(uint64_t bit) const noexcept {
     return (block_verified_[bit >> 6].load(std::memory_order_acquire) >> (bit & 63)) & 1u;
@@ -216,6 +233,9 @@ class Shard {
   int32_t first_indexed_ = -1;
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
   std::unique_ptr<std::atomic<uint64_t>[]> block_verified_;
+  uint64_t total_blocks_ = 0;  // bits of block_verified_
+  FileIdentity identity_;
+  int64_t opened_ns_ = 0;
   mutable std::atomic<bool> read_ahead_done_{false};
 };
 
@@ -315,6 +335,18 @@ class ShardSet {
   // The shards a worker waits on now (takes no events).
   std::vector<uint32_t> waiting();
 
+  // See NOTE [verified files] in shard_reader.cpp: shard i, once mapped from a file of this
+  // identity, needs no checksum checks (a later open of a file with another identity does).
+  void trust(size_t i, const FileIdentity& id);
+  // Mapped shards whose every record is verified now and that were not reported before
+  // (nor trusted): (index, identity, opened_ns). Each is reported once, and trusted from then on.
+  struct VerifiedShard {
+    size_t index;
+    FileIdentity identity;
+    int64_t opened_ns;
+  };
+  std::vector<VerifiedShard> newly_verified();
+
   struct Counts {
     uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0, remaps = 0;
   };
@@ -349,6 +381,8 @@ class ShardSet {
   std::vector<uint32_t> waiters_;  // workers waiting for the shard to be ready
   std::vector<uint8_t> healed_;    // a re-fetch was requested once
   std::vector<std::string> first_failure_;
+  std::vector<FileIdentity> trusted_;  // See NOTE [verified files]; size 0 until trust() is first called
+  std::vector<uint8_t> reported_;      // by newly_verified() or trusted
   // Idle mapped shards, least recently released first: a doubly linked list by index.
   static constexpr uint32_t kNone = 0xffffffffu;
   std::vector<uint32_t> idle_prev_, idle_next_;

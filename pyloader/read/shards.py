@@ -43,6 +43,7 @@ from ..format.spec import (
 from ..remote import fetch as _fetch
 from ..remote.budget import MAX_OPEN, check_share, reader_share
 from ..remote.fs import is_remote
+from . import verified as _verified
 from .units import RemoteOptions, UnitDataset, node_readers
 
 
@@ -186,6 +187,9 @@ class BatchIterator:
         # remote one's. A Mixture's stream reads its sources' shards: the error names the source's manifest.
         sources = getattr(dataset, "sources", None) or [dataset]
         self._local_sources = [s for s in sources if isinstance(s, ShardDataset) and not s.is_remote]
+        # See NOTE [verified files] in csrc/core/shard_reader.cpp: a local ShardDataset's shards read in full are recorded.
+        self._verified_paths = (dataset.root, dataset.shard_paths) if (
+            isinstance(dataset, ShardDataset) and not dataset.is_remote and self._shards is not None) else None
         self._pipeline = pipeline
         self._pid = os.getpid()
         self._threads = num_threads
@@ -351,6 +355,9 @@ class BatchIterator:
             self._finish()
 
     def _finish(self) -> None:
+        where, self._verified_paths = self._verified_paths, None
+        if where is not None and os.getpid() == self._pid and self._shards is not None:
+            _verified.record_verified(self._shards, *where)
         cb, self.on_finish = self.on_finish, None
         if cb is not None and os.getpid() == self._pid:
             # Not in a forked child: the native set's locks may have been held by a thread
@@ -629,6 +636,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
                                        max_value_bytes=self.max_value_bytes,
                                        max_mapped=self.max_mapped_shards if remote is None else 0)
             self._shards_pid = os.getpid()
+            if remote is None:  # See NOTE [verified files] in csrc/core/shard_reader.cpp
+                _verified.trust_recorded(self._shards, self.root, paths)
             if remote is not None:  # See NOTE [shard readiness]: the fetcher fills the pending set
                 self._fetcher = self.fetcher(self._shards, readers)
                 weakref.finalize(self, self._fetcher.close)

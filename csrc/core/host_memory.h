@@ -60,6 +60,9 @@ class PageableAllocator final : public HostAllocator {
   HostMemoryStats stats() const noexcept override;
 
  private:
+  // A fresh anonymous mapping of n bytes (n >= 2 MiB) at a 2 MiB boundary, advised to use
+  // transparent huge pages (NOTE [prefaulted slots] in host_memory.cpp).
+  static void* map_huge(size_t n);
   // Faults [p, p + n) in, 2 MiB at a time (NOTE [chunked populate] in host_memory.cpp).
   static void populate(uint8_t* p, size_t n) noexcept;
   std::atomic<uint64_t> live_{0}, allocs_{0}, frees_{0}, alloc_bytes_{0}, alloc_ns_{0};

@@ -295,42 +295,68 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
 
 def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
                     progress: Callable[[str], None]) -> dict[str, Any] | None:
-    """One epoch from a cold page cache against the sequential read of the same files, cold too.
+    """Cold epochs, in order and shuffled, against the sequential read of the same files, cold too.
 
-    The dataset's pages are dropped first (``measure.drop_pages``: fsync and
-    ``POSIX_FADV_DONTNEED`` on its files, no root needed); the files are then read start to
-    end in 8 MiB reads on one thread (``seq_gbps``: what the storage gives a sequential
-    reader), dropped again, and one shuffled epoch of a new ``ShardDataset`` over them is read
-    (``gbps``: stored bytes over its wall time, from the loader's construction). ``of_seq``
-    is their ratio; ``resident`` the share of the files still in memory after each drop
-    (pages another process maps stay). None for a remote dataset, whose cold read is the
-    fetch stage.
+    Before each read the dataset's pages are dropped (``measure.drop_pages``: fsync and
+    ``POSIX_FADV_DONTNEED`` on its files, no root needed). The files are read start to end in
+    8 MiB reads on one thread (``seq_gbps``: what the storage gives a sequential reader); then
+    one epoch of a new ``ShardDataset`` over them in order (``in_order``: ``shuffle=False``,
+    the first epoch of most jobs), then one globally shuffled (``shuffled``); each with its
+    ``gbps`` (stored bytes over its wall time, from the loader's construction), ``of_seq``
+    (``gbps / seq_gbps``) and ``first_batch_s``. The sequential read is done again last, and
+    ``seq_gbps`` is the faster of the two (``seq_gbps_runs``): the device's speed drifts, and
+    the slower read would flatter the epochs. ``of_seq`` is the lower epoch's ratio, ``gbps``
+    and the other top-level figures the shuffled epoch's; ``resident`` the largest share of
+    the files still in memory after a drop (pages another process maps stay). None for a
+    remote dataset, whose cold read is the fetch stage.
     """
     if ds.is_remote:
         return None
-    progress(f"stage 1b/5: cold read (page cache dropped; sequential read, then one epoch on {threads} threads)")
+    progress(f"stage 1b/5: cold read (page cache dropped before each: sequential read, one epoch in order and "
+             f"one shuffled on {threads} threads, sequential read)")
     files = ds.local_files()
     size = sum(os.path.getsize(f) for f in files)
-    # Both reads get page-cache pages the machine has backed (measure.pretouch): on a VM that
+    # Every read gets page-cache pages the machine has backed (measure.pretouch): on a VM that
     # backs memory at first touch, whichever read came first would pay for it.
     warm = min(2 * size, B.available_memory() // 2)
-    B.drop_pages(files)
-    resident = [B.resident_fraction(files)]
-    B.pretouch(warm)
-    seq = B.read_gbps(files, 1)
-    B.drop_pages(files)
-    resident.append(B.resident_fraction(files))
-    B.pretouch(warm)
-    with B.CpuTimer() as t:
-        # Encoded fields (images) as the bytes they are, as every I/O stage reads them.
-        cold = ShardDataset(ds.url, shuffle=True, seed=0, max_value_bytes=ds.max_value_bytes, decode=False)
-        loader = DataLoader(cold, batch_size=batch_size, num_workers=threads)
-        samples, _ = B.epoch_samples(loader)
-    stored = loader.stats()["stored_bytes"]
-    gbps = stored / max(t.wall, 1e-9) / 1e9
-    return {"gbps": gbps, "seq_gbps": seq, "of_seq": gbps / seq if seq > 0 else None, "bytes": size,
-            "stored_bytes": stored, "samples": samples, "wall_s": t.wall, "cpu_s": t.cpu, "threads": threads,
-            "resident": max(resident)}
+    resident: list[float] = []
+
+    def cold() -> None:
+        B.drop_pages(files)
+        resident.append(B.resident_fraction(files))
+        B.pretouch(warm)
+
+    def epoch(shuffle: bool) -> dict[str, Any]:
+        cold()
+        with B.CpuTimer() as t:
+            # Encoded fields (images) as the bytes they are, as every I/O stage reads them.
+            cold_ds = ShardDataset(ds.url, shuffle=shuffle, seed=0, max_value_bytes=ds.max_value_bytes,
+                                   decode=False)
+            loader = DataLoader(cold_ds, batch_size=batch_size, num_workers=threads)
+            samples = 0
+            first_batch_s = None
+            for batch in loader:
+                if first_batch_s is None:
+                    first_batch_s = t.elapsed()
+                samples += B.batch_payload(batch)[0]
+        stored = loader.stats()["stored_bytes"]
+        return {"gbps": stored / max(t.wall, 1e-9) / 1e9, "stored_bytes": stored, "samples": samples,
+                "wall_s": t.wall, "first_batch_s": first_batch_s, "cpu_s": t.cpu}
+
+    cold()
+    seq_runs = [B.read_gbps(files, 1)]
+    in_order = epoch(False)
+    shuffled = epoch(True)
+    cold()
+    seq_runs.append(B.read_gbps(files, 1))
+    seq = max(seq_runs)
+    for e in (in_order, shuffled):
+        e["of_seq"] = e["gbps"] / seq if seq > 0 else None
+    ratios = [e["of_seq"] for e in (in_order, shuffled) if e["of_seq"] is not None]
+    return {"seq_gbps": seq, "seq_gbps_runs": seq_runs, "bytes": size, "threads": threads,
+            "resident": max(resident), "in_order": in_order, "shuffled": shuffled,
+            "of_seq": min(ratios) if ratios else None,
+            **{k: shuffled[k] for k in ("gbps", "stored_bytes", "samples", "wall_s", "cpu_s")}}
 
 
 CEILING_SAMPLES = 1024  # the most samples the ceiling's processes cycle over (the same records the loaders read)

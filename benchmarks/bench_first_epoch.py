@@ -18,19 +18,34 @@ restarted job sees them:
    batch slots, NOTE [prepared slots] in csrc/core/slot_pool.cpp, and reports how long that
    took), then the first epoch from ``iter()`` -- what is left of the first epoch's extra
    cost once the kernel no longer has to hand the process new pages for its batch buffers
-   (shards still mapped afresh, records still verified). Variants 1-3 time the first epoch
-   from the constructor, with the preparation running alongside.
+   (shards still mapped afresh). Variants 1-3 time the first epoch from the constructor,
+   with the preparation running alongside;
+5. ``v2-pause``: the loader built, then a 1 s pause (a script building its model), then the
+   first epoch timed from ``iter()``;
+6. which records are hashed: every child shares one record of verified shard files (NOTE
+   [verified files] in csrc/core/shard_reader.cpp; ``PYLOADER_CACHE_DIR`` set to a folder of
+   this run; one untimed run per dataset fills it before the rounds), so the files are not
+   hashed again -- as a restarted job sees them. ``v2-hash`` and ``v1`` run with an empty record instead: the first
+   process ever to read the files, which hashes every record (XXH3-64 in v2, XXH64 in v1);
+7. the measured limit, in every child after its epochs: a steady epoch plus what a fresh
+   process cannot avoid -- mapping every page of the shard files (``mmap`` +
+   ``MADV_POPULATE_READ`` of the same files again) and the thread time the loader spent
+   populating its new batch memory -- spread over the loader's two threads:
+   ``limit = steady_s / (steady_s + (map_s + alloc_s) / 2)``.
 
 Runs are interleaved (round 1 of every variant, then round 2, ...) and medians reported,
 because this machine is shared and noisy. Writes JSON and prints a table of ratios.
 
     python benchmarks/bench_first_epoch.py [--mb 480] [--rounds 5] [--profiles image12k,tokens8k,blob150k]
+        [--baseline ROOT]  (another checkout, its _C built: the same variants, interleaved, labelled "base")
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -40,6 +55,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,12 +100,35 @@ def _read_all(path: str) -> None:
                 pass
 
 
-def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle: bool = False) -> dict[str, Any]:
-    """One fresh process: first epoch, steady state, boundaries, memcpy.
+def map_all_s(path: str) -> float:
+    """Seconds to map every page of the dataset's (cached) files into this process once more."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    maps = []
+    t = time.perf_counter()
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".pyl"):
+            continue
+        with open(os.path.join(path, name), "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+        a = np.frombuffer(m, np.uint8)
+        if libc.madvise(ctypes.c_void_p(a.ctypes.data), len(m), 22) != 0:  # MADV_POPULATE_READ (Linux 5.14)
+            int(a[::4096].sum())
+        del a
+        maps.append(m)
+    dt = time.perf_counter() - t
+    for m in maps:
+        m.close()
+    return dt
+
+
+def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle: bool = False,
+          pause: float = 0.0) -> dict[str, Any]:
+    """One fresh process: first epoch, steady state, boundaries, memcpy, the limit.
 
     ``settle``: the first epoch is timed from ``iter()``, once the loader built before it
-    has prepared its batch slots (as after a script's model building); else from the
-    constructor.
+    has prepared its batch slots (as after a script's model building); ``pause``: from
+    ``iter()`` after that many seconds; else from the constructor.
     """
     t_import = time.perf_counter()
     import pyloader
@@ -106,6 +146,9 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
             time.sleep(0.001)
         prepare_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+    if pause:
+        time.sleep(pause)
+        t0 = time.perf_counter()
     if not ahead:
         loader._reads_ahead = lambda: False  # type: ignore[method-assign]  # the loader as it was before
     first_batch = None
@@ -116,6 +159,7 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
         n += int(b["label"].shape[0])
         del b
     first_s = time.perf_counter() - t0
+    first_verified = loader.stats()["verified_bytes"]
     rates, inside, boundary = [], [], []
     last = None
     for _ in range(epochs):
@@ -131,22 +175,41 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
         rates.append(n / (time.perf_counter() - t))
     payload = loader.stats()["decoded_bytes"]  # of one epoch (the last)
     steady = max(rates)
+    pool = loader._batch_pool
+    alloc_s = pool.memory()["driver_alloc_s"] if pool is not None else 0.0
+    map_s = map_all_s(path)
+    steady_s = n / steady
     return {"import_s": import_s, "first_batch_s": first_batch, "first_epoch_s": first_s, "records": n,
             "first_rate": n / first_s, "steady_rate": steady, "first_vs_steady": n / first_s / steady,
             "steady_gbps": steady * payload / n / 1e9, "memcpy_2t_gbps": B.memcpy_gbps(2),
             "gap_inside_s": statistics.median(inside), "gap_boundary_s": statistics.median(boundary),
             "boundary_vs_inside": statistics.median(boundary) / statistics.median(inside),
             "started_ahead": loader.stats()["started_ahead"], "slots": loader._pool.created,
-            "prepare_s": prepare_s}
+            "prepare_s": prepare_s, "first_verified_bytes": first_verified, "alloc_s": alloc_s, "map_s": map_s,
+            "limit": steady_s / (steady_s + (map_s + alloc_s) / 2)}
 
 
-def run_child(path: str, args: argparse.Namespace, *, ahead: bool, epochs: int, settle: bool = False) -> dict[str, Any]:
+VARIANTS = {  # tag: (version, ahead, settle, pause_s, record of verified files)
+    "v2": ("v2", True, False, 0.0, "shared"),
+    "v2-pause": ("v2", True, False, 1.0, "shared"),
+    "v2-built-ahead": ("v2", True, True, 0.0, "shared"),
+    "v2-no-ahead": ("v2", False, False, 0.0, "shared"),
+    "v2-hash": ("v2", True, False, 0.0, "empty"),
+    "v1": ("v1", True, False, 0.0, "empty"),
+}
+BASE_VARIANTS = ("v2", "v2-pause")  # run on --baseline too, tagged "base v2", "base v2-pause"
+KEYS = ("first_batch_s", "first_rate", "steady_rate", "first_vs_steady", "steady_gbps", "memcpy_2t_gbps",
+        "gap_inside_s", "gap_boundary_s", "boundary_vs_inside", "first_verified_bytes", "alloc_s", "map_s", "limit")
+
+
+def run_child(path: str, args: argparse.Namespace, *, ahead: bool, epochs: int, settle: bool = False,
+              pause: float = 0.0, root: str = ROOT, cache: str) -> dict[str, Any]:
     _read_all(path)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), PYLOADER_CACHE_DIR=cache)
     extra = ["--settle", "1"] if settle else []
     out = subprocess.run([sys.executable, __file__, "--child", path, "--batch", str(args.batch),
                           "--shuffle", str(int(args.shuffle)), "--ahead", str(int(ahead)), "--epochs", str(epochs),
-                          *extra], capture_output=True, text=True, env=env, timeout=600)
+                          "--pause", str(pause), *extra], capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -160,14 +223,17 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=4, help="epochs after the first, per run")
     ap.add_argument("--shuffle", type=int, default=1)
     ap.add_argument("--profiles", default="image12k,tokens8k,blob150k")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of: " + ", ".join(VARIANTS))
+    ap.add_argument("--baseline", help="another checkout (its _C built) to run the v2 and v2-pause variants of too")
     ap.add_argument("--out", default="bench_results/first_epoch.json")
     ap.add_argument("--child")
     ap.add_argument("--ahead", type=int, default=1)
     ap.add_argument("--settle", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--pause", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.batch, bool(args.shuffle), bool(args.ahead), args.epochs,
-                               bool(args.settle))))
+                               bool(args.settle), args.pause)))
         return 0
 
     from pyloader.bench import measure as B
@@ -176,54 +242,67 @@ def main() -> int:
     if unknown:
         ap.error(f"--profiles: unknown profile(s) {', '.join(map(repr, unknown))}; choose from "
                  f"{', '.join(sorted(B.PROFILES))}")
+    tags = args.variants.split(",")
+    if any(t not in VARIANTS for t in tags):
+        ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
+    if args.baseline and not os.path.isdir(os.path.join(args.baseline, "pyloader")):
+        ap.error(f"--baseline {args.baseline!r}: not a checkout (no pyloader/ in it); pass the root of one")
     results: dict[str, Any] = {"config": vars(args), "environment": B.environment(), "profiles": {}}
+    labels = list(tags) + ([f"base {t}" for t in BASE_VARIANTS] if args.baseline else [])
     with tempfile.TemporaryDirectory(prefix="pyloader-first-epoch-") as tmp:
-        variants: list[tuple[str, str, str, bool, bool]] = []
+        shared = os.path.join(tmp, "cache")  # one record of verified files for the run (NOTE [verified files])
+        variants: list[tuple[str, str, str, str, bool, bool, float, str]] = []
         for name in args.profiles.split(","):
             p = B.PROFILES[name]
-            v2 = os.path.join(tmp, f"{name}-v2")
-            B.write_profile_dataset(v2, p, int(args.mb * 1e6 / p.record_bytes), compression="none", version=2)
-            v1 = os.path.join(tmp, f"{name}-v1")
-            _to_v1(v2, v1)
-            variants += [(name, "v2", v2, True, False), (name, "v1", v1, True, False),
-                         (name, "v2-no-ahead", v2, False, False), (name, "v2-built-ahead", v2, True, True)]
+            paths = {"v2": os.path.join(tmp, f"{name}-v2"), "v1": os.path.join(tmp, f"{name}-v1")}
+            B.write_profile_dataset(paths["v2"], p, int(args.mb * 1e6 / p.record_bytes), compression="none", version=2)
+            if "v1" in tags:
+                _to_v1(paths["v2"], paths["v1"])
+            for label in labels:
+                base = label.startswith("base ")
+                version, ahead, settle, pause, store = VARIANTS[label.removeprefix("base ")]
+                variants.append((name, label, paths[version], args.baseline if base else ROOT, ahead, settle, pause,
+                                 "empty" if base else store))
         os.sync()  # the datasets just written go to disk now, not as writeback during the runs
+        time.sleep(2.5)  # older than the window in which a changed file is not recorded as verified
+        for name in args.profiles.split(","):  # the job's first run ever, untimed: records the files as verified
+            if any(VARIANTS[t][4] == "shared" for t in tags):
+                run_child(os.path.join(tmp, f"{name}-v2"), args, ahead=True, epochs=2, cache=shared)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in range(args.rounds):
-            for name, tag, path, ahead, settle in variants:
-                res = run_child(path, args, ahead=ahead, epochs=args.epochs, settle=settle)
-                runs.setdefault((name, tag), []).append(res)
-                print(f"[round {r + 1}/{args.rounds}] {name} {tag}: first/steady {res['first_vs_steady']:.2f}, "
-                      f"first batch {1e3 * res['first_batch_s']:.1f} ms, boundary/inside "
-                      f"{res['boundary_vs_inside']:.2f}", file=sys.stderr, flush=True)
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    rows = []
+            for k, (name, label, path, root, ahead, settle, pause, store) in enumerate(variants):
+                cache = shared if store == "shared" else os.path.join(tmp, f"empty-{r}-{k}")
+                res = run_child(path, args, ahead=ahead, epochs=args.epochs, settle=settle, pause=pause, root=root,
+                                cache=cache)
+                runs.setdefault((name, label), []).append(res)
+                print(f"[round {r + 1}/{args.rounds}] {name} {label}: first/steady {res['first_vs_steady']:.2f} "
+                      f"(limit {res['limit']:.2f}), first batch {1e3 * res['first_batch_s']:.1f} ms, hashed "
+                      f"{res['first_verified_bytes'] / 1e6:.0f} MB", file=sys.stderr, flush=True)
+    med = statistics.median
     for name in args.profiles.split(","):
         out: dict[str, Any] = {}
-        for tag in ("v2", "v1", "v2-no-ahead", "v2-built-ahead"):
-            rs = runs[(name, tag)]
-            out[tag] = {"runs": rs, **{k: med([x[k] for x in rs]) for k in (
-                "first_batch_s", "first_rate", "steady_rate", "first_vs_steady", "steady_gbps", "memcpy_2t_gbps",
-                "gap_inside_s", "gap_boundary_s", "boundary_vs_inside")}}
-            out[tag]["steady_vs_memcpy_2t"] = med([x["steady_gbps"] / x["memcpy_2t_gbps"] for x in rs])
+        for label in labels:
+            rs = runs[(name, label)]
+            out[label] = {"runs": rs, **{k: med([x[k] for x in rs]) for k in KEYS}}
+            out[label]["steady_vs_memcpy_2t"] = med([x["steady_gbps"] / x["memcpy_2t_gbps"] for x in rs])
+            if VARIANTS[label.removeprefix("base ")][2]:
+                out[label]["prepare_s"] = med([x["prepare_s"] for x in rs])
         results["profiles"][name] = out
-        v2, v1, off, built = out["v2"], out["v1"], out["v2-no-ahead"], out["v2-built-ahead"]
-        built["prepare_s"] = med([x["prepare_s"] for x in built["runs"]])
-        rows.append((name, v1["first_vs_steady"], v2["first_vs_steady"], v2["first_rate"] / v1["first_rate"],
-                     1e3 * v1["first_batch_s"], 1e3 * v2["first_batch_s"], v2["steady_vs_memcpy_2t"],
-                     off["boundary_vs_inside"], v2["boundary_vs_inside"], built["first_vs_steady"],
-                     1e3 * built["first_batch_s"], 1e3 * built["prepare_s"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=1)
     print(f"medians of {args.rounds} interleaved rounds, {args.mb:.0f} MB per dataset, batch {args.batch}, "
-          f"{'shuffled' if args.shuffle else 'in order'}, 2 native threads, page cache hot, fresh process per run")
-    print(f"{'profile':<10}{'first/steady v1':>16}{'v2':>7}{'v2/v1 first':>13}{'1st batch v1 ms':>17}{'v2 ms':>7}"
-          f"{'steady/memcpy2t':>17}{'boundary gap: before':>22}{'ahead':>7}"
-          f"{'built ahead: first/steady':>27}{'1st batch ms':>14}{'prepared in ms':>16}")
-    for r in rows:
-        print(f"{r[0]:<10}{r[1]:>16.2f}{r[2]:>7.2f}{r[3]:>12.2f}x{r[4]:>17.1f}{r[5]:>7.1f}{r[6]:>17.2f}"
-              f"{r[7]:>21.1f}x{r[8]:>6.1f}x{r[9]:>27.2f}{r[10]:>14.1f}{r[11]:>16.1f}")
+          f"{'shuffled' if args.shuffle else 'in order'}, 2 native threads, page cache hot, fresh process per run"
+          + (f"; base = {args.baseline}" if args.baseline else ""))
+    print(f"{'profile':<10}{'variant':<17}{'first/steady':>13}{'(range)':>12}{'limit':>7}{'1st batch ms':>13}"
+          f"{'hashed MB':>10}{'map ms':>8}{'alloc ms':>9}{'steady/memcpy2t':>16}{'boundary/inside':>16}")
+    for name in args.profiles.split(","):
+        for label in labels:
+            o, rs = results["profiles"][name][label], runs[(name, label)]
+            lo, hi = min(x["first_vs_steady"] for x in rs), max(x["first_vs_steady"] for x in rs)
+            print(f"{name:<10}{label:<17}{o['first_vs_steady']:>13.2f}{f'({lo:.2f}-{hi:.2f})':>12}{o['limit']:>7.2f}"
+                  f"{1e3 * o['first_batch_s']:>13.1f}{o['first_verified_bytes'] / 1e6:>10.0f}{1e3 * o['map_s']:>8.1f}"
+                  f"{1e3 * o['alloc_s']:>9.1f}{o['steady_vs_memcpy_2t']:>16.2f}{o['boundary_vs_inside']:>15.1f}x")
     print(f"wrote {args.out}")
     return 0
 

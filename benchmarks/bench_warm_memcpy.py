@@ -17,7 +17,12 @@ over every epoch, ``num_workers=2``, batch 256), each round runs, in alternating
 Every ratio is taken within one round and reported as median and range over rounds,
 because this machine is shared. Writes JSON (every raw figure) and prints a table.
 
+With ``--baseline ROOT`` (another checkout, its ``_C`` built) every round runs in two fresh
+processes instead, this checkout's and the baseline's (order alternating), each importing
+its own pyloader, over the same files: the table then has a row per checkout.
+
     python benchmarks/bench_warm_memcpy.py [--mb 240] [--rounds 5] [--epochs 4] [--profiles image12k,tokens8k,blob150k]
+        [--baseline ROOT]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -81,10 +87,11 @@ def loader_block(loader: Any, epochs: int) -> dict[str, float]:
             "minflt": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, "verified_bytes": verified}
 
 
-def measure_profile(p: B.Profile, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+def measure_profile(p: B.Profile, args: argparse.Namespace, tmp: str, write: bool = True) -> dict[str, Any]:
     path = os.path.join(tmp, p.name)
     n = max(BATCH * 4, int(args.mb * 1e6 / p.record_bytes))
-    B.write_profile_dataset(path, p, n, compression="none")
+    if write:
+        B.write_profile_dataset(path, p, n, compression="none")
     loader = B.pyloader_loader(path, BATCH)
     for _ in range(2):  # the first epoch verifies every record and makes the batch slots
         B.epoch_samples(loader)
@@ -108,36 +115,79 @@ def measure_profile(p: B.Profile, args: argparse.Namespace, tmp: str) -> dict[st
     return out
 
 
+def with_baseline(args: argparse.Namespace, tmp: str, name: str) -> dict[str, dict[str, Any]]:
+    """Rounds of ``name`` in fresh processes of this checkout and of ``args.baseline``, alternating."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = B.PROFILES[name]
+    B.write_profile_dataset(os.path.join(tmp, name), p, max(BATCH * 4, int(args.mb * 1e6 / p.record_bytes)),
+                            compression="none")
+    per: dict[str, list[dict[str, Any]]] = {"this": [], "base": []}
+    for r in range(args.rounds):
+        for tag in (("this", "base") if r % 2 == 0 else ("base", "this")):
+            root = here if tag == "this" else args.baseline
+            out = os.path.join(tmp, f"{name}-{tag}-{r}.json")
+            env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--rounds", "1", "--mb", str(args.mb),
+                            "--epochs", str(args.epochs), "--profiles", name, "--data", tmp, "--out", out],
+                           env=env, check=True, capture_output=True, timeout=900)
+            with open(out) as fh:
+                per[tag].append(json.load(fh)["profiles"][0])
+    merged = {}
+    for tag, rs in per.items():
+        raw = {k: [x for r in rs for x in r["raw"][k]] for k in ("memcpy2t", "mmap_copy", "loader")}
+        m: dict[str, Any] = {"profile": name, "checkout": here if tag == "this" else args.baseline, "raw": raw}
+        lg = [x["gbps"] for x in raw["loader"]]
+        for base in ("memcpy2t", "mmap_copy"):
+            q = [a / b for a, b in zip(lg, raw[base])]
+            m[f"loader_over_{base}"] = {"median": statistics.median(q), "min": min(q), "max": max(q)}
+        merged[tag] = m
+    return merged
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=240, help="dataset size per profile (MB)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=4, help="back-to-back epochs per loader block")
     ap.add_argument("--profiles", default="image12k,tokens8k,blob150k")
+    ap.add_argument("--baseline", help="another checkout (its _C built), measured in alternating processes")
+    ap.add_argument("--data", help=argparse.SUPPRESS)  # a folder holding the datasets already (baseline runs)
     ap.add_argument("--out", default="bench_results/warm_memcpy.json")
     args = ap.parse_args()
+    if args.baseline and not os.path.isdir(os.path.join(args.baseline, "pyloader")):
+        ap.error(f"--baseline {args.baseline!r}: not a checkout (no pyloader/ in it); pass the root of one")
     results: dict[str, Any] = {"config": vars(args), "environment": B.environment(), "profiles": []}
     print(f"{'profile':<10}{'loader GB/s':>12}{'memcpy2t':>10}{'mmap copy':>11}{'/memcpy2t (range)':>20}"
           f"{'/mmap copy (range)':>20}{'cpu/wall':>9}{'consumer':>9}{'faults':>8}{'hashed':>8}")
     with tempfile.TemporaryDirectory(prefix="pyloader-warm-") as tmp:
         for name in args.profiles.split(","):
-            r = measure_profile(B.PROFILES[name], args, tmp)
-            results["profiles"].append(r)
-            raw, med = r["raw"], statistics.median
-            a, b = r["loader_over_memcpy2t"], r["loader_over_mmap_copy"]
-            print(f"{name:<10}{med(x['gbps'] for x in raw['loader']):>12.1f}{med(raw['memcpy2t']):>10.1f}"
-                  f"{med(raw['mmap_copy']):>11.1f}{a['median']:>7.2f} ({a['min']:.2f}-{a['max']:.2f})"
-                  f"{b['median']:>7.2f} ({b['min']:.2f}-{b['max']:.2f})"
-                  f"{med(x['cpu_over_wall'] for x in raw['loader']):>9.2f}"
-                  f"{med(x['consumer_share'] for x in raw['loader']):>9.2f}"
-                  f"{max(x['minflt'] for x in raw['loader']):>8d}{max(x['verified_bytes'] for x in raw['loader']):>8d}",
-                  flush=True)
+            if args.baseline:
+                rows = with_baseline(args, tmp, name)
+                results["profiles"] += list(rows.values())
+                rows_named = [(f"{name}", rows["this"]), ("  base", rows["base"])]
+            else:
+                r = measure_profile(B.PROFILES[name], args, args.data or tmp, write=not args.data)
+                results["profiles"].append(r)
+                rows_named = [(name, r)]
+            for label, r in rows_named:
+                _print_row(label, r)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"wrote {args.out}")
     return 0
 
+
+def _print_row(name: str, r: dict[str, Any]) -> None:
+    raw, med = r["raw"], statistics.median
+    a, b = r["loader_over_memcpy2t"], r["loader_over_mmap_copy"]
+    print(f"{name:<10}{med(x['gbps'] for x in raw['loader']):>12.1f}{med(raw['memcpy2t']):>10.1f}"
+          f"{med(raw['mmap_copy']):>11.1f}{a['median']:>7.2f} ({a['min']:.2f}-{a['max']:.2f})"
+          f"{b['median']:>7.2f} ({b['min']:.2f}-{b['max']:.2f})"
+          f"{med(x['cpu_over_wall'] for x in raw['loader']):>9.2f}"
+          f"{med(x['consumer_share'] for x in raw['loader']):>9.2f}"
+          f"{max(x['minflt'] for x in raw['loader']):>8d}{max(x['verified_bytes'] for x in raw['loader']):>8d}",
+          flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -304,7 +304,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench_results/fresh_epochs.json")
     args = ap.parse_args()
     args.torch_workers = [int(w) for w in args.torch_workers.split(",")]
-    counts = {k: int(v) for k, v in (kv.split("=") for kv in args.records.split(","))}
+    counts = {"light": 4096, "medium": 768, "features": 1024, "tokenize": 2048}  # (--records' default)
+    counts.update({k: int(v) for k, v in (kv.split("=") for kv in args.records.split(","))})
     res: dict[str, Any] = {"config": {**vars(args), "batch_size": BATCH, "epochs": EPOCHS},
                            "cpus": len(os.sched_getaffinity(0)), "loadavg_start": list(os.getloadavg()),
                            "transforms": {}}

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..contract import PlannedDataset, default_prefetch
+from ..contract import PlannedDataset, cpu_budget, default_prefetch
+from ..transform import auto as _auto
 from ..transform import stage as _stage
-from ..transform.auto import AutoTransformStream, ExecutorChoice
+from ..transform.auto import AutoTransformStream, ExecutorChoice, ForkFirstStream
 from ..transform.tuning import TransformTune
 from . import iterators as _it
 from . import transfer as _transfer
@@ -66,20 +69,40 @@ class TransformEpochs(LoaderCore):
             return self._transform_stream(ds, spec, units, records, gidx, native_bs, start, ex, tune, raw_bytes,
                                           active)
 
-        # A stream whose executor is still to be chosen starts with the one thread of the
-        # scaling probe's first phase (NOTE [executor choice]).
-        src: _stage.TransformStream = stream(0, executor or "threads", 1 if choice is not None and executor is None
-                                             else None)
-        if choice is not None and executor is None:
-            src = AutoTransformStream(src, choice, stream,  # type: ignore[arg-type]  # a thread stream
-                                      shortcut=spec.transform is not None)
+        if choice is not None and executor == "threads" and self._tpool is not None and self._tpool.busy_with() is None:
+            self._tpool.shutdown()  # processes were left for threads (ExecutorChoice.check): of no more use
+            self._tpool = None
+        src: _stage.TransformStream | None = None
+        if choice is not None and executor is None and self._fork_first(spec, tune, choice):
+            # A user's transform on several workers starts on processes at once (NOTE [executor choice]).
+            try:
+                head = stream(0, "processes")
+            except Exception:  # noqa: BLE001 - no pool could start: the probe on threads, as without it
+                src = None
+            else:
+                choice.start_on_processes(self._threads)
+                src = ForkFirstStream(head, choice, stream)
+        if src is None:
+            # A stream whose executor is still to be chosen starts with the one thread of the
+            # scaling probe's first phase (NOTE [executor choice]).
+            src = stream(0, executor or "threads", 1 if choice is not None and executor is None else None)
+            if choice is not None and executor is None:
+                src = AutoTransformStream(src, choice, stream,  # type: ignore[arg-type]  # a thread stream
+                                          shortcut=spec.transform is not None)
         if choice is not None:
             src.extra["executor_choice"] = lambda: dict(choice.report)
         if tune is not None:
             src.extra["autotune"] = lambda: tune.report(choice.executor if choice is not None else self.executor)
         src.timeout = self.timeout  # as given: messages print it as torch does (See NOTE [timeout message])
 
+        from ..transform.processes import ProcessTransformStream
+
+        made = src.head if isinstance(src, ForkFirstStream) else src
+
         def finish(stats: dict[str, Any]) -> None:
+            if choice is not None and choice.pending and isinstance(made, ProcessTransformStream):
+                st = made._stats
+                choice.check(st.workers, made.made[0], made.made[1], st.cpu_ns, st.queued_ns)
             self._keep_stats(stats)
             if tune is not None:
                 tune.end_epoch(stats)
@@ -96,6 +119,26 @@ class TransformEpochs(LoaderCore):
         stage = self._new_stage(in_slots=False)
         gen = items if stage is None else _transfer.Staged(items, stage, stage.submit_tree, go_on_after_error=True)
         return self._loader_iterator(gen, length, src, stage, consumed)
+
+    def _fork_first(self, spec: _stage.TransformSpec, tune: TransformTune | None, choice: ExecutorChoice) -> bool:
+        """Whether an epoch whose executor is still open starts on processes (NOTE [executor choice])."""
+        from ..transform.pool import shm_dir
+
+        if spec.transform is None or tune is not None or self._threads < 2 or cpu_budget() < 2:
+            return False
+        if choice.unfinished is not None:
+            return False  # a probe an earlier epoch began goes on
+        ctx = self._mp_context
+        method = ctx if isinstance(ctx, str) or ctx is None else ctx.get_start_method()
+        if method is None:
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+        if method != "fork":
+            return False  # spawned workers start in seconds: the probe decides whether they pay off
+        try:
+            st = os.statvfs(shm_dir())
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= _auto.FORK_FIRST_ROOM
 
     def _transform_stream(self, ds: PlannedDataset, spec: _stage.TransformSpec, units: np.ndarray,
                           records: np.ndarray, gidx: np.ndarray, native_bs: int, start: int, executor: str,

@@ -47,7 +47,7 @@ import torch
 from ..contract import PlannedDataset
 from ..errors import SharedMemoryError
 from ..format.owner import owner
-from .stage import TransformSpec, _Stopped, limit_native_threads, run_batch
+from .stage import TransformSpec, _Stopped, limit_native_threads, queued_ns, run_batch
 
 # Slots per worker: batches the loop may hold from one worker at once (a worker whose slots
 # are all held waits for one; each holds one batch, so /dev/shm bounds them first).
@@ -414,7 +414,11 @@ def _make_ticket(w: int, t: int, job: _Job, ds: PlannedDataset, slots: _Slots, j
         raw = next(job.stream)
         sl = slice(i * p.batch_size, (i + 1) * p.batch_size)
         into = _SlotWriter(slots, stop)
+        # The time making the batch (not waiting for records), its CPU time and its wait for a
+        # CPU tell executor="auto" whether the transform computes (NOTE [executor choice]).
+        q0, r0 = queued_ns(), time.perf_counter_ns()
         work = run_batch(job.spec, ds, raw, p.units[sl], p.records[sl], p.gidx[sl], w, stop, into.alloc)
+        run_ns, queued = time.perf_counter_ns() - r0, queued_ns() - q0
         del raw
         leaves: list[torch.Tensor] = []
         skeleton = flatten(work.result, leaves)
@@ -423,7 +427,8 @@ def _make_ticket(w: int, t: int, job: _Job, ds: PlannedDataset, slots: _Slots, j
         leaves.clear()
         if slot is not None:
             slots.busy[w * MAX_SLOTS + s] = 1
-        costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0)
+        costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0,
+                 work.cpu_ns, queued, run_ns)
         send(("ok", job.jid, t, w, s, slot.gen if slot is not None else -1, slot.size if slot is not None else 0,
               skeleton, metas, costs))
     except _Stopped:  # the job is over (NOTE [transform pool]): its native stream goes with it

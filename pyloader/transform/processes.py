@@ -121,6 +121,7 @@ class ProcessTransformStream(TransformStream):
         self._sent = 0
         self._delivered = 0
         self._checked = 0.0  # when _pump last looked at the workers
+        self.made = [0, 0]  # samples the workers made, and their time making them (not waiting for records), ns
         try:
             pool.grow(workers)
             clean_stale(pool.dir)
@@ -288,8 +289,10 @@ class ProcessTransformStream(TransformStream):
 
     def _build(self, msg: tuple[Any, ...]) -> Any:
         _, _, t, w, s, gen, size, skeleton, metas, costs = msg
-        samples, skipped, transform_ns, decode_ns, busy_ns = costs
-        self._stats.add(BatchWork(None, samples, skipped, transform_ns, decode_ns), busy_ns)
+        samples, skipped, transform_ns, decode_ns, busy_ns, cpu_ns, queued_ns, run_ns = costs
+        self._stats.add(BatchWork(None, samples, skipped, transform_ns, decode_ns, cpu_ns, queued_ns), busy_ns)
+        self.made[0] += samples + skipped
+        self.made[1] += run_ns
         if not metas:
             return skeleton
         mp = self._pool.map(w, s, gen, size)

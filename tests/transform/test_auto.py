@@ -3,6 +3,11 @@ BLAS thread per worker (NOTE [worker threads]), on real threads and worker proce
 
 Timing decisions use transforms far from the thresholds: a pure-Python loop (no torch or
 numpy inside: it holds the GIL all the time) against ``time.sleep`` (it holds it never).
+
+A user's transform on 2 workers starts on forked processes at once where the shared-memory
+directory has ``FORK_FIRST_ROOM`` free; the tests of the scaling probe (which runs where it
+has less) ask for more room than any machine has (``probe_first``), a real condition of the
+loader, not a stand-in for it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 import torch
 
 import pyloader
+from pyloader.transform import auto as auto_mod
 from pyloader.transform.auto import EARLY_COMPUTING
 from pyloader.transform.pool import shm_dir
 
@@ -45,6 +51,20 @@ def shards(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def short_shards(tmp_path_factory) -> str:
     return write(str(tmp_path_factory.mktemp("auto_short") / "ds"), SHORT)
+
+
+@pytest.fixture
+def probe_first(monkeypatch) -> None:
+    """No shared-memory directory has the room to start on processes at once: the scaling probe runs."""
+    monkeypatch.setattr(auto_mod, "FORK_FIRST_ROOM", 1 << 62)
+
+
+@pytest.fixture(params=["fork", "probe"])
+def start(request) -> str:
+    """How an epoch with its executor open starts: on forked processes at once, or the probe on threads."""
+    if request.param == "probe":
+        request.getfixturevalue("probe_first")
+    return request.param
 
 
 def _spin() -> int:
@@ -116,15 +136,22 @@ def assert_same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor
 
 
 @pytest.mark.timeout(120)
-def test_a_gil_bound_transform_moves_to_processes_with_the_same_batches(shards) -> None:
+def test_a_gil_bound_transform_moves_to_processes_with_the_same_batches(shards, start: str) -> None:
     auto = loader(shards, transform=gil_bound, num_workers=2)
     first = epoch(auto)
     choice = auto.stats()["executor_choice"]
     assert choice["executor"] == "processes", choice
-    # A transform that computes goes to processes from the first 1-thread phase: the
-    # scaling phases are skipped (NOTE [executor choice]).
-    assert choice["computing"] > EARLY_COMPUTING and choice["threads_compared"] == [1], choice
-    assert choice["gil_held"] is None and "computes" in choice["why"], choice
+    if start == "fork":
+        # On processes from its first batch; its workers measured that it computes.
+        assert choice["computing"] > EARLY_COMPUTING and choice["threads_compared"] == [], choice
+        assert "forked worker processes, which computed" in choice["why"], choice
+        assert "transform_switched_at" not in auto.stats(), auto.stats()
+    else:
+        # A transform that computes goes to processes from the first 1-thread phase: the
+        # scaling phases are skipped (NOTE [executor choice]).
+        assert choice["computing"] > EARLY_COMPUTING and choice["threads_compared"] == [1], choice
+        assert "computes" in choice["why"] and auto.stats()["transform_switched_at"] > 0, choice
+    assert choice["gil_held"] is None, choice
     second = epoch(auto)
     st = auto.stats()
     assert st["transform_executor"] == "processes" and st["executor_choice"]["executor"] == "processes"
@@ -137,23 +164,23 @@ def test_a_gil_bound_transform_moves_to_processes_with_the_same_batches(shards) 
 
 
 @pytest.mark.timeout(120)
-def test_a_transform_that_computes_and_holds_the_gil_part_of_its_time_moves_to_processes(shards) -> None:
+def test_a_transform_that_computes_and_holds_the_gil_part_of_its_time_moves_to_processes(shards, start: str) -> None:
     ld = loader(shards, transform=part_gil, num_workers=2)
     labels = until_chosen(ld)
     choice = ld.stats()["executor_choice"]
     # Measured here: g 0.14-0.20 (2 threads made 1.67-1.76x the samples of one), computing 98-99%;
     # on threads before the rule for transforms that compute (it took g over 0.5); now decided
-    # from the first 1-thread phase, as it computes.
+    # from the first 1-thread phase, as it computes (or kept on the processes it started on).
     assert choice["executor"] == "processes", choice
-    assert choice["computing"] > EARLY_COMPUTING and "computes" in choice["why"], choice
+    assert choice["computing"] > EARLY_COMPUTING and "comput" in choice["why"], choice
     assert sorted(labels) == list(range(N))
 
 
 @pytest.mark.timeout(120)
-def test_a_transform_that_computes_reads_as_computing_on_a_machine_whose_cpus_are_busy(shards) -> None:
-    # Processes spinning on every CPU: the probe's thread gets a CPU a fraction of its time.
-    # Its CPU time over its working time read as a transform that waits (0.2-0.3 here);
-    # the time it waited for a CPU is not working time (NOTE [executor choice]).
+def test_a_transform_that_computes_reads_as_computing_on_a_machine_whose_cpus_are_busy(shards, start: str) -> None:
+    # Processes spinning on every CPU: the probe's thread (or a worker process) gets a CPU a
+    # fraction of its time. Its CPU time over its working time read as a transform that waits
+    # (0.2-0.3 here); the time it waited for a CPU is not working time (NOTE [executor choice]).
     cpus = len(os.sched_getaffinity(0))
     hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass"])
             for _ in range(4 * cpus)]
@@ -161,7 +188,7 @@ def test_a_transform_that_computes_reads_as_computing_on_a_machine_whose_cpus_ar
         ld = loader(shards, transform=gil_bound, num_workers=2)
         it = iter(ld)
         for _ in it:
-            if ld.stats()["executor_choice"].get("executor") is not None:
+            if ld.stats()["executor_choice"].get("computing") is not None:
                 break
         it.close()
     finally:
@@ -174,7 +201,7 @@ def test_a_transform_that_computes_reads_as_computing_on_a_machine_whose_cpus_ar
 
 
 @pytest.mark.timeout(120)
-def test_processes_are_not_chosen_where_shared_memory_has_no_room(shards) -> None:
+def test_processes_are_not_chosen_where_shared_memory_has_no_room(shards, start: str) -> None:
     free = os.statvfs(shm_dir())
     huge = free.f_bavail * free.f_frsize + (1 << 30)
 
@@ -186,7 +213,10 @@ def test_processes_are_not_chosen_where_shared_memory_has_no_room(shards) -> Non
     labels = until_chosen(ld)
     choice = ld.stats()["executor_choice"]
     assert choice["executor"] == "threads" and ld.stats()["transform_executor"] == "threads", choice
-    assert choice["computing"] > EARLY_COMPUTING and "computes" in choice["why"], choice  # processes, had there been room
+    if start == "probe":
+        assert choice["computing"] > EARLY_COMPUTING and "computes" in choice["why"], choice  # processes, had there been room
+    else:  # the first batch did not fit: the epoch went on from it on threads
+        assert "did not fit" in choice["why"] and ld.stats()["transform_switched_at"] == 0, choice
     assert shm_dir() in choice["why"] and "PYLOADER_SHM_DIR" in choice["why"], choice
     assert sorted(labels) == list(range(N))
 
@@ -203,6 +233,37 @@ def test_one_worker_stays_on_threads_even_for_a_gil_bound_transform(shards) -> N
 
 
 @pytest.mark.timeout(60)
+def test_a_sleeping_transform_goes_to_threads_after_its_first_epoch_on_processes(shards) -> None:
+    ld = loader(shards, transform=sleeping, num_workers=2)
+    first = epoch(ld)
+    st = ld.stats()
+    choice = st["executor_choice"]
+    assert st["transform_executor"] == "processes" and "transform_switched_at" not in st, st
+    assert choice["executor"] == "threads" and choice["computing"] < EARLY_COMPUTING, choice
+    assert "waits" in choice["why"] and "threads from the next epoch" in choice["why"], choice
+    assert [int(i) for b in first for i in b["label"]] == [int(i) for b in loader(shards, batch_size=BATCH)
+                                                             for i in b["label"]]
+    second = epoch(ld)  # threads now, with the choice kept
+    st = ld.stats()
+    assert st["transform_executor"] == "threads" and st["executor_choice"] == choice, st
+    assert sorted(int(i) for b in second for i in b["label"]) == list(range(N))
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_too_short_for_the_workers_check_keeps_processes_pending(short_shards, shards) -> None:
+    ld = loader(short_shards, transform=sleeping, num_workers=2)
+    it = iter(ld)
+    next(it)  # one batch: too little measured
+    it.close()
+    choice = ld.stats()["executor_choice"]
+    assert choice["executor"] == "processes" and choice["computing"] is None, choice
+    assert "checked over the first epoch" in choice["why"], choice
+    assert len(epoch(ld)) == SHORT // BATCH  # the next epoch starts on processes again
+    assert ld.stats()["transform_executor"] == "processes"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("probe_first")
 def test_a_sleeping_transform_stays_on_threads(shards) -> None:
     ld = loader(shards, transform=sleeping, num_workers=2)
     it = iter(ld)
@@ -225,6 +286,7 @@ def test_a_sleeping_transform_stays_on_threads(shards) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("probe_first")
 def test_the_probe_compares_no_more_threads_than_cpus(shards) -> None:
     cpus = len(os.sched_getaffinity(0))
     ld = loader(shards, transform=sleeping, num_workers=cpus + 2)  # (one that computes skips the scaling)
@@ -287,6 +349,7 @@ def test_a_transform_spawn_cannot_pickle_falls_back_to_threads(shards) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("probe_first")
 def test_an_epoch_too_short_for_the_probe_leaves_the_choice_open(short_shards, shards) -> None:
     # A transform that waits: its choice needs the four phases (one that computes is decided
     # after the first: NOTE [executor choice]).
@@ -372,6 +435,7 @@ def test_workers_run_blas_on_one_thread_and_the_limit_is_given_back(short_shards
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("probe_first")
 def test_an_epoch_closed_during_the_probe_says_why_the_choice_is_open(shards) -> None:
     ld = loader(shards, transform=sleeping, num_workers=2)
     it = iter(ld)

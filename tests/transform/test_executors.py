@@ -158,7 +158,9 @@ def test_transform_and_collate_fn_run_off_the_training_thread(shards) -> None:
         collated.add(threading.get_ident())
         return len(samples)
 
-    got = read(shards, transform=tr, collate_fn=collate, num_workers=2)
+    # Threads: the sets are this process's (executor="auto" would start this transform on
+    # forked processes, whose sets the parent never sees: NOTE [executor choice]).
+    got = read(shards, transform=tr, collate_fn=collate, num_workers=2, executor="threads")
     assert sum(got) == N
     assert seen and main not in seen
     assert collated and main not in collated

@@ -80,15 +80,29 @@ def _note(e: BaseException, text: str) -> None:
         add(text)
 
 
+class _RemoteTraceback(Exception):
+    """A worker process's traceback, the cause of the pyloader error re-raised in the parent."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class _NotedExceptionWrapper:
     """torch's ``ExceptionWrapper`` (type and traceback across a process) that keeps the exception's notes apart.
 
     The notes (PEP 678: the shard and record ``run_batch`` adds) are sent as notes, not folded
     into the traceback text, and the exception re-raised in the parent carries them in
-    ``__notes__``, as the threads executor's does.
+    ``__notes__``, as the threads executor's does. One of pyloader's own errors (a
+    ``CollateError``, an ``ImageDecodeError``: messages that name the fix) is sent whole and
+    re-raised as itself, its message and attributes as the worker raised them, with the
+    worker's traceback as its ``__cause__`` (as ``concurrent.futures`` does); any other
+    exception is re-raised as torch's DataLoader does (``Caught ... in ...``, the traceback
+    in its message).
     """
 
     def __init__(self, where: str) -> None:
+        import pickle
+
         from torch._utils import ExceptionWrapper
 
         exc = sys.exc_info()[1]
@@ -96,13 +110,27 @@ class _NotedExceptionWrapper:
         self.notes = [str(n) for n in notes] if isinstance(notes, list) else []
         if self.notes:
             delattr(exc, "__notes__")  # formatted without them; put back below
+        self.original: bytes | None = None
         try:
             self.wrapped = ExceptionWrapper(where=where)
+            if exc is not None and type(exc).__module__ == "pyloader.errors":
+                try:
+                    self.original = pickle.dumps(exc)
+                    pickle.loads(self.original)  # (one whose constructor needs other arguments: as any other)
+                except Exception:  # noqa: BLE001
+                    self.original = None
         finally:
             if self.notes:
                 setattr(exc, "__notes__", notes)  # noqa: B010 - an attribute mypy does not know
 
     def reraise(self) -> NoReturn:
+        if self.original is not None:
+            import pickle
+
+            err = pickle.loads(self.original)
+            for n in self.notes:
+                _note(err, n)
+            raise err from _RemoteTraceback(f"{self.wrapped.where}:\n{self.wrapped.exc_msg}")
         try:
             self.wrapped.reraise()
         except BaseException as e:

@@ -22,6 +22,10 @@ best of them ("torch best") is the baseline. The ceiling: 2 (the CPUs this proce
 forked processes running the transform alone over the records at once, as
 bench_user_transforms.py measures it, once per round. Rounds run every loader once, in an
 order rotated each round; ratios are paired per round and printed as [min, max].
+The collated ceiling: the same processes running the transform and torch's
+``default_collate`` over every 64 of its samples (the one copy into a batch every batching
+loader's workers make), nothing handed on: the most a loader could reach. ``--baseline
+ROOT`` runs the pyloader of another checkout (with its built ``_C``) in the same rounds.
 
 pyloader's construction in a fresh process includes importing the modules it loads on
 first use. Where Python writes no bytecode cache (``PYTHONDONTWRITEBYTECODE=1``, as in
@@ -232,9 +236,55 @@ def ceiling(name: str, data: str, seconds: float = 1.0) -> tuple[float, float]:
     return user.parallel_rate(fn, cols, procs, per), us
 
 
-def run_child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
+def collated_ceiling(name: str, data: str, seconds: float = 1.0) -> float:
+    """Samples/s of the CPUs' processes each running the transform and collating every ``BATCH`` of it.
+
+    What every batching loader's workers must do at the least (torch's ``default_collate``:
+    one copy of each sample into its batch), with nothing handed to a consumer.
+    """
+    import torch.utils.data
+
+    fn = transform_of(name, data)
+    with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
+        cols = pickle.load(f)
+    n = len(cols["label"])
+    t = time.thread_time()
+    for i in range(100):
+        fn({k: v[i % n] for k, v in cols.items()})
+    us = (time.thread_time() - t) / 100 * 1e6
+    procs = len(os.sched_getaffinity(0))
+    per = max(BATCH, int(seconds * 1e6 / us) // BATCH * BATCH)
+    t0 = time.perf_counter()
+    pids = []
+    for p in range(procs):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                from threadpoolctl import threadpool_limits
+                threadpool_limits(limits=1)
+                for b in range(per // BATCH):
+                    torch.utils.data.default_collate([fn({c: v[(p * per + b * BATCH + i) % n] for c, v in cols.items()})
+                                                      for i in range(BATCH)])
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise RuntimeError(f"a process running the transform and its collation failed (wait status {status})")
+    return procs * per / (time.perf_counter() - t0)
+
+
+def run_child(kind: str, name: str, data: str, workers: int, root: str | None = None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if root is not None:  # pyloader from another checkout (--baseline)
+        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        kind = "pyloader"
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, name, data, str(workers)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     if out.returncode:
         raise RuntimeError(f"{kind} {name} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -247,15 +297,19 @@ def _span(xs: list[float]) -> str:
 def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, Any]:
     make_data(name, n, data)
     loaders = [(f"torch-w{w}", "torch", w) for w in args.torch_workers] + [("pyloader", "pyloader", 2)]
+    if args.baseline:
+        loaders.append(("pyloader-base", "base", 2))
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _, _ in loaders}
     ceilings: list[float] = []
+    collated: list[float] = []
     us = 0.0
     for r in range(args.rounds):
         c, us = ceiling(name, data)
         ceilings.append(c)
+        collated.append(collated_ceiling(name, data))
         order = loaders[r % len(loaders):] + loaders[:r % len(loaders)]
         for label, kind, w in order:
-            runs[label].append(run_child(kind, name, data, w))
+            runs[label].append(run_child(kind, name, data, w, args.baseline if kind == "base" else None))
     rate1 = {k: [n / (d["built_s"] + d["epoch_s"][0]) for d in v] for k, v in runs.items()}
     rate3 = {k: [n / d["epoch_s"][-1] for d in v] for k, v in runs.items()}
     torch_keys = [k for k in runs if k.startswith("torch")]
@@ -271,6 +325,11 @@ def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, A
                                   "epoch3": [a / b for a, b in zip(py3, ceilings)]},
         "torch_best_over_ceiling": {"epoch1": [a / b for a, b in zip(best1, ceilings)],
                                     "epoch3": [a / b for a, b in zip(best3, ceilings)]},
+        "collated_ceiling_samples_per_s": collated,
+        "pyloader_over_collated_ceiling": {"epoch1": [a / b for a, b in zip(py1, collated)],
+                                           "epoch3": [a / b for a, b in zip(py3, collated)]},
+        "torch_best_over_collated_ceiling": {"epoch3": [a / b for a, b in zip(best3, collated)]},
+        "collated_ceiling_over_ceiling": [a / b for a, b in zip(collated, ceilings)],
         "cpu_us_per_sample": {k: [1e6 * (d["cpu_self_s"] + d["cpu_children_s"]) / (n * EPOCHS) for d in v]
                               for k, v in runs.items()},
     }
@@ -286,6 +345,17 @@ def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, A
     print(f"  pyloader / torch best: epoch 1 {_span(f['epoch1'])}, epoch {EPOCHS} {_span(f['epoch3'])}; "
           f"pyloader / ceiling: epoch 1 {_span(c['epoch1'])}, epoch {EPOCHS} {_span(c['epoch3'])}; "
           f"torch best / ceiling: epoch 1 {_span(tc['epoch1'])}, epoch {EPOCHS} {_span(tc['epoch3'])}", flush=True)
+    cc = res["pyloader_over_collated_ceiling"]
+    print(f"  collated ceiling (the transform and its collation alone) / ceiling: "
+          f"{_span(res['collated_ceiling_over_ceiling'])}; pyloader / collated ceiling: epoch 1 {_span(cc['epoch1'])}, "
+          f"epoch {EPOCHS} {_span(cc['epoch3'])}; torch best / collated ceiling: epoch {EPOCHS} "
+          f"{_span(res['torch_best_over_collated_ceiling']['epoch3'])}", flush=True)
+    if "pyloader-base" in runs:
+        b1 = [a / b for a, b in zip(py1, rate1["pyloader-base"])]
+        b3 = [a / b for a, b in zip(py3, rate3["pyloader-base"])]
+        base_t = [a / b for a, b in zip(rate1["pyloader-base"], best1)]
+        print(f"  pyloader / --baseline: epoch 1 {_span(b1)}, epoch {EPOCHS} {_span(b3)}; --baseline / torch best: "
+              f"epoch 1 {_span(base_t)}", flush=True)
     choice = runs["pyloader"][-1].get("executor_choice") or {}
     print(f"  pyloader executor: {runs['pyloader'][-1].get('executor')} ({choice.get('why', '')})", flush=True)
     return res
@@ -302,6 +372,8 @@ def main() -> int:
                     help="records per transform, name=count pairs")
     ap.add_argument("--torch-workers", default="2,3", help="torch's num_workers to run (the best of them per round)")
     ap.add_argument("--out", default="bench_results/fresh_epochs.json")
+    ap.add_argument("--baseline", default=None,
+                    help="a checkout with a built _C: its pyloader runs too (pyloader-base), in the same rounds")
     args = ap.parse_args()
     args.torch_workers = [int(w) for w in args.torch_workers.split(",")]
     counts = {"light": 4096, "medium": 768, "features": 1024, "tokenize": 2048}  # (--records' default)

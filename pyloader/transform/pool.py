@@ -18,6 +18,18 @@ pool with a dead worker is never reused: the next epoch makes a new one). A fork
 never uses its parent's pool (``WorkerPool.usable``). Workers read the dataset object
 they were started with: changes made to it, or to what the transform reads, after the pool
 started are not seen by them (as with torch's persistent workers).
+
+NOTE [warm imports]: a worker forked from a process that never ran the transform imports
+what the transform imports (PIL and its image plugins, a tokenizer's bindings) on its first
+sample: 60-70 ms a worker here for a PIL pipeline, in every worker of every epoch's pool
+with ``persistent_workers=False`` (the default), where the thread probe of executor="auto"
+once ran the transform in the loader's process first (NOTE [executor choice]). So each
+worker sends the names of the modules it imported that its parent had not (``("mods",
+names)``, after a batch, once), and before the next pool forks its workers the loader's
+process imports them (``warm_imports``; at most ``MAX_IMPORTS`` names, each tried once, a
+failure ignored): the next epoch's workers start with them imported. Only modules are
+imported, never the transform called, so nothing of the user's runs in the loader's process
+but module imports its transform already made in the workers.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import multiprocessing
 import os
 import secrets
 import signal
+import sys
 import tempfile
 import time
 import weakref
@@ -60,6 +73,42 @@ _IDLE = -1  # jobs[w] of a worker with nothing to do
 _PARENT_ENDS: weakref.WeakSet[Any] = weakref.WeakSet()
 # Pools whose workers may be running: shut down at interpreter exit.
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+# Modules a worker imported that this process had not (NOTE [warm imports]).
+WORKER_IMPORTS: set[str] = set()
+MAX_IMPORTS = 4096  # names kept at most
+_TRIED: set[str] = set()  # names warm_imports tried (each once)
+
+
+def note_imports(names: object) -> None:
+    """Keeps the module names a worker sent (NOTE [warm imports]): strings not tried before, ``MAX_IMPORTS`` at most."""
+    if not isinstance(names, list):
+        return
+    for name in names:
+        if len(WORKER_IMPORTS) + len(_TRIED) >= MAX_IMPORTS:
+            return
+        if isinstance(name, str) and name not in _TRIED:
+            WORKER_IMPORTS.add(name)
+
+
+def warm_imports() -> int:
+    """Imports here the modules earlier workers imported (NOTE [warm imports]); returns how many were new."""
+    import importlib
+
+    n = 0
+    for name in sorted(WORKER_IMPORTS):
+        if name in sys.modules:  # (imported with an earlier one)
+            WORKER_IMPORTS.discard(name)
+            _TRIED.add(name)
+            continue
+        try:
+            importlib.import_module(name)
+            n += 1
+        except Exception:  # noqa: BLE001 - a module that will not import here: the workers import it themselves
+            pass
+        finally:
+            WORKER_IMPORTS.discard(name)
+            _TRIED.add(name)
+    return n
 
 
 def _close_parent_ends() -> None:
@@ -345,6 +394,7 @@ class _Job:
 
 def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, busy: Any, jobs: Any, prefix: str,
                  directory: str, parent: int) -> None:
+    known = set(sys.modules)  # what the parent had imported (NOTE [warm imports])
     from .stage import _NotedExceptionWrapper as ExceptionWrapper  # the notes reach the parent as notes
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -363,6 +413,11 @@ def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, bus
     job: _Job | None = None
     try:
         while True:
+            if len(sys.modules) != len(known):
+                new = [m for m in sys.modules if m not in known and "__main__" not in m]
+                known = set(sys.modules)
+                if new:
+                    send(("mods", new[:MAX_IMPORTS]))
             while not conn.poll(1.0):
                 if parent_gone():
                     return
@@ -516,6 +571,7 @@ class WorkerPool:
         # collector gets them back right after.
         freeze = self.ctx.get_start_method() == "fork"
         if freeze:
+            warm_imports()  # See NOTE [warm imports]
             # numpy.random loads on first use (~80 ms): a worker seeding the global generators
             # (NOTE [sample seeds]) would load it again in every worker of every pool; loaded
             # here once, forked workers share it.
@@ -621,4 +677,4 @@ def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, p
             os.unlink(path)
 
 
-__all__ = ["MAX_SLOTS", "shm_dir", "slot_prefix", "flatten", "unflatten", "shm_error", "JobPayload", "pool_key", "WorkerPool"]
+__all__ = ["MAX_SLOTS", "MAX_IMPORTS", "WORKER_IMPORTS", "note_imports", "warm_imports", "shm_dir", "slot_prefix", "flatten", "unflatten", "shm_error", "JobPayload", "pool_key", "WorkerPool"]

@@ -65,7 +65,7 @@ import torch
 
 from ..errors import LoaderStateError, LoaderTimeoutError, TransformWorkerError
 from ..format.owner import OWNER_PATTERN, owner_gone
-from .pool import MAX_SLOTS, JobPayload, WorkerPool, shm_dir, slot_prefix, unflatten
+from .pool import MAX_SLOTS, JobPayload, WorkerPool, note_imports, shm_dir, slot_prefix, unflatten
 from .stage import BatchWork, TransformSpec, TransformStream
 
 _NAME_RE = re.compile(rf"^pyloader-({OWNER_PATTERN})-(\d+)-[0-9a-f]+-w\d+-s\d+-g\d+$")
@@ -190,6 +190,9 @@ class ProcessTransformStream(TransformStream):
             msg = pool.conns[w].recv()
         except (EOFError, OSError):  # the worker exited: everything it sent was read
             pool.ended.add(w)
+            return
+        if msg[0] == "mods":  # modules the worker imported (NOTE [warm imports] in pool.py)
+            note_imports(msg[1])
             return
         if msg[1] != self._jid:
             pool.release(msg)  # a result of an earlier epoch's job: nobody takes it

@@ -228,3 +228,49 @@ def test_a_consumer_may_hold_every_batch_of_an_epoch(tmp_path) -> None:
                              transform=lambda s: {"label": s["label"]})
     held = list(ld)  # 70 batches of the one worker, all alive at once
     assert [int(b["label"]) for b in held] == list(range(70))
+
+
+_IMPORTER = '''
+import os, sys
+sys.path.insert(0, {here!r})
+import pyloader
+
+def transform(s):
+    import warm_probe_mod  # imported on first use, as a transform's libraries often are
+    return {{"label": s["label"], "importers": warm_probe_mod.count()}}
+
+if __name__ == "__main__":
+    ds = pyloader.ShardDataset({path!r}, shuffle=True, seed=3)
+    ld = pyloader.DataLoader(ds, batch_size=8, num_workers=2, transform=transform)  # executor="auto"
+    seen = []
+    for epoch in range(3):
+        seen.append(sum(int(b["label"].shape[0]) for b in ld))
+        seen.append(ld.stats()["transform_executor"])
+    print(seen, "warm_probe_mod" in sys.modules)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_next_epochs_workers_start_with_the_modules_earlier_workers_imported(shards, tmp_path) -> None:
+    # NOTE [warm imports]: a module the transform imports is imported once by each worker of
+    # the first epoch, then once by the loader's process before it forks the next pool; the
+    # workers of epochs 2 and 3 (persistent_workers=False: new processes) find it imported.
+    log = tmp_path / "imports.log"
+    (tmp_path / "warm_probe_mod.py").write_text(
+        "import os\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "def count():\n"
+        f"    return len(open({str(log)!r}).read().split())\n")
+    script = tmp_path / "run.py"
+    script.write_text(_IMPORTER.format(here=str(tmp_path), path=shards))
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("True"), run.stdout
+    assert f"[{N}, 'processes', {N}, 'processes', {N}, 'processes']" in run.stdout, run.stdout
+    pids = log.read_text().split()
+    # 2 workers of epoch 1 and the loader's process: 3 imports, not 2 more per epoch.
+    assert len(pids) == 3 and len(set(pids)) == 3, pids

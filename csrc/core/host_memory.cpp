@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <ctime>
 #include <new>
 
 #include "core/clock.h"
@@ -16,9 +17,20 @@ namespace pyloader {
 namespace {
 constexpr size_t kPopulateMin = size_t(2) << 20;
 constexpr size_t kPage = 4096;
-// A 2 MiB chunk populated slower than this (a huge page takes ~0.2 ms, 512 small ones ~0.7 ms
-// here) waited for the kernel to compact memory (NOTE [prefaulted slots]).
+// A 2 MiB chunk that took more of the thread's CPU time than this to populate (a huge page
+// takes ~0.2 ms, 512 small ones ~0.7 ms here) met a slow huge page (NOTE [prefaulted
+// slots]). CPU time, not wall time: a thread preempted on a busy machine is not waiting
+// for its pages.
 constexpr uint64_t kSlowChunkNs = 2000000;
+
+// Set once a chunk was slow: later buffers of this process use small pages from the start.
+std::atomic<bool> slow_huge_pages{false};
+
+uint64_t thread_cpu_ns() noexcept {
+  struct timespec ts;
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000u + uint64_t(ts.tv_nsec);
+}
 #ifdef MADV_POPULATE_WRITE
 constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
 #else
@@ -37,11 +49,15 @@ constexpr int kMadvPopulateWrite = 23;  // Linux 5.14's value, for older headers
 // touched page by page 100-124 ms (2.2-2.7 GB/s), MADV_POPULATE_WRITE by 2 MiB 86-98 ms
 // (2.7-3.1 GB/s), aligned + MADV_HUGEPAGE + the same 22-25 ms (10.4-12.0 GB/s) when free
 // huge pages exist. (An earlier note found no gain from THP: it was measured on unaligned
-// ranges without MADV_HUGEPAGE.) When memory is fragmented, the kernel compacts it on the
-// fault (defrag = madvise) and the same 256 MiB took 210-875 ms; so a chunk that takes
-// longer than kSlowChunkNs turns the rest of the buffer to small pages (MADV_NOHUGEPAGE):
-// 35-128 ms in those runs, no slower than without THP. The steady state (slots reused) is
-// unchanged, or a little faster (fewer TLB misses). Smaller buffers come from aligned_alloc.
+// ranges without MADV_HUGEPAGE.) But a huge page can be slow to come: the same 256 MiB
+// took 210-875 ms at other times (up to 5 ms per huge page; /proc/vmstat counted no
+// compaction stall and no fallback, so the hypervisor backing guest memory it had taken
+// back, most likely; elsewhere the kernel's direct compaction, defrag = madvise). So a
+// chunk that takes more than kSlowChunkNs of the thread's CPU turns the rest of the buffer
+// to small pages (MADV_NOHUGEPAGE), and every later buffer of the process too: one slow
+// chunk per process, not one per slot (per slot, 7 slots of 40 MiB for 150 KB records
+// took 120-235 ms against 96-152 ms without THP, measured side by side on a busy machine).
+// The steady state (slots reused) is unchanged. Smaller buffers come from aligned_alloc.
 // NOTE [chunked populate]: the kernel populates a range holding the process's mmap lock
 // for reading, and mmap()/munmap() elsewhere in the process (a worker opening a shard)
 // waits for it, with later faults queued behind that writer: one MAP_POPULATE of a 40 MiB
@@ -60,20 +76,21 @@ void* PageableAllocator::map_huge(size_t n) {
   if (end > aligned + len) ::munmap(reinterpret_cast<void*>(aligned + len), end - aligned - len);  // the tail
   void* p = reinterpret_cast<void*>(aligned);
   // EINVAL: a kernel built without transparent huge pages; the range stays small pages.
-  (void)::madvise(p, len, MADV_HUGEPAGE);
+  if (!slow_huge_pages.load(std::memory_order_relaxed)) (void)::madvise(p, len, MADV_HUGEPAGE);
   return p;
 }
 
 void PageableAllocator::populate(uint8_t* p, size_t n) noexcept {
   static std::atomic<bool> no_madvise{false};
-  bool huge = true;  // See NOTE [prefaulted slots]: until a chunk is slow
+  bool huge = !slow_huge_pages.load(std::memory_order_relaxed);  // See NOTE [prefaulted slots]
   for (size_t off = 0; off < n; off += kPopulateMin) {
     const size_t len = std::min(kPopulateMin, n - off);
-    const uint64_t t0 = huge ? now_ns() : 0;
+    const uint64_t t0 = huge ? thread_cpu_ns() : 0;
     if (!no_madvise.load(std::memory_order_relaxed)) {
       if (::madvise(p + off, len, kMadvPopulateWrite) == 0) {
-        if (huge && now_ns() - t0 > kSlowChunkNs && off + len < n) {
-          huge = false;  // the kernel compacts memory to find huge pages: small pages for the rest
+        if (huge && thread_cpu_ns() - t0 > kSlowChunkNs && off + len < n) {
+          huge = false;  // small pages for the rest, and for every later buffer
+          slow_huge_pages.store(true, std::memory_order_relaxed);
           (void)::madvise(p + off + len, n - off - len, MADV_NOHUGEPAGE);
         }
         continue;

@@ -419,6 +419,22 @@ def read_gbps(paths: list[str], threads: int = 1, *, min_seconds: float = 0.0) -
     return sum(done) / max(wall, 1e-9) / 1e9
 
 
+def stream_read_gbps(paths: list[str], chunk: int = 128 << 10) -> float:
+    """GB/s of reading the files start to end as ``cat`` does: ``chunk``-byte reads on one descriptor each.
+
+    The kernel's read-ahead then runs ahead of the reader; from a cold page cache that read
+    2.1 GB/s here where ``read_gbps``'s 8 MiB reads read 0.6-2.0, run to run.
+    """
+    buf = bytearray(chunk)
+    n = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as fh:
+            while k := fh.readinto(buf):
+                n += k
+    return n / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
 def drop_pages(paths: list[str]) -> None:
     """Evicts the files' pages from the page cache: written back (fsync), then ``POSIX_FADV_DONTNEED``.
 
@@ -729,6 +745,6 @@ def environment() -> dict[str, Any]:
 
 
 __all__ = ["available_memory", "pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved", "forked_rate",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "batch_payload", "epoch_samples", "loader_epoch", "pyloader_loader",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "stream_read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "batch_payload", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

@@ -299,13 +299,15 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
 
     Before each read the dataset's pages are dropped (``measure.drop_pages``: fsync and
     ``POSIX_FADV_DONTNEED`` on its files, no root needed). The files are read start to end in
-    8 MiB reads on one thread (``seq_gbps``: what the storage gives a sequential reader); then
+    8 MiB reads on one thread (what the storage gives a sequential reader); then
     one epoch of a new ``ShardDataset`` over them in order (``in_order``: ``shuffle=False``,
     the first epoch of most jobs), then one globally shuffled (``shuffled``); each with its
     ``gbps`` (stored bytes over its wall time, from the loader's construction), ``of_seq``
-    (``gbps / seq_gbps``) and ``first_batch_s``. The sequential read is done again last, and
-    ``seq_gbps`` is the faster of the two (``seq_gbps_runs``): the device's speed drifts, and
-    the slower read would flatter the epochs. ``of_seq`` is the lower epoch's ratio, ``gbps``
+    (``gbps / seq_gbps``) and ``first_batch_s``. The files are read again last as ``cat``
+    reads them (``measure.stream_read_gbps``: 128 KiB reads, the kernel's read-ahead ahead of
+    them), and ``seq_gbps`` is the faster of the two (``seq_gbps_runs``): the device's speed
+    drifts, the 8 MiB reads alone read 0.6-2.0 GB/s run to run where ``cat`` read 2.1 here,
+    and the slower read would flatter the epochs. ``of_seq`` is the lower epoch's ratio, ``gbps``
     and the other top-level figures the shuffled epoch's; ``resident`` the largest share of
     the files still in memory after a drop (pages another process maps stay). None for a
     remote dataset, whose cold read is the fetch stage.
@@ -313,7 +315,7 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
     if ds.is_remote:
         return None
     progress(f"stage 1b/5: cold read (page cache dropped before each: sequential read, one epoch in order and "
-             f"one shuffled on {threads} threads, sequential read)")
+             f"one shuffled on {threads} threads, sequential read as cat reads)")
     files = ds.local_files()
     size = sum(os.path.getsize(f) for f in files)
     # Every read gets page-cache pages the machine has backed (measure.pretouch): on a VM that
@@ -348,7 +350,7 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
     in_order = epoch(False)
     shuffled = epoch(True)
     cold()
-    seq_runs.append(B.read_gbps(files, 1))
+    seq_runs.append(B.stream_read_gbps(files))
     seq = max(seq_runs)
     for e in (in_order, shuffled):
         e["of_seq"] = e["gbps"] / seq if seq > 0 else None

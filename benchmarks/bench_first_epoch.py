@@ -27,7 +27,9 @@ restarted job sees them:
    this run; one untimed run per dataset fills it before the rounds), so the files are not
    hashed again -- as a restarted job sees them. ``v2-hash`` and ``v1`` run with an empty record instead: the first
    process ever to read the files, which hashes every record (XXH3-64 in v2, XXH64 in v1);
-7. the measured limit, in every child after its epochs: a steady epoch plus what a fresh
+7. ``CPU``: the process's CPU time of a steady epoch over the first epoch's (from where the
+   first epoch is timed): the same ratio, less moved by other work on a shared machine;
+8. the measured limit, in every child after its epochs: a steady epoch plus what a fresh
    process cannot avoid -- mapping every page of the shard files (``mmap`` +
    ``MADV_POPULATE_READ`` of the same files again) and the thread time the loader spent
    populating its new batch memory -- spread over the loader's two threads:
@@ -135,7 +137,7 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
     from pyloader.bench import measure as B
 
     import_s = time.perf_counter() - t_import
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=shuffle, seed=0), batch_size=batch,
                                  num_workers=2)
     prepare_s = None
@@ -145,10 +147,10 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
         while pool.preparing and time.perf_counter() - t0 < 30:
             time.sleep(0.001)
         prepare_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
     if pause:
         time.sleep(pause)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
     if not ahead:
         loader._reads_ahead = lambda: False  # type: ignore[method-assign]  # the loader as it was before
     first_batch = None
@@ -158,12 +160,12 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
             first_batch = time.perf_counter() - t0
         n += int(b["label"].shape[0])
         del b
-    first_s = time.perf_counter() - t0
+    first_s, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     first_verified = loader.stats()["verified_bytes"]
-    rates, inside, boundary = [], [], []
+    rates, cpus, inside, boundary = [], [], [], []
     last = None
     for _ in range(epochs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         start = True
         for b in loader:
             now = time.perf_counter()
@@ -173,6 +175,7 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
             del b
             last = time.perf_counter()
         rates.append(n / (time.perf_counter() - t))
+        cpus.append(time.process_time() - c)
     payload = loader.stats()["decoded_bytes"]  # of one epoch (the last)
     steady = max(rates)
     pool = loader._batch_pool
@@ -186,7 +189,8 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
             "boundary_vs_inside": statistics.median(boundary) / statistics.median(inside),
             "started_ahead": loader.stats()["started_ahead"], "slots": loader._pool.created,
             "prepare_s": prepare_s, "first_verified_bytes": first_verified, "alloc_s": alloc_s, "map_s": map_s,
-            "limit": steady_s / (steady_s + (map_s + alloc_s) / 2)}
+            "limit": steady_s / (steady_s + (map_s + alloc_s) / 2), "first_cpu_s": first_cpu,
+            "first_vs_steady_cpu": min(cpus) / first_cpu}
 
 
 VARIANTS = {  # tag: (version, ahead, settle, pause_s, record of verified files)
@@ -198,7 +202,7 @@ VARIANTS = {  # tag: (version, ahead, settle, pause_s, record of verified files)
     "v1": ("v1", True, False, 0.0, "empty"),
 }
 BASE_VARIANTS = ("v2", "v2-pause")  # run on --baseline too, tagged "base v2", "base v2-pause"
-KEYS = ("first_batch_s", "first_rate", "steady_rate", "first_vs_steady", "steady_gbps", "memcpy_2t_gbps",
+KEYS = ("first_vs_steady_cpu", "first_batch_s", "first_rate", "steady_rate", "first_vs_steady", "steady_gbps", "memcpy_2t_gbps",
         "gap_inside_s", "gap_boundary_s", "boundary_vs_inside", "first_verified_bytes", "alloc_s", "map_s", "limit")
 
 
@@ -294,13 +298,13 @@ def main() -> int:
     print(f"medians of {args.rounds} interleaved rounds, {args.mb:.0f} MB per dataset, batch {args.batch}, "
           f"{'shuffled' if args.shuffle else 'in order'}, 2 native threads, page cache hot, fresh process per run"
           + (f"; base = {args.baseline}" if args.baseline else ""))
-    print(f"{'profile':<10}{'variant':<17}{'first/steady':>13}{'(range)':>12}{'limit':>7}{'1st batch ms':>13}"
+    print(f"{'profile':<10}{'variant':<17}{'first/steady':>13}{'(range)':>12}{'limit':>7}{'CPU':>6}{'1st batch ms':>13}"
           f"{'hashed MB':>10}{'map ms':>8}{'alloc ms':>9}{'steady/memcpy2t':>16}{'boundary/inside':>16}")
     for name in args.profiles.split(","):
         for label in labels:
             o, rs = results["profiles"][name][label], runs[(name, label)]
             lo, hi = min(x["first_vs_steady"] for x in rs), max(x["first_vs_steady"] for x in rs)
-            print(f"{name:<10}{label:<17}{o['first_vs_steady']:>13.2f}{f'({lo:.2f}-{hi:.2f})':>12}{o['limit']:>7.2f}"
+            print(f"{name:<10}{label:<17}{o['first_vs_steady']:>13.2f}{f'({lo:.2f}-{hi:.2f})':>12}{o['limit']:>7.2f}{o['first_vs_steady_cpu']:>6.2f}"
                   f"{1e3 * o['first_batch_s']:>13.1f}{o['first_verified_bytes'] / 1e6:>10.0f}{1e3 * o['map_s']:>8.1f}"
                   f"{1e3 * o['alloc_s']:>9.1f}{o['steady_vs_memcpy_2t']:>16.2f}{o['boundary_vs_inside']:>15.1f}x")
     print(f"wrote {args.out}")

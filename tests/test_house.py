@@ -121,7 +121,8 @@ def test_csrc_readme_lists_every_file() -> None:
 # file (benchmarks/torch_dataloader_suite.py runs it), the scripts tests write into tmp_path
 # and the hooks that suite writes into its temporary folder.
 FOREIGN_PY = {"test/test_dataloader.py", "path/to/test_dataloader.py",  # pytorch's test/test_dataloader.py
-              "usertr.py", "guard_child.py", "child.py", "loop.py", "run.py",  # written by tests into tmp_path
+              "usertr.py", "guard_child.py", "child.py", "loop.py", "run.py", "warm_probe_mod.py",  # written by tests
+              # into tmp_path
               "sitecustomize.py", "_pyloader_suite_plugin.py"}  # written by benchmarks/torch_dataloader_suite.py
 PY_FILE = re.compile(r"(?<![\w/.<>-])([\w./<>-]*\w\.py)(?!\w)")
 DOTTED = re.compile(r"(?<![\w/.])pyloader(?:\.[A-Za-z_]\w*)+")

@@ -72,6 +72,8 @@ class TransformEpochs(LoaderCore):
         if choice is not None and executor == "threads" and self._tpool is not None and self._tpool.busy_with() is None:
             self._tpool.shutdown()  # processes were left for threads (ExecutorChoice.check): of no more use
             self._tpool = None
+        if choice is not None and executor == "threads":
+            self.__dict__.pop("_slot_reserve", None)  # (NOTE [slots across pools]): no pool will take them
         src: _stage.TransformStream | None = None
         if choice is not None and executor is None and self._fork_first(spec, tune, choice):
             # A user's transform on several workers starts on processes at once (NOTE [executor choice]).
@@ -169,7 +171,7 @@ class TransformEpochs(LoaderCore):
     def _process_stream(self, ds: PlannedDataset, spec: _stage.TransformSpec, units: np.ndarray, records: np.ndarray,
                         gidx: np.ndarray, native_bs: int, workers: int, depth: int) -> _stage.TransformStream:
         """A process stream on the loader's kept pool, or on a pool of its own (NOTE [transform pool])."""
-        from ..transform.pool import WorkerPool, pool_key
+        from ..transform.pool import SlotReserve, WorkerPool, pool_key
         from ..transform.processes import ProcessTransformStream
 
         keep = self.persistent_workers
@@ -183,7 +185,12 @@ class TransformEpochs(LoaderCore):
             self._tpool = kept = None
         pool = kept
         if pool is None:
-            pool = WorkerPool(ds, spec, workers, context=self._mp_context, max_workers=max_workers)
+            reserve = None
+            if not keep:  # the slots of the last epoch's pool (NOTE [slots across pools])
+                reserve = self.__dict__.get("_slot_reserve")
+                if reserve is None:
+                    reserve = self._slot_reserve = SlotReserve()
+            pool = WorkerPool(ds, spec, workers, context=self._mp_context, max_workers=max_workers, reserve=reserve)
             if keep and self._tpool is None:
                 self._tpool = pool
         owns = pool is not self._tpool

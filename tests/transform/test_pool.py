@@ -94,6 +94,33 @@ def test_without_persistent_workers_each_epoch_has_its_own(shards) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_each_epochs_pool_takes_the_last_ones_slots_and_spares_a_batch_still_held(shards) -> None:
+    # See NOTE [slots across pools]: with persistent_workers=False every epoch has new workers;
+    # they write into the slots the last epoch's workers made (no new shared memory), except
+    # one whose batch the loop still holds.
+    want = reference(shards, 3)
+    ld = loader(shards, persistent_workers=False)
+    labels, draws, pids = take(ld)
+    assert (labels, draws) == want[0]
+    reserve = ld._slot_reserve
+    first = {k: id(m) for k, (_, m) in reserve.maps.items()}
+    assert len(first) >= 2, first  # (slots of both workers)
+    it = iter(ld)
+    held = next(it)  # a batch of epoch 1 kept across the rest of it and all of epoch 2
+    copy = {k: v.clone() for k, v in held.items()}
+    rest = take(it)
+    assert (take([held])[0] + rest[0], take([held])[1] + rest[1]) == want[1]
+    later = take(ld)
+    assert later[:2] == want[2] and not later[2] & rest[2] and not rest[2] & pids  # new workers each epoch
+    for k in copy:
+        assert torch.equal(held[k], copy[k]), k  # its slot was not written while it was held
+    again = {k: id(m) for k, (_, m) in ld._slot_reserve.maps.items()}
+    # Every mapping of epoch 1 still serves (a new slot file at the same place would replace it).
+    assert {k: v for k, v in again.items() if k in first} == first, (first, again)
+    assert not slot_files()
+
+
+@pytest.mark.timeout(120)
 def test_an_epoch_left_early_leaks_nothing_into_the_next(shards) -> None:
     want = reference(shards, 3)
     ld = loader(shards, persistent_workers=True)
@@ -252,7 +279,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_the_next_epochs_workers_start_with_the_modules_earlier_workers_imported(shards, tmp_path) -> None:
-    # NOTE [warm imports]: a module the transform imports is imported once by each worker of
+    # See NOTE [warm imports]: a module the transform imports is imported once by each worker of
     # the first epoch, then once by the loader's process before it forks the next pool; the
     # workers of epochs 2 and 3 (persistent_workers=False: new processes) find it imported.
     log = tmp_path / "imports.log"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +13,13 @@ import numpy as np
 import pytest
 
 import pyloader
+
+# The default cache root (``$XDG_CACHE_HOME/pyloader`` when PYLOADER_CACHE_DIR is not set:
+# the records of verified local shards, a node cache without cache_dir) is a folder of this
+# session, for the tests and every process they start, never the user's ~/.cache/pyloader.
+_CACHE_HOME = tempfile.mkdtemp(prefix="pyloader-test-cache-home-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, True)
 
 # A schema with every kind of field: fixed, scalar, variable, bytes, bfloat16.
 MIXED_FIELDS: dict[str, Any] = {

@@ -297,16 +297,31 @@ class ParquetDataset(UnitDataset, IterableDataset):
             raise ParquetReadError(f"{name}: not a readable Parquet file: {e}") from None
 
     # -- reading -------------------------------------------------------------------------
-    def _check_share(self, groups: np.ndarray, readers: int, horizon: int) -> tuple[int, int]:
-        """(bytes, files) a remote reader of the plan ``groups`` holds at once; ``CacheLimitError`` above its share.
+    def _check_share(self, groups: np.ndarray, readers: int, horizon: int) -> tuple[int, int, bool]:
+        """(bytes, files, tight) a remote reader of the plan ``groups`` holds at once; ``CacheLimitError`` above its share.
 
         A file is held from ``horizon`` rows before the plan first reads it until the last
         of its row groups is decoded (NOTE [pending files] in ``pyloader.remote.pending_files``);
         the working set is ``fetch.working_set`` of the plan's files (NOTE [cache shares]).
+        NOTE [tight cache]: where the share holds what the plan reads at once (the files of
+        one window, of a batch that spans two) but not the read-ahead on top of it (at each
+        file boundary the next file is wanted ``horizon`` rows before the last one is
+        released: 16 files of 8 row groups through a cache of 1/8 of them, two files, hold
+        the two largest neighbours at once), the reader goes on with ``tight`` True: its
+        fetcher fetches a file a decode thread waits for only once it fits
+        (``ShardFetcher.strict``), so the read-ahead stops at the boundary until the last
+        file's final row group is decoded and released, and the cache stays within its limit.
         """
         if self._cache is None or self._cache.cache.limit is None:
-            return 0, 0
-        need, count = _fetch.working_set(self._plan_files(groups), self._file_sizes(), horizon)
+            return 0, 0, False
+        files, sizes = self._plan_files(groups), self._file_sizes()
+        need, count = _fetch.working_set(files, sizes, horizon)
+        tight = False
+        share = reader_share(self._cache.cache.limit, node_readers(readers))
+        if share is not None and need > share and horizon > 0:
+            least, files_at_once = _fetch.working_set(files, sizes, 0)
+            if least <= share:
+                need, count, tight = least, files_at_once, True
         o = self.order
         if o.shuffle and o.shuffle_mode == "global":
             hint = ("or shuffle_mode='window': a global shuffle spreads every file's rows over the whole epoch, "
@@ -318,7 +333,7 @@ class ParquetDataset(UnitDataset, IterableDataset):
             hint = "or a smaller batch_size or prefetch, or smaller files"
         check_share(self._cache.url, self._cache.cache.limit, need, node_readers(readers),
                     f"{count} files: those its plan reads at once plus the batches read ahead", hint)
-        return need, count
+        return need, count, tight
 
     def _file_sizes(self) -> np.ndarray:
         assert self._cache is not None
@@ -423,8 +438,9 @@ class ParquetDataset(UnitDataset, IterableDataset):
             if self._cache is not None and self._cache.cache.limit is not None:
                 # Decoding runs `prefetch` batches and `num_threads` row groups ahead of the consumer.
                 horizon = (prefetch + 1) * batch_size + num_threads * max(self.records_per_group)
-                need, count = self._check_share(gidx, readers, horizon)
+                need, count, tight = self._check_share(gidx, readers, horizon)
                 self._fetcher.working_set_bytes = need
+                self._fetcher.strict = tight  # See NOTE [tight cache]
                 self._fetcher.max_open = max(MAX_OPEN, count + 2 * self.fetch_jobs)
         it = ParquetBatchIterator(self, gidx, ridx, batch_size, drop_last, num_threads, prefetch)  # retains its files
         if self._fetcher is not None:

@@ -260,10 +260,10 @@ class ShardFetcher:
     thread, which queues it for unloading, least recently released first, whenever the
     next shard does not fit (``_C.ShardSet.unload`` unmaps it, then its pin is dropped
     and it becomes evictable). A shard a native worker waits on is fetched next even
-    past the budget, so a plan whose working set was misjudged slows down, never
-    deadlocks. The pilot also heals: a cached copy that failed its checksum is
-    discarded and fetched again once (NOTE [self-healing] in csrc/core/shard_reader.h).
-    Without ``budget``/``max_open`` every fetched shard stays pinned until ``close()``.
+    past the budget (``strict``: only when nothing else is held, NOTE [tight cache] in
+    pyloader/read/parquet.py), so a misjudged plan slows down, never deadlocks. It heals
+    (fetches again once) a copy that failed its checksum (NOTE [self-healing] in
+    csrc/core/shard_reader.h); without ``budget``/``max_open`` all stays pinned to ``close()``.
     """
 
     def __init__(self, dcache: DatasetCache, shards: Any = None, *, jobs: int = 4,
@@ -300,7 +300,7 @@ class ShardFetcher:
         self._progress: dict[int, int] = {}  # bytes received by each running download
         self._heal: dict[int, str] = {}  # shard -> why its cached copy is fetched again
         self._room = RoomWaits()  # shards waiting for room in a full cache
-        self.working_set_bytes = 0  # what the latest scheduled plan needs at once (set by its reader)
+        self.working_set_bytes, self.strict = 0, False  # what the plan needs at once; NOTE [streaming]
         self.heals = 0  # cached copies discarded and fetched again
         self.unloads = 0  # released shards unmapped and unpinned to make room
         self._pilot: threading.Thread | None = None
@@ -500,7 +500,7 @@ class ShardFetcher:
         """Marks shard ``i`` running and counts it held, if it fits (or is waited on); else None."""
         if i not in self._held:
             if not self._fits_locked(i) and not (self.streaming and self._make_room_locked(i)):
-                if i not in self._urgent:
+                if i not in self._urgent or (self.strict and len(self._held) > 0):
                     return None
             self._held.add(i)
         self._state[i] = _RUNNING

@@ -138,6 +138,33 @@ def test_a_shuffled_epoch_of_files_of_many_row_groups_streams_through_an_eighth(
     assert sorted(set(first[: rows // 2])) != [0] and orders[0][:group] != list(range(group))
 
 
+@pytest.mark.timeout(180)
+def test_a_cache_that_holds_two_files_of_sixteen_streams_a_shuffled_epoch_without_read_ahead(www, tmp_path):
+    # See NOTE [tight cache]: 16 files of 8 row groups through 1/8 of them (two files' worth):
+    # at each file boundary the read-ahead would hold two neighbours at once, more than the
+    # limit when they are larger than the mean; the reader waits for the release instead.
+    root, url = www
+    files, rows, group = 16, 320, 40
+    total = _write(os.path.join(root, "data"), files, rows, group)
+    limit = total // 8
+    kw: dict[str, Any] = dict(columns=COLUMNS, shuffle=True, window=40, seed=9)
+    cache = str(tmp_path / "cache")
+    ds = pyloader.ParquetDataset(url + "/data/", cache_dir=cache, cache_limit=limit, fetch_jobs=3, **kw)
+    local = pyloader.ParquetDataset(os.path.join(root, "data"), **kw)
+    with CachePeak(cache) as usage:
+        it = ds.batches(16, epoch=0, num_threads=2, prefetch=2)
+        assert ds._fetcher.strict  # the read-ahead does not fit: this is the tight case
+        got = []
+        for b, ref in zip(it, local.batches(16, epoch=0), strict=True):
+            _same(b, ref)
+            got += b["id"].tolist()
+        stats = it.stats()
+    assert sorted(got) == list(range(files * rows))  # every row once
+    assert stats["cache_peak_held_bytes"] <= stats["cache_budget_bytes"] == limit, stats
+    assert usage.peak <= limit, (usage.peak, limit)  # published and in-flight bytes together
+    assert stats["files_unloaded"] >= files - 2, stats
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["window", "global"])
 def test_a_working_set_above_the_cache_limit_is_refused_up_front(www, tmp_path, mode):

@@ -131,7 +131,31 @@ class BatchPipeline {
   void order_rows_by_storage(FillState* st) const;
   // Pass 1: holds each distinct shard once and finds each variable field's max length
   // (and, for a ragged batch, its row offsets).
-  void hold_shards(FillState* st);
+  void hold_shards(FillState* st, bool read_ahead);
+  // NOTE [cold spans]: a batch that reads a few runs of consecutive records (an epoch in
+  // order) from a cold page cache reads them with pread() into a buffer of the worker's, and
+  // collate_records() verifies and copies from there, not through the mapping. Through the
+  // mapping, the read-ahead that brought the pages in (MADV_WILLNEED, whole files) makes
+  // single-page folios, read in requests of at most max_segments pages (~0.5-1 MiB here,
+  // 450-700 requests per 400 MB, against ~250 of 1.5-2 MiB for read()), and every page was
+  // then a page fault. A cold in-order epoch of 12 KB records (400 MB, 2 threads) read,
+  // as medians of 8 rounds alternated with one of the other, 1.09 GB/s that way and 1.22
+  // read with pread(), with no major page fault (7-157 before); benchmarks/bench_cold_read.py
+  // measured 0.82 against 1.61 in one run and 1.19 against 0.99 in the next, where `cat` of
+  // the same files read 1.7-2.0: this machine's run-to-run noise is as large as the gain.
+  // So such a batch is not queued for read-ahead (advise_batches() leaves it out), the
+  // shards it opens are not queued whole either (the workers' reads, and the kernel's
+  // read-ahead behind them, are the stream), and fill()
+  // reads its runs when less than half of their pages are in memory (mincore), through a
+  // descriptor opened for it (none is held per shard) that must still be the mapped file
+  // (Shard::read_span(): device, inode and size; else, and on any read error, the batch
+  // reads through the mapping as before). Pages in memory already (a warm first epoch,
+  // later epochs, a batch the kernel's read-ahead brought in) are read through the mapping.
+  // A batch is span shaped when it has at least kSpanMinRows rows in at most kMaxSpans runs
+  // (plan order: a shuffled batch never is) and, by the manifest's average record size, at
+  // most kMaxSpanBytes; its runs' stored bytes must be at least half of their span.
+  bool span_shaped(size_t b) const;
+  void read_cold_spans(FillState* st);
   // Takes a slot from the pool and gives every field its shape, stride and buffer.
   void take_slot_and_shape(FillState* st, Batch* out);
   // Pass 2: verifies, decodes and places every record's fields into its row.
@@ -165,6 +189,7 @@ class BatchPipeline {
   // read by this process (NOTE [verify once]) are skipped, so later epochs queue nothing; a
   // pending (remote) set queues only shards it has mapped, never waiting for a download, and
   // so does a bounded set without room for them (NOTE [mapping bound] in shard_reader.h).
+  // Batches in order are left out: they read their records themselves (NOTE [cold spans]).
   void advise_batches(size_t from, size_t to, bool whole_files);
   // NOTE [map ahead]: a shuffled epoch from a cold page cache delivers almost every batch
   // only once the device has read almost every shard (a batch's records lie all over the

@@ -443,6 +443,36 @@ void Shard::advise_range(uint64_t offset, uint64_t len) const noexcept {
   willneed(base_, offset & ~(page - 1), offset + len);  // NOTE [read-ahead pieces]
 }
 
+bool Shard::read_span(uint64_t offset, uint64_t len, uint8_t* dst) const noexcept {
+  if (offset > map_size_ || len > map_size_ - offset) return false;
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st;
+  bool ok = ::fstat(fd, &st) == 0 && uint64_t(st.st_dev) == identity_.dev && uint64_t(st.st_ino) == identity_.ino &&
+            uint64_t(st.st_size) == map_size_;
+  // The kernel takes a new descriptor's first read for a random one (read as is, in
+  // single-page folios, no read-ahead) unless the pages just before it are cached; a read of
+  // the byte before the span makes the span the sequential next read instead (read in large
+  // folios, with read-ahead behind it). NOTE [cold spans] in batch_pipeline.h.
+  if (ok && offset > 0) {
+    uint8_t byte;
+    (void)!::pread(fd, &byte, 1, off_t(offset - 1));
+  }
+  while (ok && len > 0) {
+    const ssize_t n = ::pread(fd, dst, size_t(len), off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ok = false;
+      break;
+    }
+    dst += n;
+    offset += uint64_t(n);
+    len -= uint64_t(n);
+  }
+  ::close(fd);
+  return ok;
+}
+
 bool Shard::whole_file_queued() const noexcept {
   return read_ahead_done_.load(std::memory_order_acquire) && map_size_ <= willneed_limit();
 }

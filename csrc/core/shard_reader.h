@@ -149,6 +149,10 @@ class Shard {
   // Queues bytes [offset, offset + len) of the file for asynchronous read-ahead (NOTE [cold
   // read-ahead] in batch_pipeline.h); the range is clipped to the file.
   void advise_range(uint64_t offset, uint64_t len) const noexcept;
+  // NOTE [cold spans] in batch_pipeline.h: reads bytes [offset, offset + len) of the file
+  // into dst with pread(), through a descriptor opened now, if it is still the file mapped
+  // (device, inode, size). False (dst then undefined) if it is not, or on any error.
+  bool read_span(uint64_t offset, uint64_t len, uint8_t* dst) const noexcept;
   // Whether the whole file was queued for read-ahead already (then a record needs no more).
   bool whole_file_queued() const noexcept;
   // Queues the whole file for read-ahead the first time it is called (or never, if the
@@ -304,6 +308,7 @@ class ShardSet {
   const std::vector<FieldSpec>& fields() const noexcept { return fields_; }
   const std::string& path(size_t i) const { return paths_.at(i); }
   uint64_t records(size_t i) const { return records_.at(i); }
+  uint64_t file_bytes(size_t i) const { return bytes_.at(i); }  // from the manifest
   // Shard i if it is mapped now, else null; maps and waits for nothing. Thread-safe.
   std::shared_ptr<const Shard> peek(size_t i);
   // Opens shard i on first use, waiting while it is pending. Thread-safe. Throws

@@ -184,3 +184,64 @@ def test_warm_shards_are_not_mapped_ahead_and_a_closed_epoch_leaves_no_mapper(tm
     while len(os.listdir("/proc/self/task")) > tasks and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(os.listdir("/proc/self/task")) <= tasks
+
+
+def _write(path: str, records: int, record: int, fill: int, shard_bytes: int) -> list[str]:
+    with pyloader.ShardWriter(path, {"x": ("uint8", (record,)), "label": "int64"}, compression=None,
+                              shard_bytes=shard_bytes) as w:
+        row = np.full(record, fill, np.uint8)
+        for i in range(records):
+            row[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
+            w.write({"x": row, "label": i})
+    return sorted(os.path.realpath(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".pyl"))
+
+
+@pytest.mark.timeout(120)
+def test_a_cold_epoch_in_order_reads_its_records_with_read_not_through_the_mapping(tmp_path) -> None:
+    """See NOTE [cold spans] in csrc/core/batch_pipeline.h: an epoch in order from a cold page
+    cache reads each batch's run of records with pread(), so the records' pages come into the
+    page cache but are mostly never mapped into the process (no page fault per page), and
+    the batches hold what was written, in order. Before, the read-ahead and the workers' page
+    faults mapped every page of the files (the test fails on that code)."""
+    path, files = _cold_dataset(tmp_path)
+    size = sum(os.path.getsize(f) for f in files)
+    B.drop_pages(files)
+    if B.resident_fraction(files) > 0.1:
+        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=32, num_workers=2, prefetch_factor=2)
+    labels: list[int] = []
+    for b in loader:
+        for x, label in zip(b["x"], b["label"]):
+            assert int.from_bytes(bytes(x[:8].numpy()), "little") == int(label)
+            labels.append(int(label))
+    assert labels == list(range(512))
+    assert B.resident_fraction(files) > 0.9  # read through the page cache
+    mapped = _mapped_bytes(files)
+    # Not none: the index, and the batches whose pages the kernel's read-ahead behind an
+    # earlier batch's read had brought in already (read through the mapping, as warm ones).
+    assert mapped < 0.5 * size, f"{mapped / size:.1%} of the cold shards mapped by an in-order epoch"
+    assert loader.stats()["mapped_ahead_bytes"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_cold_run_of_a_file_replaced_under_its_mapping_is_read_from_the_mapped_file(tmp_path) -> None:
+    """See NOTE [cold spans]: a batch reads its run with pread() only from the file it mapped
+    (device, inode, size). A shard file replaced mid-epoch by another of the same layout and
+    other bytes: the later batches still read the mapped file's records through the mapping
+    (read from the new file, their checksums would not match the mapped index)."""
+    path = str(tmp_path / "ds")
+    files = _write(path, 512, 64 << 10, 1, 1 << 30)
+    other = _write(str(tmp_path / "other"), 512, 64 << 10, 2, 1 << 30)
+    assert len(files) == len(other) == 1 and os.path.getsize(files[0]) == os.path.getsize(other[0])
+    B.drop_pages(files)
+    if B.resident_fraction(files) > 0.1:
+        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=32, num_workers=1, prefetch_factor=1)
+    it = iter(loader)
+    seen = [next(it)]
+    os.replace(other[0], files[0])  # a new inode at the path; the old one stays mapped
+    seen.extend(it)
+    labels = [int(v) for b in seen for v in b["label"]]
+    assert labels == list(range(512))
+    for b in seen:
+        assert bool((b["x"][:, 8:] == 1).all())  # the mapped file's bytes, never the new file's

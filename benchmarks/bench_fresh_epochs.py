@@ -242,7 +242,7 @@ def collated_ceiling(name: str, data: str, seconds: float = 1.0) -> float:
     What every batching loader's workers must do at the least (torch's ``default_collate``:
     one copy of each sample into its batch), with nothing handed to a consumer.
     """
-    import torch.utils.data
+    import bench_user_transforms as user
 
     fn = transform_of(name, data)
     with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
@@ -252,30 +252,8 @@ def collated_ceiling(name: str, data: str, seconds: float = 1.0) -> float:
     for i in range(100):
         fn({k: v[i % n] for k, v in cols.items()})
     us = (time.thread_time() - t) / 100 * 1e6
-    procs = len(os.sched_getaffinity(0))
     per = max(BATCH, int(seconds * 1e6 / us) // BATCH * BATCH)
-    t0 = time.perf_counter()
-    pids = []
-    for p in range(procs):
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                torch.set_num_threads(1)
-                from threadpoolctl import threadpool_limits
-                threadpool_limits(limits=1)
-                for b in range(per // BATCH):
-                    torch.utils.data.default_collate([fn({c: v[(p * per + b * BATCH + i) % n] for c, v in cols.items()})
-                                                      for i in range(BATCH)])
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    for pid in pids:
-        _, status = os.waitpid(pid, 0)
-        if status != 0:
-            raise RuntimeError(f"a process running the transform and its collation failed (wait status {status})")
-    return procs * per / (time.perf_counter() - t0)
+    return user.parallel_rate(fn, cols, len(os.sched_getaffinity(0)), per, collate=BATCH)
 
 
 def run_child(kind: str, name: str, data: str, workers: int, root: str | None = None) -> dict[str, Any]:

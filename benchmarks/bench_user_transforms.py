@@ -247,10 +247,11 @@ class RecordDataset(torch.utils.data.Dataset):
 
 # -- measuring ------------------------------------------------------------------------------------------
 def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[Any]], procs: int,
-                  per_proc: int) -> float:
+                  per_proc: int, collate: int = 0) -> float:
     """Samples/s of ``procs`` forked processes each running ``fn`` alone over ``per_proc`` records at once.
 
     Each runs torch and the BLAS libraries on one thread, as both loaders' workers do.
+    ``collate``: also ``default_collate`` every that many outputs (a batching loader's copy).
     """
     n = len(next(iter(columns.values())))
     t0 = time.perf_counter()
@@ -263,9 +264,14 @@ def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[A
                 torch.set_num_threads(1)
                 from threadpoolctl import threadpool_limits
                 threadpool_limits(limits=1)
+                outs = []
                 for i in range(per_proc):
                     k = (p * per_proc + i) % n
-                    fn({c: v[k] for c, v in columns.items()})
+                    outs.append(fn({c: v[k] for c, v in columns.items()}))
+                    if len(outs) >= max(1, collate):
+                        if collate:
+                            torch.utils.data.default_collate(outs)
+                        outs = []
                 code = 0
             finally:
                 os._exit(code)

@@ -462,7 +462,7 @@ def run_transform_stage(make_ds: Callable[..., ShardDataset], fn: Callable[..., 
         "limit_samples_per_s": threads / per_sample_s if per_sample_s > 0 else None,
         "speedup_vs_torch": with_tr["samples_per_s"] / max(torch_r["samples_per_s"], 1e-12),
         "ceiling": ceiling, "of_ceiling": with_tr["samples_per_s"] / max(ceiling["samples_per_s"], 1e-12),
-        # The first epoch, from building the loader (its executor probe and worker processes included).
+        # The first epoch, from building the loader (its executor's choice and worker processes included).
         "first_epoch_samples_per_s": with_tr["first_epoch_samples_per_s"],
         "torch_first_epoch_samples_per_s": torch_r["first_epoch_samples_per_s"],
         "first_epoch_vs_torch": with_tr["first_epoch_samples_per_s"] / max(torch_r["first_epoch_samples_per_s"],

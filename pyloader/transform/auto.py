@@ -493,7 +493,12 @@ def joined_stats(head: TransformStream, tail: TransformStream | None, start: int
             if k in t:
                 s[k] = s.get(k, 0) + t[k]
         wall = (end or time.perf_counter()) - t0
-        read = s.get("native_wait_s", 0.0) + t["native_wait_s"] if "native_wait_s" in t else None
+        # The workers' wait for native batches: the thread part's (a process part reads in its
+        # workers and reports none), the one figure the hint prints and the key holds.
+        read = (s.get("native_wait_s", 0.0) + t.get("native_wait_s", 0.0)
+                if "native_wait_s" in s or "native_wait_s" in t else None)
+        if read is not None:
+            s["native_wait_s"] = read
         s.update(stage_figures([head._stats, tail._stats], wall_s=wall,
                                executor=t["transform_executor"], workers=t["transform_workers"], read_wait_s=read))
         s["transform_switched_at"] = start

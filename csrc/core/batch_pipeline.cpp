@@ -594,8 +594,8 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   if (whole_files)
     for (const auto& h : held) {
       if (!h) continue;
-      const bool cold = h->read_ahead_unclaimed() && h->resident_fraction() < 0.5;
-      if (h->claim_read_ahead() && cold) map_ahead(h);
+      double resident = 1.0;  // before the claim, whose queued pages count as present
+      if (h->claim_read_ahead(&resident) && resident < 0.5) map_ahead(h);
     }
 }
 

@@ -156,15 +156,17 @@ class Shard {
   // Whether the whole file was queued for read-ahead already (then a record needs no more).
   bool whole_file_queued() const noexcept;
   // Queues the whole file for read-ahead the first time it is called (or never, if the
-  // constructor did): see NOTE [read-ahead at open]. True if this call queued it.
-  bool claim_read_ahead() const noexcept {
+  // constructor did): see NOTE [read-ahead at open]. True if this call queued it; then
+  // *resident (if given) is the share of the file's pages that were in memory before, and
+  // only the pieces with pages missing were queued (NOTE [queue what is missing]).
+  bool claim_read_ahead(double* resident = nullptr) const noexcept {
     if (read_ahead_done_.exchange(true, std::memory_order_acq_rel)) return false;
-    return advise_read_ahead();
+    if (!advise_read_ahead()) return false;
+    if (resident) *resident = resident_at_claim_;
+    return true;
   }
   // Whether claim_read_ahead() could still queue the file (no one has; not too large).
   bool read_ahead_unclaimed() const noexcept;
-  // The share of the file's pages in the page cache now (mincore); 1 if it cannot be told.
-  double resident_fraction() const noexcept;
   // NOTE [map ahead] in batch_pipeline.h: maps the file's pages into this process
   // (MADV_POPULATE_READ, waiting for those still being read), in pieces, until done or
   // `stop`. Returns the bytes mapped, or -1 if the kernel cannot (before Linux 5.14).
@@ -241,6 +243,7 @@ class Shard {
   FileIdentity identity_;
   int64_t opened_ns_ = 0;
   mutable std::atomic<bool> read_ahead_done_{false};
+  mutable double resident_at_claim_ = 1.0;  // written by the one claim_read_ahead() that queues the file
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.

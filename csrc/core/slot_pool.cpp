@@ -181,8 +181,11 @@ std::unique_ptr<Slot> SlotPool::new_slot() {
 
 std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const std::atomic<bool>* cancel) {
   // See NOTE [prepared slots]: batches are being collated; the preparing thread stops after the
-  // slot it is making.
-  if (preparing_.load(std::memory_order_relaxed)) stop_preparing_.store(true, std::memory_order_release);
+  // slot it is making -- unless they are collated by a pipeline made ahead (no_grow set),
+  // which only takes the slots others make (NOTE [first epoch ahead] in
+  // pyloader/loader/native_epoch.py: the constructor's epoch 0 waits for prepared slots).
+  if (preparing_.load(std::memory_order_relaxed) && !(no_grow && no_grow->load(std::memory_order_acquire)))
+    stop_preparing_.store(true, std::memory_order_release);
   Slot* s = nullptr;
   {
     std::unique_lock<std::mutex> lk(mu_);

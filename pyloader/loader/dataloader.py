@@ -171,6 +171,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
             if num_workers == "auto":
                 self._auto()  # raises now for what it cannot tune
             self._prepare_slots()
+            self._make_first_ahead()  # NOTE [first epoch ahead]
         else:
             self._check_generic()
             self._init_torch(shuffle, sampler, batch_sampler, multiprocessing_context)

@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import BatchSampler
 from torch.utils.data.dataloader import _DatasetKind, _InfiniteConstantSampler
 
-from ..contract import BatchStream, OrderSpec, PipelineDataset, PipelineStream, Plan, PlannedDataset
+from ..contract import BatchStream, OrderSpec, PipelineDataset, PipelineStream, Plan, PlannedDataset, check_stream_args
 from . import autotune as _autotune
 from . import iterators as _it
 from . import state as _state
@@ -19,6 +19,8 @@ from .lightning_loop import lightning_epoch
 
 # Records per native batch when the loader yields single samples (batch_size=None).
 _SAMPLE_BATCH = 64
+# See NOTE [first epoch ahead]: the largest dataset whose first epoch the constructor plans.
+_FIRST_AHEAD_RECORDS = 1 << 22
 
 
 class NativeEpochs(LoaderCore):
@@ -226,20 +228,50 @@ class NativeEpochs(LoaderCore):
         newest = self._active() if self._active is not None else None
         if newest is None or newest.source is not current:
             return  # an older iterator's stream: only the newest makes the epoch ahead (NOTE [iterators of one loader])
+        current.hand_over(self._early_stream(native_bs, ahead=1))
+
+    def _early_stream(self, native_bs: int, ahead: int) -> PipelineStream:
+        """The pipeline of the epoch the next iter() reads, made ahead (NOTE [epoch ahead]), kept in ``_ahead``."""
         ds: PipelineDataset = self.dataset  # _reads_ahead: a PipelineDataset
         epoch = self._next_epoch
         rank, world = ds.rank_and_world()
         plan = ds.epoch_plan(epoch, rank, world, [], shuffle=self.shuffle, seed=self._seed)
         src = ds.batches(
             native_bs, plan=plan, drop_last=self.drop_last, num_threads=self._threads, prefetch=self._prefetch,
-            pool=self._batch_pool, ahead=1, early=True,
+            pool=self._batch_pool, ahead=ahead, early=True,
             active_threads=self._tuner.threads if self._tuner is not None else None)
         if self._tuner is not None:
             src.ahead_target = self._tuner.prefetch
         old, self._ahead = self._ahead, (self._ahead_key(epoch, native_bs, rank, world), src)
         if old is not None:
             old[1].close()
-        current.hand_over(src)
+        return src
+
+    # NOTE [first epoch ahead]: a fresh process's first epoch paid what later epochs get
+    # ahead (NOTE [epoch ahead]): iter() planned the epoch and started its pipeline (4 ms
+    # for 40,000 records), whose workers then opened every shard a shuffled batch reads and
+    # faulted in their first pages before the second batch came (4 ms more): the first epoch
+    # of 480 MB of cached 12 KB records ran at 0.6-0.75 of the next ones, all of it start-up
+    # (after its first batches it ran at the steady rate). So the constructor of a plain
+    # native loader whose slots it prepares (NOTE [prepared slots] in csrc/core/slot_pool.cpp)
+    # makes epoch 0's pipeline ahead too, while a script builds its model: it collates up
+    # to ``prefetch`` batches into the prepared slots (an early pipeline makes none, and
+    # leaves the preparing thread to finish them) and waits for iter(). As for any epoch made
+    # ahead, iter() adopts it only if nothing its order depends on changed (set_epoch,
+    # load_state_dict, skip_first_batches, rank and world size once a process group is up,
+    # the generator's seed); otherwise it is closed and the epoch starts as before. Only for
+    # datasets of up to _FIRST_AHEAD_RECORDS records, so that a plan a job may never read
+    # (a resumed job's set_epoch) costs its constructor at most ~0.1 s.
+    def _make_first_ahead(self) -> None:
+        ds = self.dataset
+        if (not self._reads_ahead() or self._batch_pool is None or self._batch_pool.pinned or self.batch_size is None
+                or self._auto_workers or self._transform_spec(0) is not None or ds.num_records > _FIRST_AHEAD_RECORDS):
+            return
+        try:
+            self._early_stream(self.batch_size,
+                               ahead=check_stream_args(self.batch_size, self._threads, self._prefetch)[2])
+        except Exception:  # noqa: BLE001 -- e.g. ThreadStartError: iter() starts the epoch, and raises it, as before
+            self._ahead = None
 
     def _start_run(self, epoch: int, world: int, segments: list[list[int]], consumed: _it.ConsumedCount,
                    length: int) -> None:

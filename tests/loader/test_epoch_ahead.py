@@ -34,14 +34,45 @@ def test_consecutive_epochs_start_ahead_and_read_exactly_what_a_fresh_loader_rea
     for epoch in range(4):
         got = _ids(loader)
         st = loader.stats()
-        assert st["started_ahead"] == (epoch > 0), epoch
-        if epoch > 0:
-            assert 1 <= st["batches_ready_at_start"] <= 4  # at most prefetch (2 per worker) batches ahead
+        assert st["started_ahead"], epoch  # epoch 0 in the constructor (NOTE [first epoch ahead])
+        # At most prefetch (2 per worker) batches ahead; epoch 0's perhaps none yet, read at once.
+        assert (epoch > 0) <= st["batches_ready_at_start"] <= 4
         assert st["batches"] == len(got) == 38 and st["records"] == 300
         assert got == _epoch_of_fresh_loader(ds_path, epoch, **kw), epoch
         assert sorted(i for b in got for i in b) == list(range(300))
         seen.append(got)
     assert seen[1] != seen[2]  # a new order each epoch: the test compares orders that differ
+
+
+def test_the_constructor_starts_epoch_0_and_what_changes_its_order_drops_it(ds_path) -> None:
+    """See NOTE [first epoch ahead]: the constructor's epoch 0 is read only as planned; set_epoch,
+    a loaded state or skip_first_batches before the first iter() start the epoch afresh."""
+    kw = {"batch_size": 8, "num_workers": 2}
+    fresh = _epoch_of_fresh_loader(ds_path, 0, **kw)
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    assert loader._ahead is not None and loader._ahead[0][0] == 0
+    loader.set_epoch(3)
+    assert _ids(loader) == _epoch_of_fresh_loader(ds_path, 3, **kw)
+    assert not loader.stats()["started_ahead"]
+
+    donor = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    it = iter(donor)
+    head = [next(it)["id"].tolist() for _ in range(5)]
+    state = donor.state_dict()
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    assert loader._ahead is not None
+    loader.load_state_dict(state)
+    assert head + _ids(loader) == fresh
+    assert not loader.stats()["started_ahead"]
+
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7), **kw)
+    assert _ids(loader.skip_first_batches(3)) == fresh[3:]
+    loader = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7),
+                                 generator=torch.Generator().manual_seed(1), **kw)
+    loader.generator.manual_seed(2)  # the seed the order is made from, changed after the constructor
+    other = pyloader.DataLoader(pyloader.ShardDataset(ds_path, shuffle=True, seed=7),
+                                generator=torch.Generator().manual_seed(2), **kw)
+    assert _ids(loader) == _ids(other) != fresh
 
 
 def test_set_epoch_to_another_epoch_drops_the_early_pipeline(ds_path) -> None:

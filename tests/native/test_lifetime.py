@@ -212,9 +212,9 @@ def test_dataloader_abandoned_epoch_stops_threads(write_dataset) -> None:
     # DataLoader shuts its workers down as soon as the abandoned iterator is collected.
     # Holding a weakref (stats() could keep just the counters) would fix it.
     ds = open_ds(write_dataset(200, FIELDS, sample))
-    loader = pyloader.DataLoader(ds, batch_size=8, num_workers=3)
-    _prepared(loader)  # its slots made (NOTE [prepared slots]): that thread is gone
     base = wait_threads(threads_now())
+    loader = pyloader.DataLoader(ds, batch_size=8, num_workers=3)  # epoch 0 starts ahead (NOTE [first epoch ahead])
+    _prepared(loader)  # its slots made (NOTE [prepared slots]): that thread is gone
     for batch in loader:
         check_batch(batch, list(range(8)))
         assert threads_now() >= base + 3
@@ -332,7 +332,8 @@ def test_built_loader_prepares_its_first_epoch_slots(write_dataset) -> None:
                                shard_bytes=4 << 20), shuffle=True, seed=2)
     loader = pyloader.DataLoader(ds, batch_size=bs, num_workers=threads, prefetch=prefetch)
     pool = _prepared(loader)
-    assert pool.created == pool.free == prefetch + 3
+    # Free, or holding epoch 0's first batches, collated ahead (NOTE [first epoch ahead]).
+    assert pool.created == prefetch + 3 and pool.free >= 3, (pool.created, pool.free)
     mem = pool.memory()
     # label (8 rows of int64: one page) and payload (8 x 150,000 bytes in whole pages), exact.
     assert mem["live_bytes"] == (prefetch + 3) * (4096 + -(-bs * BIG // 4096) * 4096), mem

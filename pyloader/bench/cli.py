@@ -293,6 +293,10 @@ def _print_bench(r: dict[str, Any]) -> None:
         if s.get("first_epoch_alloc_bytes"):
             rows.append((f"    of it new batch memory: {s['first_epoch_alloc_bytes'] / 2**20:.0f} MiB",
                          f"{1e3 * s['first_epoch_alloc_s']:.0f} ms thread time", None))
+        if "paused_first_epoch_vs_steady" in s:
+            rows.append((f"  after a {s['pause_s']:.0f} s pause: {1e3 * s['paused_first_epoch_s']:.0f} ms, 1st "
+                         f"{1e3 * s['paused_first_batch_s']:.1f} ms", f"{s['paused_first_epoch_vs_steady']:.2f}x steady",
+                         None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
     print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")

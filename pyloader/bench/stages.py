@@ -137,6 +137,28 @@ _STAT_SUMS = ("batches", "records", "stored_bytes", "decoded_bytes", "lz4_stored
               "shard_wait_s", "consumer_wait_s", "wall_s")
 
 
+def _first_epoch_after_pause(make_loader: Callable[[], Any], steady: float, pause: float = 1.0) -> dict[str, Any]:
+    """A new loader's first epoch timed from ``iter()``, ``pause`` seconds after it was built.
+
+    As a training script sees it: the loader built, the model built (here: a pause), then the
+    first epoch -- which the loader may have begun in the pause (NOTE [first epoch ahead] in
+    pyloader/loader/native_epoch.py). ``steady``: the steady rate (samples/s) it is held to.
+    """
+    loader = make_loader()
+    time.sleep(pause)
+    samples, first_batch = 0, None
+    t0 = time.perf_counter()
+    for batch in loader:
+        if first_batch is None:
+            first_batch = time.perf_counter() - t0
+        samples += B.batch_payload(batch)[0]
+        del batch
+    wall = time.perf_counter() - t0
+    del loader
+    return {"pause_s": pause, "paused_first_epoch_s": wall, "paused_first_batch_s": first_batch or 0.0,
+            "paused_first_epoch_vs_steady": samples / wall / max(steady, 1e-12) if wall > 0 else 0.0}
+
+
 def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: int,
                     min_seconds: float, max_epochs: int = 100_000, min_batches: int = 0) -> dict[str, Any]:
     """The best of ``rounds`` timed rounds of one loader, after its first epoch, timed apart.
@@ -260,6 +282,8 @@ def run_stages(ds: ShardDataset, *, batch_size: int, threads: int | str, epochs:
                           rounds=epochs, batch_size=batch_size, min_seconds=min_seconds)
     st = e2e.pop("stats")
     e2e.pop("epoch_stats")
+    e2e.update(_first_epoch_after_pause(
+        lambda: DataLoader(ds, batch_size=batch_size, num_workers="auto" if auto else n), e2e["samples_per_s"]))
     tuned = e2e.pop("autotune", None)
     used = tuned["threads"] if auto and tuned else n
     stages["pyloader"] = {**e2e, "threads": used,

@@ -50,6 +50,11 @@ def test_bench_json_schema_on_the_generated_dataset() -> None:
         assert 0.0 < s["first_batch_s"] < s["startup_s"], key
         assert s["first_epoch_samples_per_s"] == pytest.approx(400 / s["startup_s"]), key
         assert s["first_epoch_vs_steady"] == pytest.approx(s["first_epoch_samples_per_s"] / s["samples_per_s"]), key
+    # And once more after a 1 s pause, from iter(): its rate over the steady one.
+    p = st["pyloader"]
+    assert p["pause_s"] == 1.0 and 0.0 < p["paused_first_batch_s"] < p["paused_first_epoch_s"]
+    assert p["paused_first_epoch_vs_steady"] == pytest.approx(400 / p["paused_first_epoch_s"] / p["samples_per_s"])
+    assert "paused_first_epoch_s" not in st["torch_dataloader"]
     # pyloader's new batch memory in the first epoch: at least one batch's bytes, and its cost.
     assert st["pyloader"]["first_epoch_alloc_bytes"] >= 400 * 12288 / st["pyloader"]["batches_per_epoch"]
     assert st["pyloader"]["first_epoch_alloc_s"] > 0
@@ -81,7 +86,7 @@ def test_bench_table_and_plot(tmp_path) -> None:
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "pyloader / torch DataLoader:" in out and "bound by:" in out and "What it drew" in out
-    assert "first epoch:" in out and "new batch memory:" in out and "ms thread time" in out
+    assert "first epoch:" in out and "after a 1 s pause:" in out and "new batch memory:" in out and "ms thread time" in out
     assert "max accelerators at AU >= 90%" in out
     assert "[pyloader bench] stage 4/5" in res.stderr  # live progress went to stderr
     data = png.read_bytes()

@@ -396,6 +396,7 @@ void BatchPipeline::hand_over(const std::shared_ptr<BatchPipeline>& next, int ah
 
 void BatchPipeline::adopt(int ahead) {
   no_grow_.store(false, std::memory_order_release);
+  pool_->wake_waiters();  // a worker waiting for a free slot may now make one
   bool idle;
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -216,6 +216,11 @@ std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const 
   return std::shared_ptr<Slot>(s, [self](Slot* p) { self->give_back(p); });
 }
 
+void SlotPool::wake_waiters() {
+  { std::lock_guard<std::mutex> lk(mu_); }
+  returned_->notify_all();
+}
+
 void SlotPool::give_back(Slot* s) noexcept {
   // In a forked child the pool mutex may have been held by a parent thread at fork time;
   // never lock it there: just free the memory.

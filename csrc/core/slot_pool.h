@@ -82,6 +82,10 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   // destroyed (which joins it). The system refusing the thread (NOTE [thread start failure]
   // in core/errors.h) only means no slot is prepared.
   void prepare(size_t count, std::vector<size_t> field_bytes);
+  // Wakes every acquire() waiting for a slot, to look again at its flags (an early pipeline
+  // adopted: it may now make slots of its own). The mutex orders the wake after a waiter's
+  // look, so none sleeps on through its 20 ms slice.
+  void wake_waiters();
   // Whether a prepare() thread is still making slots.
   bool preparing() const noexcept { return preparing_.load(std::memory_order_acquire); }
   size_t created() const;

@@ -549,6 +549,28 @@ Shard::~Shard() {
   if (base_) ::munmap(const_cast<uint8_t*>(base_), map_size_);
 }
 
+namespace {
+
+// The bits of word w of a bitmap over n items that stand for items (all 64 but in the last word).
+uint64_t word_mask(uint64_t n, uint64_t w) noexcept {
+  const uint64_t left = n - w * 64;
+  return left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
+}
+
+void fill_bitmap(std::atomic<uint64_t>* bits, uint64_t n) noexcept {
+  for (uint64_t w = 0; w < (n + 63) / 64; ++w) bits[w].store(word_mask(n, w), std::memory_order_release);
+}
+
+bool bitmap_full(const std::atomic<uint64_t>* bits, uint64_t n) noexcept {
+  for (uint64_t w = 0; w < (n + 63) / 64; ++w) {
+    const uint64_t full = word_mask(n, w);
+    if ((bits[w].load(std::memory_order_acquire) & full) != full) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 // NOTE [verified files]: a process verifies a record's checksums the first time it reads
 // it (NOTE [verify once] in shard_reader.h); a new process would hash every byte of a warm
 // dataset again, which made a first epoch 1.4x as long as the next ones. So a file that a
@@ -566,28 +588,12 @@ Shard::~Shard() {
 // does not guard against (as NOTE [verify once] already assumes within a process).
 // The header, schema and index checksums are checked at every open regardless.
 void Shard::mark_all_verified() const noexcept {
-  for (uint64_t w = 0; w < (num_records_ + 63) / 64; ++w) {
-    const uint64_t left = num_records_ - w * 64;
-    verified_[w].store(left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1, std::memory_order_release);
-  }
-  for (uint64_t w = 0; w < (total_blocks_ + 63) / 64; ++w) {
-    const uint64_t left = total_blocks_ - w * 64;
-    block_verified_[w].store(left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1, std::memory_order_release);
-  }
+  fill_bitmap(verified_.get(), num_records_);
+  fill_bitmap(block_verified_.get(), total_blocks_);
 }
 
 bool Shard::all_verified() const noexcept {
-  for (uint64_t w = 0; w < (num_records_ + 63) / 64; ++w) {
-    const uint64_t left = num_records_ - w * 64;
-    const uint64_t full = left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
-    if ((verified_[w].load(std::memory_order_acquire) & full) != full) return false;
-  }
-  for (uint64_t w = 0; w < (total_blocks_ + 63) / 64; ++w) {
-    const uint64_t left = total_blocks_ - w * 64;
-    const uint64_t full = left >= 64 ? ~uint64_t(0) : (uint64_t(1) << left) - 1;
-    if ((block_verified_[w].load(std::memory_order_acquire) & full) != full) return false;
-  }
-  return true;
+  return bitmap_full(verified_.get(), num_records_) && bitmap_full(block_verified_.get(), total_blocks_);
 }
 
 bool Shard::check_block(size_t c, uint64_t block, uint64_t* got, uint64_t* want) const noexcept {

@@ -217,7 +217,9 @@ std::shared_ptr<Slot> SlotPool::acquire(const std::atomic<bool>* no_grow, const 
 }
 
 void SlotPool::wake_waiters() {
-  { std::lock_guard<std::mutex> lk(mu_); }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+  }
   returned_->notify_all();
 }
 

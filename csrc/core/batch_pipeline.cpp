@@ -1,6 +1,5 @@
 #include "core/batch_pipeline.h"
 
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -759,24 +758,6 @@ bool BatchPipeline::span_shaped(size_t b) const {
   }
   return bytes <= kMaxSpanBytes;
 }
-
-namespace {
-// The share of [p, p + len)'s pages in the page cache (mincore); 1 if it cannot be told.
-double resident_share(const uint8_t* p, uint64_t len) {
-  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
-  const uintptr_t a = uintptr_t(p) & ~uintptr_t(page - 1), z = uintptr_t(p) + len;
-  const uint64_t pages = (z - a + page - 1) / page;
-  if (pages == 0) return 1.0;
-  std::vector<unsigned char> in(size_t(std::min<uint64_t>(pages, 4096)));
-  uint64_t n = 0;
-  for (uint64_t q = 0; q < pages; q += in.size()) {
-    const uint64_t k = std::min<uint64_t>(in.size(), pages - q);
-    if (::mincore(reinterpret_cast<void*>(a + q * page), k * page, in.data()) != 0) return 1.0;
-    for (uint64_t j = 0; j < k; ++j) n += in[j] & 1u;
-  }
-  return double(n) / double(pages);
-}
-}  // namespace
 
 void BatchPipeline::read_cold_spans(FillState* st) {
   // See NOTE [cold spans]: the runs of consecutive records, in storage order.

@@ -40,43 +40,6 @@ void willneed(const uint8_t* base, uint64_t start, uint64_t end) noexcept {
     (void)::madvise(const_cast<uint8_t*>(base) + a, size_t(std::min(end - a, kWillneedPiece)), MADV_WILLNEED);
 }
 
-// NOTE [queue what is missing]: WILLNEED walks every page of its range in the page cache
-// even when all of them are there, one 128 KiB piece per call (NOTE [read-ahead pieces]):
-// queuing 480 MB of cached shards whole cost the first epoch's two workers 9 ms of CPU
-// (perf: page_cache_ra_unbounded, xa_load), a quarter of what that epoch paid beyond a
-// steady one. So a range is first looked up with mincore() (one byte per page, ~10 ns a
-// page, in slices), and only its pieces with a page missing are queued. Returns the share
-// of the range's pages that were in memory; a slice mincore() cannot tell about is queued
-// whole, as before, and counted as present.
-double willneed_missing(const uint8_t* base, uint64_t start, uint64_t end) noexcept {
-  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
-  start &= ~(page - 1);
-  if (end <= start) return 1.0;
-  const uint64_t piece_pages = std::max<uint64_t>(1, kWillneedPiece / page);
-  constexpr uint64_t kSlice = 4096;  // pages per mincore() call: a 4 KiB vector on the stack
-  unsigned char in[kSlice];
-  uint64_t pages = 0, present = 0;
-  for (uint64_t a = start; a < end; a += kSlice * page) {
-    const uint64_t len = std::min(end - a, kSlice * page);
-    const uint64_t k = (len + page - 1) / page;
-    if (::mincore(const_cast<uint8_t*>(base) + a, len, in) != 0) {
-      willneed(base, a, a + len);
-      pages += k;
-      present += k;
-      continue;
-    }
-    for (uint64_t i = 0; i < k; i += piece_pages) {
-      const uint64_t n = std::min(piece_pages, k - i);
-      uint64_t here = 0;
-      for (uint64_t j = 0; j < n; ++j) here += in[i + j] & 1u;
-      if (here < n) willneed(base, a + i * page, std::min(end, a + (i + n) * page));
-      present += here;
-    }
-    pages += k;
-  }
-  return double(present) / double(pages);
-}
-
 // MADV_POPULATE_READ (Linux 5.14), named here for C libraries that predate it; pieces of
 // 1 MiB, so a stop is seen within one piece's read.
 constexpr int kPopulateRead = 22;
@@ -137,6 +100,42 @@ std::string size_text(uint64_t n) {
 }  // namespace
 
 // Version 1 is XXH64; versions 2 and 3 are XXH3-64.
+// NOTE [queue what is missing]: WILLNEED walks every page of its range in the page cache
+// even when all of them are there, one 128 KiB piece per call (NOTE [read-ahead pieces]):
+// queuing 480 MB of cached shards whole cost the first epoch's two workers 9 ms of CPU
+// (perf: page_cache_ra_unbounded, xa_load), a quarter of what that epoch paid beyond a
+// steady one. So a range is first looked up with mincore() (one byte per page, ~10 ns a
+// page, in slices), and only its pieces with a page missing are queued. A slice mincore()
+// cannot tell about is queued whole, as before, and counted as present.
+double resident_share(const uint8_t* p, uint64_t len, bool queue_missing) noexcept {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(uintptr_t(p) & ~uintptr_t(page - 1));
+  const uint64_t end = uint64_t(p - base) + len;
+  if (len == 0) return 1.0;
+  const uint64_t piece_pages = std::max<uint64_t>(1, kWillneedPiece / page);
+  constexpr uint64_t kSlice = 4096;  // pages per mincore() call: a 4 KiB vector on the stack
+  unsigned char in[kSlice];
+  uint64_t pages = 0, present = 0;
+  for (uint64_t a = 0; a < end; a += kSlice * page) {
+    const uint64_t n = std::min(end - a, kSlice * page);
+    const uint64_t k = (n + page - 1) / page;
+    pages += k;
+    if (::mincore(const_cast<uint8_t*>(base) + a, n, in) != 0) {
+      if (queue_missing) willneed(base, a, a + n);
+      present += k;
+      continue;
+    }
+    for (uint64_t i = 0; i < k; i += piece_pages) {
+      const uint64_t m = std::min(piece_pages, k - i);
+      uint64_t here = 0;
+      for (uint64_t j = 0; j < m; ++j) here += in[i + j] & 1u;
+      if (queue_missing && here < m) willneed(base, a + i * page, std::min(end, a + (i + m) * page));
+      present += here;
+    }
+  }
+  return double(present) / double(pages);
+}
+
 uint64_t shard_checksum(uint32_t version, const void* data, size_t len) noexcept {
   return version != kShardVersionXxh64 ? xxh3_64(data, len) : xxh64(data, len, 0);
 }
@@ -233,7 +232,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     // (map_file: a read of a few pages, no read-around) and the regions before the payload
     // are queued with WILLNEED before they are touched: the faults then wait only for the
     // reads of those regions.
-    (void)willneed_missing(base_, 0, payload_offset_);  // NOTE [queue what is missing]
+    (void)resident_share(base_, payload_offset_, /*queue_missing=*/true);  // NOTE [queue what is missing]
     verify_region_checksums(regions);
     check_schema_matches(regions, schema_blob);
     column_of_.assign(num_fields_, -1);
@@ -530,7 +529,7 @@ int64_t Shard::map_pages(const std::atomic<bool>& stop) const noexcept {
   return int64_t(std::min(a, map_size_));
 }
 
-bool Shard::advise_read_ahead() const {
+double Shard::advise_read_ahead() const {
   // NOTE [read-ahead at open]: a shard is opened when the first batch that needs it is
   // collated, and its records are then read in plan order -- for a shuffled epoch, at
   // random. Read from a cold page cache that way, every miss would be a small synchronous
@@ -540,9 +539,8 @@ bool Shard::advise_read_ahead() const {
   // the cache before it is used. A pipeline opens the shards of its next batches without it,
   // queues their records first and then the whole files (NOTE [cold read-ahead] in
   // batch_pipeline.h).
-  if (map_size_ > willneed_limit()) return false;
-  resident_at_claim_ = willneed_missing(base_, 0, map_size_);  // NOTE [queue what is missing]
-  return true;
+  if (map_size_ > willneed_limit()) return -1.0;
+  return resident_share(base_, map_size_, /*queue_missing=*/true);  // NOTE [queue what is missing]
 }
 
 Shard::~Shard() {

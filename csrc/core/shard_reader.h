@@ -58,6 +58,11 @@ inline bool shard_version_supported(uint32_t version) noexcept {
   return version == kShardVersionXxh64 || version == kShardVersionXxh3 || version == kShardVersionColumns;
 }
 
+// The share of [p, p + len)'s pages in the page cache (mincore; 1 if it cannot be told), and
+// with queue_missing each 128 KiB piece with a page missing queued for read-ahead
+// (NOTE [queue what is missing] in shard_reader.cpp).
+double resident_share(const uint8_t* p, uint64_t len, bool queue_missing = false) noexcept;
+
 // The checksum of a supported shard `version` over data[0, len): header, schema, index and
 // every stored value of such a shard use it.
 uint64_t shard_checksum(uint32_t version, const void* data, size_t len) noexcept;
@@ -161,8 +166,9 @@ class Shard {
   // only the pieces with pages missing were queued (NOTE [queue what is missing]).
   bool claim_read_ahead(double* resident = nullptr) const noexcept {
     if (read_ahead_done_.exchange(true, std::memory_order_acq_rel)) return false;
-    if (!advise_read_ahead()) return false;
-    if (resident) *resident = resident_at_claim_;
+    const double share = advise_read_ahead();
+    if (share < 0) return false;
+    if (resident) *resident = share;
     return true;
   }
   // Whether claim_read_ahead() could still queue the file (no one has; not too large).
@@ -222,7 +228,8 @@ class Shard {
   // Every index entry against the payload, its field's shape and NOTE [value bounds].
   void validate_index_entries(const Regions& r, const std::vector<FieldSpec>& fields, uint64_t max_value_bytes) const;
   // Queues the whole file for read-ahead (NOTE [read-ahead at open] in shard_reader.cpp).
-  bool advise_read_ahead() const;
+  // The share of the file's pages that were in memory, or -1 if the file is too large to queue.
+  double advise_read_ahead() const;
 
   std::string path_;
   const uint8_t* base_ = nullptr;
@@ -243,7 +250,6 @@ class Shard {
   FileIdentity identity_;
   int64_t opened_ns_ = 0;
   mutable std::atomic<bool> read_ahead_done_{false};
-  mutable double resident_at_claim_ = 1.0;  // written by the one claim_read_ahead() that queues the file
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.

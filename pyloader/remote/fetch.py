@@ -500,7 +500,7 @@ class ShardFetcher:
         """Marks shard ``i`` running and counts it held, if it fits (or is waited on); else None."""
         if i not in self._held:
             if not self._fits_locked(i) and not (self.streaming and self._make_room_locked(i)):
-                if i not in self._urgent or (self.strict and len(self._held) > 0):
+                if i not in self._urgent or (self.strict and self._held):
                     return None
             self._held.add(i)
         self._state[i] = _RUNNING

@@ -293,7 +293,9 @@ class _Slots:
         if slot.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(slot.fd)
-        if unlink and slot.path:  # (an inherited slot has no file: NOTE [slots across pools])  # a slot is regrown only once free, so the parent has mapped (and removed) it already
+        # A slot is regrown only once free, so the parent has mapped (and removed) it already;
+        # an inherited slot has no file (NOTE [slots across pools]).
+        if unlink and slot.path:
             with contextlib.suppress(OSError):
                 os.unlink(slot.path)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.utils.data
+from framework_util import end_job
 
 import pyloader
 
@@ -122,9 +123,7 @@ def main() -> None:
         result = run(scenario, a)
         with open(os.path.join(a.out, f"{scenario}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    if torch.distributed.is_initialized():  # (gloo torn down by the exit may abort: pytorch#190489)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_job()  # not the interpreter's exit: see framework_util.end_job
 
 
 if __name__ == "__main__":

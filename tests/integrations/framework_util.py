@@ -53,6 +53,27 @@ def run_job(worker: str, nproc: int, args: list[str], tmp: str) -> subprocess.Co
     return proc
 
 
+def end_job() -> None:
+    """Ends a torchrun worker whose results are written: a barrier, the group destroyed, then ``os._exit(0)``.
+
+    Not the interpreter's own exit: there the DDP model's reducer drops the last reference to
+    gloo's process group, whose destructor joins gloo's worker threads while holding the GIL,
+    and a worker thread still releasing the tensors of the job's last collective (Trainer's
+    closing all_gather) waits for the GIL: both wait for ever (seen under load: the main
+    thread in ``std::thread::join`` from ``~ProcessGroupGloo``, a gloo thread in
+    ``gil_scoped_acquire`` from ``~AsyncAllgatherWork``). Nor can that teardown abort the
+    process ("terminate called without an active exception", pytorch#190489).
+    """
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def results(out: str, tag: str, ranks: int) -> list[dict[str, Any]]:
     """Each rank's JSON result of ``tag``."""
     found = []

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.utils.data
+from framework_util import end_job
 
 import pyloader
 
@@ -164,9 +165,7 @@ def main() -> None:
         out["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
         with open(os.path.join(a.out, f"{scenario}-rank{rank}.json"), "w") as f:
             json.dump(out, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_job()  # not the interpreter's exit: see framework_util.end_job
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 import transformers
+from framework_util import end_job
 
 import pyloader
 from pyloader.integrations.transformers import Trainer
@@ -79,11 +80,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(a.out, f"{a.tag}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    # Trainer leaves its process group up: gloo's threads torn down by the interpreter's exit
-    # may abort the process ("terminate called without an active exception", pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_job()  # not the interpreter's exit: see framework_util.end_job
 
 
 if __name__ == "__main__":

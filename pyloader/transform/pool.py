@@ -76,7 +76,7 @@ import torch
 from ..contract import PlannedDataset
 from ..errors import SharedMemoryError
 from ..format.owner import owner
-from .stage import TransformSpec, _Stopped, limit_native_threads, queued_ns, run_batch
+from .stage import TransformSpec, _Stopped, limit_native_threads, prepare_native_limits, queued_ns, run_batch
 
 # Slots per worker: batches the loop may hold from one worker at once (a worker whose slots
 # are all held waits for one; each holds one batch, so /dev/shm bounds them first).
@@ -606,6 +606,7 @@ class WorkerPool:
             # (NOTE [sample seeds]) would load it again in every worker of every pool; loaded
             # here once, forked workers share it.
             import numpy.random  # noqa: F401
+            prepare_native_limits()  # See NOTE [worker threads]
             gc.freeze()
         try:
             for w in range(len(self.procs), workers):

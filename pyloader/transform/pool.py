@@ -14,7 +14,11 @@ parent, and the slot it filled is released at once. The pool lives as long as th
 that made it (``persistent_workers=True``, as torch's) or one epoch (``persistent_workers
 =False``: the epoch's stream shuts it down), and is shut down (workers stopped, slot files
 removed) when it is dropped, at interpreter exit, or when one of its workers died (a
-pool with a dead worker is never reused: the next epoch makes a new one). A forked child
+pool with a dead worker is never reused: the next epoch makes a new one). A pool of one
+epoch tells each worker to exit as soon as the parent has its last batch (``retire``),
+while the loop still takes the batches before it: the epoch's end then finds the workers
+gone instead of waiting for them to exit (11-12 ms here at every epoch's end, a 0.2 s
+epoch of a numpy transform). A forked child
 never uses its parent's pool (``WorkerPool.usable``). Workers read the dataset object
 they were started with: changes made to it, or to what the transform reads, after the pool
 started are not seen by them (as with torch's persistent workers).
@@ -560,6 +564,7 @@ class WorkerPool:
         self.conns: list[Any] = []
         self.ended: set[int] = set()  # workers whose pipe reached its end
         self.exited: set[int] = set()  # workers whose process sentinel fired
+        self.retired: set[int] = set()  # workers told to exit once their share of the pool's job was made
         self.maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = inherited[1] if inherited else {}
         self.broken = False  # a worker died: never reused
         self.grace = [_STOP_GRACE_S]  # how long shutdown lets workers finish their batch (0 once one died)
@@ -641,6 +646,13 @@ class WorkerPool:
         """Gives worker ``w`` job ``jid`` (its credits follow)."""
         self.jobs[w] = jid
         self.conns[w].send(("job", jid, payload))
+
+    def retire(self, w: int) -> None:
+        """Tells worker ``w``, which made its last batch of this pool's only job, to exit now (NOTE [transform pool])."""
+        if w not in self.retired:
+            self.retired.add(w)
+            with contextlib.suppress(OSError):
+                self.conns[w].send(None)
 
     def cancel(self, w: int) -> None:
         """Worker ``w`` stops its job after the sample it is on (NOTE [transform pool])."""

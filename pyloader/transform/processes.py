@@ -198,6 +198,8 @@ class ProcessTransformStream(TransformStream):
             pool.release(msg)  # a result of an earlier epoch's job: nobody takes it
             return
         self._results[msg[2]] = msg
+        if self._owns and msg[2] + self._workers_n >= self._len:
+            pool.retire(w)  # its last batch of a pool's only job (See NOTE [transform pool])
 
     def _pump(self, timeout: float) -> None:
         """Reads the results that arrive within ``timeout`` s; reports a worker that died.
@@ -209,7 +211,7 @@ class ProcessTransformStream(TransformStream):
         for w, conn in enumerate(pool.conns):
             if w not in pool.ended:
                 handles[conn] = w
-            if w not in pool.exited:
+            if w not in pool.exited and w not in pool.retired:
                 handles[pool.procs[w].sentinel] = w
         if not handles:
             time.sleep(timeout)
@@ -224,7 +226,7 @@ class ProcessTransformStream(TransformStream):
                 gone.append(w)
                 continue
             self._recv(w)
-            if w in pool.ended:
+            if w in pool.ended and w not in pool.retired:
                 gone.append(w)
         for w in gone:
             self._worker_ended(w)

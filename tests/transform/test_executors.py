@@ -274,6 +274,46 @@ def _children() -> list[int]:
         return []
 
 
+def _running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (not exited: a zombie waiting to be reaped is not)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            out.append(pid)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_an_epochs_pool_exits_once_its_batches_are_made(shards) -> None:
+    """See NOTE [transform pool]: with persistent_workers=False each worker is told to exit as soon as
+    the parent has its last batch, so that the epoch's end does not wait for the workers to exit."""
+    def tr(s: dict[str, Any]) -> dict[str, Any]:
+        return {"x": s["x"] + 1}
+
+    gc.collect()
+    before = set(_children())
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,
+                             executor="processes")
+    for _ in range(2):
+        it = iter(ld)
+        n = sum(len(next(it)["x"]) for _ in range(len(ld)))  # every batch, the epoch not ended yet
+        workers = [p for p in _children() if p not in before]
+        assert len(workers) == 2, workers
+        deadline = time.monotonic() + 10
+        while _running(workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running(workers), "the workers kept running after their last batch"
+        with pytest.raises(StopIteration):
+            next(it)
+        assert not [p for p in _children() if p not in before]  # reaped at the epoch's end
+        assert n == N
+
+
 @pytest.mark.parametrize("executor", ["threads", "processes"])
 @pytest.mark.parametrize("how", ["break", "del", "close", "end"])
 def test_nothing_left_after_break_del_or_end(shards, executor: str, how: str) -> None:

@@ -99,7 +99,6 @@ std::string size_text(uint64_t n) {
 
 }  // namespace
 
-// Version 1 is XXH64; versions 2 and 3 are XXH3-64.
 // NOTE [queue what is missing]: WILLNEED walks every page of its range in the page cache
 // even when all of them are there, one 128 KiB piece per call (NOTE [read-ahead pieces]):
 // queuing 480 MB of cached shards whole cost the first epoch's two workers 9 ms of CPU
@@ -136,6 +135,7 @@ double resident_share(const uint8_t* p, uint64_t len, bool queue_missing) noexce
   return double(present) / double(pages);
 }
 
+// Version 1 is XXH64; versions 2 and 3 are XXH3-64.
 uint64_t shard_checksum(uint32_t version, const void* data, size_t len) noexcept {
   return version != kShardVersionXxh64 ? xxh3_64(data, len) : xxh64(data, len, 0);
 }

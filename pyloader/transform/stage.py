@@ -287,7 +287,7 @@ _blas_lock = threading.Lock()
 _blas_users = 0
 _blas_limiter: Any = None
 _torch_threads: int | None = None  # torch's intra-op thread count before the first thread stream
-_found_libraries: Any = None  # (threadpoolctl's ThreadpoolController, len(sys.modules) when made): prepare_native_limits
+_found_libraries: Any = None  # (threadpoolctl's ThreadpoolController, len(sys.modules) when made): _libraries
 
 
 def _reset_blas_lock() -> None:
@@ -310,18 +310,11 @@ def limit_native_threads(process: bool) -> None:
         if _torch_threads is None and not process:
             _torch_threads = torch.get_num_threads()  # (before the limit below: torch's setting moves OpenMP's)
         if _blas_limiter is None:
-            try:
-                from threadpoolctl import threadpool_limits
-            except ImportError:  # (a dependency; an install without it runs, oversubscribed)
-                threadpool_limits = None
-            if threadpool_limits is not None:
-                found = _found_libraries if process else None
-                if found is not None and found[1] == len(sys.modules):
-                    _blas_limiter = found[0].limit(limits=1)  # the parent's lookup (prepare_native_limits)
-                else:
-                    _blas_limiter = threadpool_limits(limits=1)
+            found = _libraries()
+            if found is not None:
+                _blas_limiter = found.limit(limits=1)
                 if process:
-                    _stop_blas_servers(_blas_limiter)
+                    _stop_blas_servers(found)
         if process:
             _blas_limiter = False  # never restored in a worker process
         torch.set_num_threads(1)
@@ -331,24 +324,31 @@ def prepare_native_limits() -> None:
     """Finds the loaded BLAS/OpenMP libraries before a pool forks its workers (NOTE [worker threads]).
 
     Each forked worker then only sets their limits (0.5 ms) instead of looking them up
-    again (4-6 ms a worker, every epoch's pool). Looked up again when modules were imported
-    since (a library loads with a module).
+    again (4-6 ms a worker, every epoch's pool).
+    """
+    _libraries()
+
+
+def _libraries() -> Any:
+    """The controller (threadpoolctl's) of the BLAS/OpenMP libraries loaded; None without threadpoolctl.
+
+    Kept and looked up again when modules were imported since (a library loads with a module).
     """
     global _found_libraries
-    if _found_libraries is not None and _found_libraries[1] == len(sys.modules):
-        return
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return
-    _found_libraries = (ThreadpoolController(), len(sys.modules))
+    if _found_libraries is None or _found_libraries[1] != len(sys.modules):
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:  # (a dependency; an install without it runs, oversubscribed)
+            return None
+        _found_libraries = (ThreadpoolController(), len(sys.modules))
+    return _found_libraries[0]
 
 
-def _stop_blas_servers(limiter: Any) -> None:
+def _stop_blas_servers(found: Any) -> None:
     """Stops the OpenBLAS thread servers that setting the limit started in this worker (NOTE [worker threads])."""
-    for lib in getattr(getattr(limiter, "_controller", None), "lib_controllers", ()):
-        if getattr(lib, "internal_api", None) == "openblas":
-            stop = getattr(getattr(lib, "dynlib", None), "blas_thread_shutdown_", None)
+    for lib in found.lib_controllers:
+        if lib.internal_api == "openblas":
+            stop = getattr(lib.dynlib, "blas_thread_shutdown_", None)
             if stop is not None:
                 stop()
 

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import numpy as np
+import torch.distributed
 
 import pyloader
 
@@ -64,8 +65,6 @@ def end_job() -> None:
     ``gil_scoped_acquire`` from ``~AsyncAllgatherWork``). Nor can that teardown abort the
     process ("terminate called without an active exception", pytorch#190489).
     """
-    import torch.distributed
-
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -18,7 +18,12 @@ pyloader: ``DataLoader(ShardDataset(path, shuffle=True, seed=0), batch_size=64,
 transform=f, num_workers=2)``, every other argument its default (``executor="auto"``,
 ``persistent_workers=False``). torch: ``DataLoader(ds, batch_size=64, shuffle=True,
 num_workers=w, persistent_workers=True)`` for each ``w`` of --torch-workers; per round the
-best of them ("torch best") is the baseline. The ceiling: 2 (the CPUs this process may use)
+best of them ("torch best") is the baseline. Same semantics side by side (``--kept``, on by
+default): ``torch-w2-fresh`` (torch's own default, ``persistent_workers=False``: new worker
+processes every epoch, as pyloader's default) and ``pyloader-kept`` (pyloader with
+``persistent_workers=True``, as torch's best): what each loader pays for workers forked
+afresh every epoch, and what a transform whose state warms up (a tokenizer's cache) loses
+with them. The ceiling: 2 (the CPUs this process may use)
 forked processes running the transform alone over the records at once, as
 bench_user_transforms.py measures it, once per round. Rounds run every loader once, in an
 order rotated each round; ratios are paired per round and printed as [min, max].
@@ -175,26 +180,32 @@ def _cpu(who: int) -> float:
 
 
 def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
-    """One loader in this (fresh) process: construction + epoch 1, then epochs 2..EPOCHS."""
+    """One loader in this (fresh) process: construction + epoch 1, then epochs 2..EPOCHS.
+
+    ``kind``: torch, torch-fresh (``persistent_workers=False``), pyloader or pyloader-kept
+    (``persistent_workers=True``).
+    """
     import multiprocessing
 
     import torch.utils.data
 
     fn = transform_of(name, data)
     cols = None
-    if kind == "torch":
+    if kind.startswith("torch"):
         with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
             cols = pickle.load(f)
     cpu0 = _cpu(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if cols is not None:
         loader: Any = torch.utils.data.DataLoader(RecordDataset(cols, fn), batch_size=BATCH, shuffle=True,
-                                                  num_workers=workers, persistent_workers=workers > 0)
+                                                  num_workers=workers,
+                                                  persistent_workers=workers > 0 and kind != "torch-fresh")
     else:
         import pyloader
 
         loader = pyloader.DataLoader(pyloader.ShardDataset(os.path.join(data, name), shuffle=True, seed=0),
-                                     batch_size=BATCH, transform=fn, num_workers=workers)
+                                     batch_size=BATCH, transform=fn, num_workers=workers,
+                                     persistent_workers=kind == "pyloader-kept")
     built = time.perf_counter() - t0
     epochs, n = [], 0
     for _ in range(EPOCHS):
@@ -204,7 +215,7 @@ def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
             n += int(b["label"].shape[0])
         epochs.append(time.perf_counter() - t1)
     out: dict[str, Any] = {"built_s": built, "epoch_s": epochs, "samples": n}
-    if kind != "torch":
+    if not kind.startswith("torch"):
         st = loader.stats()
         out["executor"] = st.get("transform_executor")
         out["executor_choice"] = st.get("executor_choice")
@@ -275,6 +286,8 @@ def _span(xs: list[float]) -> str:
 def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, Any]:
     make_data(name, n, data)
     loaders = [(f"torch-w{w}", "torch", w) for w in args.torch_workers] + [("pyloader", "pyloader", 2)]
+    if args.kept:
+        loaders += [("torch-w2-fresh", "torch-fresh", 2), ("pyloader-kept", "pyloader-kept", 2)]
     if args.baseline:
         loaders.append(("pyloader-base", "base", 2))
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _, _ in loaders}
@@ -290,7 +303,7 @@ def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, A
             runs[label].append(run_child(kind, name, data, w, args.baseline if kind == "base" else None))
     rate1 = {k: [n / (d["built_s"] + d["epoch_s"][0]) for d in v] for k, v in runs.items()}
     rate3 = {k: [n / d["epoch_s"][-1] for d in v] for k, v in runs.items()}
-    torch_keys = [k for k in runs if k.startswith("torch")]
+    torch_keys = [k for k in runs if k.startswith("torch")]  # (torch-w2-fresh too: the best of every torch run)
     best1 = [max(rate1[k][r] for k in torch_keys) for r in range(args.rounds)]
     best3 = [max(rate3[k][r] for k in torch_keys) for r in range(args.rounds)]
     py1, py3 = rate1["pyloader"], rate3["pyloader"]
@@ -328,6 +341,20 @@ def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, A
           f"{_span(res['collated_ceiling_over_ceiling'])}; pyloader / collated ceiling: epoch 1 {_span(cc['epoch1'])}, "
           f"epoch {EPOCHS} {_span(cc['epoch3'])}; torch best / collated ceiling: epoch {EPOCHS} "
           f"{_span(res['torch_best_over_collated_ceiling']['epoch3'])}", flush=True)
+    if "pyloader-kept" in runs:
+        def ratio(xs: list[float], ys: list[float]) -> list[float]:
+            return [x / y for x, y in zip(xs, ys)]
+
+        same = {"epoch1": ratio(py1, rate1["torch-w2-fresh"]), "epoch3": ratio(py3, rate3["torch-w2-fresh"])}
+        kept = {"epoch1": ratio(rate1["pyloader-kept"], py1), "epoch3": ratio(rate3["pyloader-kept"], py3)}
+        kt, kc = ratio(rate3["pyloader-kept"], best3), ratio(rate3["pyloader-kept"], ceilings)
+        res["same_semantics"] = {"pyloader_over_torch_fresh": same, "kept_over_pyloader": kept,
+                                 "kept_over_torch_best_epoch3": kt, "kept_over_ceiling_epoch3": kc}
+        print(f"  workers forked every epoch (both loaders' default): pyloader / torch-w2-fresh: epoch 1 "
+              f"{_span(same['epoch1'])}, epoch {EPOCHS} {_span(same['epoch3'])}", flush=True)
+        print(f"  workers kept (persistent_workers=True): pyloader-kept / pyloader: epoch 1 {_span(kept['epoch1'])}, "
+              f"epoch {EPOCHS} {_span(kept['epoch3'])}; pyloader-kept / torch best: epoch {EPOCHS} {_span(kt)}; "
+              f"/ ceiling: epoch {EPOCHS} {_span(kc)}", flush=True)
     if "pyloader-base" in runs:
         b1 = [a / b for a, b in zip(py1, rate1["pyloader-base"])]
         b3 = [a / b for a, b in zip(py3, rate3["pyloader-base"])]
@@ -350,6 +377,8 @@ def main() -> int:
                     help="records per transform, name=count pairs")
     ap.add_argument("--torch-workers", default="2,3", help="torch's num_workers to run (the best of them per round)")
     ap.add_argument("--out", default="bench_results/fresh_epochs.json")
+    ap.add_argument("--kept", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run torch-w2-fresh and pyloader-kept (each loader with the other's worker lifetime)")
     ap.add_argument("--baseline", default=None,
                     help="a checkout with a built _C: its pyloader runs too (pyloader-base), in the same rounds")
     args = ap.parse_args()

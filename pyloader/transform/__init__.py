@@ -6,6 +6,7 @@
 | ``threads.py`` | the thread executor (NOTE [thread executor]) |
 | ``processes.py`` | the process executor's epoch: jobs, results in plan order, dead workers (NOTE [process executor]) |
 | ``pool.py`` | the worker processes, kept across epochs, and their shared-memory slots (NOTE [transform pool]) |
+| ``reap.py`` | workers told to exit after an epoch's last batch, reaped on a thread while the loop goes on (NOTE [late reaping]) |
 | ``auto.py`` | ``executor="auto"``: threads or processes, from a scaling probe (NOTE [executor choice]) |
 | ``tuning.py`` | ``num_workers="auto"`` with a transform: the workers' count (NOTE [transform autotune]) |
 | ``context.py`` | per-sample seeds and ``SampleContext`` (NOTE [sample seeds]) |

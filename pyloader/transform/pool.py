@@ -16,9 +16,9 @@ that made it (``persistent_workers=True``, as torch's) or one epoch (``persisten
 removed) when it is dropped, at interpreter exit, or when one of its workers died (a
 pool with a dead worker is never reused: the next epoch makes a new one). A pool of one
 epoch tells each worker to exit as soon as the parent has its last batch (``retire``),
-while the loop still takes the batches before it: the epoch's end then finds the workers
-gone instead of waiting for them to exit (11-12 ms here at every epoch's end, a 0.2 s
-epoch of a numpy transform). A forked child
+while the loop still takes the batches before it, and the epoch ends without waiting for
+the last of them to exit (See NOTE [late reaping] in reap.py; the two took 11-12 ms and
+8-13 ms here at every epoch's end, a 0.2-0.3 s epoch of a numpy transform). A forked child
 never uses its parent's pool (``WorkerPool.usable``). Workers read the dataset object
 they were started with: changes made to it, or to what the transform reads, after the pool
 started are not seen by them (as with torch's persistent workers).
@@ -80,6 +80,7 @@ import torch
 from ..contract import PlannedDataset
 from ..errors import SharedMemoryError
 from ..format.owner import owner
+from .reap import reap_later, reap_now
 from .stage import TransformSpec, _Stopped, limit_native_threads, prepare_native_limits, queued_ns, run_batch
 
 # Slots per worker: batches the loop may hold from one worker at once (a worker whose slots
@@ -146,6 +147,7 @@ def _shutdown_live() -> None:
     for pool in list(_LIVE):
         with contextlib.suppress(Exception):
             pool.shutdown()
+    reap_now(_STOP_GRACE_S)  # See NOTE [late reaping] in reap.py
 
 
 atexit.register(_shutdown_live)
@@ -570,7 +572,7 @@ class WorkerPool:
         self.grace = [_STOP_GRACE_S]  # how long shutdown lets workers finish their batch (0 once one died)
         self.user: Any = None  # the stream using the pool now (a weak reference), if any
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.dir, self.prefix,
-                                           self.pid, self.grace)
+                                           self.pid, self.grace, self.retired)
         _LIVE.add(self)
         try:
             self.grow(workers)
@@ -689,7 +691,7 @@ class WorkerPool:
         _LIVE.discard(self)
         self._finalizer()
         if (self.reserve is not None and self.maps and not self.broken and os.getpid() == self.pid
-                and all(p.exitcode is not None for p in self.procs)):
+                and all(p.exitcode is not None or w in self.retired for w, p in enumerate(self.procs))):
             self.reserve.keep(self.busy, self.maps, self.max_workers)
         self.reserve = None
         self.maps = {}
@@ -720,11 +722,14 @@ _STOP_GRACE_S = 0.5  # how long a shutdown waits for a worker to finish its batc
 
 
 def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, parent: int,
-              grace: list[float]) -> None:
+              grace: list[float], retired: set[int]) -> None:
     if os.getpid() != parent:
         # A forked child's copy of the pool: its workers and files are the parent's (see
         # NOTE [loader across fork]).
         return
+    if procs and len(retired) == len(procs):  # every worker made its share and was told to exit
+        reap_later(list(procs), _STOP_GRACE_S)  # See NOTE [late reaping] in reap.py
+        procs = []
     for c in conns:
         with contextlib.suppress(Exception):
             c.send(None)

@@ -310,8 +310,48 @@ def test_an_epochs_pool_exits_once_its_batches_are_made(shards) -> None:
         assert not _running(workers), "the workers kept running after their last batch"
         with pytest.raises(StopIteration):
             next(it)
-        assert not [p for p in _children() if p not in before]  # reaped at the epoch's end
+        while [p for p in _children() if p not in before] and time.monotonic() < deadline:
+            time.sleep(0.02)  # reaped by the loader's reaper thread (NOTE [late reaping])
+        assert not [p for p in _children() if p not in before]
         assert n == N
+
+
+_SLOW_EXIT: list[threading.Thread] = []
+
+
+def _slow_exit(s: dict[str, Any]) -> dict[str, Any]:
+    """Identity; in a worker process, keeps the process from exiting for 3 s (a thread it waits for)."""
+    if not _SLOW_EXIT and os.getpid() != _SLOW_EXIT_PARENT:
+        t = threading.Thread(target=time.sleep, args=(3.0,), name="slow-exit")  # (not a daemon: exit waits)
+        t.start()
+        _SLOW_EXIT.append(t)
+    return {"x": s["x"] + 1}
+
+
+_SLOW_EXIT_PARENT = os.getpid()
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_ends_without_waiting_for_its_workers_to_exit(shards) -> None:
+    """See NOTE [late reaping]: a worker slow to exit after its last batch does not hold up the
+    epoch's end; the reaper stops it after the grace period, and nothing is left."""
+    gc.collect()
+    before = set(_children())
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=_slow_exit, num_workers=2,
+                             executor="processes")
+    for _ in range(2):
+        n = 0
+        for b in ld:
+            n += len(b["x"])
+            workers = [p for p in _children() if p not in before]
+        assert n == N
+        # Each worker waits 3 s for its thread before it can exit: the epoch ended before that.
+        assert len(_running(workers)) >= 1, "the epoch's end waited for the workers to exit"
+        deadline = time.monotonic() + 15
+        while [p for p in _children() if p not in before] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not [p for p in _children() if p not in before], "workers left unreaped"
+        assert not _slot_files()
 
 
 @pytest.mark.parametrize("executor", ["threads", "processes"])

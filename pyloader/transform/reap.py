@@ -1,0 +1,91 @@
+"""Worker processes whose exit an epoch does not wait for (NOTE [late reaping]).
+
+NOTE [late reaping]: a pool of one epoch tells each worker to exit once the parent has its
+last batch (``WorkerPool.retire``, NOTE [transform pool] in pool.py); the worker that made
+the final batch is still exiting when the loop asks for the batch after it. Its exit is
+the kernel tearing down a process forked from one with torch loaded (its copied page
+tables: 5.5-9 ms here), and the epoch's end waited for it: 8-13 ms of a 0.2-0.3 s epoch of
+a numpy transform, at every epoch. Such a process has nothing left to hand over (every
+batch of it is in, its slot files are the parent's to remove), so the epoch ends without
+waiting, and a daemon thread of the loader's process (``pyloader-reaper``) waits for the
+processes to end and reaps them, as ``_shutdown`` would have: one still running after
+``grace`` seconds is terminated, then killed. The thread ends when nothing is left to
+reap; interpreter exit reaps what is left (bounded the same way). A forked child forgets
+its parent's list (those processes are not its children).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from multiprocessing.connection import wait as wait_handles
+from typing import Any
+
+_lock = threading.Lock()
+_exiting: list[tuple[Any, float]] = []  # (process, when it is terminated if still running)
+_thread: threading.Thread | None = None
+
+
+def reap_later(procs: list[Any], grace: float) -> None:
+    """Reaps ``procs`` (told to exit) on the reaper thread: terminated if still running after ``grace`` s."""
+    global _thread
+    deadline = time.monotonic() + grace
+    with _lock:
+        _exiting.extend((p, deadline) for p in procs)
+        if _thread is None:
+            _thread = threading.Thread(target=_run, name="pyloader-reaper", daemon=True)
+            _thread.start()
+
+
+def _run() -> None:
+    global _thread
+    while True:
+        with _lock:
+            if not _exiting:
+                _thread = None
+                return
+            todo = list(_exiting)
+        left = min(d for _, d in todo) - time.monotonic()
+        if left > 0:
+            wait_handles([p.sentinel for p, _ in todo], timeout=left)
+        _reap(todo, force=False)
+
+
+def _reap(todo: list[tuple[Any, float]], force: bool) -> None:
+    """Joins those of ``todo`` that ended; stops those past their deadline (all of them with ``force``)."""
+    now = time.monotonic()
+    for p, deadline in todo:
+        if p.exitcode is None and (force or now >= deadline):
+            p.terminate()
+            p.join(2.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(2.0)
+        if p.exitcode is not None:
+            p.join()
+            with _lock:
+                if (p, deadline) in _exiting:  # (reap_now may have taken it meanwhile)
+                    _exiting.remove((p, deadline))
+
+
+def reap_now(timeout: float) -> None:
+    """Waits up to ``timeout`` s for the processes still exiting, then stops the rest (interpreter exit)."""
+    with _lock:
+        todo = list(_exiting)
+    if not todo:
+        return
+    wait_handles([p.sentinel for p, _ in todo if p.exitcode is None], timeout=timeout)
+    _reap(todo, force=True)
+
+
+def _forget() -> None:
+    global _lock, _thread
+    _lock = threading.Lock()  # (the reaper may have held it at the fork)
+    _exiting.clear()
+    _thread = None
+
+
+os.register_at_fork(after_in_child=_forget)
+
+__all__ = ["reap_later", "reap_now"]

@@ -38,7 +38,13 @@ class HostBuffers(LoaderCore):
         return self._batch_pool
 
     def _prepare_slots(self) -> None:
-        """Starts making the first epoch's batch slots now, on a native thread (NOTE [prepared slots]).
+        """Starts making the first epoch's batch slots now, on a native thread (NOTE [prepared slots])."""
+        todo = self._slots_to_prepare()
+        if todo is not None:
+            todo[0].prepare(count=todo[1], field_bytes=todo[2])
+
+    def _slots_to_prepare(self) -> tuple[Any, int, list[int]] | None:
+        """(pool, count, field bytes) of the slots ``_prepare_slots`` makes; the pool is made now.
 
         As many as a plain ``for batch in loader:`` loop holds at once (``prefetch`` + 3: the
         read-ahead, the batch the loop body holds, the previous one still bound to the loop
@@ -56,12 +62,12 @@ class HostBuffers(LoaderCore):
         ds = self.dataset
         if (self._pinned or self.pack is not None or self.batch_size is None or self._auto_workers
                 or not isinstance(ds, PipelineDataset) or self._transform_spec(0) is not None):
-            return
+            return None
         pool = self._pool
         assert pool is not None
         sizes = [0 if f.variable else self.batch_size * f.row_bytes for f in ds.fields]
         _, _, depth = check_stream_args(self.batch_size, self._threads, self._prefetch)  # the pipeline's ring
-        pool.prepare(count=depth + 3, field_bytes=sizes)
+        return pool, depth + 3, sizes
 
     @property
     def _pin_index(self) -> int:

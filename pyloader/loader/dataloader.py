@@ -170,8 +170,12 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
             self._init_native(shuffle, sampler, batch_sampler, multiprocessing_context)
             if num_workers == "auto":
                 self._auto()  # raises now for what it cannot tune
-            self._prepare_slots()
-            self._make_first_ahead()  # NOTE [first epoch ahead]
+            # NOTE [first epoch ahead]: planned and started before the slots are prepared.
+            first = self._first_plan()
+            slots = self._slots_to_prepare()
+            self._make_first_ahead(first)
+            if slots is not None:
+                slots[0].prepare(count=slots[1], field_bytes=slots[2])
         else:
             self._check_generic()
             self._init_torch(shuffle, sampler, batch_sampler, multiprocessing_context)

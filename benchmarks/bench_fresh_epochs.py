@@ -32,8 +32,9 @@ The collated ceiling: the same processes running the transform and torch's
 loader's workers make), nothing handed on: the most a loader could reach. ``--baseline
 ROOT`` runs the pyloader of another checkout (with its built ``_C``) in the same rounds.
 
-pyloader's construction in a fresh process includes importing the modules it loads on
-first use. Where Python writes no bytecode cache (``PYTHONDONTWRITEBYTECODE=1``, as in
+Each loader's module is imported before the clock starts (``torch.utils.data``, ``pyloader``);
+pyloader's construction in a fresh process still includes importing the modules it loads
+on first use. Where Python writes no bytecode cache (``PYTHONDONTWRITEBYTECODE=1``, as in
 this repository's development container) every run compiles them first: about 0.3 s of
 the construction on 2 loaded CPUs, 0.1 s with the cache. An installed package has it; to
 measure what it does, run ``python -m compileall -q pyloader`` first.
@@ -194,6 +195,8 @@ def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
     if kind.startswith("torch"):
         with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
             cols = pickle.load(f)
+    else:
+        import pyloader  # noqa: F401 -- imported before the clock starts, as torch.utils.data is
     cpu0 = _cpu(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if cols is not None:

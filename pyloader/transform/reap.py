@@ -11,7 +11,12 @@ waiting, and a daemon thread of the loader's process (``pyloader-reaper``) waits
 processes to end and reaps them, as ``_shutdown`` would have: one still running after
 ``grace`` seconds is terminated, then killed. The thread ends when nothing is left to
 reap; interpreter exit reaps what is left (bounded the same way). A forked child forgets
-its parent's list (those processes are not its children).
+its parent's list (those processes are not its children). Measured (numpy features, 1,024
+samples, 2 workers): the epoch's last batch to its end 1.6-4.8 ms against 7.8-10.9 ms; a
+script's work between epochs (evaluation, a checkpoint) now overlaps the exit. Epochs run
+back to back gain nothing: the exit then overlaps the next epoch's fork and first batches
+instead (epochs 2-6 of 8 fresh processes each, alternated: medians 220-238 ms against
+219-230 ms).
 """
 
 from __future__ import annotations

@@ -276,7 +276,8 @@ def forked_rate(work: Callable[[int], int], procs: int, seconds: float) -> float
     """Units/s of ``procs`` forked processes each calling ``work(i)`` (i = p, p + procs, ...) for ``seconds``.
 
     ``work`` returns the units it did (samples). Each process runs torch and the BLAS
-    libraries on one thread, as a loader's worker does, and reports its count and end time
+    libraries on one thread exactly as a loader's transform worker does (its OpenBLAS
+    thread server stopped too), and reports its count and end time
     through a pipe; the rate is their sum over the time from the first fork to the last
     end (so process start is counted, as in benchmarks/bench_user_transforms.py). A
     process whose ``work`` raises makes this raise ``RuntimeError`` with its error.
@@ -295,11 +296,9 @@ def forked_rate(work: Callable[[int], int], procs: int, seconds: float) -> float
             gc.disable()
             os.close(r)
             try:
-                torch.set_num_threads(1)
-                if importlib.util.find_spec("threadpoolctl") is not None:
-                    from threadpoolctl import threadpool_limits
+                from ..transform.stage import limit_native_threads
 
-                    threadpool_limits(limits=1)
+                limit_native_threads(process=True)  # a worker's one thread (See NOTE [worker threads])
                 n, i = 0, p
                 while True:
                     n += work(i)

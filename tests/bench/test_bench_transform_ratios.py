@@ -78,3 +78,38 @@ def test_the_ceiling_runs_the_transform_alone_and_names_its_error(tmp_path) -> N
     assert c["samples"] == 256 and c["samples_per_s"] > 0
     with pytest.raises(RuntimeError, match="ValueError: no such crop"):
         R.transform_ceiling(ShardDataset(path, transform=boom), batch_size=32, processes=2, rounds=1, seconds=0.1)
+
+
+def _thread_setup(i: int) -> int:
+    """Raises unless this process runs torch and BLAS on one thread with no OpenBLAS server spinning."""
+    import time
+
+    import torch
+    from threadpoolctl import threadpool_info
+
+    if torch.get_num_threads() != 1:
+        raise AssertionError(f"torch runs {torch.get_num_threads()} threads")
+    blas = [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
+    if any(n != 1 for n in blas):
+        raise AssertionError(f"BLAS runs {blas} threads")
+    if i < 2:  # each process's first call: its CPU while it sleeps is only a spinning thread's
+        c0 = time.process_time()
+        time.sleep(0.3)
+        ms = (time.process_time() - c0) * 1e3
+        if ms > 40:
+            raise AssertionError(f"the process used {ms:.0f} ms of CPU while asleep for 0.3 s")
+    return 1
+
+
+@pytest.mark.timeout(120)
+def test_the_ceilings_processes_run_as_a_transform_worker_does() -> None:
+    """The ceiling's processes set the threads a transform worker sets (NOTE [worker threads]):
+    threadpoolctl's limit alone restarted OpenBLAS's thread server in a forked process, whose
+    spinning took CPU from the transform and held the ceiling down."""
+    pytest.importorskip("threadpoolctl")
+    import numpy as np
+
+    np.ones((64, 64)) @ np.ones((64, 64))  # OpenBLAS started in this process, as a training script's would be
+    from pyloader.bench import measure
+
+    assert measure.forked_rate(_thread_setup, 2, 0.5) > 0

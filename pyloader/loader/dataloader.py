@@ -170,7 +170,7 @@ class DataLoader(TorchCompat, NativeEpochs, TransformEpochs, PackedEpochs, HostB
             self._init_native(shuffle, sampler, batch_sampler, multiprocessing_context)
             if num_workers == "auto":
                 self._auto()  # raises now for what it cannot tune
-            # NOTE [first epoch ahead]: planned and started before the slots are prepared.
+            # Planned and started before the slots are prepared (See NOTE [first epoch ahead]).
             first = self._first_plan()
             slots = self._slots_to_prepare()
             self._make_first_ahead(first)

@@ -54,11 +54,15 @@ def _run() -> None:
         left = min(d for _, d in todo) - time.monotonic()
         if left > 0:
             wait_handles([p.sentinel for p, _ in todo], timeout=left)
-        _reap(todo, force=False)
+        if not _reap(todo, force=False):
+            # A sentinel fires as the process closes its files, a moment before it can be
+            # reaped: look again shortly rather than spin on it.
+            time.sleep(0.002)
 
 
-def _reap(todo: list[tuple[Any, float]], force: bool) -> None:
-    """Joins those of ``todo`` that ended; stops those past their deadline (all of them with ``force``)."""
+def _reap(todo: list[tuple[Any, float]], force: bool) -> int:
+    """Joins those of ``todo`` that ended; stops those past their deadline (all with ``force``); how many ended."""
+    ended = 0
     now = time.monotonic()
     for p, deadline in todo:
         if p.exitcode is None and (force or now >= deadline):
@@ -69,9 +73,11 @@ def _reap(todo: list[tuple[Any, float]], force: bool) -> None:
                 p.join(2.0)
         if p.exitcode is not None:
             p.join()
+            ended += 1
             with _lock:
                 if (p, deadline) in _exiting:  # (reap_now may have taken it meanwhile)
                     _exiting.remove((p, deadline))
+    return ended
 
 
 def reap_now(timeout: float) -> None:

@@ -37,14 +37,10 @@ class HostBuffers(LoaderCore):
                                                    device_index=self._pin_index if self._pinned else 0)
         return self._batch_pool
 
-    def _prepare_slots(self) -> None:
-        """Starts making the first epoch's batch slots now, on a native thread (NOTE [prepared slots])."""
-        todo = self._slots_to_prepare()
-        if todo is not None:
-            todo[0].prepare(count=todo[1], field_bytes=todo[2])
-
     def _slots_to_prepare(self) -> tuple[Any, int, list[int]] | None:
-        """(pool, count, field bytes) of the slots ``_prepare_slots`` makes; the pool is made now.
+        """(pool, count, field bytes) of the first epoch's slots, made by a native thread (NOTE [prepared slots]).
+
+        The constructor passes them to ``pool.prepare``; the pool is made now.
 
         As many as a plain ``for batch in loader:`` loop holds at once (``prefetch`` + 3: the
         read-ahead, the batch the loop body holds, the previous one still bound to the loop

@@ -354,6 +354,31 @@ def test_an_epoch_ends_without_waiting_for_its_workers_to_exit(shards) -> None:
         assert not _slot_files()
 
 
+class _NoThread(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_reaps_its_workers_itself_where_no_thread_can_start(shards, monkeypatch) -> None:
+    """See NOTE [late reaping]: without a reaper thread (a process limit) the epoch's end reaps its workers."""
+    from types import SimpleNamespace
+
+    from pyloader.transform import reap
+
+    def tr(s: dict[str, Any]) -> dict[str, Any]:
+        return {"x": s["x"] + 1}
+
+    monkeypatch.setattr(reap, "threading", SimpleNamespace(Thread=_NoThread, Lock=threading.Lock))
+    gc.collect()
+    before = set(_children())
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,
+                             executor="processes")
+    assert sum(len(b["x"]) for b in ld) == N
+    assert not [p for p in _children() if p not in before], "workers left unreaped"
+    assert not _slot_files()
+
+
 @pytest.mark.parametrize("executor", ["threads", "processes"])
 @pytest.mark.parametrize("how", ["break", "del", "close", "end"])
 def test_nothing_left_after_break_del_or_end(shards, executor: str, how: str) -> None:

@@ -196,7 +196,7 @@ def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
         with open(os.path.join(data, f"{name}.pkl"), "rb") as f:
             cols = pickle.load(f)
     else:
-        import pyloader  # noqa: F401 -- imported before the clock starts, as torch.utils.data is
+        import pyloader  # imported before the clock starts, as torch.utils.data is
     cpu0 = _cpu(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if cols is not None:
@@ -204,8 +204,6 @@ def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
                                                   num_workers=workers,
                                                   persistent_workers=workers > 0 and kind != "torch-fresh")
     else:
-        import pyloader
-
         loader = pyloader.DataLoader(pyloader.ShardDataset(os.path.join(data, name), shuffle=True, seed=0),
                                      batch_size=BATCH, transform=fn, num_workers=workers,
                                      persistent_workers=kind == "pyloader-kept")

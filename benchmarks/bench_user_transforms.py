@@ -250,7 +250,7 @@ def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[A
                   per_proc: int, collate: int = 0) -> float:
     """Samples/s of ``procs`` forked processes each running ``fn`` alone over ``per_proc`` records at once.
 
-    Each runs torch and the BLAS libraries on one thread, as pyloader's workers do.
+    Each sets its threads as pyloader's transform workers do (one torch and one BLAS thread).
     ``collate``: also ``default_collate`` every that many outputs (a batching loader's copy).
     """
     n = len(next(iter(columns.values())))
@@ -261,17 +261,11 @@ def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[A
         if pid == 0:  # pragma: no cover - the child
             code = 1
             try:
-                torch.set_num_threads(1)
-                from threadpoolctl import ThreadpoolController
-                found = ThreadpoolController()
-                found.limit(limits=1)
-                # Setting the limit restarts OpenBLAS's thread server in a forked child, a
-                # thread that spins for CPU; one BLAS thread needs none.
-                # See NOTE [worker threads] in pyloader/transform/stage.py.
-                for lib in found.lib_controllers:
-                    stop = getattr(lib.dynlib, "blas_thread_shutdown_", None)
-                    if lib.internal_api == "openblas" and stop is not None:
-                        stop()
+                # A worker's threads: one for torch, one for BLAS/OpenMP, OpenBLAS's spinning
+                # server stopped (See NOTE [worker threads] in pyloader/transform/stage.py).
+                from pyloader.transform.stage import limit_native_threads
+
+                limit_native_threads(process=True)
                 outs = []
                 for i in range(per_proc):
                     k = (p * per_proc + i) % n

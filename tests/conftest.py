@@ -16,10 +16,21 @@ import pyloader
 
 # The default cache root (``$XDG_CACHE_HOME/pyloader`` when PYLOADER_CACHE_DIR is not set:
 # the records of verified local shards, a node cache without cache_dir) is a folder of this
-# session, for the tests and every process they start, never the user's ~/.cache/pyloader.
+# test process (each of -n auto's has its own), for its tests and every process they start,
+# never the user's ~/.cache/pyloader.
 _CACHE_HOME = tempfile.mkdtemp(prefix="pyloader-test-cache-home-")
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 atexit.register(shutil.rmtree, _CACHE_HOME, True)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many test processes ``-n auto`` (pyproject.toml's addopts) starts: one per CPU, at most 4.
+
+    Many tests start processes and threads of their own (loaders' workers, servers, two ranks
+    under torchrun), so more test processes than CPUs would only slow each other down.
+    """
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
 
 # A schema with every kind of field: fixed, scalar, variable, bytes, bfloat16.
 MIXED_FIELDS: dict[str, Any] = {

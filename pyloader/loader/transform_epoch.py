@@ -190,7 +190,8 @@ class TransformEpochs(LoaderCore):
                 reserve = self.__dict__.get("_slot_reserve")
                 if reserve is None:
                     reserve = self._slot_reserve = SlotReserve()
-            pool = WorkerPool(ds, spec, workers, context=self._mp_context, max_workers=max_workers, reserve=reserve)
+            # Its workers start with the stream, on their first job (NOTE [first job at fork]).
+            pool = WorkerPool(ds, spec, 0, context=self._mp_context, max_workers=max_workers, reserve=reserve)
             if keep and self._tpool is None:
                 self._tpool = pool
         owns = pool is not self._tpool

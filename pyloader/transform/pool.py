@@ -5,7 +5,8 @@ NOTE [transform pool]: a ``WorkerPool`` is a set of worker processes started onc
 batches it is to make (See NOTE [process executor] in processes.py for what a worker does
 with them). A job has a number (``jid``); the pool's shared array ``jobs`` holds, per
 worker, the job it is to work on (-1: none). The parent sends a worker ``("job", jid,
-payload)`` and then credits (the tickets it may make next, in order); the worker makes a
+payload)`` (a new pool's workers are forked with theirs, See NOTE [first job at fork]) and
+then credits (the tickets it may make next, in order); the worker makes a
 credited ticket only while ``jobs[w]`` is that job, and checks it between two samples, so
 an epoch the loop leaves early (a ``break``, a closed iterator) stops its workers after the
 sample they are on: the parent sets ``jobs[w] = -1`` and the next job finds them idle.
@@ -50,6 +51,14 @@ process imports them (``warm_imports``; at most ``MAX_IMPORTS`` names, each trie
 failure ignored): the next epoch's workers start with them imported. Only modules are
 imported, never the transform called, so nothing of the user's runs in the loader's process
 but module imports its transform already made in the workers.
+
+NOTE [first job at fork]: a new pool (every epoch's with ``persistent_workers=False``, a kept
+one's first) is made without workers, and the stream that uses it forks each worker with
+its job and first credits in the process's arguments (``grow(first=...)``: with fork they
+are inherited, nothing is pickled or sent). A worker starts on its first batch as soon as it
+is forked, while the loader's process forks the next one (a fork of a process with torch
+loaded takes 3.7-8.4 ms here); before, each waited for its job through its pipe, sent once
+every worker was forked. Later jobs of a kept pool come through the pipe as before.
 """
 
 from __future__ import annotations
@@ -408,6 +417,10 @@ class JobPayload:
     readers: int
 
 
+# A worker's first job, given as it is forked: (job number, its payload, the credits it starts with).
+_FirstJob = tuple[int, JobPayload, list[int]]
+
+
 class _ParentGone(BaseException):
     """The parent's end of the pipe is closed: the worker has nobody to work for (not an error)."""
 
@@ -427,7 +440,8 @@ class _Job:
 
 
 def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, busy: Any, jobs: Any, prefix: str,
-                 directory: str, parent: int, inherited: dict[int, tuple[int, mmap.mmap]] | None = None) -> None:
+                 directory: str, parent: int, inherited: dict[int, tuple[int, mmap.mmap]] | None = None,
+                 first: _FirstJob | None = None) -> None:
     known = set(sys.modules)  # what the parent had imported (NOTE [warm imports])
     from .stage import _NotedExceptionWrapper as ExceptionWrapper  # the notes reach the parent as notes
 
@@ -445,6 +459,9 @@ def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, bus
             raise _ParentGone from None
 
     job: _Job | None = None
+    pending: list[int] = []  # credits given with the first job (See NOTE [first job at fork])
+    if first is not None:
+        job, pending = _Job(first[0], first[1], base), list(first[2])
     try:
         while True:
             if len(sys.modules) != len(known):
@@ -452,13 +469,17 @@ def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, bus
                 known = set(sys.modules)
                 if new:
                     send(("mods", new[:MAX_IMPORTS]))
-            while not conn.poll(1.0):
-                if parent_gone():
+            msg: Any
+            if pending:
+                msg = pending.pop(0)
+            else:
+                while not conn.poll(1.0):
+                    if parent_gone():
+                        return
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # the parent closed its end or died
                     return
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the parent closed its end or died
-                return
             if msg is None:
                 return
             if isinstance(msg, tuple):  # ("job", jid, payload): a new epoch (See NOTE [transform pool])
@@ -596,11 +617,15 @@ class WorkerPool:
         user = self.user() if self.user is not None else None
         return user if user is not None and not getattr(user, "_closed", True) else None
 
-    def grow(self, workers: int) -> None:
-        """Starts workers until ``workers`` run (at most ``max_workers``)."""
+    def grow(self, workers: int, first: dict[int, _FirstJob] | None = None) -> list[int]:
+        """Starts workers until ``workers`` run (at most ``max_workers``); returns those started.
+
+        ``first``: worker ``w`` started now starts on job ``first[w]`` (NOTE [first job at fork]).
+        """
         workers = min(workers, self.max_workers)
         if len(self.procs) >= workers:
-            return
+            return []
+        started: list[int] = []
         # Forked workers share the parent's memory until they write to it; a garbage
         # collection in a worker would write to every object it scans (their gc links and
         # counts) and so copy the parent's heap page by page. Objects alive at the fork are
@@ -621,14 +646,19 @@ class WorkerPool:
                 mine, theirs = self.ctx.Pipe(duplex=True)
                 self.conns.append(mine)
                 _PARENT_ENDS.add(mine)
+                job = first.get(w) if first is not None else None
+                if job is not None:
+                    self.jobs[w] = job[0]
                 p = self.ctx.Process(target=_worker_main, name=f"pyloader-transform-{w}", daemon=True,
                                      args=(w, self.ds, self.spec, theirs, self.busy, self.jobs, self.prefix,
                                            self.dir, self.pid,
-                                           {s: m for (v, s), m in self.maps.items() if v == w} if freeze else None))
+                                           {s: m for (v, s), m in self.maps.items() if v == w} if freeze else None,
+                                           job))
                 try:
                     p.start()
                 except Exception as e:
                     self.conns.pop()
+                    self.jobs[w] = _IDLE
                     raise type(e)(f"executor='processes' could not start a worker with the "
                                   f"{self.ctx.get_start_method()!r} start method (a transform must be picklable for "
                                   f"'spawn' and 'forkserver': a module-level function, not a lambda or closure): "
@@ -636,9 +666,11 @@ class WorkerPool:
                 finally:
                     theirs.close()  # the worker's end lives in the worker only (EOF here when it dies)
                 self.procs.append(p)
+                started.append(w)
         finally:
             if freeze:
                 gc.unfreeze()
+        return started
 
     def new_job(self) -> int:
         """A job number not used before in this process."""

@@ -123,23 +123,33 @@ class ProcessTransformStream(TransformStream):
         self._checked = 0.0  # when _pump last looked at the workers
         self.made = [0, 0]  # samples the workers made, and their time making them (not waiting for records), ns
         try:
-            pool.grow(workers)
-            clean_stale(pool.dir)
             self._jid = pool.new_job()
             pool.user = weakref.ref(self)
             n_rows = len(units)
+            payloads = []
             for w in range(workers):
                 tickets = np.arange(w, self._len, workers, dtype=np.int64)
                 rows = (np.concatenate([np.arange(t * batch_size, min((t + 1) * batch_size, n_rows)) for t in tickets])
                         if len(tickets) else np.empty(0, dtype=np.int64))
-                try:
-                    pool.start_job(w, self._jid, JobPayload(
-                        np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
-                        np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec.seed, spec.epoch,
-                        spec.seed_globals, readers=workers))
-                except OSError:  # a broken pipe: the worker died since the pool was checked
-                    self._worker_ended(w)
-                    raise
+                payloads.append(JobPayload(
+                    np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
+                    np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec.seed, spec.epoch,
+                    spec.seed_globals, readers=workers))
+            first = None
+            if pool.size == 0:  # every worker starts on this job as it is forked (NOTE [first job at fork])
+                credits = min(self._len, self._depth)
+                first = {w: (self._jid, payloads[w], list(range(w, credits, workers))) for w in range(workers)}
+            started = pool.grow(workers, first)
+            clean_stale(pool.dir)
+            if first is not None and len(started) == workers:
+                self._sent = credits
+            else:
+                for w in range(workers):
+                    try:
+                        pool.start_job(w, self._jid, payloads[w])
+                    except OSError:  # a broken pipe: the worker died since the pool was checked
+                        self._worker_ended(w)
+                        raise
             self._dispatch()
         except BaseException:
             self.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -301,3 +302,62 @@ def test_the_next_epochs_workers_start_with_the_modules_earlier_workers_imported
     pids = log.read_text().split()
     # 2 workers of epoch 1 and the loader's process: 3 imports, not 2 more per epoch.
     assert len(pids) == 3 and len(set(pids)) == 3, pids
+
+
+# A hook run before every fork of this test process (os.register_at_fork cannot be undone):
+# while _FORKS has a "marker", the second fork waits (at most 10 s) for the file the first
+# forked worker's transform makes on its first sample, and says whether it came.
+_FORKS: dict[str, Any] = {}
+
+
+def _before_fork() -> None:
+    marker = _FORKS.get("marker")
+    if marker is None:
+        return
+    _FORKS["forks"] += 1
+    if _FORKS["forks"] == 2:
+        deadline = time.monotonic() + 10.0
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _FORKS["first_sample_before_second_fork"] = os.path.exists(marker)
+
+
+os.register_at_fork(before=_before_fork)
+
+
+class MarkFirstSample:
+    """A transform that makes the file ``path`` on the first sample of any worker."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, s: dict[str, Any]) -> dict[str, Any]:
+        if not os.path.exists(self.path):
+            with open(self.path, "w"):
+                pass
+        return {"label": s["label"], "pid": os.getpid()}
+
+
+def test_a_new_pools_workers_start_on_their_batches_as_they_are_forked(shards, tmp_path) -> None:
+    # See NOTE [first job at fork]: the first worker makes its first sample while the loader's
+    # process forks the second, with nothing sent to it: before, it waited for its job to
+    # come through its pipe after every worker was forked.
+    marker = str(tmp_path / "first-sample")
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards, shuffle=True, seed=11), batch_size=BATCH, num_workers=2,
+                             executor="processes", transform=MarkFirstSample(marker))
+    for epoch in range(2):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(marker)
+        _FORKS.update(marker=marker, forks=0, first_sample_before_second_fork=None)
+        try:
+            labels: list[int] = []
+            pids: set[int] = set()
+            for b in ld:
+                labels += b["label"].tolist()
+                pids |= set(b["pid"].tolist())
+        finally:
+            _FORKS.pop("marker")
+        assert _FORKS["forks"] == 2, f"epoch {epoch}: {_FORKS['forks']} forks for a pool of 2 workers"
+        assert _FORKS["first_sample_before_second_fork"] is True, (
+            f"epoch {epoch}: the first worker had made no sample 10 s after it was forked, when the second was")
+        assert sorted(labels) == list(range(N)) and len(pids) == 2, (epoch, len(labels), pids)

@@ -623,17 +623,13 @@ def test_fork_while_native_threads_run(write_dataset, tmp_path) -> None:
     loader = pyloader.DataLoader(ds, batch_size=8, num_workers=2)
     loader_it = iter(loader)
     next(loader_it)  # the loader has a live epoch (and live threads) at fork time too
-    # Threads that end by themselves (the loader's slot-preparing thread, the reaper of an
-    # earlier test's transform workers) must not end between the two counts below.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (
-            (loader._batch_pool is not None and loader._batch_pool.preparing)
-            or any(t.name == "pyloader-reaper" for t in threading.enumerate())):
-        time.sleep(0.005)
-    base = threads_now()
+    # The threads the iterator below starts, by id: threads that end by themselves meanwhile
+    # (the loader's slot-preparing thread, an earlier test's) do not change what is new.
+    before = set(os.listdir("/proc/self/task"))
     inherited = {"it": ds.batches(8, num_threads=3, prefetch=4)}
     inherited["first"] = next(inherited["it"])
-    assert threads_now() >= base + 3
+    started = set(os.listdir("/proc/self/task")) - before
+    assert len(started) >= 3, f"the iterator started {len(started)} threads, not its 3 workers"
     child = run_in_forked_child(lambda step: _child_after_fork(ds, inherited, loader, n, step),
                                 str(tmp_path / "child.log"), timeout=30)
     assert child.code is not None, f"forked child hung (killed after 30 s) in the last of its steps:\n{child.log}"

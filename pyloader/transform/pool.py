@@ -617,15 +617,14 @@ class WorkerPool:
         user = self.user() if self.user is not None else None
         return user if user is not None and not getattr(user, "_closed", True) else None
 
-    def grow(self, workers: int, first: dict[int, _FirstJob] | None = None) -> list[int]:
-        """Starts workers until ``workers`` run (at most ``max_workers``); returns those started.
+    def grow(self, workers: int, first: dict[int, _FirstJob] | None = None) -> None:
+        """Starts workers until ``workers`` run (at most ``max_workers``).
 
         ``first``: worker ``w`` started now starts on job ``first[w]`` (NOTE [first job at fork]).
         """
         workers = min(workers, self.max_workers)
         if len(self.procs) >= workers:
-            return []
-        started: list[int] = []
+            return
         # Forked workers share the parent's memory until they write to it; a garbage
         # collection in a worker would write to every object it scans (their gc links and
         # counts) and so copy the parent's heap page by page. Objects alive at the fork are
@@ -666,11 +665,9 @@ class WorkerPool:
                 finally:
                     theirs.close()  # the worker's end lives in the worker only (EOF here when it dies)
                 self.procs.append(p)
-                started.append(w)
         finally:
             if freeze:
                 gc.unfreeze()
-        return started
 
     def new_job(self) -> int:
         """A job number not used before in this process."""

@@ -135,21 +135,20 @@ class ProcessTransformStream(TransformStream):
                     np.ascontiguousarray(units[rows]), np.ascontiguousarray(records[rows]),
                     np.ascontiguousarray(gidx[rows]), tickets, batch_size, spec.seed, spec.epoch,
                     spec.seed_globals, readers=workers))
-            first = None
             if pool.size == 0:  # every worker starts on this job as it is forked (NOTE [first job at fork])
                 credits = min(self._len, self._depth)
-                first = {w: (self._jid, payloads[w], list(range(w, credits, workers))) for w in range(workers)}
-            started = pool.grow(workers, first)
-            clean_stale(pool.dir)
-            if first is not None and len(started) == workers:
-                self._sent = credits
+                pool.grow(workers, {w: (self._jid, payloads[w], list(range(w, credits, workers)))
+                                    for w in range(workers)})
+                self._sent = credits  # the credits _dispatch would send first, given with the job
             else:
+                pool.grow(workers)
                 for w in range(workers):
                     try:
                         pool.start_job(w, self._jid, payloads[w])
                     except OSError:  # a broken pipe: the worker died since the pool was checked
                         self._worker_ended(w)
                         raise
+            clean_stale(pool.dir)
             self._dispatch()
         except BaseException:
             self.close()

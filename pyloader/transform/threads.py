@@ -48,6 +48,82 @@ from ..contract import BatchStream, PlannedDataset, default_prefetch
 from ..errors import LoaderStateError, LoaderTimeoutError
 from .stage import TransformSpec, TransformStream, _Stopped, limit_native_threads, run_batch, unlimit_native_threads
 
+# NOTE [fork gate]: a fork copies the memory of every thread of the process but runs only the
+# forking one, so a lock another thread held at that instant stays held in the child for
+# good. The thread executor runs the user's transform on threads of the loader's process --
+# torch ops, a tokenizer, Pillow -- and the process executor forks workers from the same
+# process: the "auto" executor's switch to processes (its thread stream's last batches are
+# still being made), or a second loader (or torch's own DataLoader) starting its epoch while
+# this one runs. A worker forked while a transform thread was inside ``torch.randint`` waited
+# forever on a futex of torch's in its first sample (seen in CI, and in 1 of 41 runs of two
+# such loaders on a loaded machine); the loop then waited for that worker's batch. So every
+# fork of the process (``os.register_at_fork``: pyloader's pools, ``multiprocessing``, a
+# user's ``os.fork``) first parks the transform threads between two samples: the hook raises
+# a flag and waits until no thread is inside a sample; a thread starting a sample (or
+# collating) sees the flag and waits until the fork is done. A thread marks itself inside
+# before it reads the flag and the hook raises the flag before it reads the marks, so one of
+# the two always sees the other. The wait is bounded (``FORK_GATE_S``, then the fork goes on
+# as before: a transform whose single sample takes longer than that is not waited for), and
+# costs a fork of a process without thread streams nothing; inside a sample of the thread
+# executor's, no fork waits for the thread that forks.
+FORK_GATE_S = 2.0
+_gate_pending = False  # a fork waits for the transform threads
+_gate_open = threading.Event()  # set but while a fork waits or runs
+_gate_open.set()
+_gate_inside: set[int] = set()  # idents of the transform threads inside a sample
+_gate_threads = 0  # transform threads running in this process (a fork with none waits for nothing)
+_gate_mu = threading.Lock()  # guards _gate_threads
+
+
+def _gate_enter() -> None:
+    """Marks the calling transform thread inside a sample; first waits for a fork in progress (NOTE [fork gate])."""
+    me = threading.get_ident()
+    _gate_inside.add(me)
+    while _gate_pending:
+        _gate_inside.discard(me)
+        _gate_open.wait(2 * FORK_GATE_S)
+        _gate_inside.add(me)
+        if not _gate_open.is_set():
+            break  # never waits for ever (a fork whose after-hooks did not run)
+
+
+def _gate_leave() -> None:
+    _gate_inside.discard(threading.get_ident())
+
+
+def _gate_before_fork() -> None:
+    global _gate_pending
+    if not _gate_threads:
+        return
+    _gate_open.clear()
+    _gate_pending = True
+    me = threading.get_ident()
+    deadline = time.monotonic() + FORK_GATE_S
+    pause = 0.0001
+    while (_gate_inside - {me}) and time.monotonic() < deadline:
+        time.sleep(pause)  # releases the GIL: the threads finish their sample
+        pause = min(pause * 2, 0.002)
+
+
+def _gate_after_fork_in_parent() -> None:
+    global _gate_pending
+    _gate_pending = False
+    _gate_open.set()
+
+
+def _gate_after_fork_in_child() -> None:
+    global _gate_pending, _gate_open, _gate_inside, _gate_threads, _gate_mu
+    _gate_pending, _gate_threads = False, 0  # no transform thread runs in the child
+    _gate_open = threading.Event()
+    _gate_open.set()
+    _gate_inside = set()
+    _gate_mu = threading.Lock()
+
+
+os.register_at_fork(before=_gate_before_fork, after_in_parent=_gate_after_fork_in_parent,
+                    after_in_child=_gate_after_fork_in_child)
+
+
 # Streams whose workers may be running (NOTE [transform threads at exit]).
 _LIVE: weakref.WeakSet[ThreadTransformStream] = weakref.WeakSet()
 
@@ -173,6 +249,17 @@ class ThreadTransformStream(TransformStream):
 
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
+        global _gate_threads
+        with _gate_mu:
+            _gate_threads += 1
+        try:
+            self._work_loop(w)
+        finally:
+            _gate_leave()
+            with _gate_mu:
+                _gate_threads -= 1
+
+    def _work_loop(self, w: int) -> None:
         torch.set_num_threads(1)
         while True:
             with self._cv:  # an idle worker (set_workers) waits outside the pull lock
@@ -215,7 +302,7 @@ class ThreadTransformStream(TransformStream):
             self._in_batch[w] = True
             try:
                 work = run_batch(self._spec, self._ds, raw, self._units[lo:hi], self._records[lo:hi],
-                                 self._gidx[lo:hi], w, self._stopping, progress=self._done)
+                                 self._gidx[lo:hi], w, self._next_sample, progress=self._done)
                 del raw  # the native slot goes back to its pool
                 self._stats.add(work, time.perf_counter_ns() - t0)
                 result = work.result
@@ -224,13 +311,18 @@ class ThreadTransformStream(TransformStream):
             except BaseException as e:  # noqa: BLE001 - delivered in its place, with its traceback
                 result = _Failed(e)
             finally:
+                _gate_leave()
                 self._in_batch[w] = False
             with self._cv:
                 self._results[k] = result
                 self._cv.notify_all()
 
-    def _stopping(self) -> bool:
-        return self._stop
+    def _next_sample(self) -> bool:
+        """Called before each sample of a batch (and its collation): whether to stop; else inside the fork gate."""
+        if self._stop:
+            return True
+        _gate_enter()
+        return False
 
     # -- consumer --------------------------------------------------------------------
     def _take(self) -> Any:
@@ -303,4 +395,4 @@ class ThreadTransformStream(TransformStream):
         return self._with_extra(s)
 
 
-__all__ = ["ThreadTransformStream"]
+__all__ = ["FORK_GATE_S", "ThreadTransformStream"]

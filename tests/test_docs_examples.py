@@ -11,11 +11,9 @@ The convention, checked by ``test_every_block_is_run_or_says_why``:
   runs like the others but does not show on the rendered page (the stand-ins an example
   assumes: a dataset, a checkpoint path, a training step).
 
-Each page runs twice, each time in a temporary folder of its own: once as one session in a
-child interpreter (``test_page_runs``: its ``python`` blocks share one namespace whose
-``__name__`` is ``"__main__"``), and once as the scripts a reader would paste its blocks
-into (``test_page_runs_as_scripts``): the blocks, setup blocks included, in order, written
-to ``docs_script_<n>.py`` files in that folder, each run as ``python docs_script_<n>.py``
+Each page runs in a temporary folder of its own as the scripts a reader would paste its
+blocks into (``test_page_runs_as_scripts``, warnings as errors): the blocks, setup blocks
+included, in order, written to ``docs_script_<n>.py`` files in that folder, each run as ``python docs_script_<n>.py``
 (bash blocks where they stand, through ``subprocess``), with the same folder and the same
 environment. A block with an ``if __name__ == "__main__":`` guard is a script of its own (a
 process it starts with ``spawn`` imports that file again: NOTE [docs scripts]); the blocks
@@ -24,9 +22,9 @@ after it start a new script, so they import what they use. A missing guard or im
 A page runs in order, in a temporary folder prepared by ``workdir`` with the
 small data the pages name: ``data/train/image.npy`` (uint8 ``[1000, 3, 32, 32]``) and
 ``label.npy`` (int64 ``[1000]``), ``data/part-0.parquet`` and ``part-1.parquet`` (columns
-``image``, ``label``), ``images/<class>/<n>.bin`` and ``wds/shard-0.tar``. ``python`` blocks
-share one namespace; ``bash`` blocks run with ``bash -euo pipefail`` and the ``pyloader``
-command of this interpreter.
+``image``, ``label``), ``images/<class>/<n>.bin`` and ``wds/shard-0.tar``. The ``python``
+blocks of one script share its namespace; ``bash`` blocks run with ``bash -euo pipefail``
+and the ``pyloader`` command of this interpreter.
 
 ``s3://bucket/dataset`` is real: an S3-compatible server (moto's) on 127.0.0.1 holds that
 dataset (the ``data/train`` arrays converted, in several shards), and the standard AWS
@@ -38,7 +36,6 @@ name, ``/local/nvme/pyloader``, becomes a folder under the temporary one.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import subprocess
@@ -185,41 +182,6 @@ def workdir(tmp_path, monkeypatch, s3_endpoint) -> Path:
                 s3.delete_object(Bucket="bucket", Key=obj["Key"])
 
 
-# A page runs in a child interpreter of its own: its examples start clusters, process
-# groups and worker processes (and multiprocessing's helpers) that must not outlive the
-# page inside the test process, where later tests count their own children.
-RUNNER = r"""
-import json, os, subprocess, sys, traceback
-blocks = json.load(open(sys.argv[1]))
-ns = {"__name__": "__main__"}  # a block's `if __name__ == "__main__":` body runs, as in a script
-env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-for lang, code, where in blocks:
-    if lang == "python":
-        try:
-            exec(compile(code, where, "exec"), ns)
-        except BaseException as e:
-            traceback.print_exc()
-            print(f"{where}: the example raised {type(e).__name__}: {e}", file=sys.stderr)
-            sys.exit(1)
-    else:
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], env=env, capture_output=True, text=True,
-                           timeout=120)
-        if r.returncode:
-            print(f"{where}: exit {r.returncode}\n{r.stdout}\n{r.stderr}", file=sys.stderr)
-            sys.exit(1)
-"""
-
-
-def run_page(path: Path, runnable: list[Block], workdir: Path) -> None:
-    todo = [(b.lang, b.code.replace(NVME, str(workdir / "nvme")), f"{page_id(path)}:{b.line} ({b.section})")
-            for b in runnable]
-    spec = workdir / ".docs_blocks.json"
-    spec.write_text(json.dumps(todo))
-    r = subprocess.run([sys.executable, "-W", "error", "-c", RUNNER, str(spec)], cwd=workdir, capture_output=True,
-                       text=True, timeout=170)
-    assert r.returncode == 0, f"{page_id(path)}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
 # NOTE [docs scripts]: a reader pastes a page's blocks into a script and runs it. The
 # script run catches what the shared namespace hides: a block that starts processes with
 # `spawn` (Dask's LocalCluster) re-imports the script file in each of them, so without its
@@ -290,20 +252,19 @@ def test_pages_are_found():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang in RUN and b.skip is None for b in blocks(p))],
                          ids=page_id)
-def test_page_runs(page, workdir):
-    run_page(page, [b for b in blocks(page) if b.lang in RUN and b.skip is None], workdir)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang == "python" and b.skip is None for b in blocks(p))],
-                         ids=page_id)
 def test_page_runs_as_scripts(page, workdir):
-    """Issue 27 Deliver 5: the page's blocks as the script files a reader makes of them (NOTE [docs scripts])."""
+    """The page's blocks as the script files a reader makes of them (NOTE [docs scripts]), warnings as errors.
+
+    Issue 27 Deliver 5. Each script runs in a child interpreter of its own: the examples
+    start clusters, process groups and worker processes (and multiprocessing's helpers)
+    that must not outlive the page inside the test process, where later tests count their
+    own children.
+    """
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     for script in page_scripts(page, [b for b in blocks(page) if b.lang in RUN and b.skip is None], workdir):
-        r = subprocess.run([sys.executable, script.name], cwd=workdir, env=env, capture_output=True, text=True,
-                           timeout=170)
+        r = subprocess.run([sys.executable, "-W", "error", script.name], cwd=workdir, env=env, capture_output=True,
+                           text=True, timeout=170)
         assert r.returncode == 0, (f"{page_id(page)} as a script ({script.name}, below): exit {r.returncode}\n"
                                    f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n--- {script.name}\n{script.read_text()}")
 

@@ -216,11 +216,19 @@ def test_fake_driver_pinned_memory_is_not_mapped_in_a_forked_child(fake_cuda, tm
 
 
 def test_fake_driver_copy_stream_does_not_wait_for_a_busy_legacy_stream(fake_cuda) -> None:
-    _, rep = run_fake(fake_cuda, "legacy_stream_busy")
-    assert rep["landed"], "the copy had not landed after take() and a sync of the consumer's stream"
-    assert rep["blocking_s"] >= 0.25, f"the stand-in did not order a blocking stream after the legacy one: {rep}"
-    assert rep["engine_s"] < 0.4 and rep["legacy_left"] > 0, \
-        f"a job on a non-blocking stream waited for the busy legacy default stream: {rep}"
+    # The stand-in counts every implicit wait on the legacy stream: exactly one, the blocking
+    # stream's copy, in every run. The timing shows the same where the machine lets it: a
+    # loaded one can delay the engine's copy past the legacy stream's 800 ms, so up to three runs.
+    reps = []
+    for _ in range(3):
+        _, rep = run_fake(fake_cuda, "legacy_stream_busy")
+        reps.append(rep)
+        assert rep["landed"], "the copy had not landed after take() and a sync of the consumer's stream"
+        assert rep["blocking_s"] >= 0.25, f"the stand-in did not order a blocking stream after the legacy one: {rep}"
+        assert rep["legacy_waits"] == 1, f"a job on a non-blocking stream waited for the legacy default stream: {rep}"
+        if rep["engine_s"] < 0.4 and rep["legacy_left"] > 0:
+            return
+    raise AssertionError(f"the engine's copy landed only after the busy legacy stream's work, 3 times: {reps}")
 
 
 def test_fake_driver_stream_of_another_context_is_rejected(fake_cuda) -> None:

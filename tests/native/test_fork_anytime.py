@@ -125,10 +125,12 @@ def test_a_slot_pool_is_whole_in_a_child_forked_while_it_prepares(tmp_path) -> N
     runs has no slot in the making and no thread to join; its pipelines use the pool."""
     from pyloader import _C
 
+    forked_preparing = 0
     for d in DELAYS_MS:
         pool = _C.SlotPool(num_fields=1)
-        pool.prepare(count=32, field_bytes=[4 << 20])
+        pool.prepare(count=32, field_bytes=[1 << 20])  # 32 MiB: 10-15 ms to prepare here, longer on a busy machine
         time.sleep(d / 1000)
+        forked_preparing += pool.preparing
 
         def child(step: Callable[[str], None], pool: Any = pool) -> int:
             step("forked")
@@ -141,10 +143,10 @@ def test_a_slot_pool_is_whole_in_a_child_forked_while_it_prepares(tmp_path) -> N
             if pool.preparing or pool.created < 2:
                 return 4
             step("drop the pool")
-            del pool
-            gc.collect()
+            del pool  # (no gc.collect() here: in a child of a long test session it copies the whole heap)
             return 0
 
         fork_and_check(tmp_path, f"pool-{d}", child)
         del pool
         gc.collect()
+    assert forked_preparing >= 1, "no fork fell while the slots were being prepared: the test tests nothing"

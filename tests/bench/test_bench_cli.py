@@ -174,7 +174,7 @@ def test_bench_measures_a_users_transform(tmp_path) -> None:
         "    return {'x': sample['image'].float().mean((0, 1)), 'label': sample['label']}\n")
     res = subprocess.run([sys.executable, "-m", "pyloader", "bench", path, "--transform", "usertr:shrink",
                           "--image-size", "16", "--epochs", "1", "--torch-workers", "0", "--workload", "none",
-                          "--json", "--quiet"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+                          "--min-seconds", "0.05", "--json", "--quiet"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     t = json.loads(res.stdout)["transform"]
     assert t["function"] == "usertr:shrink" and t["executor_asked"] == "auto"  # the default: NOTE [executor choice]
@@ -185,7 +185,7 @@ def test_bench_measures_a_users_transform(tmp_path) -> None:
     # The table says the same.
     res = subprocess.run([sys.executable, "-m", "pyloader", "bench", path, "--transform", "usertr:shrink",
                           "--image-size", "16", "--epochs", "1", "--torch-workers", "0", "--workload", "none",
-                          "--quiet", "--executor", "processes"], capture_output=True, text=True, timeout=240,
+                          "--min-seconds", "0.05", "--quiet", "--executor", "processes"], capture_output=True, text=True, timeout=240,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "transform stage: usertr:shrink on 2 process workers" in res.stdout
@@ -303,6 +303,6 @@ def test_bench_takes_record_bytes_as_a_size() -> None:
     res = run_cli("--records", "64", "--workload", "custom", "--record-bytes", "2K", "--au-batch-size", "8",
                   "--compute-time", "0.001", "--au-records", "64",
                   "--json", "--quiet", "--epochs", "1", "--torch-workers", "0", "--min-seconds", "0.05",
-                  "--max-accelerators", "2")
+                  "--max-accelerators", "2", "--au-seconds", "0.05")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["config"]["record_bytes"] == 2048

@@ -33,7 +33,13 @@ restarted job sees them:
    process cannot avoid -- mapping every page of the shard files (``mmap`` +
    ``MADV_POPULATE_READ`` of the same files again) and the thread time the loader spent
    populating its new batch memory -- spread over the loader's two threads:
-   ``limit = steady_s / (steady_s + (map_s + alloc_s) / 2)``.
+   ``limit = steady_s / (steady_s + (map_s + alloc_s) / 2)``;
+9. after a pause: the machine's own cost of an idle second. In the ``pause`` variants the
+   child, after its steady epochs, pauses as long again and times one more epoch of the
+   same warm loader; "first epoch / warm after pause" is the first epoch's rate over that
+   epoch's. On a virtual machine of a shared host the process's memory leaves the CPU
+   caches while it idles, and the first milliseconds after run several times slower
+   (here: ``iter()`` of a warm loader 0.2 ms at once, 5-7 ms after 1 s idle).
 
 Runs are interleaved (round 1 of every variant, then round 2, ...) and medians reported,
 because this machine is shared and noisy. Writes JSON and prints a table of ratios.
@@ -178,6 +184,13 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
         cpus.append(time.process_time() - c)
     payload = loader.stats()["decoded_bytes"]  # of one epoch (the last)
     steady = max(rates)
+    warm_after_pause = None
+    if pause:  # the warm loader after the same pause: what the pause alone costs (9. in the docstring)
+        time.sleep(pause)
+        t = time.perf_counter()
+        for b in loader:
+            del b
+        warm_after_pause = n / (time.perf_counter() - t)
     pool = loader._batch_pool
     alloc_s = pool.memory()["driver_alloc_s"] if pool is not None else 0.0
     map_s = map_all_s(path)
@@ -190,7 +203,8 @@ def child(path: str, batch: int, shuffle: bool, ahead: bool, epochs: int, settle
             "started_ahead": loader.stats()["started_ahead"], "slots": loader._pool.created,
             "prepare_s": prepare_s, "first_verified_bytes": first_verified, "alloc_s": alloc_s, "map_s": map_s,
             "limit": steady_s / (steady_s + (map_s + alloc_s) / 2), "first_cpu_s": first_cpu,
-            "first_vs_steady_cpu": min(cpus) / first_cpu}
+            "first_vs_steady_cpu": min(cpus) / first_cpu, "warm_after_pause_rate": warm_after_pause,
+            "first_vs_warm_after_pause": n / first_s / warm_after_pause if warm_after_pause else None}
 
 
 VARIANTS = {  # tag: (version, ahead, settle, pause_s, record of verified files)
@@ -291,6 +305,9 @@ def main() -> int:
             out[label]["steady_vs_memcpy_2t"] = med([x["steady_gbps"] / x["memcpy_2t_gbps"] for x in rs])
             if VARIANTS[label.removeprefix("base ")][2]:
                 out[label]["prepare_s"] = med([x["prepare_s"] for x in rs])
+            if rs[0]["warm_after_pause_rate"]:
+                out[label]["warm_after_pause_vs_steady"] = med([x["warm_after_pause_rate"] / x["steady_rate"] for x in rs])
+                out[label]["first_vs_warm_after_pause"] = med([x["first_vs_warm_after_pause"] for x in rs])
         results["profiles"][name] = out
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
@@ -307,6 +324,14 @@ def main() -> int:
             print(f"{name:<10}{label:<17}{o['first_vs_steady']:>13.2f}{f'({lo:.2f}-{hi:.2f})':>12}{o['limit']:>7.2f}{o['first_vs_steady_cpu']:>6.2f}"
                   f"{1e3 * o['first_batch_s']:>13.1f}{o['first_verified_bytes'] / 1e6:>10.0f}{1e3 * o['map_s']:>8.1f}"
                   f"{1e3 * o['alloc_s']:>9.1f}{o['steady_vs_memcpy_2t']:>16.2f}{o['boundary_vs_inside']:>15.1f}x")
+    for name in args.profiles.split(","):
+        for label in labels:
+            o, rs = results["profiles"][name][label], runs[(name, label)]
+            if "first_vs_warm_after_pause" in o:
+                lo, hi = (f(x["first_vs_warm_after_pause"] for x in rs) for f in (min, max))
+                print(f"{name} {label}: the warm loader after the same pause ran {o['warm_after_pause_vs_steady']:.2f}x "
+                      f"steady; the first epoch after the pause ran {o['first_vs_warm_after_pause']:.2f}x that "
+                      f"({lo:.2f}-{hi:.2f})")
     print(f"wrote {args.out}")
     return 0
 

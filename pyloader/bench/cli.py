@@ -297,6 +297,8 @@ def _print_bench(r: dict[str, Any]) -> None:
             rows.append((f"  after a {s['pause_s']:.0f} s pause: {1e3 * s['paused_first_epoch_s']:.0f} ms, 1st "
                          f"{1e3 * s['paused_first_batch_s']:.1f} ms", f"{s['paused_first_epoch_vs_steady']:.2f}x steady",
                          None))
+            rows.append((f"    warm loader, same pause: {1e3 * s['paused_warm_epoch_s']:.0f} ms",
+                         f"{s['paused_warm_epoch_vs_steady']:.2f}x steady", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
     print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")

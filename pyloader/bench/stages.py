@@ -143,20 +143,34 @@ def _first_epoch_after_pause(make_loader: Callable[[], Any], steady: float, paus
     As a training script sees it: the loader built, the model built (here: a pause), then the
     first epoch -- which the loader may have begun in the pause (NOTE [first epoch ahead] in
     pyloader/loader/native_epoch.py). ``steady``: the steady rate (samples/s) it is held to.
+
+    Then the same loader, its first epoch done, pauses as long again and reads one more epoch
+    (``paused_warm_*``): what the pause alone costs a loader with nothing left to start. On a
+    machine whose other work evicts an idle process's memory from the CPU caches (a virtual
+    machine on a shared host) that epoch too runs below the steady rate: the first epoch
+    after a pause is held to it (``paused_first_vs_warm``).
     """
+    def epoch(loader: Any) -> tuple[int, float, float]:
+        time.sleep(pause)
+        samples, first_batch = 0, None
+        t0 = time.perf_counter()
+        for batch in loader:
+            if first_batch is None:
+                first_batch = time.perf_counter() - t0
+            samples += B.batch_payload(batch)[0]
+            del batch
+        return samples, time.perf_counter() - t0, first_batch or 0.0
+
     loader = make_loader()
-    time.sleep(pause)
-    samples, first_batch = 0, None
-    t0 = time.perf_counter()
-    for batch in loader:
-        if first_batch is None:
-            first_batch = time.perf_counter() - t0
-        samples += B.batch_payload(batch)[0]
-        del batch
-    wall = time.perf_counter() - t0
+    samples, wall, first_batch = epoch(loader)
+    warm_samples, warm_wall, _ = epoch(loader)
     del loader
-    return {"pause_s": pause, "paused_first_epoch_s": wall, "paused_first_batch_s": first_batch or 0.0,
-            "paused_first_epoch_vs_steady": samples / wall / max(steady, 1e-12) if wall > 0 else 0.0}
+    rate = samples / wall if wall > 0 else 0.0
+    warm_rate = warm_samples / warm_wall if warm_wall > 0 else 0.0
+    return {"pause_s": pause, "paused_first_epoch_s": wall, "paused_first_batch_s": first_batch,
+            "paused_first_epoch_vs_steady": rate / max(steady, 1e-12),
+            "paused_warm_epoch_s": warm_wall, "paused_warm_epoch_vs_steady": warm_rate / max(steady, 1e-12),
+            "paused_first_vs_warm": rate / max(warm_rate, 1e-12)}
 
 
 def _measure_loader(make_loader: Callable[[], Any], *, rounds: int, batch_size: int,

@@ -54,6 +54,10 @@ def test_bench_json_schema_on_the_generated_dataset() -> None:
     p = st["pyloader"]
     assert p["pause_s"] == 1.0 and 0.0 < p["paused_first_batch_s"] < p["paused_first_epoch_s"]
     assert p["paused_first_epoch_vs_steady"] == pytest.approx(400 / p["paused_first_epoch_s"] / p["samples_per_s"])
+    # The same loader's next epoch after the same pause: the pause's own cost, the first epoch's reference.
+    assert 0.0 < p["paused_warm_epoch_s"]
+    assert p["paused_warm_epoch_vs_steady"] == pytest.approx(400 / p["paused_warm_epoch_s"] / p["samples_per_s"])
+    assert p["paused_first_vs_warm"] == pytest.approx(p["paused_warm_epoch_s"] / p["paused_first_epoch_s"])
     assert "paused_first_epoch_s" not in st["torch_dataloader"]
     # pyloader's new batch memory in the first epoch: at least one batch's bytes, and its cost.
     assert st["pyloader"]["first_epoch_alloc_bytes"] >= 400 * 12288 / st["pyloader"]["batches_per_epoch"]
@@ -87,6 +91,7 @@ def test_bench_table_and_plot(tmp_path) -> None:
     out = res.stdout
     assert "pyloader / torch DataLoader:" in out and "bound by:" in out and "What it drew" in out
     assert "first epoch:" in out and "after a 1 s pause:" in out and "new batch memory:" in out and "ms thread time" in out
+    assert "warm loader, same pause:" in out
     assert "max accelerators at AU >= 90%" in out
     assert "[pyloader bench] stage 4/5" in res.stderr  # live progress went to stderr
     data = png.read_bytes()

@@ -58,28 +58,30 @@ from .stage import TransformSpec, TransformStream, _Stopped, limit_native_thread
 # forever on a futex of torch's in its first sample (seen in CI, and in 1 of 41 runs of two
 # such loaders on a loaded machine); the loop then waited for that worker's batch. So every
 # fork of the process (``os.register_at_fork``: pyloader's pools, ``multiprocessing``, a
-# user's ``os.fork``) first parks the transform threads between two samples: the hook raises
-# a flag and waits until no thread is inside a sample; a thread starting a sample (or
-# collating) sees the flag and waits until the fork is done. A thread marks itself inside
-# before it reads the flag and the hook raises the flag before it reads the marks, so one of
-# the two always sees the other. The wait is bounded (``FORK_GATE_S``, then the fork goes on
-# as before: a transform whose single sample takes longer than that is not waited for), and
-# costs a fork of a process without thread streams nothing; inside a sample of the thread
-# executor's, no fork waits for the thread that forks.
+# user's ``os.fork``) first parks the transform threads between two samples: the hook counts
+# the fork and waits until no thread is inside a sample; a thread starting a sample (or
+# collating) sees the count and waits until the forks are done. A thread marks itself inside
+# before it reads the count and the hook counts before it reads the marks, so one of the two
+# always sees the other. The wait is bounded (``FORK_GATE_S``, then the fork goes on as
+# before: a transform whose single sample takes longer than that is not waited for), and
+# costs a fork of a process without thread streams nothing. A transform thread that forks
+# itself (its transform starting a subprocess) is outside while it forks: two such threads
+# forking at once do not wait for each other.
 FORK_GATE_S = 2.0
-_gate_pending = False  # a fork waits for the transform threads
+_gate_forks = 0  # forks between their before- and after-hooks (a count: threads may fork at once)
 _gate_open = threading.Event()  # set but while a fork waits or runs
 _gate_open.set()
 _gate_inside: set[int] = set()  # idents of the transform threads inside a sample
 _gate_threads = 0  # transform threads running in this process (a fork with none waits for nothing)
-_gate_mu = threading.Lock()  # guards _gate_threads
+_gate_mu = threading.Lock()  # guards _gate_threads and _gate_forks
+_gate_local = threading.local()  # .forking_inside: this thread forks from inside a sample
 
 
 def _gate_enter() -> None:
     """Marks the calling transform thread inside a sample; first waits for a fork in progress (NOTE [fork gate])."""
     me = threading.get_ident()
     _gate_inside.add(me)
-    while _gate_pending:
+    while _gate_forks:
         _gate_inside.discard(me)
         _gate_open.wait(2 * FORK_GATE_S)
         _gate_inside.add(me)
@@ -92,36 +94,62 @@ def _gate_leave() -> None:
 
 
 def _gate_before_fork() -> None:
-    global _gate_pending
-    if not _gate_threads:
-        return
-    _gate_open.clear()
-    _gate_pending = True
+    global _gate_forks
     me = threading.get_ident()
+    with _gate_mu:
+        _gate_forks += 1
+        _gate_open.clear()
+        waits = _gate_threads > 0
+    _gate_local.forking_inside = me in _gate_inside
+    _gate_inside.discard(me)
+    if not waits:
+        return
     deadline = time.monotonic() + FORK_GATE_S
     pause = 0.0001
-    while (_gate_inside - {me}) and time.monotonic() < deadline:
+    while _gate_inside and time.monotonic() < deadline:
         time.sleep(pause)  # releases the GIL: the threads finish their sample
         pause = min(pause * 2, 0.002)
 
 
 def _gate_after_fork_in_parent() -> None:
-    global _gate_pending
-    _gate_pending = False
-    _gate_open.set()
+    global _gate_forks
+    if getattr(_gate_local, "forking_inside", False):
+        _gate_inside.add(threading.get_ident())  # back inside its sample
+    with _gate_mu:
+        _gate_forks = max(0, _gate_forks - 1)
+        if not _gate_forks:
+            _gate_open.set()
 
 
 def _gate_after_fork_in_child() -> None:
-    global _gate_pending, _gate_open, _gate_inside, _gate_threads, _gate_mu
-    _gate_pending, _gate_threads = False, 0  # no transform thread runs in the child
+    global _gate_forks, _gate_open, _gate_inside, _gate_threads, _gate_mu, _gate_local
+    _gate_forks, _gate_threads = 0, 0  # no transform thread runs in the child
     _gate_open = threading.Event()
     _gate_open.set()
     _gate_inside = set()
     _gate_mu = threading.Lock()
+    _gate_local = threading.local()
 
 
-os.register_at_fork(before=_gate_before_fork, after_in_parent=_gate_after_fork_in_parent,
-                    after_in_child=_gate_after_fork_in_child)
+_gate_installed = False
+
+
+def _gate_install() -> None:
+    """Registers the gate's fork hooks, once, when the first thread stream starts (NOTE [fork gate]).
+
+    Before-fork hooks run in the reverse order of their registration, and some hold a lock
+    from the fork's start to its end (``logging``'s, pyloader's lock-file registry's): a
+    transform thread forking at the same time waits on that lock in its hooks, before the
+    gate's hook could mark it outside, and the first fork would wait the whole bound for it.
+    Registered this late, the gate's hook runs before those of every module imported so far.
+    """
+    global _gate_installed
+    with _gate_mu:
+        if _gate_installed:
+            return
+        _gate_installed = True
+    os.register_at_fork(before=_gate_before_fork, after_in_parent=_gate_after_fork_in_parent,
+                        after_in_child=_gate_after_fork_in_child)
 
 
 # Streams whose workers may be running (NOTE [transform threads at exit]).
@@ -186,6 +214,7 @@ class ThreadTransformStream(TransformStream):
         # Per worker: the samples it transformed, and whether it is inside a batch (progress()).
         self._done: list[int] = []
         self._in_batch: list[bool] = []
+        _gate_install()
         _LIVE.add(self)
         try:
             self._start(self._active)

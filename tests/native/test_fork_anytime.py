@@ -128,7 +128,7 @@ def test_a_slot_pool_is_whole_in_a_child_forked_while_it_prepares(tmp_path) -> N
     forked_preparing = 0
     for d in DELAYS_MS:
         pool = _C.SlotPool(num_fields=1)
-        pool.prepare(count=32, field_bytes=[1 << 20])  # 32 MiB: 10-15 ms to prepare here, longer on a busy machine
+        pool.prepare(count=32, field_bytes=[4 << 20])  # 128 MiB: ~50 ms to prepare here
         time.sleep(d / 1000)
         forked_preparing += pool.preparing
 

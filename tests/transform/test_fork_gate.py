@@ -160,8 +160,35 @@ def test_a_fork_waits_for_a_long_sample_no_longer_than_the_bound(shards, monkeyp
         waited = time.monotonic() - t0
         assert os.waitpid(pid, 0)[1] == 0
         assert 0.15 < waited < 1.2, f"the fork waited {waited:.2f} s for a 1.5 s sample (bound 0.2 s)"
-        assert threads._gate_open.is_set() and not threads._gate_pending
+        assert threads._gate_open.is_set() and threads._gate_forks == 0
         b = next(it)  # the thread goes on with its samples after the fork
         assert b["label"].shape == (1,)
     finally:
         del it
+
+
+def fork_a_child(s: dict[str, Any]) -> dict[str, Any]:
+    """A transform that forks (as one starting a multiprocessing helper would) from inside its sample.
+
+    It sleeps first, so that a fork of the other thread finds it inside its sample, about to fork too.
+    """
+    time.sleep(0.005)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return s
+
+
+def test_transform_threads_that_fork_do_not_wait_for_each_other(shards, monkeypatch) -> None:
+    # Each thread forking is outside while it forks: two forking at once would otherwise each
+    # wait for the other's sample until the bound.
+    monkeypatch.setattr(threads, "FORK_GATE_S", 5.0)
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=4, num_workers=2, executor="threads",
+                             transform=fork_a_child)
+    t0 = time.monotonic()
+    labels = [int(x) for _, b in zip(range(4), ld) for x in b["label"]]
+    took = time.monotonic() - t0
+    assert labels == list(range(16))
+    assert took < 5.0, f"16 forks from two transform threads took {took:.1f} s: forks waited for each other"
+    assert threads._gate_open.is_set() and threads._gate_forks == 0 and not threads._gate_inside

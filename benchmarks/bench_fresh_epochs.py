@@ -36,8 +36,9 @@ Each loader's module is imported before the clock starts (``torch.utils.data``, 
 pyloader's construction in a fresh process still includes importing the modules it loads
 on first use. Where Python writes no bytecode cache (``PYTHONDONTWRITEBYTECODE=1``, as in
 this repository's development container) every run compiles them first: about 0.3 s of
-the construction on 2 loaded CPUs, 0.1 s with the cache. An installed package has it; to
-measure what it does, run ``python -m compileall -q pyloader`` first.
+the construction on 2 loaded CPUs, 0.1 s with the cache. An installed package has the cache
+(pip compiles a wheel's modules at install), so the benchmark compiles pyloader's modules
+(and ``--baseline``'s) before the rounds, as ``python -m compileall -q pyloader`` does.
 
     python benchmarks/bench_fresh_epochs.py [--rounds 3] [--only light,medium,features,tokenize] \
         [--out bench_results/fresh_epochs.json]
@@ -384,6 +385,10 @@ def main() -> int:
                     help="a checkout with a built _C: its pyloader runs too (pyloader-base), in the same rounds")
     args = ap.parse_args()
     args.torch_workers = [int(w) for w in args.torch_workers.split(",")]
+    import compileall
+
+    for root in filter(None, (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), args.baseline)):
+        compileall.compile_dir(os.path.join(root, "pyloader"), quiet=1)  # the bytecode an installed package has
     counts = {"light": 4096, "medium": 768, "features": 1024, "tokenize": 2048}  # (--records' default)
     counts.update({k: int(v) for k, v in (kv.split("=") for kv in args.records.split(","))})
     res: dict[str, Any] = {"config": {**vars(args), "batch_size": BATCH, "epochs": EPOCHS},

@@ -47,6 +47,7 @@ the construction on 2 loaded CPUs, 0.1 s with the cache. An installed package ha
 from __future__ import annotations
 
 import argparse
+import compileall
 import gc
 import io
 import json
@@ -385,8 +386,6 @@ def main() -> int:
                     help="a checkout with a built _C: its pyloader runs too (pyloader-base), in the same rounds")
     args = ap.parse_args()
     args.torch_workers = [int(w) for w in args.torch_workers.split(",")]
-    import compileall
-
     for root in filter(None, (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), args.baseline)):
         compileall.compile_dir(os.path.join(root, "pyloader"), quiet=1)  # the bytecode an installed package has
     counts = {"light": 4096, "medium": 768, "features": 1024, "tokenize": 2048}  # (--records' default)

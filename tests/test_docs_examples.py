@@ -12,10 +12,10 @@ The convention, checked by ``test_every_block_is_run_or_says_why``:
   assumes: a dataset, a checkpoint path, a training step).
 
 Each page runs in a temporary folder of its own as the scripts a reader would paste its
-blocks into (``test_page_runs_as_scripts``, warnings as errors): the blocks, setup blocks
-included, in order, written to ``docs_script_<n>.py`` files in that folder, each run as ``python docs_script_<n>.py``
-(bash blocks where they stand, through ``subprocess``), with the same folder and the same
-environment. A block with an ``if __name__ == "__main__":`` guard is a script of its own (a
+blocks into (``test_page_runs_as_scripts``): the blocks, setup blocks included, in order,
+written to ``docs_script_<n>.py`` files in that folder, each run as ``python -W error
+docs_script_<n>.py`` (warnings as errors; bash blocks where they stand, through
+``subprocess``), with the same folder and the same environment. A block with an ``if __name__ == "__main__":`` guard is a script of its own (a
 process it starts with ``spawn`` imports that file again: NOTE [docs scripts]); the blocks
 after it start a new script, so they import what they use. A missing guard or import fails.
 

@@ -72,8 +72,7 @@ _gate_forks = 0  # forks between their before- and after-hooks (a count: threads
 _gate_open = threading.Event()  # set but while a fork waits or runs
 _gate_open.set()
 _gate_inside: set[int] = set()  # idents of the transform threads inside a sample
-_gate_threads = 0  # transform threads running in this process (a fork with none waits for nothing)
-_gate_mu = threading.Lock()  # guards _gate_threads and _gate_forks
+_gate_mu = threading.Lock()  # guards _gate_forks and _gate_installed
 _gate_local = threading.local()  # .forking_inside: this thread forks from inside a sample
 
 
@@ -99,11 +98,8 @@ def _gate_before_fork() -> None:
     with _gate_mu:
         _gate_forks += 1
         _gate_open.clear()
-        waits = _gate_threads > 0
     _gate_local.forking_inside = me in _gate_inside
     _gate_inside.discard(me)
-    if not waits:
-        return
     deadline = time.monotonic() + FORK_GATE_S
     pause = 0.0001
     while _gate_inside and time.monotonic() < deadline:
@@ -122,8 +118,8 @@ def _gate_after_fork_in_parent() -> None:
 
 
 def _gate_after_fork_in_child() -> None:
-    global _gate_forks, _gate_open, _gate_inside, _gate_threads, _gate_mu, _gate_local
-    _gate_forks, _gate_threads = 0, 0  # no transform thread runs in the child
+    global _gate_forks, _gate_open, _gate_inside, _gate_mu, _gate_local
+    _gate_forks = 0  # no transform thread runs in the child
     _gate_open = threading.Event()
     _gate_open.set()
     _gate_inside = set()
@@ -278,17 +274,6 @@ class ThreadTransformStream(TransformStream):
 
     # -- workers ---------------------------------------------------------------------
     def _work(self, w: int) -> None:
-        global _gate_threads
-        with _gate_mu:
-            _gate_threads += 1
-        try:
-            self._work_loop(w)
-        finally:
-            _gate_leave()
-            with _gate_mu:
-                _gate_threads -= 1
-
-    def _work_loop(self, w: int) -> None:
         torch.set_num_threads(1)
         while True:
             with self._cv:  # an idle worker (set_workers) waits outside the pull lock

@@ -73,6 +73,9 @@ constexpr size_t kMaxSpans = 4;
 // A batch of more is read through the mapping, with read-ahead: one worker's synchronous
 // read of it overlaps nothing (150 KB records, 38 MB batches: 0.9x the mapping's rate).
 constexpr uint64_t kMaxSpanBytes = 16 << 20;
+// A shard's columns of at most this many bytes are queued whole by its first span-shaped
+// batch; larger ones, each batch's blocks.
+constexpr uint64_t kColumnsWhole = 1 << 20;
 
 // Thrown by fill() when the batch must be collated again once a shard was fetched anew.
 struct RetryBatch {};
@@ -801,6 +804,20 @@ void BatchPipeline::read_cold_spans(FillState* st) {
     cold += (1.0 - resident_share(sh->payload() + r.lo, r.hi - r.lo)) * double(r.hi - r.lo);
   }
   if (2 * cold < double(span)) return;  // mostly in memory: the mapping is the cheaper read
+  // The runs' column values are read through the mapping by collate_records(): queued now,
+  // ahead of the spans, they are in memory when it reaches them (NOTE [cold spans]).
+  for (const Run& r : runs) {
+    const Shard* sh = st->shard_of[visit[r.k0]];
+    if (sh->claim_columns_read_ahead(kColumnsWhole)) continue;
+    const uint64_t rec0 = uint64_t(st->record_of_row[visit[r.k0]]);
+    const uint64_t rec1 = uint64_t(st->record_of_row[visit[r.k1 - 1]]);
+    for (size_t f = 0; f < nf; ++f)
+      if (const int32_t c = sh->column_of(f); c >= 0) {
+        const uint64_t lo = sh->column_block_range(size_t(c), rec0).first;
+        const auto [off, len] = sh->column_block_range(size_t(c), rec1);
+        sh->advise_range(lo, off + len - lo);
+      }
+  }
   thread_local std::vector<uint8_t> buffer;
   if (buffer.size() < span) buffer.resize(size_t(span));
   st->span_base.assign(rows, nullptr);

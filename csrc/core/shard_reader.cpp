@@ -479,6 +479,16 @@ void Shard::advise_range(uint64_t offset, uint64_t len) const noexcept {
   willneed(base_, offset & ~(page - 1), offset + len);  // NOTE [read-ahead pieces]
 }
 
+bool Shard::claim_columns_read_ahead(uint64_t limit) const noexcept {
+  uint64_t total = 0;
+  for (const ColumnSpec& col : columns_) total += num_records_ * col.row_bytes;
+  if (total > limit) return false;
+  if (columns_queued_.exchange(true, std::memory_order_acq_rel)) return true;
+  for (size_t c = 0; c < columns_.size(); ++c)
+    advise_range(column_block_range(c, 0).first, num_records_ * columns_[c].row_bytes);
+  return true;
+}
+
 bool Shard::read_span(uint64_t offset, uint64_t len, uint8_t* dst) const noexcept {
   if (offset > map_size_ || len > map_size_ - offset) return false;
   const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);

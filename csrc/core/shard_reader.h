@@ -171,6 +171,10 @@ class Shard {
     if (resident) *resident = share;
     return true;
   }
+  // NOTE [cold spans] in batch_pipeline.h: queues every column's values for read-ahead, the
+  // first time it is called, if they total at most `limit` bytes. True if they are queued
+  // (by this call or an earlier one); false if they are larger.
+  bool claim_columns_read_ahead(uint64_t limit) const noexcept;
   // Whether claim_read_ahead() could still queue the file (no one has; not too large).
   bool read_ahead_unclaimed() const noexcept;
   // NOTE [map ahead] in batch_pipeline.h: maps the file's pages into this process
@@ -250,6 +254,7 @@ class Shard {
   FileIdentity identity_;
   int64_t opened_ns_ = 0;
   mutable std::atomic<bool> read_ahead_done_{false};
+  mutable std::atomic<bool> columns_queued_{false};
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.

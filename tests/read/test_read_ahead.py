@@ -7,6 +7,7 @@ read."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -77,16 +78,29 @@ def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path)
             w.write({"x": rng.integers(0, 256, 12 << 10, dtype=np.uint8).tobytes(), "label": i})
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".pyl"))
     assert len(files) >= 8
-    B.drop_pages(files)
-    if B.resident_fraction(files) > 0.1:
-        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-    loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=3), batch_size=128, num_workers=2)
-    it = iter(loader)
-    first = next(it)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
-    it.close()
-    assert len(first["label"]) == 128 and len({int(x) for x in first["label"]}) == 128
+    # A fault on a page that a queued read is still bringing in counts as major too, and on a
+    # loaded machine a few such collisions happen now and then (6-10 in 1 of 3 runs of the
+    # suite's read tests on 2 workers, before and after the change that added this attempt
+    # loop); the read-around faults this test is about come every time (two per shard). So
+    # the best of three cold attempts is held to the bound.
+    counts = []
+    for seed in (3, 4, 5):
+        gc.collect()  # the last attempt's mappings are gone, so its pages can be dropped
+        B.drop_pages(files)
+        if B.resident_fraction(files) > 0.1:
+            pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=seed), batch_size=128,
+                                     num_workers=2)
+        it = iter(loader)
+        first = next(it)
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before)
+        it.close()
+        del it, loader
+        assert len(first["label"]) == 128 and len({int(x) for x in first["label"]}) == 128
+        if counts[-1] <= 2:
+            break
+    faults = min(counts)
     assert faults <= 2, f"{faults} major faults opening {len(files)} cold shards and reading their first batch"
 
 

@@ -167,15 +167,15 @@ def test_create_iterate_break_del_leaves_nothing_behind(write_dataset, config: s
     # threads are still running when the cycle breaks.
     path = write_dataset(640 if per_sample else N, FIELDS, sample)
 
+    running = 0  # cycles whose epoch was seen running at its first item
+
     def cycle(k: int, base: int | None = None) -> None:
+        nonlocal running
         loader = make_loader(native, path, kwargs)
         got = 0
         for item in loader:
             if base is not None and got == 0:  # the measurements below do see a running epoch
-                if native:
-                    assert threads_now() > base, "no native thread running mid-epoch: the test measures nothing"
-                else:
-                    assert len(new_children()) >= 2, "no torch worker process mid-epoch: the test measures nothing"
+                running += threads_now() > base if native else len(new_children()) >= 2
             if per_sample:
                 assert int(item["label"]) == got
                 assert np.array_equal(item["img"].numpy(), expected_img(got))
@@ -215,6 +215,11 @@ def test_create_iterate_break_del_leaves_nothing_behind(write_dataset, config: s
         assert not left, f"{config} cycle {k}: child processes left: {left}"
     gc.collect()
     assert wait_threads(base) <= base
+    # The test measures something: most cycles broke off a running epoch. Not every one: on
+    # a loaded machine a one-thread epoch of 15 batches may end before the consumer takes its
+    # first item (CI saw it once in 30 cycles).
+    what = "native thread" if native else "torch worker process"
+    assert running >= CYCLES // 2, f"a {what} running mid-epoch in only {running} of {CYCLES} cycles"
 
 
 @pytest.mark.timeout(120)

@@ -577,7 +577,7 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
       ++k;
       last = s;
     }
-    if (!sh || sh->verified(uint64_t(rec))) continue;  // read already: its pages were in memory
+    if (!sh || sh->seen(uint64_t(rec))) continue;  // read already: its pages were in memory
     for (size_t f = 0; f < nf; ++f) {
       if (const int32_t c = sh->column_of(f); c >= 0) {
         // A column's value is read with its whole checksum block (NOTE [column layout]):
@@ -927,6 +927,7 @@ void BatchPipeline::collate_records(FillState* st, Batch* out) {
       if (verify) t.verified += e.stored_size;
     }
     if (verify) sh.mark_verified(rec);
+    if (!sh.seen(rec)) sh.mark_seen(rec);
   }
   st->totals = t;
 }

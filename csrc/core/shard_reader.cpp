@@ -243,6 +243,7 @@ Shard::Shard(std::string path, uint64_t expected_bytes, uint64_t expected_record
     total_blocks_ = total_blocks;
     block_verified_.reset(new std::atomic<uint64_t>[(total_blocks + 63) / 64 + 1]());
     verified_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
+    seen_.reset(new std::atomic<uint64_t>[(num_records_ + 63) / 64]());
     if (read_ahead) claim_read_ahead();
   } catch (...) {
     ::munmap(const_cast<uint8_t*>(base_), map_size_);

@@ -194,6 +194,15 @@ class Shard {
   void mark_verified(uint64_t record) const noexcept {
     verified_[record >> 6].fetch_or(uint64_t(1) << (record & 63), std::memory_order_release);
   }
+  // Whether this process has read `record` (collated it) since it mapped the shard; unlike
+  // verified(), never set by a file trusted as verified by an earlier process, whose pages
+  // may have left the page cache since (NOTE [cold read-ahead] in batch_pipeline.h).
+  bool seen(uint64_t record) const noexcept {
+    return (seen_[record >> 6].load(std::memory_order_relaxed) >> (record & 63)) & 1u;
+  }
+  void mark_seen(uint64_t record) const noexcept {
+    seen_[record >> 6].fetch_or(uint64_t(1) << (record & 63), std::memory_order_relaxed);
+  }
   // NOTE [verified files] in shard_reader.cpp: the file this shard was mapped from, when it
   // was opened (CLOCK_REALTIME ns, before anything was hashed), every record and block
   // marked verified at once, and whether all of them are.
@@ -249,6 +258,7 @@ class Shard {
   std::vector<ColumnSpec> columns_;  // in field order
   int32_t first_indexed_ = -1;
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
+  std::unique_ptr<std::atomic<uint64_t>[]> seen_;
   std::unique_ptr<std::atomic<uint64_t>[]> block_verified_;
   uint64_t total_blocks_ = 0;  // bits of block_verified_
   FileIdentity identity_;

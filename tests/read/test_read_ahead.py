@@ -64,13 +64,23 @@ def test_a_cold_shard_is_read_ahead_whole_after_the_first_batch(tmp_path) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path) -> None:
+@pytest.mark.parametrize("trusted", [False, True], ids=["new", "verified-earlier"])
+def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path, monkeypatch, trusted: bool) -> None:
     """NOTE [metadata first] (csrc/core/shard_reader.cpp): a shard's header is read, its index and
     column table are queued before they are checked, and a record's column blocks are queued
     with its other fields, so no access of the first batch waits on a synchronous read-around
-    of the device's window (a major fault): two per shard before."""
+    of the device's window (a major fault): two per shard before.
+
+    ``verified-earlier``: the files were verified in full by an earlier reader, so a new one
+    trusts them at open (NOTE [verified files]) -- a job restarted after its page cache was
+    emptied. Its records are queued all the same (NOTE [cold read-ahead]: whether a record
+    was read is Shard::seen(), not its being verified); before, none were, and the first
+    batch read every shard through a fault of its own."""
     import resource
 
+    from pyloader.read import verified as _verified
+
+    monkeypatch.setenv("PYLOADER_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "ds")
     with pyloader.ShardWriter(path, {"x": "bytes", "label": "int64"}, compression=None, shard_bytes=4 << 20) as w:
         rng = np.random.default_rng(0)
@@ -78,6 +88,15 @@ def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path)
             w.write({"x": rng.integers(0, 256, 12 << 10, dtype=np.uint8).tobytes(), "label": i})
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".pyl"))
     assert len(files) >= 8
+    if trusted:
+        time.sleep(_verified.RACY_NS / 1e9 + 0.2)  # older than the racy window, so they are recorded
+        for _ in pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=512, num_workers=2):
+            pass
+        check = pyloader.ShardDataset(path).batches(512, num_threads=2)
+        for _ in check:
+            pass
+        assert check.stats()["verified_bytes"] == 0, "the files are not trusted: the test measures nothing"
+        del check
     # A fault on a page that a queued read is still bringing in counts as major too, and on a
     # loaded machine a few such collisions happen now and then (6-10 in 1 of 3 runs of the
     # suite's read tests on 2 workers, before and after the change that added this attempt

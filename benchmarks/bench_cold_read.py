@@ -9,7 +9,12 @@ root only):
 
 - ``pyloader``: one in-order epoch (``shuffle=False``, the peers' default and the first epoch
   of most jobs) of ``pyloader.DataLoader(num_workers=2)``, from the constructor to the last
-  batch (and to the first: ``first_batch_s``); ``pyloader_shuf``: the same, globally shuffled;
+  batch (and to the first: ``first_batch_s``), then the same loader's next epoch, warm
+  (``warm_gbps``); ``pyloader_shuf``: the same, globally shuffled. A global shuffle's batches
+  each need records from all over the dataset, so with bounded batch memory almost none can
+  be finished before the last read: its limit is the sequential read followed by the
+  collation of every batch at the warm rate (``shuffled_limit_of_best_seq``, per round; an
+  epoch of a few batches can beat it, as those whose records are queued first finish early);
 - ``gather``: torch's DataLoader over the ``.npy`` file, one ``np.take`` of the whole batch
   per step (the fastest plain peer of bench_core.py), in order; ``gather_shuf``: shuffled;
 - ``seq``: the storage's sequential bandwidth: the shard files read start to end in 8 MiB
@@ -97,7 +102,15 @@ def child(kind: str, path: str, npy: str, batch: int) -> dict:
         n += int(tensors[0].shape[0])
         nbytes += sum(x.nelement() * x.element_size() for x in tensors)
     wall = time.perf_counter() - t0
-    return {"gbps": nbytes / wall / 1e9, "samples": n, "wall_s": wall, "first_batch_s": t_first}
+    out = {"gbps": nbytes / wall / 1e9, "samples": n, "wall_s": wall, "first_batch_s": t_first}
+    if kind.startswith("pyloader"):
+        # The same loader's next epoch, its files now in memory and mapped: the rate at which
+        # the batches a cold shuffled epoch could not finish before its last read are made.
+        t1 = time.perf_counter()
+        for _ in loader:
+            pass
+        out["warm_gbps"] = nbytes / (time.perf_counter() - t1) / 1e9
+    return out
 
 
 def run_child(root: str, how: str, kind: str, path: str, npy: str, batch: int, warm_bytes: int = 0) -> dict:
@@ -153,11 +166,14 @@ def main() -> None:
                 del recs
             runs: dict[str, list[float]] = {v: [] for v in variants}
             firsts: dict[str, list[float]] = {}
+            warm: dict[str, list[float]] = {}
             for _ in range(a.rounds):
                 for v, root in variants.items():
                     kind = v.replace("_baseline", "")
                     got = run_child(root, a.drop, kind, path, npy, a.batch, int(a.pretouch * a.mb * 1e6))
                     runs[v].append(got["gbps"])
+                    if "warm_gbps" in got:
+                        warm.setdefault(v, []).append(got["warm_gbps"])
                     if "first_batch_s" in got:
                         firsts.setdefault(v, []).append(got["first_batch_s"])
             med = {v: statistics.median(r) for v, r in runs.items()}
@@ -171,11 +187,22 @@ def main() -> None:
             best = [max(x, y, z) for x, y, z in zip(runs["seq"], runs["seq2"], runs["cat"])]
             paired = {v: statistics.median(g / b for g, b in zip(runs[v], best)) for v in runs}
             result["profiles"][name]["of_best_seq_per_round_median"] = paired
+            result["profiles"][name]["warm_gbps"] = warm
+            # A global shuffle's batches each need records from all over the dataset, so with
+            # batch memory bounded (a few batches) almost none can be finished before the last
+            # read: the epoch takes at least the sequential read plus the collation of (almost)
+            # every batch at the warm rate. Its rate over the best sequential read, per round.
+            limit = None
+            if "pyloader_shuf" in warm:
+                limit = statistics.median(1 / (1 / b + 1 / w) / b for b, w in zip(best, warm["pyloader_shuf"]))
+                result["profiles"][name]["shuffled_limit_of_best_seq"] = limit
             ratios = []
             for sfx in suffixes:
                 pl, g = med["pyloader" + sfx], med["gather" + sfx]
                 r = (f"{'shuffled' if sfx else 'in order'}: pyloader/gather {pl / g:.2f}x, pyloader/best seq {pl / seq:.2f}"
                      f" (per round {paired['pyloader' + sfx]:.2f}; gather {paired['gather' + sfx]:.2f})")
+                if sfx and limit:
+                    r += f", limit (read, then collate at the warm rate) {limit:.2f} of best seq"
                 if a.baseline:
                     b = med["pyloader_baseline" + sfx]
                     r += f", baseline/gather {b / g:.2f}x, baseline/best seq {b / seq:.2f}"

@@ -35,6 +35,13 @@ def _window_bytes(path: str) -> int | None:
             return None
 
 
+def _drop_or_skip(files: list[str]) -> None:
+    """Drops the files' pages from the page cache; skips the test where they stay (tmpfs)."""
+    B.drop_pages(files)
+    if B.resident_fraction(files) > 0.1:
+        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+
+
 @pytest.mark.timeout(120)
 def test_a_cold_shard_is_read_ahead_whole_after_the_first_batch(tmp_path) -> None:
     path = str(tmp_path / "ds")
@@ -48,9 +55,7 @@ def test_a_cold_shard_is_read_ahead_whole_after_the_first_batch(tmp_path) -> Non
     window = _window_bytes(files[0])
     if window is None or window * 4 > os.path.getsize(files[0]):
         pytest.skip(f"no block device read-ahead window well below the shard's size here ({window})")
-    B.drop_pages(files)
-    if B.resident_fraction(files) > 0.1:
-        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    _drop_or_skip(files)
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=1, num_workers=1, prefetch_factor=2)
     it = iter(loader)
     first = next(it)
@@ -105,9 +110,7 @@ def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path,
     counts = []
     for seed in (3, 4, 5):
         gc.collect()  # the last attempt's mappings are gone, so its pages can be dropped
-        B.drop_pages(files)
-        if B.resident_fraction(files) > 0.1:
-            pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+        _drop_or_skip(files)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=seed), batch_size=128,
                                      num_workers=2)
@@ -157,9 +160,7 @@ def test_cold_shards_are_mapped_ahead_of_their_readers(tmp_path) -> None:
     only the few records collated so far are (the test fails on the code before it)."""
     path, files = _cold_dataset(tmp_path)
     assert len(files) >= 8
-    B.drop_pages(files)
-    if B.resident_fraction(files) > 0.1:
-        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    _drop_or_skip(files)
     size = sum(os.path.getsize(f) for f in files)
     loader = pyloader.DataLoader(pyloader.ShardDataset(path, shuffle=True, seed=3), batch_size=32, num_workers=2,
                                  prefetch_factor=2)
@@ -238,9 +239,7 @@ def test_a_cold_epoch_in_order_reads_its_records_with_read_not_through_the_mappi
     faults mapped every page of the files (the test fails on that code)."""
     path, files = _cold_dataset(tmp_path)
     size = sum(os.path.getsize(f) for f in files)
-    B.drop_pages(files)
-    if B.resident_fraction(files) > 0.1:
-        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    _drop_or_skip(files)
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=32, num_workers=2, prefetch_factor=2)
     labels: list[int] = []
     for b in loader:
@@ -266,9 +265,7 @@ def test_a_cold_run_of_a_file_replaced_under_its_mapping_is_read_from_the_mapped
     files = _write(path, 512, 64 << 10, 1, 1 << 30)
     other = _write(str(tmp_path / "other"), 512, 64 << 10, 2, 1 << 30)
     assert len(files) == len(other) == 1 and os.path.getsize(files[0]) == os.path.getsize(other[0])
-    B.drop_pages(files)
-    if B.resident_fraction(files) > 0.1:
-        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    _drop_or_skip(files)
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=32, num_workers=1, prefetch_factor=1)
     it = iter(loader)
     seen = [next(it)]
@@ -326,9 +323,7 @@ def test_a_cold_batch_in_order_queues_its_shards_columns_before_its_records(tmp_
     # What the first batch's queue brings in: both columns whole, or the first 64 KiB block
     # of each (the first batches' rows).
     want = [(emb, label + n * 8)] if width == 8 else [(emb, emb + (64 << 10)), (label, label + (64 << 10))]
-    B.drop_pages(files)
-    if B.resident_fraction(files) > 0.1:
-        pytest.skip("this file system keeps the pages (tmpfs?): nothing is cold")
+    _drop_or_skip(files)
     loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=128, num_workers=1, prefetch_factor=1)
     it = iter(loader)
     first = next(it)

@@ -78,9 +78,10 @@ def test_the_first_batch_of_cold_shards_takes_no_page_fault_that_reads(tmp_path,
 
     ``verified-earlier``: the files were verified in full by an earlier reader, so a new one
     trusts them at open (NOTE [verified files]) -- a job restarted after its page cache was
-    emptied. Its records are queued all the same (NOTE [cold read-ahead]: whether a record
-    was read is Shard::seen(), not its being verified); before, none were, and the first
-    batch read every shard through a fault of its own."""
+    emptied. Its records are queued all the same, as whether a record was read is
+    Shard::seen(), not its being verified (see NOTE [cold read-ahead] in
+    csrc/core/batch_pipeline.h); before, none were, and the first batch read every shard
+    through a fault of its own."""
     import resource
 
     from pyloader.read import verified as _verified

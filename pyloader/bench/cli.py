@@ -269,9 +269,12 @@ def _print_bench(r: dict[str, Any]) -> None:
         rows.append(("cold sequential read (1 thr, best of 2)", f"{cr['seq_gbps']:.2f} GB/s", None))
         for key, label in (("in_order", "in order"), ("shuffled", "shuffled")):
             e = cr[key]
-            rows.append((f"cold epoch {label}, pyloader ({cr['threads']} thr)",
-                         f"{e['gbps']:.2f} GB/s = {e['of_seq']:.2f}x seq" if e["of_seq"] else f"{e['gbps']:.2f} GB/s",
-                         e["cpu_s"]))
+            speed = f"{e['gbps']:.2f} GB/s"
+            if e["of_seq"]:
+                speed += f" = {e['of_seq']:.2f}x seq"
+            if e.get("of_limit"):
+                speed += f", {e['of_limit']:.2f}x limit"
+            rows.append((f"cold epoch {label}, pyloader ({cr['threads']} thr)", speed, e["cpu_s"]))
     if st["decode"]:
         rows.append((f"LZ4 decode ({st['decode']['threads']} thr)", f"{st['decode']['gbps']:.2f} GB/s",
                      st["decode"]["cpu_s"]))
@@ -301,11 +304,16 @@ def _print_bench(r: dict[str, Any]) -> None:
                          f"{s['paused_warm_epoch_vs_steady']:.2f}x steady", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
-    print(f"  {'stage':<40}{'throughput':>22}{'CPU s':>8}")
+    w = max(22, *(len(val) for _, val, _ in rows))
+    print(f"  {'stage':<40}{'throughput':>{w}}{'CPU s':>8}")
     for name, val, cpu in rows:
-        print(f"  {name:<40}{val:>22}{'' if cpu is None else f'{cpu:8.2f}'}")
+        print(f"  {name:<40}{val:>{w}}{'' if cpu is None else f'{cpu:8.2f}'}")
     print("  (CPU s: the CPU time of every thread and child process, the loaders' live workers included, "
           "in the stage's timed run)")
+    if cr and cr["in_order"].get("of_limit"):
+        print("  (cold limit: what the machine allows a cold epoch: in order, the slower of the sequential read and "
+              "the same loader's next epoch, warm; shuffled, the two one after the other, as a global shuffle's "
+              "batches wait for (almost) the last read)")
     if st["pyloader"].get("first_epoch_alloc_bytes"):
         print("  (first epoch: from building the loader to the end of its first epoch; new batch memory: the "
               "batch buffers' pages the kernel populated in it, paid once per process, and the time that took, "

@@ -341,7 +341,12 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
     one epoch of a new ``ShardDataset`` over them in order (``in_order``: ``shuffle=False``,
     the first epoch of most jobs), then one globally shuffled (``shuffled``); each with its
     ``gbps`` (stored bytes over its wall time, from the loader's construction), ``of_seq``
-    (``gbps / seq_gbps``) and ``first_batch_s``. The files are read again last as ``cat``
+    (``gbps / seq_gbps``) and ``first_batch_s``; ``warm_gbps``, the same loader's next epoch
+    (its files in memory); ``limit_gbps``, what the machine allows the cold epoch: in order
+    the slower of ``seq_gbps`` and ``warm_gbps`` (reading and making batches overlap),
+    shuffled the two one after the other (a global shuffle's batches need records from all
+    over the dataset, so with batch memory bounded almost none is finished before the last
+    read); and ``of_limit`` (``gbps / limit_gbps``). The files are read again last as ``cat``
     reads them (``measure.stream_read_gbps``: 128 KiB reads, the kernel's read-ahead ahead of
     them), and ``seq_gbps`` is the faster of the two (``seq_gbps_runs``): the device's speed
     drifts, the 8 MiB reads alone read 0.6-2.0 GB/s run to run where ``cat`` read 2.1 here,
@@ -380,8 +385,13 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
                     first_batch_s = t.elapsed()
                 samples += B.batch_payload(batch)[0]
         stored = loader.stats()["stored_bytes"]
+        t0 = time.perf_counter()
+        for _ in loader:  # the same loader's next epoch, warm: what it makes of bytes in memory
+            pass
+        warm_s = time.perf_counter() - t0
         return {"gbps": stored / max(t.wall, 1e-9) / 1e9, "stored_bytes": stored, "samples": samples,
-                "wall_s": t.wall, "first_batch_s": first_batch_s, "cpu_s": t.cpu}
+                "wall_s": t.wall, "first_batch_s": first_batch_s, "cpu_s": t.cpu,
+                "warm_gbps": stored / max(warm_s, 1e-9) / 1e9}
 
     cold()
     seq_runs = [B.read_gbps(files, 1)]
@@ -392,6 +402,13 @@ def cold_read_stage(ds: ShardDataset, *, batch_size: int, threads: int,
     seq = max(seq_runs)
     for e in (in_order, shuffled):
         e["of_seq"] = e["gbps"] / seq if seq > 0 else None
+    # What the machine allows each: in order, reading and making batches overlap, so the slower
+    # of the two; shuffled, every batch needs records from all over the dataset, so with batch
+    # memory bounded almost none is finished before the last read: the two one after the other.
+    in_order["limit_gbps"] = min(seq, in_order["warm_gbps"])
+    shuffled["limit_gbps"] = 1 / (1 / seq + 1 / shuffled["warm_gbps"]) if seq > 0 else 0.0
+    for e in (in_order, shuffled):
+        e["of_limit"] = e["gbps"] / e["limit_gbps"] if e["limit_gbps"] > 0 else None
     ratios = [e["of_seq"] for e in (in_order, shuffled) if e["of_seq"] is not None]
     return {"seq_gbps": seq, "seq_gbps_runs": seq_runs, "bytes": size, "threads": threads,
             "resident": max(resident), "in_order": in_order, "shuffled": shuffled,

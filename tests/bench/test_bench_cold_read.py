@@ -1,6 +1,6 @@
 """`pyloader bench`'s cold-read stage: the dataset's pages are dropped without root, the
 sequential read and an epoch in order and one shuffled are measured from a cold page cache,
-and the table shows each epoch's ratio to the sequential read."""
+and the table shows each epoch's ratio to the sequential read and to what the machine allows it."""
 
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ def test_the_cold_stage_reports_an_in_order_and_a_shuffled_epoch_against_the_bes
         assert e["of_seq"] == pytest.approx(e["gbps"] / got["seq_gbps"])
         assert 0 < e["first_batch_s"] <= e["wall_s"]
         assert e["cpu_s"] > 0
+        assert e["warm_gbps"] > 0 and e["of_limit"] == pytest.approx(e["gbps"] / e["limit_gbps"])
+    # The limits: in order reading and batching overlap; shuffled they follow each other.
+    assert got["in_order"]["limit_gbps"] == min(got["seq_gbps"], got["in_order"]["warm_gbps"])
+    seq, warm = got["seq_gbps"], got["shuffled"]["warm_gbps"]
+    assert got["shuffled"]["limit_gbps"] == pytest.approx(seq * warm / (seq + warm))
     assert got["in_order"]["stored_bytes"] == got["shuffled"]["stored_bytes"]  # the same records, once each
     assert got["of_seq"] == min(got["in_order"]["of_seq"], got["shuffled"]["of_seq"])
     assert got["gbps"] == got["shuffled"]["gbps"] and got["samples"] == got["shuffled"]["samples"]
@@ -83,4 +88,5 @@ def test_run_stages_reports_the_cold_stage_and_the_table_shows_it(dataset, capsy
     assert "cold sequential read (1 thr, best of 2)" in out
     for key, label in (("in_order", "in order"), ("shuffled", "shuffled")):
         assert f"cold epoch {label}, pyloader (2 thr)" in out
-        assert f"= {cold[key]['of_seq']:.2f}x seq" in out
+        assert f"= {cold[key]['of_seq']:.2f}x seq, {cold[key]['of_limit']:.2f}x limit" in out
+    assert "(cold limit: " in out

@@ -304,7 +304,7 @@ def _print_bench(r: dict[str, Any]) -> None:
                          f"{s['paused_warm_epoch_vs_steady']:.2f}x steady", None))
     if st.get("h2d"):
         rows.append(("host-to-device (torch pinned)", f"{st['h2d']['gbps']:.2f} GB/s", None))
-    w = max(22, *(len(val) for _, val, _ in rows))
+    w = max([22, *(len(val) for _, val, _ in rows)])
     print(f"  {'stage':<40}{'throughput':>{w}}{'CPU s':>8}")
     for name, val, cpu in rows:
         print(f"  {name:<40}{val:>{w}}{'' if cpu is None else f'{cpu:8.2f}'}")

@@ -536,26 +536,36 @@ class CachePeak:
         self._t.join()
 
 
-def resident_fraction(paths: list[str]) -> float:
-    """The share of the files' pages in the page cache now (``mincore`` over a private mapping)."""
+def _resident_pages(path: str, start: int, end: int) -> tuple[int, int]:
+    """(pages in the page cache, pages) of bytes [start, end) of the file (``mincore`` over a private mapping)."""
     import ctypes
     import mmap
 
+    start -= start % mmap.PAGESIZE  # a mapping starts on a page
+    if end <= start:
+        return 0, 0
     libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
+    pages = (end - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), end - start, access=mmap.ACCESS_COPY, offset=start) as mm:
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(end - start), vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore failed on {path!r}")
+        return sum(v & 1 for v in vec), pages
+
+
+def resident_fraction(paths: list[str]) -> float:
+    """The share of the files' pages in the page cache now (``mincore`` over a private mapping)."""
     have = total = 0
     for p in paths:
-        size = os.path.getsize(p)
-        if size == 0:
-            continue
-        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as mm:
-            pages = (size + page - 1) // page
-            vec = (ctypes.c_ubyte * pages)()
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {p!r}")
-            have += sum(v & 1 for v in vec)
-            total += pages
+        h, n = _resident_pages(p, 0, os.path.getsize(p))
+        have, total = have + h, total + n
+    return have / total if total else 0.0
+
+
+def resident_range_fraction(path: str, start: int, end: int) -> float:
+    """The share of the pages of bytes [start, end) of the file ``path`` in the page cache now."""
+    have, total = _resident_pages(path, start, end)
     return have / total if total else 0.0
 
 
@@ -744,6 +754,6 @@ def environment() -> dict[str, Any]:
 
 
 __all__ = ["available_memory", "pretouch", "Profile", "PROFILES", "make_records", "write_profile_dataset", "CpuTimer", "cpu_accounting", "live_children_cpu", "best_of", "interleaved", "forked_rate",
-           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "stream_read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "batch_payload", "epoch_samples", "loader_epoch", "pyloader_loader",
+           "parallel", "memcpy_gbps", "collate_copy_gbps", "read_gbps", "stream_read_gbps", "drop_pages", "cache_disk_bytes", "CachePeak", "resident_fraction", "resident_range_fraction", "batch_payload", "epoch_samples", "loader_epoch", "pyloader_loader",
            "MemmapDataset", "BatchGatherDataset", "torch_loader", "gather_loader", "lz4_package_decode_gbps",
            "native_decode_gbps", "environment"]

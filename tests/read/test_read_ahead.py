@@ -279,21 +279,6 @@ def test_a_cold_run_of_a_file_replaced_under_its_mapping_is_read_from_the_mapped
 
 
 
-def _resident_share(path: str, lo: int, hi: int) -> float:
-    """The share of the pages of bytes [lo, hi) of path in the page cache now (mincore)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    start = lo - lo % mmap.PAGESIZE
-    pages = (hi - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), hi - start, access=mmap.ACCESS_COPY, offset=start) as mm:
-        vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(hi - start), vec) == 0
-        return sum(v & 1 for v in vec) / pages
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("width", [8, 32])
 def test_a_cold_batch_in_order_queues_its_shards_columns_before_its_records(tmp_path, width: int) -> None:
@@ -331,9 +316,9 @@ def test_a_cold_batch_in_order_queues_its_shards_columns_before_its_records(tmp_
     assert [int(v) for v in first["label"]] == list(range(128))
     assert (first["emb"] == first["label"][:, None]).all()
     deadline = time.monotonic() + 10
-    while (got := min(_resident_share(files[0], a, z) for a, z in want)) < 0.99 and time.monotonic() < deadline:
+    while (got := min(B.resident_range_fraction(files[0], a, z) for a, z in want)) < 0.99 and time.monotonic() < deadline:
         time.sleep(0.02)
-    tail = _resident_share(files[0], emb - (1 << 20), emb)  # the records just before the columns
+    tail = B.resident_range_fraction(files[0], emb - (1 << 20), emb)  # the records just before the columns
     it.close()
     # Without the queue, a fault on the first column block read the device's read-around
     # window: where that is small (128 KiB), the columns did not come in whole; where it is

@@ -8,7 +8,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -40,11 +40,13 @@ from ..format.spec import (
     manifest_path,
     parse_manifest,
 )
-from ..remote import fetch as _fetch
 from ..remote.budget import MAX_OPEN, check_share, reader_share
-from ..remote.fs import is_remote
+from ..remote.names import is_remote
 from . import verified as _verified
 from .units import RemoteOptions, UnitDataset, node_readers
+
+if TYPE_CHECKING:  # the remote stage's fetching loads with the first remote dataset
+    from ..remote import fetch as _fetch
 
 
 def _local_path(url: str | os.PathLike[str]) -> str:
@@ -560,7 +562,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         prefix = os.path.join(self.root, "")
         self.shard_paths = [prefix + s["path"] for s in shards]
         self.shard_bytes = [int(s["bytes"]) for s in shards]
-        self.fetch_jobs = remote.jobs_for(self.shard_bytes)
+        self._fetch_options = remote
+        self._fetch_jobs: int | None = None  # fetch_jobs, resolved on first use
         self.records_per_shard = [int(s["records"]) for s in shards]
         self.unit_records = self.records_per_shard  # UnitDataset plans by shard
         self.num_records = int(self.manifest["records"])
@@ -609,6 +612,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         """
         if self._remote is None:
             return {"bytes": 0, "downloaded": 0}
+        from ..remote import fetch as _fetch
+
         fetcher = _fetch.ShardFetcher(self._remote, None, jobs=self.fetch_jobs)  # publishes, pins nothing
         try:
             fetcher.schedule(range(len(self.shard_paths)))
@@ -644,6 +649,13 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         return self._shards
 
     @property
+    def fetch_jobs(self) -> int:
+        """Downloads at once for a remote dataset (``fetch_jobs``, ``"auto"`` resolved: NOTE [fetch jobs])."""
+        if self._fetch_jobs is None:
+            self._fetch_jobs = self._fetch_options.jobs_for(self.shard_bytes)
+        return self._fetch_jobs
+
+    @property
     def cache_limit(self) -> int | None:
         """The node cache's size limit in bytes for a remote dataset (None: local, or no limit)."""
         return None if self._remote is None else self._remote.cache.limit
@@ -654,6 +666,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         Held to this reader's share of the cache (NOTE [cache shares]) among ``readers``
         processes of its rank. ``ValueError`` for a local dataset.
         """
+        from ..remote import fetch as _fetch
+
         if self._remote is None:
             raise ValueError(f"{self.url}: a local dataset has no fetcher")
         budget = reader_share(self.cache_limit, node_readers(readers))
@@ -664,6 +678,8 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
 
         ``horizon``: samples collated ahead of the consumer. See ``pyloader.remote.fetch.working_set``.
         """
+        from ..remote import fetch as _fetch
+
         return _fetch.working_set(shard_idx, self._sizes(), horizon)
 
     def _sizes(self) -> Any:
@@ -718,7 +734,9 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
                 need, count = self._check_working_set(sidx, (prefetch + num_threads) * batch_size, readers)
                 self._fetcher.working_set_bytes = need
                 self._fetcher.max_open = max(MAX_OPEN, count + 2 * self.fetch_jobs)
-            self._fetcher.schedule(_fetch.first_touch_order(sidx))  # fetch ahead, in plan order
+            from ..remote.fetch import first_touch_order
+
+            self._fetcher.schedule(first_touch_order(sidx))  # fetch ahead, in plan order
         pipeline = start_pipeline(shards, pool, (sidx, ridx), batch_size=batch_size, drop_last=drop_last,
                                   num_threads=num_threads, prefetch=prefetch, ahead=ahead, early=early,
                                   active_threads=active_threads, ragged=ragged)

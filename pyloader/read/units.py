@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing import context as _mp_context
 from multiprocessing.reduction import DupFd
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,10 +30,11 @@ from ..contract import DEFAULTS, OrderSpec, Plan, PlannedDataset, check_callable
 from ..errors import PlanMemoryError
 from ..format.sizes import parse_size
 from ..remote.budget import readers_on_node
-from ..remote.cache import DatasetCache
-from ..remote.fetch import auto_fetch_jobs, open_remote
 from . import order as _order
 from .frameworks import check_per_sample_reader
+
+if TYPE_CHECKING:  # the remote stage loads with the first remote dataset
+    from ..remote.cache import DatasetCache
 
 # Records per internal batch when yielding single samples to torch's DataLoader.
 _SAMPLE_MODE_BATCH = 64
@@ -76,10 +77,14 @@ class RemoteOptions:
 
     def jobs_for(self, sizes: list[int]) -> int:
         """``fetch_jobs``, with ``"auto"`` resolved for shards of ``sizes`` bytes (NOTE [fetch jobs])."""
+        from ..remote.fetch import auto_fetch_jobs
+
         return auto_fetch_jobs(sizes) if self.fetch_jobs == "auto" else int(self.fetch_jobs)
 
     def open(self, url: str, **kwargs: Any) -> DatasetCache:
         """``url`` bound to the node cache with these options (``pyloader.remote.fetch.open_remote``)."""
+        from ..remote.fetch import open_remote  # (the remote stage loads with the first remote dataset)
+
         return open_remote(url, cache_dir=self.cache_dir, cache_limit=self.cache_limit,
                            storage_options=self.storage_options, **kwargs)
 

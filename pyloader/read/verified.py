@@ -34,7 +34,7 @@ import os
 import tempfile
 from typing import Any
 
-from ..remote.cache import default_cache_dir
+from ..remote.names import default_cache_dir
 
 RACY_NS = 2_000_000_000  # a file changed this close to its open is verified again next time
 MAX_FILES = 256  # record files kept (one per dataset folder)

@@ -100,7 +100,7 @@ from . import temps
 from .fs import FetchError, RetryPolicy, with_retries
 from .index import CacheIndex, index_for
 from .locks import Flock, SpaceLock, byte_lock, cache_error, close_lockfile, open_lockfile, try_flock
-from .names import lock_file_name, quote_key, shard_cache_name
+from .names import default_cache_dir, lock_file_name, quote_key, shard_cache_name
 from .pins import PINS_FILE, DatasetPins, evict_unpinned
 from .temps import new_temp_name, reclaim_temps, track_temp, untrack_temp
 from .transport import Transport, transport_for
@@ -115,18 +115,6 @@ _FULL_HINT = {errno.ENOSPC: " (no space or no inodes left: free some, or set a s
                             "cache_dir)",
               errno.EDQUOT: " (disk quota exceeded: free some, or set another cache_dir)"}
 DISCARD_LOG = "discarded.log"
-
-
-def default_cache_dir() -> str:
-    """The cache root when none is given.
-
-    ``$PYLOADER_CACHE_DIR``, else ``$XDG_CACHE_HOME/pyloader``, else ``~/.cache/pyloader``.
-    """
-    env = os.environ.get("PYLOADER_CACHE_DIR")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pyloader")
 
 
 def normalize_url(url: str) -> str:

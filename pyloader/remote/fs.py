@@ -59,6 +59,7 @@ from urllib.parse import urljoin, urlsplit
 
 from ..errors import FetchError, FetchNotFoundError, FetchPermissionError, RemoteChangedError
 from .failure_messages import GAVE_UP_FIX, detail_of, permanent_fix, size_mismatch
+from .names import is_remote
 from .throttle import CANCEL_POLL_S, _Cancelled, _ThrottleExpired, host_key, host_limiter
 
 _T = TypeVar("_T")
@@ -78,11 +79,6 @@ def _attempts(n: int) -> str:
 def _naming(what: str, url: str, shard: str | None) -> str:
     """The start of an error message: what was done to which URL, and which shard."""
     return f"{what} {url} (shard {shard!r})" if shard else f"{what} {url}"
-
-
-def is_remote(url: str) -> bool:
-    """True for fsspec URLs other than local paths and ``file://``."""
-    return "://" in url and not url.startswith("file://")
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None, stall_timeout: float) -> tuple[Any, str]:

@@ -1,4 +1,4 @@
-"""The names of a shard: its cache files (NOTE [cache paths] in cache.py) and its URL path."""
+"""The names of a shard: its cache files (NOTE [cache paths] in cache.py) and its URL path; the cache root's default."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import urllib.parse
 
 import pyloader._C as _C
 
-__all__ = ["lock_file_name", "shard_cache_name", "quote_key"]
+__all__ = ["default_cache_dir", "is_remote", "lock_file_name", "shard_cache_name", "quote_key"]
 
 _NAME_MAX = 255
 
@@ -54,3 +54,20 @@ def quote_key(key: str) -> str:
     ``a%2520b``, never as ``a b``; both transports send these same bytes.
     """
     return urllib.parse.quote(key, safe="/~!$&'()*+,;=:@")
+
+
+def default_cache_dir() -> str:
+    """The cache root when none is given.
+
+    ``$PYLOADER_CACHE_DIR``, else ``$XDG_CACHE_HOME/pyloader``, else ``~/.cache/pyloader``.
+    """
+    env = os.environ.get("PYLOADER_CACHE_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pyloader")
+
+
+def is_remote(url: str) -> bool:
+    """True for fsspec URLs other than local paths and ``file://``."""
+    return "://" in url and not url.startswith("file://")

@@ -96,6 +96,7 @@ from .stage import TransformSpec, _Stopped, limit_native_threads, prepare_native
 # are all held waits for one; each holds one batch, so /dev/shm bounds them first).
 MAX_SLOTS = 1024
 _ALIGN = 64
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # (Linux 5.14; Python knows it from 3.12)
 _IDLE = -1  # jobs[w] of a worker with nothing to do
 
 # The parent's ends of every pool's worker pipes: a forked child closes its copies
@@ -220,10 +221,18 @@ def unflatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
 # -- the worker process ---------------------------------------------------------------
 
 class _Slot:
-    __slots__ = ("fd", "map", "size", "gen", "path")
+    __slots__ = ("fd", "map", "size", "gen", "path", "cold")
 
     def __init__(self, fd: int, mp: mmap.mmap, size: int, gen: int, path: str) -> None:
         self.fd, self.map, self.size, self.gen, self.path = fd, mp, size, gen, path
+        self.cold = True  # its pages are not mapped in this process yet (_Slots.slot_for)
+
+    def warm(self) -> None:
+        """Maps all its pages at once before this process first writes a batch there (See NOTE [worker heap] in stage.py)."""
+        if self.cold:
+            self.cold = False
+            with contextlib.suppress(OSError, ValueError):  # (refused before Linux 5.14: the batch faults them in)
+                self.map.madvise(_MADV_POPULATE_WRITE)
 
 
 def shm_error(directory: str, need: int, e: OSError | None) -> SharedMemoryError:
@@ -293,11 +302,14 @@ class _Slots:
                         grown = size if slot is None else max(size, slot.size + slot.size // 4)
                         slot = self._make(s, grown, gen)
                         self.slots[s] = slot
+                    slot.warm()
                     return s, slot
             if len(self.slots) < MAX_SLOTS:
                 s = len(self.slots)
-                self.slots.append(self._make(s, size, 0))
-                return s, self.slots[s]  # type: ignore[return-value]
+                made = self._make(s, size, 0)
+                made.warm()
+                self.slots.append(made)
+                return s, made
             if stop():
                 raise _Stopped
             time.sleep(0.002)
@@ -444,9 +456,11 @@ def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, bus
                  first: _FirstJob | None = None) -> None:
     known = set(sys.modules)  # what the parent had imported (NOTE [warm imports])
     from .stage import _NotedExceptionWrapper as ExceptionWrapper  # the notes reach the parent as notes
+    from .stage import keep_worker_heap
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     limit_native_threads(process=True)  # See NOTE [worker threads]
+    keep_worker_heap()  # See NOTE [worker heap] in stage.py
     slots = _Slots(w, prefix, directory, busy, inherited)
 
     def parent_gone() -> bool:

@@ -202,6 +202,10 @@ def child(kind: str, name: str, data: str, workers: int) -> dict[str, Any]:
             cols = pickle.load(f)
     else:
         import pyloader  # imported before the clock starts, as torch.utils.data is
+    # A full collection before the clock, as a script's startup would have run some: else where
+    # the interpreter's next one falls (50 ms over torch's objects here) depends on how many
+    # objects the imports before the clock made, not on the loader timed.
+    gc.collect()
     cpu0 = _cpu(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if cols is not None:

@@ -71,6 +71,7 @@ def test_a_slot_is_mapped_whole_before_its_first_batch_in_a_new_process(tmp_path
     slots.close(unlink=True)
 
 
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc 2.33's mallinfo2")
 def test_a_worker_keeps_the_memory_its_batches_free(tmp_path) -> None:
     """A 24 MiB buffer freed in a transform worker stays in its heap for the next batch, where
     glibc's defaults would have mapped it afresh and given it back (a page fault per 4 KiB of

@@ -171,7 +171,7 @@ def test_a_local_dataset_loads_no_remote_fetching(tmp_path: Path) -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PKG.parent).stdout
-    assert out.strip() == "['pyloader.remote', 'pyloader.remote.budget', 'pyloader.remote.names']", out
+    assert out.strip() == "['pyloader.remote', 'pyloader.remote.budget', 'pyloader.remote.locks', 'pyloader.remote.names']", out
 
 
 def test_lazy_names_resolve() -> None:

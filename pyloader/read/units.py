@@ -29,11 +29,18 @@ from torch.utils.data import get_worker_info
 from ..contract import DEFAULTS, OrderSpec, Plan, PlannedDataset, check_callable, check_count, check_int
 from ..errors import PlanMemoryError
 from ..format.sizes import parse_size
+from ..remote import locks as _locks  # noqa: F401 - its fork hooks, registered early (see below)
 from ..remote.budget import readers_on_node
 from . import order as _order
 from .frameworks import check_per_sample_reader
 
-if TYPE_CHECKING:  # the remote stage loads with the first remote dataset
+# The lock-file registry (``pyloader.remote.locks``) holds a lock from a fork's start to its
+# end. It is imported with every dataset, so before any transform thread stream can start:
+# the fork gate's hook (NOTE [fork gate] in pyloader/transform/threads.py) runs first only
+# among hooks registered before it, and a hook registered later that holds a lock makes a
+# transform thread that forks wait the gate's bound for another that forks at once. The rest
+# of the remote stage loads with the first remote dataset.
+if TYPE_CHECKING:
     from ..remote.cache import DatasetCache
 
 # Records per internal batch when yielding single samples to torch's DataLoader.

@@ -10,6 +10,9 @@ holds it, and the worker reports so instead of hanging.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from typing import Any
@@ -192,3 +195,39 @@ def test_transform_threads_that_fork_do_not_wait_for_each_other(shards, monkeypa
     assert labels == list(range(16))
     assert took < 5.0, f"16 forks from two transform threads took {took:.1f} s: forks waited for each other"
     assert threads._gate_open.is_set() and threads._gate_forks == 0 and not threads._gate_inside
+
+
+def test_forking_transform_threads_after_a_remote_dataset_is_opened(shards) -> None:
+    """The remote stage loads with the first remote dataset, after a thread stream may have
+    installed the gate; pyloader's own fork hooks that hold a lock (the lock-file registry's)
+    are registered with every dataset, before the gate's, so forking transform threads still
+    do not wait for each other. Run in a fresh interpreter: the order of registration is the
+    process's."""
+    code = textwrap.dedent(f"""
+        import os, time
+        import pyloader
+        from pyloader.transform import threads
+
+        def fork_a_child(s):
+            time.sleep(0.005)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            return s
+
+        threads.FORK_GATE_S = 5.0
+        ds = pyloader.ShardDataset({shards!r})
+        for b in pyloader.DataLoader(ds, batch_size=4, num_workers=2, executor="threads", transform=lambda s: s):
+            pass  # a thread stream: the gate's hooks are registered now
+        import pyloader.remote.cache  # what opening a remote dataset loads
+        t0 = time.monotonic()
+        ld = pyloader.DataLoader(ds, batch_size=4, num_workers=2, executor="threads", transform=fork_a_child)
+        labels = [int(x) for _, b in zip(range(4), ld) for x in b["label"]]
+        assert labels == list(range(16)), labels
+        print(round(time.monotonic() - t0, 2))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    took = float(out.stdout.split()[-1])
+    assert took < 5.0, f"16 forks from two transform threads took {took:.1f} s: forks waited for each other"

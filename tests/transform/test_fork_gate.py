@@ -9,6 +9,7 @@ holds it, and the worker reports so instead of hanging.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -203,19 +204,12 @@ def test_forking_transform_threads_after_a_remote_dataset_is_opened(shards) -> N
     are registered with every dataset, before the gate's, so forking transform threads still
     do not wait for each other. Run in a fresh interpreter: the order of registration is the
     process's."""
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import os, time
+        from typing import Any
         import pyloader
         from pyloader.transform import threads
-
-        def fork_a_child(s):
-            time.sleep(0.005)
-            pid = os.fork()
-            if pid == 0:
-                os._exit(0)
-            os.waitpid(pid, 0)
-            return s
-
+    """) + inspect.getsource(fork_a_child) + textwrap.dedent(f"""
         threads.FORK_GATE_S = 5.0
         ds = pyloader.ShardDataset({shards!r})
         for b in pyloader.DataLoader(ds, batch_size=4, num_workers=2, executor="threads", transform=lambda s: s):

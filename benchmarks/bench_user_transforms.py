@@ -250,7 +250,7 @@ def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[A
                   per_proc: int, collate: int = 0) -> float:
     """Samples/s of ``procs`` forked processes each running ``fn`` alone over ``per_proc`` records at once.
 
-    Each sets its threads as pyloader's transform workers do (one torch and one BLAS thread).
+    Each runs as pyloader's transform workers do (one torch and one BLAS thread, the heap kept).
     ``collate``: also ``default_collate`` every that many outputs (a batching loader's copy).
     """
     n = len(next(iter(columns.values())))
@@ -262,10 +262,11 @@ def parallel_rate(fn: Callable[[dict[str, Any]], Any], columns: dict[str, list[A
             code = 1
             try:
                 # A worker's threads: one for torch, one for BLAS/OpenMP, OpenBLAS's spinning
-                # server stopped (See NOTE [worker threads] in pyloader/transform/stage.py).
-                from pyloader.transform.stage import limit_native_threads
+                # server stopped (See NOTE [worker threads] in pyloader/transform/stage.py), and
+                # its heap kept between batches (NOTE [worker heap]).
+                from pyloader.transform.stage import as_worker_process
 
-                limit_native_threads(process=True)
+                as_worker_process()
                 outs = []
                 for i in range(per_proc):
                     k = (p * per_proc + i) % n

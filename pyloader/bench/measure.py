@@ -277,7 +277,8 @@ def forked_rate(work: Callable[[int], int], procs: int, seconds: float) -> float
 
     ``work`` returns the units it did (samples). Each process runs torch and the BLAS
     libraries on one thread exactly as a loader's transform worker does (its OpenBLAS
-    thread server stopped too), and reports its count and end time
+    thread server stopped too), keeps its heap as one (NOTE [worker heap] in
+    pyloader/transform/stage.py), and reports its count and end time
     through a pipe; the rate is their sum over the time from the first fork to the last
     end (so process start is counted, as in benchmarks/bench_user_transforms.py). A
     process whose ``work`` raises makes this raise ``RuntimeError`` with its error.
@@ -296,9 +297,9 @@ def forked_rate(work: Callable[[int], int], procs: int, seconds: float) -> float
             gc.disable()
             os.close(r)
             try:
-                from ..transform.stage import limit_native_threads
+                from ..transform.stage import as_worker_process
 
-                limit_native_threads(process=True)  # a worker's one thread (See NOTE [worker threads])
+                as_worker_process()  # a worker's threads and heap (See NOTE [worker threads], NOTE [worker heap])
                 n, i = 0, p
                 while True:
                     n += work(i)

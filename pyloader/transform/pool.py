@@ -90,7 +90,7 @@ from ..contract import PlannedDataset
 from ..errors import SharedMemoryError
 from ..format.owner import owner
 from .reap import reap_later, reap_now
-from .stage import TransformSpec, _Stopped, limit_native_threads, prepare_native_limits, queued_ns, run_batch
+from .stage import TransformSpec, _Stopped, as_worker_process, prepare_native_limits, queued_ns, run_batch
 
 # Slots per worker: batches the loop may hold from one worker at once (a worker whose slots
 # are all held waits for one; each holds one batch, so /dev/shm bounds them first).
@@ -456,11 +456,9 @@ def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, bus
                  first: _FirstJob | None = None) -> None:
     known = set(sys.modules)  # what the parent had imported (NOTE [warm imports])
     from .stage import _NotedExceptionWrapper as ExceptionWrapper  # the notes reach the parent as notes
-    from .stage import keep_worker_heap
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    limit_native_threads(process=True)  # See NOTE [worker threads]
-    keep_worker_heap()  # See NOTE [worker heap] in stage.py
+    as_worker_process()  # one thread per library (NOTE [worker threads]), a heap kept (NOTE [worker heap])
     slots = _Slots(w, prefix, directory, busy, inherited)
 
     def parent_gone() -> bool:

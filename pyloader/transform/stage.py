@@ -328,6 +328,16 @@ def keep_worker_heap() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_HEAP_BYTES))
 
 
+def as_worker_process() -> None:
+    """What a transform worker process sets for good at its start, and a ceiling's process to run as one.
+
+    One thread for torch and the BLAS libraries (NOTE [worker threads]) and a malloc that keeps
+    the memory its batches free (NOTE [worker heap]).
+    """
+    limit_native_threads(process=True)
+    keep_worker_heap()
+
+
 def _reset_blas_lock() -> None:
     global _blas_lock
     _blas_lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
@@ -707,6 +717,6 @@ def _stack(name: str, values: list[Any], alloc: _Alloc | None = None) -> torch.T
     return torch.stack(ts, out=out)
 
 
-__all__ = ["EXECUTORS", "queued_ns", "limit_native_threads", "keep_worker_heap", "unlimit_native_threads", "prepare_native_limits", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
+__all__ = ["EXECUTORS", "queued_ns", "limit_native_threads", "keep_worker_heap", "as_worker_process", "unlimit_native_threads", "prepare_native_limits", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
            "RARELY_WAITS", "BUSY_AT", "READ_SHARE", "WAITING_CPU", "transform_hint", "stage_figures",
            "TransformStream", "collate_samples"]

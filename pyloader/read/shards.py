@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -655,6 +656,11 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
             self._fetch_jobs = self._fetch_options.jobs_for(self.shard_bytes)
         return self._fetch_jobs
 
+    @fetch_jobs.setter
+    def fetch_jobs(self, value: int | str) -> None:  # checked as the constructor's argument is
+        self._fetch_options = dataclasses.replace(self._fetch_options, fetch_jobs=value)
+        self._fetch_jobs = None
+
     @property
     def cache_limit(self) -> int | None:
         """The node cache's size limit in bytes for a remote dataset (None: local, or no limit)."""
@@ -666,10 +672,10 @@ class ShardDataset(UnitDataset, PipelineDataset, IterableDataset):
         Held to this reader's share of the cache (NOTE [cache shares]) among ``readers``
         processes of its rank. ``ValueError`` for a local dataset.
         """
-        from ..remote import fetch as _fetch
-
         if self._remote is None:
             raise ValueError(f"{self.url}: a local dataset has no fetcher")
+        from ..remote import fetch as _fetch
+
         budget = reader_share(self.cache_limit, node_readers(readers))
         return _fetch.ShardFetcher(self._remote, target, jobs=self.fetch_jobs, budget=budget, max_open=MAX_OPEN)
 

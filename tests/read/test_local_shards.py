@@ -64,3 +64,17 @@ def test_a_shard_truncated_after_opening_names_the_fix_when_read(dataset):
             pass
     msg = str(ei.value)
     assert victim in msg and "truncated" in msg and "with a good copy, or write the dataset again" in msg, msg
+
+
+def test_fetch_jobs_resolves_on_first_use_and_takes_a_new_value(dataset) -> None:
+    """``fetch_jobs`` is resolved when first read (a local dataset loads no fetcher for it), and
+    can still be set afterwards, checked as the constructor's argument is."""
+    ds = pyloader.ShardDataset(dataset, fetch_jobs=5)
+    assert ds.fetch_jobs == 5
+    ds.fetch_jobs = 3
+    assert ds.fetch_jobs == 3
+    ds.fetch_jobs = "auto"
+    assert isinstance(ds.fetch_jobs, int) and ds.fetch_jobs >= 1
+    with pytest.raises(ValueError, match="fetch_jobs must be 'auto' or a positive int, got 0"):
+        ds.fetch_jobs = 0
+    assert ds.fetch_jobs >= 1  # unchanged by the refused value

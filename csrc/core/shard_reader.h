@@ -263,6 +263,7 @@ class Shard {
   uint64_t total_blocks_ = 0;  // bits of block_verified_
   FileIdentity identity_;
   int64_t opened_ns_ = 0;
+  bool cached_at_open_ = false;  // every page in the page cache when mapped (NOTE [whole file cached])
   mutable std::atomic<bool> read_ahead_done_{false};
   mutable std::atomic<bool> columns_queued_{false};
 };

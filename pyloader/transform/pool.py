@@ -89,6 +89,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _C
 from ..contract import PlannedDataset
 from ..errors import SharedMemoryError
 from ..format.owner import owner
@@ -269,6 +270,7 @@ class _Slots:
                 self.slots.extend([None] * (s + 1 - len(self.slots)))
                 self.slots[s] = _Slot(-1, mp, len(mp), gen, "")
         self.hint = 0  # the bytes of the largest batch so far: the slot a batch is collated into
+        self.raw: Any = None  # the native pool of its raw batches, kept across its jobs (memory faulted in once)
 
     def _make(self, s: int, size: int, gen: int) -> _Slot:
         path = os.path.join(self.dir, f"{self.prefix}-w{self.w}-s{s}-g{gen}")
@@ -534,8 +536,9 @@ def _make_ticket(w: int, t: int, job: _Job, ds: PlannedDataset, slots: _Slots, j
         if job.stream is None:
             # Each worker streams its own share of a remote dataset through the node cache: the
             # reader sizes its share of the cache limit by this rank's workers.
+            slots.raw = slots.raw or _C.SlotPool(num_fields=len(ds.fields))
             job.stream = ds.batches(p.batch_size, plan=(p.units, p.records), drop_last=False, num_threads=1,
-                                    prefetch=2, readers=p.readers)
+                                    prefetch=2, pool=slots.raw, readers=p.readers)
         raw = next(job.stream)
         sl = slice(i * p.batch_size, (i + 1) * p.batch_size)
         into = _SlotWriter(slots, stop)

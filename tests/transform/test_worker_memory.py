@@ -109,3 +109,42 @@ def test_a_worker_keeps_the_memory_its_batches_free(tmp_path) -> None:
     for hi_mapped, lo_free in rows:
         assert hi_mapped < 24 << 20, f"a 24 MiB block was mapped on its own ({hi_mapped} bytes in mappings)"
         assert lo_free >= 24 << 20, f"the worker's heap kept {lo_free} free bytes after the block was freed"
+
+
+
+def _worker_raw_pool() -> object:
+    """The native slot pool of this transform worker's raw batches, from its main loop's frame."""
+    f = sys._getframe()
+    while f is not None and f.f_code.co_name != "_worker_main":
+        f = f.f_back
+    assert f is not None, "not called in a transform worker"
+    return f.f_locals["slots"].raw
+
+
+def test_a_kept_worker_reads_later_epochs_into_the_memory_of_its_first(tmp_path) -> None:
+    """A kept worker (persistent_workers=True) starts each epoch's native stream on the slot
+    pool of its earlier ones: its raw batches of epochs 2 and 3 allocate nothing (a pool per
+    epoch mapped and populated its batch buffers afresh each time: 2 MiB here, a page fault per
+    4 KiB of it without huge pages)."""
+    import numpy as np
+    import torch
+
+    import pyloader
+
+    with pyloader.ShardWriter(str(tmp_path / "ds"), {"x": ("float32", (16384,)), "label": "int64"},
+                              compression="none") as w:  # 64 KiB records: a raw batch of 32 is 2 MiB
+        for i in range(128):
+            w.write({"x": np.full(16384, i, np.float32), "label": i})
+
+    def probe(s: dict) -> dict:
+        raw = _worker_raw_pool()
+        return {"label": s["label"], "pool": torch.tensor(id(raw)),
+                "allocs": torch.tensor(raw.memory()["driver_allocs"])}
+
+    ld = pyloader.DataLoader(pyloader.ShardDataset(str(tmp_path / "ds"), shuffle=True, seed=1), batch_size=32,
+                             transform=probe, num_workers=1, executor="processes", persistent_workers=True)
+    epochs = [list(ld) for _ in range(3)]
+    pools = {int(v) for e in epochs for b in e for v in b["pool"]}
+    allocs = [max(int(v) for b in e for v in b["allocs"]) for e in epochs]
+    assert len(pools) == 1, f"the worker's raw batches came from {len(pools)} pools over 3 epochs"
+    assert allocs[0] > 0 and allocs[2] == allocs[0], f"allocations of the worker's raw pool by epoch: {allocs}"

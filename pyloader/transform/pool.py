@@ -89,7 +89,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _C
+import pyloader._C as _C
+
 from ..contract import PlannedDataset
 from ..errors import SharedMemoryError
 from ..format.owner import owner
@@ -246,8 +247,7 @@ def shm_error(directory: str, need: int, e: OSError | None) -> SharedMemoryError
     except OSError:
         free = "free space unknown"
     why = f" ({e.strerror})" if e is not None and e.strerror else ""
-    return SharedMemoryError(
-        e.errno if e is not None and e.errno else errno.ENOSPC,
+    return SharedMemoryError(e.errno if e is not None and e.errno else errno.ENOSPC,
         f"{directory}: no room for a transform batch of {need} bytes{why}; {free}. The process executor "
         f"returns batches through shared memory: make {directory} larger (in a container, --shm-size), "
         f"hold fewer batches, use fewer workers or a smaller prefetch, set PYLOADER_SHM_DIR to another "
@@ -651,8 +651,7 @@ class WorkerPool:
         if freeze:
             warm_imports()  # See NOTE [warm imports]
             # numpy.random loads on first use (~80 ms): a worker seeding the global generators
-            # (NOTE [sample seeds]) would load it again in every worker of every pool; loaded
-            # here once, forked workers share it.
+            # (NOTE [sample seeds]) would load it in every worker of every pool; loaded here: shared.
             import numpy.random  # noqa: F401
             prepare_native_limits()  # See NOTE [worker threads]
             gc.freeze()

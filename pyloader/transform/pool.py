@@ -270,7 +270,7 @@ class _Slots:
                 self.slots.extend([None] * (s + 1 - len(self.slots)))
                 self.slots[s] = _Slot(-1, mp, len(mp), gen, "")
         self.hint = 0  # the bytes of the largest batch so far: the slot a batch is collated into
-        self.raw: Any = None  # the native pool of its raw batches, kept across its jobs (memory faulted in once)
+        self.raw: Any = None  # the native pool of its raw batches (its memory faulted in once), set by the worker
 
     def _make(self, s: int, size: int, gen: int) -> _Slot:
         path = os.path.join(self.dir, f"{self.prefix}-w{self.w}-s{s}-g{gen}")
@@ -464,6 +464,7 @@ def _worker_main(w: int, ds: PlannedDataset, base: TransformSpec, conn: Any, bus
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     as_worker_process()  # one thread per library (NOTE [worker threads]), a heap kept (NOTE [worker heap])
     slots = _Slots(w, prefix, directory, busy, inherited)
+    slots.raw = _C.SlotPool(num_fields=len(ds.fields))  # its raw batches' pool, kept across its jobs
 
     def parent_gone() -> bool:
         return os.getppid() != parent
@@ -537,7 +538,6 @@ def _make_ticket(w: int, t: int, job: _Job, ds: PlannedDataset, slots: _Slots, j
             # Each worker streams its own share of a remote dataset through the node cache (sized by
             # this rank's workers), its one thread a batch ahead of the transform (prefetch=1: more
             # only held a batch more of fresh memory, 4 MB of 64 KB records: a pool per epoch +1.5-4%).
-            slots.raw = slots.raw or _C.SlotPool(num_fields=len(ds.fields))
             job.stream = ds.batches(p.batch_size, plan=(p.units, p.records), drop_last=False, num_threads=1,
                                     prefetch=1, pool=slots.raw, readers=p.readers)
         raw = next(job.stream)

@@ -421,6 +421,10 @@ def main() -> int:
     ap.add_argument("--baseline", default=None,
                     help="a checkout with a built _C: its pyloader runs too (pyloader-base), in the same rounds")
     args = ap.parse_args()
+    names = [s.strip() for s in args.only.split(",") if s.strip()]
+    known = ("light", "medium", "features", "tokenize")
+    if not names or any(n not in known for n in names):
+        ap.error(f"--only {args.only!r}: choose among {', '.join(known)} (comma-separated)")
     args.torch_workers = [int(w) for w in args.torch_workers.split(",")]
     for root in filter(None, (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), args.baseline)):
         compileall.compile_dir(os.path.join(root, "pyloader"), quiet=1)  # the bytecode an installed package has
@@ -430,7 +434,7 @@ def main() -> int:
                            "cpus": len(os.sched_getaffinity(0)), "loadavg_start": list(os.getloadavg()),
                            "transforms": {}}
     with tempfile.TemporaryDirectory(prefix="pyloader-bench-fresh-") as data:
-        for name in [s.strip() for s in args.only.split(",") if s.strip()]:
+        for name in names:
             res["transforms"][name] = bench(name, counts[name], args, data)
     res["loadavg_end"] = list(os.getloadavg())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

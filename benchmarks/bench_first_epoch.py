@@ -45,7 +45,8 @@ Runs are interleaved (round 1 of every variant, then round 2, ...) and medians r
 because this machine is shared and noisy. Writes JSON and prints a table of ratios.
 
     python benchmarks/bench_first_epoch.py [--mb 480] [--rounds 5] [--profiles image12k,tokens8k,blob150k]
-        [--baseline ROOT]  (another checkout, its _C built: the same variants, interleaved, labelled "base")
+        [--baseline ROOT]  (another checkout, its _C built: the same variants, interleaved, labelled "base";
+                            its runs keep their own record of verified files, filled by one untimed run of it)
 """
 
 from __future__ import annotations
@@ -280,16 +281,22 @@ def main() -> int:
                 base = label.startswith("base ")
                 version, ahead, settle, pause, store = VARIANTS[label.removeprefix("base ")]
                 variants.append((name, label, paths[version], args.baseline if base else ROOT, ahead, settle, pause,
-                                 "empty" if base else store))
+                                 f"base-{store}" if base else store))
         os.sync()  # the datasets just written go to disk now, not as writeback during the runs
         time.sleep(2.5)  # older than the window in which a changed file is not recorded as verified
+        # The baseline keeps its own record (its format may be another), filled the same way.
+        shared_base = os.path.join(tmp, "cache-base")
         for name in args.profiles.split(","):  # the job's first run ever, untimed: records the files as verified
             if any(VARIANTS[t][4] == "shared" for t in tags):
                 run_child(os.path.join(tmp, f"{name}-v2"), args, ahead=True, epochs=2, cache=shared)
+            if args.baseline and any(VARIANTS[t][4] == "shared" for t in BASE_VARIANTS):
+                run_child(os.path.join(tmp, f"{name}-v2"), args, ahead=True, epochs=2, root=args.baseline,
+                          cache=shared_base)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in range(args.rounds):
             for k, (name, label, path, root, ahead, settle, pause, store) in enumerate(variants):
-                cache = shared if store == "shared" else os.path.join(tmp, f"empty-{r}-{k}")
+                cache = ({"shared": shared, "base-shared": shared_base}.get(store)
+                         or os.path.join(tmp, f"empty-{r}-{k}"))
                 res = run_child(path, args, ahead=ahead, epochs=args.epochs, settle=settle, pause=pause, root=root,
                                 cache=cache)
                 runs.setdefault((name, label), []).append(res)

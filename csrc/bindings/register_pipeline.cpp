@@ -130,6 +130,7 @@ void register_pipeline(py::module_& m) {
              d["unloads"] = c.unloads;
              d["peak_mapped"] = c.peak_mapped;
              d["remaps"] = c.remaps;
+             d["opens"] = c.opens;
              return d;
            })
       .def("__len__", &ShardSet::size);

@@ -720,6 +720,7 @@ ShardSet::ShardSet(std::vector<std::string> paths, std::vector<uint64_t> bytes, 
   failure_errno_.assign(n, 0);
   active_.assign(n, 0);
   waiters_.assign(n, 0);
+  opening_.assign(n, 0);
   healed_.assign(n, 0);
   first_failure_.resize(n);
   idle_prev_.assign(n, kNone);
@@ -779,10 +780,42 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
       }
       if (state_[i] == 2) throw LoaderError(ErrorKind::kIO, paths_[i], -1, "", failure_[i], failure_errno_[i]);
       if (open_[i]) return open_[i];
+      if (opening_[i]) {
+        // NOTE [one open per shard]: another worker is mapping this shard now. Two workers
+        // that need a shard at once (the first batches of an epoch in order both read the
+        // first shard) each mapped and checked it, and one mapping was dropped: twice the
+        // work, and on a cold page cache twice the header and metadata reads waited for
+        // in turn. So the second waits for the first (it needs the shard either way), in
+        // slices so a cancel is seen, and then looks again (mapped, failed, or its turn to
+        // open it). Other shards are opened meanwhile by whoever needs them: the lock is
+        // not held while a shard is opened.
+        while (opening_[i] && !open_[i]) {
+          if (cancel && cancel->load(std::memory_order_acquire))
+            throw LoaderError(ErrorKind::kState, paths_[i], -1, "", "cancelled while waiting for the shard");
+          cv_->wait_for(lk, std::chrono::milliseconds(50));
+        }
+        continue;
+      }
+      opening_[i] = 1;
       path = paths_[i];
     }
-    // Opened outside the lock so one slow open does not stall other workers; if two
-    // workers race, one mapping wins and the other is dropped.
+    // Opened outside the lock so one slow open does not stall other workers. Whatever ends
+    // the attempt (mapped, failed, retried) clears the mark and wakes those waiting on it.
+    struct OpeningMark {
+      ShardSet* set;
+      size_t i;
+      bool cleared = false;
+      void clear_locked() {
+        set->opening_[i] = 0;
+        cleared = true;
+        set->cv_->notify_all();
+      }
+      ~OpeningMark() {
+        if (cleared) return;
+        std::lock_guard<std::mutex> g(set->mu_);
+        clear_locked();
+      }
+    } mark{this, i};
     std::shared_ptr<const Shard> sh;
     try {
       const std::string& blob = schema_of_.empty() ? schema_blob_ : shard_schemas_[schema_of_[i]];
@@ -803,9 +836,11 @@ std::shared_ptr<const Shard> ShardSet::get(size_t i, const std::atomic<bool>* ca
                           e.sys_errno());
       throw;
     }
-    std::shared_ptr<const Shard> drop;                // a losing duplicate is unmapped outside the lock
+    std::shared_ptr<const Shard> drop;                // a mapping made stale meanwhile is unmapped outside the lock
     std::vector<std::shared_ptr<const Shard>> unmap;  // See NOTE [mapping bound]; unmapped after the lock too
     std::lock_guard<std::mutex> lk(mu_);
+    mark.clear_locked();
+    ++opens_;
     if (state_[i] != 0) {
       drop = std::move(sh);  // made pending again (healing) while we opened it: wait again
       continue;
@@ -1089,6 +1124,7 @@ ShardSet::Counts ShardSet::counts() {
   c.unloads = unloads_;
   c.peak_mapped = peak_mapped_;
   c.remaps = remaps_;
+  c.opens = opens_;
   return c;
 }
 

@@ -379,6 +379,7 @@ class ShardSet {
 
   struct Counts {
     uint64_t mapped = 0, idle = 0, active = 0, heals = 0, unloads = 0, peak_mapped = 0, remaps = 0;
+    uint64_t opens = 0;  // shards mapped and checked by get(), remaps included (NOTE [one open per shard])
   };
   Counts counts();
 
@@ -409,6 +410,7 @@ class ShardSet {
   std::vector<int> failure_errno_;
   std::vector<uint32_t> active_;   // batches in flight or planned that read the shard
   std::vector<uint32_t> waiters_;  // workers waiting for the shard to be ready
+  std::vector<uint8_t> opening_;   // a worker is mapping the shard now (NOTE [one open per shard])
   std::vector<uint8_t> healed_;    // a re-fetch was requested once
   std::vector<std::string> first_failure_;
   std::vector<FileIdentity> trusted_;  // See NOTE [verified files]; size 0 until trust() is first called
@@ -423,7 +425,7 @@ class ShardSet {
   std::vector<uint32_t> use_prev_, use_next_;
   std::vector<uint8_t> in_use_list_, mapped_before_;
   uint32_t use_head_ = kNone, use_tail_ = kNone;
-  uint64_t remaps_ = 0;
+  uint64_t remaps_ = 0, opens_ = 0;
   size_t idle_count_ = 0, mapped_ = 0, peak_mapped_ = 0;
   size_t active_shards_ = 0;
   uint64_t heals_ = 0, unloads_ = 0;

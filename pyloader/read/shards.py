@@ -424,7 +424,7 @@ class BatchIterator:
         if self._shards is not None:
             n = self._shards.counts()
             out.update(mapped_shards=n["mapped"], peak_mapped_shards=n["peak_mapped"], healed_shards=n["heals"],
-                       remapped_shards=n["remaps"])
+                       remapped_shards=n["remaps"], opened_shards=n["opens"])
         if self._fetcher is not None:
             f = self._fetcher.stats()
             out.update(cache_working_set_bytes=f["working_set_bytes"], cache_held_bytes=f["held_bytes"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import platform
 import random
 import shutil
 import signal
@@ -501,6 +502,61 @@ def test_close_from_another_thread_unblocks_a_stalled_next(write_dataset) -> Non
     assert not closer.is_alive(), "close() did not return once the stalled read finished"
     with pytest.raises(pyloader.LoaderStateError):
         next(it)
+
+
+_OPENAT = {"x86_64": "257", "aarch64": "56"}.get(platform.machine())  # openat's system call number
+
+
+def _threads_in_openat() -> int:
+    """This process's threads blocked in openat() (/proc/self/task/<tid>/syscall: the call's number first)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/syscall") as fh:
+                n += fh.read().split(" ", 1)[0] == _OPENAT
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_waiting_for_another_workers_stalled_open_leaves_at_close(write_dataset) -> None:
+    """See NOTE [one open per shard]: the second worker that needs a shard the first is opening waits
+    for it, and sees close() within a slice, where both used to sit in open() of the stalled file."""
+    if _OPENAT is None:
+        pytest.skip(f"openat's system call number on {platform.machine()} is not listed here")
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/syscall") as fh:
+            fh.read()
+    except OSError as e:
+        pytest.skip(f"a thread's system call cannot be read here: {e}")
+    ds = open_ds(write_dataset(60, FIELDS, sample, compression="none", shard_bytes=32 << 10))
+    per0, per1 = ds.records_per_shard[0], ds.records_per_shard[1]
+    assert per0 == per1 and per0 % 2 == 0 and per0 >= 4
+    fifo = stall_shard(ds, 1)
+    base = threads_now()
+    half = per0 // 2
+    it = ds.batches(half, num_threads=2, prefetch=2)  # batches 0-1 in shard 0, 2-3 both in shard 1
+    check_batch(next(it), list(range(half)))
+    check_batch(next(it), list(range(half, per0)))
+    # One worker now sits in open() of the FIFO (its thread's system call: openat), the other
+    # waits for that open.
+    deadline = time.monotonic() + 10
+    while not _threads_in_openat() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads_in_openat() == 1
+    assert threads_now() == base + 2
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    try:
+        # The waiting worker leaves; the one in open() stays until the FIFO opens.
+        assert wait_threads(base + 1 + 1, timeout=5.0) == base + 1 + 1  # + the closer thread
+        assert closer.is_alive(), "close() returned while a worker was still in open()"
+    finally:
+        unstall(fifo)
+        closer.join(10)
+    assert not closer.is_alive(), "close() did not return once the stalled open finished"
+    assert wait_threads(base) == base
 
 
 @pytest.mark.timeout(120)

@@ -523,26 +523,22 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   // that reads it opens it, once). A pending set's shards only if mapped already, as a
   // download is never waited for here; a bounded set's too when opening them would unmap
   // others.
-  size_t distinct = 0;
-  for (size_t k = 0; k < rows.size(); ++k) distinct += k == 0 || rows[k].first != rows[k - 1].first;
-  const bool mapped_only = shards_->pending_set() || shards_->room() < distinct;
   std::vector<int32_t> ids;  // the distinct shards, ascending
-  ids.reserve(distinct);
   for (size_t k = 0; k < rows.size(); ++k)
     if (k == 0 || rows[k].first != rows[k - 1].first) ids.push_back(rows[k].first);
+  const bool mapped_only = shards_->pending_set() || shards_->room() < ids.size();
   std::vector<std::shared_ptr<const Shard>> held(ids.size());
   // NOTE [open apart]: the first batches of a shuffled epoch each read records of every
   // shard, and the workers that claim them at once would open the same shards in the same
-  // (ascending) order: each open raced by the other worker, both mapping and checking the
-  // shard and one mapping dropped, and the first batch waiting for every shard opened one
-  // after another. So a worker starts its opens at its own share of the list (batch b at
-  // (b mod threads) / threads of it) and wraps around: the workers open different shards at
-  // once, then find the rest open. Measured on 400 MB of 12 KB records in 7 shards, page cache
-  // dropped before each fresh process, 8 runs alternated with the ascending order: the first
-  // batch of a globally shuffled epoch came after 15-17 ms against 27-31 ms (the opens of a
-  // cold cache read each shard's header and metadata from the device); warm, the first
-  // epoch's duplicate mappings (2 of 9 shards) are gone. The epoch's time is the device's
-  // either way.
+  // (ascending) order: the second worker waiting for each shard the first is opening
+  // (See NOTE [one open per shard] in shard_reader.cpp; before it, opening it again), and the
+  // first batch waiting for every shard opened one after another. So a worker starts its opens at
+  // its own share of the list (batch b at (b mod threads) / threads of it) and wraps around:
+  // the workers open different shards at once, then find the rest open. Measured on 400 MB
+  // of 12 KB records in 7 shards, page cache dropped before each fresh process, 8 runs
+  // alternated with the ascending order: the first batch of a globally shuffled epoch came
+  // after 15-17 ms against 27-31 ms (the opens of a cold cache read each shard's header and
+  // metadata from the device). The epoch's time is the device's either way.
   const size_t workers = std::max<size_t>(1, size_t(cfg_.num_threads));
   const size_t first = ids.size() * (from % workers) / workers;
   for (size_t j = 0; j < ids.size(); ++j) {

@@ -305,8 +305,11 @@ def test_a_206_for_another_range_gets_whole_gets(transport, policy, small_ranges
     if transport == "fsspec":
         assert srv.paths() == [f"/{KEY}"]
         return
-    # the 4 parts were refused on their Content-Range, then one whole GET in the same attempt
-    assert srv.paths() == [f"/{KEY}"] * 5 and [bool(h.get("range")) for _, h in srv.requests] == [True] * 4 + [False]
+    # the parts were refused on their Content-Range (the first wrong one stops the others), then
+    # one whole GET in the same attempt. The server's threads record requests in the order they
+    # are scheduled, not sent: a part's request may be logged after the whole GET on a loaded machine.
+    ranged = [bool(h.get("range")) for _, h in srv.requests]
+    assert set(srv.paths()) == {f"/{KEY}"} and ranged.count(False) == 1 and 1 <= ranged.count(True) <= 4, ranged
     assert isinstance(t, tr.NativeTransport) and not t.ranges
 
 

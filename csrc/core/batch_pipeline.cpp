@@ -80,6 +80,9 @@ constexpr uint64_t kColumnsWhole = 1 << 20;
 // Thrown by fill() when the batch must be collated again once a shard was fetched anew.
 struct RetryBatch {};
 
+// See NOTE [paired wake-ups]: how long a batch that is in waits for the one after it.
+constexpr int64_t kPairWaitMs = 2;
+
 // Set on a pipeline's worker threads (NOTE [hand-over gate]).
 thread_local bool on_worker = false;
 std::atomic<uint64_t> destroyed_on_worker{0};
@@ -658,12 +661,14 @@ void BatchPipeline::worker_loop(size_t index) {
     done.ready = true;
     // Each batch is released by the one worker that claimed it (released_[b] is its own).
     release_batch(b);
+    bool wake;
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (done.error) failed_ = true;
       ring_[b % ring_.size()] = std::move(done);
+      wake = consumer_waits_ && consumer_wakes();
     }
-    cv_ready_->notify_all();
+    if (wake) cv_ready_->notify_all();
     {
       std::lock_guard<std::mutex> lk(mu_);
       adv_from = std::max(advised_, b + 1);
@@ -973,6 +978,26 @@ void BatchPipeline::count_batch(const FillState& st, uint64_t t_fill) {
   counters_.batches.fetch_add(1, std::memory_order_relaxed);
 }
 
+// NOTE [paired wake-ups]: a consumer faster than the workers (the loader binds) slept and was
+// woken once per batch: each wake-up is two context switches, and on a machine with no idle
+// core the woken consumer preempts a worker, whose caches it then cools. Asleep, the consumer
+// is now woken when the batch it waits for and the batch after it are both in (or the batch
+// alone: when it failed, when it is the last, or when no worker is making the next one), so
+// it takes two batches per wake-up; a next batch that takes longer (a stalled read) holds
+// the one that is in at most until kPairWaitMs after the consumer fell asleep; a consumer
+// still asleep then is woken by its batch alone (a slow batch, a stall: no periodic
+// wake-ups while it waits). A consumer that finds its batch in takes it at
+// once, as before: only a sleep waits for a pair, so a training loop that the loader keeps
+// ahead of is unchanged, and one that waits gets its batches in pairs at the same rate.
+bool BatchPipeline::consumer_wakes() const noexcept {
+  const Pending& p = ring_[consumed_ % ring_.size()];
+  if (!p.ready) return false;
+  if (!pairs_ || p.error) return true;
+  const size_t after = consumed_ + 1;
+  if (after >= num_batches_ || after >= next_claim_) return true;  // none after it, or none being made
+  return ring_[after % ring_.size()].ready;
+}
+
 BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   if (::getpid() != pid_)
     throw LoaderError(ErrorKind::kState, "", -1, "",
@@ -982,12 +1007,25 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
   if (closed_) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator is closed");
   if (consumed_ >= num_batches_) return Next::kEnd;
   Pending& p = ring_[consumed_ % ring_.size()];
-  auto ready = [&] { return p.ready || stop_; };
-  if (timeout_ms < 0) {
-    cv_ready_->wait(lk, ready);
-  } else if (!cv_ready_->wait_for(lk, std::chrono::milliseconds(timeout_ms), ready)) {
-    counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    return Next::kTimeout;
+  if (!p.ready && !stop_) {
+    // See NOTE [paired wake-ups]: woken by the pair for kPairWaitMs, then by the batch alone.
+    const auto now = std::chrono::steady_clock::now();
+    const auto deadline = now + std::chrono::milliseconds(timeout_ms);
+    auto pair_until = now + std::chrono::milliseconds(kPairWaitMs);
+    if (timeout_ms >= 0 && pair_until > deadline) pair_until = deadline;
+    auto woken = [&] { return stop_ || consumer_wakes(); };
+    consumer_waits_ = pairs_ = true;
+    cv_ready_->wait_until(lk, pair_until, woken);
+    pairs_ = false;
+    if (timeout_ms < 0)
+      cv_ready_->wait(lk, woken);
+    else
+      cv_ready_->wait_until(lk, deadline, woken);
+    consumer_waits_ = false;
+    if (!p.ready && !stop_) {
+      counters_.wait_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      return Next::kTimeout;
+    }
   }
   if (!p.ready) throw LoaderError(ErrorKind::kState, "", -1, "", "iterator was closed while waiting");
   Pending taken = std::move(p);

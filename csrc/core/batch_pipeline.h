@@ -249,6 +249,8 @@ class BatchPipeline {
   // The constructor could not start every worker: stops and joins those it started and
   // releases the plan's shards (NOTE [thread start failure] in core/errors.h).
   void abandon_start() noexcept;
+  // See NOTE [paired wake-ups]: whether the consumer, asleep in next(), is woken now (mu_ held).
+  bool consumer_wakes() const noexcept;
 
   std::shared_ptr<ShardSet> shards_;
   std::shared_ptr<SlotPool> pool_;
@@ -280,6 +282,8 @@ class BatchPipeline {
   size_t ahead_ = 1;                 // workers claim batch b only while b < consumed_ + ahead_
   size_t ahead_later_ = 0;           // set_ahead(n, later=true): ahead_ becomes n at the next take
   size_t workers_left_ = 0;          // workers still collating; 0: every batch has its slot
+  bool consumer_waits_ = false;      // next() sleeps on cv_ready_ (NOTE [paired wake-ups])
+  bool pairs_ = false;               // ... and is woken by two batches, not one
   bool failed_ = false;              // a batch failed (hand_over() then raises nothing)
   std::shared_ptr<Gate> gate_;       // this pipeline's, for the predecessor (NOTE [hand-over gate])
   std::shared_ptr<Gate> successor_;  // hand_over()

@@ -9,6 +9,7 @@ the test opens the other end (the reader then sees an empty file and fails that 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -557,6 +558,32 @@ def test_a_worker_waiting_for_another_workers_stalled_open_leaves_at_close(write
         closer.join(10)
     assert not closer.is_alive(), "close() did not return once the stalled open finished"
     assert wait_threads(base) == base
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_that_is_in_is_not_held_for_a_stalled_next_one(write_dataset) -> None:
+    """See NOTE [paired wake-ups]: a consumer asleep until two batches are in still gets the first
+    at once when the second cannot come (its shard's open is stalled)."""
+    ds = open_ds(write_dataset(60, FIELDS, sample, compression="none", shard_bytes=32 << 10))
+    per0 = ds.records_per_shard[0]
+    fifo = stall_shard(ds, 1)
+    try:
+        for round_ in range(5):
+            it = ds.batches(per0, num_threads=2, prefetch=2)  # batch 0: shard 0; batch 1: the FIFO
+            t0 = time.monotonic()
+            check_batch(next(it), list(range(per0)))
+            took = time.monotonic() - t0
+            assert took < 1.0, f"round {round_}: the first batch came after {took:.3f} s"
+            closer = threading.Thread(target=it.close, daemon=True)
+            closer.start()
+            unstall(fifo)  # the worker in open() reads EOF: its batch fails, close() returns
+            closer.join(10)
+            assert not closer.is_alive()
+            os.unlink(fifo)
+            os.mkfifo(fifo)
+    finally:
+        with contextlib.suppress(OSError):
+            unstall(fifo, timeout=0.5)
 
 
 @pytest.mark.timeout(120)

@@ -82,6 +82,9 @@ struct RetryBatch {};
 
 // See NOTE [paired wake-ups]: how long a batch that is in waits for the one after it.
 constexpr int64_t kPairWaitMs = 2;
+// ... and tried only while batches come in less than this apart: a wait that ends without
+// the pair costs a wake-up more (its timer), where batches take long (38 MB ones: 3 ms).
+constexpr uint64_t kPairGapNs = 500'000;
 
 // Set on a pipeline's worker threads (NOTE [hand-over gate]).
 thread_local bool on_worker = false;
@@ -666,6 +669,9 @@ void BatchPipeline::worker_loop(size_t index) {
       std::lock_guard<std::mutex> lk(mu_);
       if (done.error) failed_ = true;
       ring_[b % ring_.size()] = std::move(done);
+      const uint64_t t = now_ns();  // See NOTE [paired wake-ups]: the gap between batches
+      if (last_in_ns_ != 0) gap_ns_ = gap_ns_ - gap_ns_ / 8 + (t - last_in_ns_) / 8;
+      last_in_ns_ = t;
       wake = consumer_waits_ && consumer_wakes();
     }
     if (wake) cv_ready_->notify_all();
@@ -986,7 +992,9 @@ void BatchPipeline::count_batch(const FillState& st, uint64_t t_fill) {
 // it takes two batches per wake-up; a next batch that takes longer (a stalled read) holds
 // the one that is in at most until kPairWaitMs after the consumer fell asleep; a consumer
 // still asleep then is woken by its batch alone (a slow batch, a stall: no periodic
-// wake-ups while it waits). A consumer that finds its batch in takes it at
+// wake-ups while it waits). Pairs are waited for only while batches come in less than
+// kPairGapNs apart (a moving average of the gaps): otherwise the wait would end on its timer
+// more often than not, one wake-up more per batch. A consumer that finds its batch in takes it at
 // once, as before: only a sleep waits for a pair, so a training loop that the loader keeps
 // ahead of is unchanged, and one that waits gets its batches in pairs at the same rate.
 bool BatchPipeline::consumer_wakes() const noexcept {
@@ -1014,9 +1022,12 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
     auto pair_until = now + std::chrono::milliseconds(kPairWaitMs);
     if (timeout_ms >= 0 && pair_until > deadline) pair_until = deadline;
     auto woken = [&] { return stop_ || consumer_wakes(); };
-    consumer_waits_ = pairs_ = true;
-    cv_ready_->wait_until(lk, pair_until, woken);
-    pairs_ = false;
+    consumer_waits_ = true;
+    if (gap_ns_ < kPairGapNs) {  // two batches usually come in well within the wait
+      pairs_ = true;
+      cv_ready_->wait_until(lk, pair_until, woken);
+      pairs_ = false;
+    }
     if (timeout_ms < 0)
       cv_ready_->wait(lk, woken);
     else

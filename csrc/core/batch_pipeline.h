@@ -284,6 +284,8 @@ class BatchPipeline {
   size_t workers_left_ = 0;          // workers still collating; 0: every batch has its slot
   bool consumer_waits_ = false;      // next() sleeps on cv_ready_ (NOTE [paired wake-ups])
   bool pairs_ = false;               // ... and is woken by two batches, not one
+  uint64_t last_in_ns_ = 0;          // when the latest batch came in
+  uint64_t gap_ns_ = 0;              // the time between batches coming in (a moving average)
   bool failed_ = false;              // a batch failed (hand_over() then raises nothing)
   std::shared_ptr<Gate> gate_;       // this pipeline's, for the predecessor (NOTE [hand-over gate])
   std::shared_ptr<Gate> successor_;  // hand_over()

@@ -288,17 +288,23 @@ def _running(pids: list[int]) -> list[int]:
     return out
 
 
+def _plus_one(s: dict[str, Any]) -> dict[str, Any]:
+    return {"x": s["x"] + 1}
+
+
+def _pool_loader(shards: str) -> tuple[set[int], Any]:
+    """(this process's children now, a process-executor loader whose transform adds one)."""
+    gc.collect()
+    before = set(_children())
+    return before, pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=_plus_one,
+                                       num_workers=2, executor="processes")
+
+
 @pytest.mark.timeout(60)
 def test_an_epochs_pool_exits_once_its_batches_are_made(shards) -> None:
     """See NOTE [transform pool]: with persistent_workers=False each worker is told to exit as soon as
     the parent has its last batch, so that the epoch's end does not wait for the workers to exit."""
-    def tr(s: dict[str, Any]) -> dict[str, Any]:
-        return {"x": s["x"] + 1}
-
-    gc.collect()
-    before = set(_children())
-    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,
-                             executor="processes")
+    before, ld = _pool_loader(shards)
     for _ in range(2):
         it = iter(ld)
         n = sum(len(next(it)["x"]) for _ in range(len(ld)))  # every batch, the epoch not ended yet
@@ -360,13 +366,7 @@ def test_one_reaper_thread_reaps_epoch_after_epoch(shards) -> None:
     leaving, so an epoch's end does not wait for a new thread to start."""
     from pyloader.transform import reap
 
-    def tr(s: dict[str, Any]) -> dict[str, Any]:
-        return {"x": s["x"] + 1}
-
-    gc.collect()
-    before = set(_children())
-    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,
-                             executor="processes")
+    before, ld = _pool_loader(shards)
     reapers = []
     for _ in range(3):
         assert sum(len(b["x"]) for b in ld) == N
@@ -392,16 +392,10 @@ def test_an_epoch_reaps_its_workers_itself_where_no_thread_can_start(shards, mon
 
     from pyloader.transform import reap
 
-    def tr(s: dict[str, Any]) -> dict[str, Any]:
-        return {"x": s["x"] + 1}
-
     monkeypatch.setattr(reap, "threading", SimpleNamespace(Thread=_NoThread, Lock=threading.Lock,
                                                            current_thread=threading.current_thread))
     monkeypatch.setattr(reap, "_thread", None)  # (a reaper that an earlier epoch started may still linger)
-    gc.collect()
-    before = set(_children())
-    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=8, transform=tr, num_workers=2,
-                             executor="processes")
+    before, ld = _pool_loader(shards)
     assert sum(len(b["x"]) for b in ld) == N
     assert not [p for p in _children() if p not in before], "workers left unreaped"
     assert not _slot_files()

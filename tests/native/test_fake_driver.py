@@ -242,7 +242,14 @@ def test_fake_driver_staging_overlaps_the_copies_of_the_job_before(fake_cuda) ->
     # See NOTE [copy engine threads]: the engine thread never waits for the GPU, so the staging of
     # job t+1 runs while job t's copies do. Measured side by side in one process: with the
     # staging (S) and the copies (C) of each job about equal, overlapped N jobs take about
-    # N * max(S, C), half the serial N * (S + C); a waiting engine thread took the whole sum.
-    _, rep = run_fake(fake_cuda, "staging_overlaps_copies")
-    assert rep["ratio"] < 0.8, f"staging and copies did not overlap: both took {rep['both_s']:.3f} s against " \
-                               f"{rep['stage_s']:.3f} s staging + {rep['copy_s']:.3f} s copying alone: {rep}"
+    # N * max(S, C), half the serial N * (S + C); a waiting engine thread took the whole sum
+    # (1.0-1.2 of it, every run). A loaded machine can stretch one run past 0.8 (0.805 seen in
+    # a CI run): up to three runs, as for the legacy stream above.
+    reps = []
+    for _ in range(3):
+        _, rep = run_fake(fake_cuda, "staging_overlaps_copies")
+        reps.append(rep)
+        if rep["ratio"] < 0.8:
+            return
+    raise AssertionError("staging and copies did not overlap in 3 runs (both / (staging + copying alone)): "
+                         + ", ".join(f"{r['ratio']:.2f}" for r in reps) + f"; {reps}")

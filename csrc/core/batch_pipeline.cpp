@@ -85,6 +85,9 @@ constexpr int64_t kPairWaitMs = 2;
 // ... and tried only while batches come in less than this apart: a wait that ends without
 // the pair costs a wake-up more (its timer), where batches take long (38 MB ones: 3 ms).
 constexpr uint64_t kPairGapNs = 500'000;
+// ... measured over this many gaps first: an epoch of a few large batches (its first
+// consumer waits included) never waits for a pair on a guess.
+constexpr size_t kPairAfterGaps = 8;
 
 // Set on a pipeline's worker threads (NOTE [hand-over gate]).
 thread_local bool on_worker = false;
@@ -670,7 +673,7 @@ void BatchPipeline::worker_loop(size_t index) {
       if (done.error) failed_ = true;
       ring_[b % ring_.size()] = std::move(done);
       const uint64_t t = now_ns();  // See NOTE [paired wake-ups]: the gap between batches
-      if (last_in_ns_ != 0) gap_ns_ = gap_ns_ - gap_ns_ / 8 + (t - last_in_ns_) / 8;
+      if (last_in_ns_ != 0) gap_ns_ = gaps_++ == 0 ? t - last_in_ns_ : gap_ns_ - gap_ns_ / 8 + (t - last_in_ns_) / 8;
       last_in_ns_ = t;
       wake = consumer_waits_ && consumer_wakes();
     }
@@ -993,10 +996,11 @@ void BatchPipeline::count_batch(const FillState& st, uint64_t t_fill) {
 // the one that is in at most until kPairWaitMs after the consumer fell asleep; a consumer
 // still asleep then is woken by its batch alone (a slow batch, a stall: no periodic
 // wake-ups while it waits). Pairs are waited for only while batches come in less than
-// kPairGapNs apart (a moving average of the gaps): otherwise the wait would end on its timer
-// more often than not, one wake-up more per batch. A consumer that finds its batch in takes it at
-// once, as before: only a sleep waits for a pair, so a training loop that the loader keeps
-// ahead of is unchanged, and one that waits gets its batches in pairs at the same rate.
+// kPairGapNs apart (a moving average of the gaps, from the epoch's kPairAfterGaps-th gap on):
+// otherwise the wait would end on its timer more often than not, one wake-up more per batch,
+// and a batch that is in would wait up to kPairWaitMs for a pair that does not come soon. A consumer that finds its
+// batch in takes it at once, as before: only a sleep waits for a pair, so a training loop that the loader keeps ahead
+// of is unchanged, and one that waits gets its batches in pairs at the same rate.
 bool BatchPipeline::consumer_wakes() const noexcept {
   const Pending& p = ring_[consumed_ % ring_.size()];
   if (!p.ready) return false;
@@ -1023,7 +1027,7 @@ BatchPipeline::Next BatchPipeline::next(Batch* out, int64_t timeout_ms) {
     if (timeout_ms >= 0 && pair_until > deadline) pair_until = deadline;
     auto woken = [&] { return stop_ || consumer_wakes(); };
     consumer_waits_ = true;
-    if (gap_ns_ < kPairGapNs) {  // two batches usually come in well within the wait
+    if (gaps_ >= kPairAfterGaps && gap_ns_ < kPairGapNs) {  // two batches usually come in well within the wait
       pairs_ = true;
       cv_ready_->wait_until(lk, pair_until, woken);
       pairs_ = false;

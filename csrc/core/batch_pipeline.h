@@ -286,6 +286,7 @@ class BatchPipeline {
   bool pairs_ = false;               // ... and is woken by two batches, not one
   uint64_t last_in_ns_ = 0;          // when the latest batch came in
   uint64_t gap_ns_ = 0;              // the time between batches coming in (a moving average)
+  size_t gaps_ = 0;                  // gaps measured
   bool failed_ = false;              // a batch failed (hand_over() then raises nothing)
   std::shared_ptr<Gate> gate_;       // this pipeline's, for the predecessor (NOTE [hand-over gate])
   std::shared_ptr<Gate> successor_;  // hand_over()

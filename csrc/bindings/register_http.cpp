@@ -62,7 +62,7 @@ void register_http(py::module_& m) {
       "http_download",
       [](int fd, const std::string& url, uint64_t size, const std::vector<std::pair<uint64_t, uint64_t>>& parts,
          const std::vector<std::string>& headers, double connect_timeout, double stall_timeout, size_t write_buffer,
-         const std::string& ca_file, const py::object& cancel, const py::object& on_bytes) {
+         size_t recv_buffer, const std::string& ca_file, const py::object& cancel, const py::object& on_bytes) {
         http::Request req;
         req.url = url;
         req.fd = fd;
@@ -72,6 +72,7 @@ void register_http(py::module_& m) {
         req.connect_timeout_s = connect_timeout;
         req.stall_timeout_s = stall_timeout;
         req.write_buffer = write_buffer;
+        req.recv_buffer = recv_buffer;
         req.ca_file = ca_file;
         http::Download d(req);
         bool cancelled = false;
@@ -103,8 +104,8 @@ void register_http(py::module_& m) {
         return result;
       },
       py::arg("fd"), py::arg("url"), py::arg("size"), py::kw_only(), py::arg("parts"), py::arg("headers"),
-      py::arg("connect_timeout"), py::arg("stall_timeout"), py::arg("write_buffer"), py::arg("ca_file") = "",
-      py::arg("cancel"), py::arg("on_bytes"),
+      py::arg("connect_timeout"), py::arg("stall_timeout"), py::arg("write_buffer"),
+      py::arg("recv_buffer") = size_t(4 << 20), py::arg("ca_file") = "", py::arg("cancel"), py::arg("on_bytes"),
       "One attempt to download `url` (`size` bytes) into `fd` with pwrite(): the whole object (`parts` empty) or "
       "one ranged GET per (offset, length) part, all at once. Releases the GIL between 50 ms slices, in which "
       "`cancel.is_set()` is checked and `on_bytes(n)` told the bytes written. Returns {'cancelled': bool, "

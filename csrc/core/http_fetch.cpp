@@ -491,7 +491,9 @@ Download::Download(const Request& req) {
     // A proxy's "200 Connection established" is not the answer to the GET (libcurl 7.54).
     a.easy_setopt(e, kOptSuppressConnectHeaders, 1L);
     p.url = req.url;
-    a.easy_setopt(e, kOptBufferSize, long(512 << 10));
+    // See NOTE [receive buffer]: libcurl's receive buffer, no larger than the part.
+    a.easy_setopt(e, kOptBufferSize,
+                  long(std::clamp<uint64_t>(p.expect, 16 << 10, std::max<size_t>(req.recv_buffer, 16 << 10))));
     a.easy_setopt(e, kOptConnectTimeoutMs, long(req.connect_timeout_s * 1000));
     a.easy_setopt(e, kOptLowSpeedLimit, 1L);
     a.easy_setopt(e, kOptLowSpeedTime, stall);

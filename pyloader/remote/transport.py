@@ -57,7 +57,7 @@ RANGE_MIN = 64 << 20  # objects at least this big are fetched as parallel ranged
 PART_MIN = 16 << 20  # ... in parts of at least this many bytes
 MAX_PARTS = 8
 WRITE_BUFFER = 1 << 20  # the staging buffer of each part (See NOTE [native transport])
-_CURL_BUFFER = 512 << 10  # libcurl's receive buffer per part
+RECV_BUFFER = 4 << 20  # libcurl's receive buffer per part, at most (NOTE [receive buffer] in csrc/core/http_fetch.h)
 # libcurl error codes whose failure a retry may fix: proxy and host resolution, connect,
 # partial file, HTTP/2 framing, TLS connect, nothing received, send and receive errors.
 _CURL_TRANSIENT = {5, 6, 16, 18, 35, 52, 55, 56, 92, 95}
@@ -205,8 +205,9 @@ class NativeTransport:
         return self.base + "/" + quote_key(key)
 
     def buffer_bytes(self, size: int) -> int:
-        """A staging buffer and libcurl's receive buffer per part."""
-        return max(1, len(_parts(size)) if self.ranges else 1) * (WRITE_BUFFER + _CURL_BUFFER)
+        """A staging buffer and libcurl's receive buffer (no larger than the part) per part."""
+        parts = (_parts(size) if self.ranges else []) or [(0, size)]
+        return sum(WRITE_BUFFER + min(RECV_BUFFER, max(16 << 10, n)) for _, n in parts)
 
     def download_into(self, fd: int, key: str, size: int, *, url: str, shard: str,
                       cancel: threading.Event | None, on_bytes: Callable[[int], None] | None) -> int | None:
@@ -220,7 +221,8 @@ class NativeTransport:
                                    errno.ECANCELED)
             r = _C.http_download(fd, target, size, parts=parts, headers=self.headers,
                                  connect_timeout=self.connect_timeout, stall_timeout=self.stall_timeout,
-                                 write_buffer=WRITE_BUFFER, ca_file=self.ca_file, cancel=cancel, on_bytes=on_bytes)
+                                 write_buffer=WRITE_BUFFER, recv_buffer=RECV_BUFFER, ca_file=self.ca_file,
+                                 cancel=cancel, on_bytes=on_bytes)
             if r["cancelled"]:
                 raise _fetch_error(FetchError, f"downloading {url} (shard {shard!r}): cancelled", url, shard,
                                    errno.ECANCELED)
@@ -389,5 +391,5 @@ def transport_for(url: str, storage_options: dict[str, Any] | None, *, stall_tim
     return FsspecTransport(url, storage_options, stall_timeout)
 
 
-__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "MAX_PARTS", "WRITE_BUFFER", "Transport", "FsspecTransport",
+__all__ = ["TRANSPORTS", "RANGE_MIN", "PART_MIN", "MAX_PARTS", "WRITE_BUFFER", "RECV_BUFFER", "Transport", "FsspecTransport",
            "NativeTransport", "transport_setting", "native_unsupported", "transport_for"]

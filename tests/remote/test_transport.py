@@ -115,7 +115,9 @@ def test_large_objects_come_as_parallel_ranged_gets(server, big, small_ranges, t
     assert _get(t, tmp_path, BIG, len(big), on_bytes=seen.append) == big
     assert _ranged_gets(server, BIG, 6) == [206] * 6
     assert sum(seen) == len(big)
+    # each part: a staging buffer, and libcurl's receive buffer no larger than the part (512 KiB)
     assert t.buffer_bytes(len(big)) == 6 * (tr.WRITE_BUFFER + (512 << 10))
+    assert t.buffer_bytes(64 << 20) == 8 * (tr.WRITE_BUFFER + tr.RECV_BUFFER)
 
 
 @pytest.mark.timeout(60)

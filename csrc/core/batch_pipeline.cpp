@@ -515,6 +515,22 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   const size_t n = shard_idx_.size();
   const size_t begin = from * cfg_.batch_size, end = std::min(n, to * cfg_.batch_size);
   if (begin >= end) return;
+  // Nothing is queued where every shard the batches read is mapped and queued whole already
+  // (every epoch after a first that queued them): the passes below would skip every record
+  // and claim nothing, after sorting them all (1.5% of a warm 8 KB loader's CPU).
+  thread_local std::vector<uint64_t> seen_in_call;  // the call that last looked at shard i
+  thread_local uint64_t call = 0;
+  ++call;
+  if (seen_in_call.size() < shards_->size()) seen_in_call.resize(shards_->size(), 0);
+  bool all_queued = true;
+  for (size_t i = begin; i < end && all_queued; ++i) {
+    const auto s = size_t(shard_idx_[i]);
+    if (s >= seen_in_call.size() || seen_in_call[s] == call) continue;
+    seen_in_call[s] = call;
+    const std::shared_ptr<const Shard> h = shards_->peek(s);
+    all_queued = h && h->whole_file_queued();
+  }
+  if (all_queued) return;
   std::vector<std::pair<int32_t, int64_t>> rows;
   rows.reserve(end - begin);
   // See NOTE [cold spans]: a span-shaped batch reads its runs itself; queued, they would
@@ -735,8 +751,23 @@ void BatchPipeline::order_rows_by_storage(FillState* st) const {
   // prefetcher handle far better. Each record still lands in its own row.
   const int32_t* shard = st->shard_of_row;
   const int64_t* record = st->record_of_row;
-  st->visit.resize(st->rows);
-  for (size_t i = 0; i < st->rows; ++i) st->visit[i] = uint32_t(i);
+  const size_t rows = st->rows;
+  st->visit.resize(rows);
+  // (shard, record) packed into one key beside its row, sorted without a lookup per
+  // comparison; a record number past 32 bits (never in practice) takes the general sort.
+  thread_local std::vector<std::pair<uint64_t, uint32_t>> keyed;
+  keyed.resize(rows);
+  bool packed = true;
+  for (size_t i = 0; i < rows && packed; ++i) {
+    packed = shard[i] >= 0 && record[i] >= 0 && uint64_t(record[i]) <= UINT32_MAX;
+    keyed[i] = {uint64_t(uint32_t(shard[i])) << 32 | uint64_t(record[i]), uint32_t(i)};
+  }
+  if (packed) {
+    std::sort(keyed.begin(), keyed.end());
+    for (size_t k = 0; k < rows; ++k) st->visit[k] = keyed[k].second;
+    return;
+  }
+  for (size_t i = 0; i < rows; ++i) st->visit[i] = uint32_t(i);
   std::sort(st->visit.begin(), st->visit.end(), [&](uint32_t a, uint32_t c) {
     int32_t sa = shard[a], sc = shard[c];
     return sa != sc ? sa < sc : record[a] < record[c];

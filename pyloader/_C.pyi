@@ -59,7 +59,8 @@ def http_version() -> str:
     """The version string of libcurl, or '' without it."""
 
 def http_download(fd: int, url: str, size: int, *, parts: Sequence[tuple[int, int]], headers: Sequence[str],
-                  connect_timeout: float, stall_timeout: float, write_buffer: int, ca_file: str = "", cancel: Any,
+                  connect_timeout: float, stall_timeout: float, write_buffer: int, recv_buffer: int = 4 << 20,
+                  ca_file: str = "", cancel: Any,
                   on_bytes: Callable[[int], object] | None) -> dict[str, Any]:
     """One attempt to download `url` (`size` bytes) into `fd` with pwrite()."""
 

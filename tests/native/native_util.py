@@ -20,8 +20,28 @@ import numpy as np
 # --- threads ---------------------------------------------------------------------------------
 
 
+# (pid, thread ids) when the running test started (tests/native/conftest.py); None: not known.
+_AT_START: tuple[int, frozenset[str]] | None = None
+
+
+def note_threads_at_start() -> None:
+    """Remembers the threads this process has now: the running test's start."""
+    global _AT_START
+    _AT_START = (os.getpid(), frozenset(os.listdir("/proc/self/task")))
+
+
 def threads_now() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This process's threads: every one it had when the test started, whether or not it has ended since,
+    plus those started since.
+
+    A background thread of an earlier test in the same process (a reaper lingering for the next
+    epoch's workers, NOTE [late reaping]) may end at any moment: counted as it was at the test's start,
+    it cannot make a test's own threads look gone. In a forked child (no start known there): the plain count.
+    """
+    tids = os.listdir("/proc/self/task")
+    if _AT_START is None or _AT_START[0] != os.getpid():
+        return len(tids)
+    return len(_AT_START[1]) + sum(t not in _AT_START[1] for t in tids)
 
 
 def wait_threads(at_most: int, timeout: float = 5.0) -> int:

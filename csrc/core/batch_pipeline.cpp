@@ -525,7 +525,11 @@ void BatchPipeline::advise_batches(size_t from, size_t to, bool whole_files) {
   bool all_queued = true;
   for (size_t i = begin; i < end && all_queued; ++i) {
     const auto s = size_t(shard_idx_[i]);
-    if (s >= seen_in_call.size() || seen_in_call[s] == call) continue;
+    if (s >= seen_in_call.size()) {  // not a shard of the set: the full pass below says so
+      all_queued = false;
+      break;
+    }
+    if (seen_in_call[s] == call) continue;
     seen_in_call[s] = call;
     const std::shared_ptr<const Shard> h = shards_->peek(s);
     all_queued = h && h->whole_file_queued();

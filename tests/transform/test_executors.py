@@ -116,6 +116,35 @@ def test_global_generators_are_seeded_per_sample_on_the_process_executor(shards)
     assert len({float(r) for b in one for r in b["r"]}) == N  # not one value repeated
 
 
+def test_seeding_the_globals_leaves_the_state_the_public_seeds_leave() -> None:
+    """``_seed_globals`` calls the seeding functions directly: the same state as random.seed & co."""
+    import random
+
+    import numpy as np
+
+    from pyloader.transform.stage import _seed_globals
+
+    def draws() -> tuple[Any, ...]:
+        return (random.random(), random.gauss(0.0, 1.0), random.getrandbits(70), float(np.random.rand()),
+                float(np.random.standard_normal()), torch.rand(3).tolist(), torch.randint(0, 1 << 30, (2,)).tolist())
+
+    def leave_normals_pending() -> None:  # gauss() keeps its pair's second normal: seeding must drop it
+        while random._inst.gauss_next is None:  # type: ignore[attr-defined]
+            random.gauss(0.0, 1.0)
+        while not np.random.get_state()[3]:  # numpy's legacy generator keeps one too
+            np.random.standard_normal()
+
+    for seed in (0, 1, 2**32 + 5, 0x9E3779B97F4A7C15, 2**64 - 1):
+        leave_normals_pending()
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFFFFFF)
+        torch.default_generator.manual_seed(seed)
+        expected = draws()
+        leave_normals_pending()
+        _seed_globals(seed)
+        assert draws() == expected, seed
+
+
 def test_resume_mid_epoch_reproduces_the_augmented_batches(shards) -> None:
     full = read(shards, transform=augment, num_workers=2)
     ds = pyloader.ShardDataset(shards, shuffle=True, seed=7)

@@ -9,7 +9,7 @@ payload)`` (a new pool's workers are forked with theirs, See NOTE [first job at 
 then credits (the tickets it may make next, in order); the worker makes a
 credited ticket only while ``jobs[w]`` is that job, and checks it between two samples, so
 an epoch the loop leaves early (a ``break``, a closed iterator) stops its workers after the
-sample they are on: the parent sets ``jobs[w] = -1`` and the next job finds them idle.
+sample they are on (NOTE [stop checks]): the parent sets ``jobs[w] = -1``, the next job finds them idle.
 Every result carries its job's number; a result of a job that is over is dropped by the
 parent, and the slot it filled is released at once. The pool lives as long as the loader
 that made it (``persistent_workers=True``, as torch's) or one epoch (``persistent_workers

@@ -24,21 +24,19 @@ never uses its parent's pool (``WorkerPool.usable``). Workers read the dataset o
 they were started with: changes made to it, or to what the transform reads, after the pool
 started are not seen by them (as with torch's persistent workers).
 
-NOTE [slots across pools]: with ``persistent_workers=False`` every epoch forks a new pool,
-and its workers made their slots afresh: new shared memory, each page allocated, zeroed and
-faulted in again (a 38.5 MB batch of 224 px float images: ~30 ms to allocate and 65-110 ms
-to fault in here, three slots a worker); the workers used 8% more CPU a sample than a kept
-pool's on that pipeline. So a pool that ends normally leaves its slots to the loader (``SlotReserve``): its
-``busy`` flags and the parent's mappings of every slot it saw. The next pool (forked, of no
-more workers) adopts them: its workers are forked with those mappings and start with them
-as their slots (same generation, so the parent reuses its mapping too); a slot whose
-tensors the loop still holds stays busy until they are dropped, as within an epoch. A
-broken pool (a worker died), another start method or more workers start afresh. The
-memory stays allocated between epochs, as a kept pool's does; it goes with the loader. The
-new workers still fault the inherited pages into their own page tables (a fork does not
-copy a shared mapping's), but nothing is allocated or zeroed: measured on that pipeline,
-3 runs each, interleaved, the workers' CPU a sample 2360-2458 us against 2412-2586 us
-(system time 264-275 against 321-387 us).
+NOTE [slots across pools]: with ``persistent_workers=False`` every epoch forks a new pool, and its workers made their
+slots afresh: new shared memory, each page allocated, zeroed and faulted in again (a 38.5 MB batch of 224 px float
+images: ~30 ms to allocate and 65-110 ms to fault in here, three slots a worker); the workers used 8% more CPU a
+sample than a kept pool's. So a pool that ends normally leaves its slots to the loader (``SlotReserve``): its ``busy``
+flags and the parent's mappings of every slot it saw. The next pool (forked, of no more workers) adopts them: its
+workers are forked with those mappings and start with them as their slots (same generation, so the parent reuses its
+mapping too), sized for the batches before, so a worker's first batch is collated straight into one (``_Slots.hint``;
+without it, into new tensors copied there after: 25-30 ms more of each new worker's first batch of those images); a
+slot whose tensors the loop still holds stays busy until they are dropped, as within an epoch. A broken pool (a worker
+died), another start method or more workers start afresh. The memory stays allocated between epochs, as a kept pool's
+does; it goes with the loader. The new workers still fault the inherited pages into their own page tables (a fork does
+not copy a shared mapping's), but nothing is allocated or zeroed: the workers' CPU a sample 2360-2458 us against
+2412-2586 us (system time 264-275 against 321-387 us), 3 runs each.
 
 NOTE [warm imports]: a worker forked from a process that never ran the transform imports
 what the transform imports (PIL and its image plugins, a tokenizer's bindings) on its first
@@ -268,7 +266,8 @@ class _Slots:
             if 0 <= s < MAX_SLOTS:
                 self.slots.extend([None] * (s + 1 - len(self.slots)))
                 self.slots[s] = _Slot(-1, mp, len(mp), gen, "")
-        self.hint = 0  # the bytes of the largest batch so far: the slot a batch is collated into
+        # The largest batch's bytes so far (the slot a batch goes to); see NOTE [slots across pools] for inherited ones.
+        self.hint = min((len(mp) for _, mp in (inherited or {}).values()), default=0)
         self.raw: Any = None  # the native pool of its raw batches (its memory faulted in once), set by the worker
 
     def _make(self, s: int, size: int, gen: int) -> _Slot:

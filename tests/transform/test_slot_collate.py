@@ -118,3 +118,39 @@ def test_a_field_is_written_once_into_the_slot(tmp_path) -> None:
     del got, slot0, slot1, slot2
     slots.close(unlink=True)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_new_pools_first_batch_is_collated_into_an_inherited_slot(tmp_path) -> None:
+    """A worker of the next epoch's pool starts with the slots of the one before (NOTE [slots
+    across pools]), which were made for batches of this size: its first batch is collated
+    straight into one of them, not into new tensors copied there after."""
+    busy = multiprocessing.Array("b", MAX_SLOTS, lock=False)
+    first = _Slots(0, "pyloader-test-inherit", str(tmp_path), busy)
+    samples = [{"img": torch.full((4, 6), float(i)), "y": i} for i in range(5)]
+
+    def run(slots: _Slots) -> tuple[int, Any, list[int], Any]:
+        into = _SlotWriter(slots, lambda: False)
+        leaves: list[torch.Tensor] = []
+        skeleton = flatten(collate_samples(samples, into.alloc), leaves)
+        base = None if into.slot is None else torch.frombuffer(into.slot.map, dtype=torch.uint8).data_ptr()
+        in_slot = [k for k, x in enumerate(leaves) if base is not None and x.data_ptr() - base in
+                   {o for o, _ in into.placed.values()}]
+        s, slot, metas = into.place(leaves)
+        got = [torch.frombuffer(slot.map, dtype=torch.uint8, count=n, offset=o).view(getattr(torch, d)).reshape(sh)
+               for d, sh, o, n in metas]
+        return s, slot, in_slot, unflatten(skeleton, got)
+
+    s, slot, placed, got = run(first)
+    assert placed == []  # a pool's very first batch: its size is not known yet
+    del got
+    # The next pool's worker: the same slot handed over, its busy flag clear.
+    second = _Slots(0, "pyloader-test-inherit", str(tmp_path), busy, {s: (slot.gen, slot.map)})
+    assert second.hint == slot.size
+    s2, slot2, placed, got = run(second)
+    assert (s2, slot2.map, slot2.gen) == (s, slot.map, slot.gen)  # the inherited slot, not a new or grown one
+    assert placed == [0]  # the image field collated in place
+    assert_same(got, collate_samples(samples), "inherited")
+    del got, slot, slot2
+    second.close(unlink=False)
+    first.close(unlink=True)
+    assert os.listdir(tmp_path) == []

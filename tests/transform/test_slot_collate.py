@@ -77,6 +77,22 @@ def test_batches_collated_in_the_slots_equal_the_threads_executors(shards) -> No
         del held
 
 
+def collate_into(slots: _Slots, samples: list[dict[str, Any]]) -> tuple[Any, int, Any, list[Any], list[int]]:
+    """One batch collated as a worker does: (the batch read back from its slot, slot index, slot,
+    metas, the leaves the collation wrote in place)."""
+    into = _SlotWriter(slots, lambda: False)
+    leaves: list[torch.Tensor] = []
+    skeleton = flatten(collate_samples(samples, into.alloc), leaves)
+    base = None if into.slot is None else torch.frombuffer(into.slot.map, dtype=torch.uint8).data_ptr()
+    in_slot = [k for k, x in enumerate(leaves) if base is not None and x.data_ptr() - base in
+               {o for o, _ in into.placed.values()}]
+    s, slot, metas = into.place(leaves)
+    del leaves
+    got = [torch.frombuffer(slot.map, dtype=torch.uint8, count=n, offset=o).view(getattr(torch, d)).reshape(sh)
+           for d, sh, o, n in metas]
+    return unflatten(skeleton, got), s, slot, metas, in_slot
+
+
 def test_a_field_is_written_once_into_the_slot(tmp_path) -> None:
     busy = multiprocessing.Array("b", MAX_SLOTS, lock=False)
     slots = _Slots(0, "pyloader-test-slotcollate", str(tmp_path), busy)
@@ -86,17 +102,7 @@ def test_a_field_is_written_once_into_the_slot(tmp_path) -> None:
                  "y": i} for i in range(5)]
 
     def run(samples: list[dict[str, Any]]) -> tuple[Any, int, Any, list[Any], list[int]]:
-        into = _SlotWriter(slots, lambda: False)
-        leaves: list[torch.Tensor] = []
-        skeleton = flatten(collate_samples(samples, into.alloc), leaves)
-        base = None if into.slot is None else torch.frombuffer(into.slot.map, dtype=torch.uint8).data_ptr()
-        in_slot = [k for k, x in enumerate(leaves) if base is not None and x.data_ptr() - base in
-                   {o for o, _ in into.placed.values()}]
-        s, slot, metas = into.place(leaves)
-        del leaves
-        got = [torch.frombuffer(slot.map, dtype=torch.uint8, count=n, offset=o).view(getattr(torch, d)).reshape(sh)
-               for d, sh, o, n in metas]
-        return unflatten(skeleton, got), s, slot, metas, in_slot
+        return collate_into(slots, samples)
 
     first = batch(0, 3)
     got, s0, slot0, _, placed = run(first)
@@ -128,25 +134,13 @@ def test_a_new_pools_first_batch_is_collated_into_an_inherited_slot(tmp_path) ->
     first = _Slots(0, "pyloader-test-inherit", str(tmp_path), busy)
     samples = [{"img": torch.full((4, 6), float(i)), "y": i} for i in range(5)]
 
-    def run(slots: _Slots) -> tuple[int, Any, list[int], Any]:
-        into = _SlotWriter(slots, lambda: False)
-        leaves: list[torch.Tensor] = []
-        skeleton = flatten(collate_samples(samples, into.alloc), leaves)
-        base = None if into.slot is None else torch.frombuffer(into.slot.map, dtype=torch.uint8).data_ptr()
-        in_slot = [k for k, x in enumerate(leaves) if base is not None and x.data_ptr() - base in
-                   {o for o, _ in into.placed.values()}]
-        s, slot, metas = into.place(leaves)
-        got = [torch.frombuffer(slot.map, dtype=torch.uint8, count=n, offset=o).view(getattr(torch, d)).reshape(sh)
-               for d, sh, o, n in metas]
-        return s, slot, in_slot, unflatten(skeleton, got)
-
-    s, slot, placed, got = run(first)
+    got, s, slot, _, placed = collate_into(first, samples)
     assert placed == []  # a pool's very first batch: its size is not known yet
     del got
     # The next pool's worker: the same slot handed over, its busy flag clear.
     second = _Slots(0, "pyloader-test-inherit", str(tmp_path), busy, {s: (slot.gen, slot.map)})
     assert second.hint == slot.size
-    s2, slot2, placed, got = run(second)
+    got, s2, slot2, _, placed = collate_into(second, samples)
     assert (s2, slot2.map, slot2.gen) == (s, slot.map, slot.gen)  # the inherited slot, not a new or grown one
     assert placed == [0]  # the image field collated in place
     assert_same(got, collate_samples(samples), "inherited")

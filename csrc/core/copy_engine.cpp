@@ -191,6 +191,18 @@ void CopyEngine::close() {
   for (auto& e : ring_) e = Entry();  // every issued job has completed: release the slots
 }
 
+uint64_t CopyEngine::submitted() {
+  if (::getpid() != pid_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
+  std::lock_guard<std::mutex> lk(mu_);
+  return submitted_;
+}
+
+uint64_t CopyEngine::taken() {
+  if (::getpid() != pid_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
+  std::lock_guard<std::mutex> lk(mu_);
+  return taken_;
+}
+
 CopyEngine::Wait CopyEngine::submit(CopyJob& job, uintptr_t stream, int64_t timeout_ms, uint64_t* ticket) {
   if (::getpid() != pid_) throw LoaderError(ErrorKind::kState, "", -1, "", "copy engine used in a forked child");
   const uint64_t t0 = now_ns();

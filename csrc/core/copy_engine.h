@@ -138,15 +138,11 @@ class CopyEngine {
 
   size_t depth() const noexcept { return ring_.size(); }
   // Jobs accepted so far: the ticket the next accepted job gets.
-  uint64_t submitted() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return submitted_;
-  }
+  uint64_t submitted();
   // Jobs taken so far: a take() that threw consumed its ticket iff this passed it.
-  uint64_t taken() {
-    std::lock_guard<std::mutex> lk(mu_);
-    return taken_;
-  }
+  // Both throw LoaderError(kState) in a forked child before touching the lock, which one of
+  // the parent's threads may have held at the fork (NOTE [copy engine shutdown]).
+  uint64_t taken();
   const char* backend_name() const noexcept { return backend_->name(); }
   const CopyCounters& counters() const noexcept { return counters_; }
 

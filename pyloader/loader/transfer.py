@@ -220,7 +220,9 @@ class DeviceStage:
         self.in_epoch = True
 
     def outstanding(self) -> int:
-        """Jobs submitted and not yet taken."""
+        """Jobs submitted and not yet taken (none of the parent's, in a forked child)."""
+        if os.getpid() != self._pid:
+            return 0
         return int(self._engine.submitted) - int(self._engine.taken)
 
     def end_epoch(self) -> bool:
@@ -305,7 +307,13 @@ class DeviceStage:
         return obj.pin_memory() if self.device is None and self.pinned else obj
 
     def consumed(self, p: _Pending) -> bool:
-        """Whether the engine has consumed ``p``'s ticket (a take() that raised may not have)."""
+        """Whether the engine has consumed ``p``'s ticket (a take() that raised may not have).
+
+        In a forked child the job is lost to this process (the parent's engine refuses to
+        run there, and its lock may be held: NOTE [loader across fork]), so it counts as consumed.
+        """
+        if os.getpid() != self._pid:
+            return True
         return bool(self._engine.taken > p.ticket)
 
     def take(self, p: _Pending) -> Any:

@@ -479,3 +479,50 @@ def test_a_forked_child_drops_a_mid_epoch_iterator_without_touching_the_parents_
     assert child.code == 0, f"the forked child failed with exit code {child.code}; its steps:\n{child.log}"
     assert sum(int(b["label"].shape[0]) for b in it) == N - 8  # the parent's epoch goes on
     assert finished and finished[0]["records"] == N  # and its finish callback runs here
+
+
+def _child_touches_the_parents_copy_engine(stage: Any, live: Any, step: Callable[[str], None]) -> int:
+    # The parent's engine thread may hold the engine's lock at the fork: every access here
+    # must refuse before taking it (a child that locked would hang at random, one fork in many).
+    for name in ("submitted", "taken"):
+        step(f"engine.{name}")
+        try:
+            getattr(stage._engine, name)
+        except pyloader.LoaderStateError:
+            pass
+        else:
+            return 1
+    step("outstanding() and consumed() without the engine")
+    if stage.outstanding() != 0:
+        return 2
+    step("next() of the parent's iterator, with jobs of the parent's in its ring")
+    try:
+        next(live)
+    except pyloader.LoaderStateError:
+        pass
+    else:
+        return 3
+    step("done")
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_reads_no_counter_of_the_parents_copy_engine(write_dataset, tmp_path) -> None:
+    """NOTE [loader across fork]: the ticket counters lock the engine, so they refuse in a child,
+    and a parent's staged iterator raised on there (whose error path asked whether its job was
+    consumed) raises LoaderStateError instead of waiting for the lock."""
+    path = write_dataset(N, FIELDS, sample)
+    loader = pyloader.DataLoader(open_ds(path), batch_size=8, num_workers=2, device="cpu", prefetch=4)
+    live = iter(loader)
+    check_batch(next(live), 0, 8)
+    stage = loader._kept_stage
+    assert stage is not None and stage.outstanding() > 0, "no job in flight at the fork: the test tests nothing"
+    child = run_in_forked_child(lambda step: _child_touches_the_parents_copy_engine(stage, live, step),
+                                str(tmp_path / "child.log"), timeout=60)
+    assert child.code is not None, f"the forked child hung (killed after 60 s); its steps:\n{child.log}"
+    assert child.code == 0, f"the forked child failed with exit code {child.code}; its steps:\n{child.log}"
+    got = 8
+    for batch in live:  # the parent's epoch goes on
+        check_batch(batch, got, 8)
+        got += 8
+    assert got == N

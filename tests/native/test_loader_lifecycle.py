@@ -508,7 +508,7 @@ def _child_touches_the_parents_copy_engine(stage: Any, live: Any, step: Callable
 
 @pytest.mark.timeout(120)
 def test_a_forked_child_reads_no_counter_of_the_parents_copy_engine(write_dataset, tmp_path) -> None:
-    """NOTE [loader across fork]: the ticket counters lock the engine, so they refuse in a child,
+    """See NOTE [loader across fork]: the ticket counters lock the engine, so they refuse in a child,
     and a parent's staged iterator raised on there (whose error path asked whether its job was
     consumed) raises LoaderStateError instead of waiting for the lock."""
     path = write_dataset(N, FIELDS, sample)

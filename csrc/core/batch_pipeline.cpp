@@ -248,7 +248,9 @@ BatchPipeline::BatchPipeline(std::shared_ptr<ShardSet> shards, std::shared_ptr<S
       }
     }
     shards_->retain(all);
+    last_batch_ = std::move(mark);  // each shard's last batch: the last that marked it
   }
+  spans_of_.reset(new std::atomic<uint8_t>[shards_->size()]());
   released_.assign(num_batches_, 0);
   map_ahead_ = std::make_shared<MapAhead>();
   {
@@ -462,7 +464,11 @@ std::vector<uint32_t> BatchPipeline::batch_shards(size_t b) const {
 void BatchPipeline::release_batch(size_t b) {
   if (released_[b]) return;
   released_[b] = 1;
-  shards_->release(batch_shards(b));
+  const std::vector<uint32_t> shards = batch_shards(b);
+  // See NOTE [span descriptor] in shard_reader.cpp: the last batch of a shard read in spans.
+  for (uint32_t s : shards)
+    if (last_batch_[s] == b && spans_of_[s].load(std::memory_order_relaxed)) shards_->drop_span_file(s);
+  shards_->release(shards);
 }
 
 void BatchPipeline::map_ahead(std::shared_ptr<const Shard> shard) {
@@ -858,12 +864,17 @@ void BatchPipeline::read_cold_spans(FillState* st) {
     k = k1;
   }
   if (runs.empty() || span > kMaxSpanBytes || span > 2 * stored) return;
+  // A shard this pipeline reads in spans goes on being read so, whatever the read-ahead behind
+  // the spans brought in already (NOTE [span descriptor] in shard_reader.cpp).
   double cold = 0;
+  bool streaming = true;
   for (const Run& r : runs) {
     const Shard* sh = st->shard_of[visit[r.k0]];
+    if (spans_of_[uint32_t(st->shard_of_row[visit[r.k0]])].load(std::memory_order_relaxed)) continue;
+    streaming = false;
     cold += (1.0 - resident_share(sh->payload() + r.lo, r.hi - r.lo)) * double(r.hi - r.lo);
   }
-  if (2 * cold < double(span)) return;  // mostly in memory: the mapping is the cheaper read
+  if (!streaming && 2 * cold < double(span)) return;  // mostly in memory: the mapping is the cheaper read
   // The runs' column values are read through the mapping by collate_records(): queued now,
   // ahead of the spans, they are in memory when it reaches them (NOTE [cold spans]).
   for (const Run& r : runs) {
@@ -890,6 +901,7 @@ void BatchPipeline::read_cold_spans(FillState* st) {
       st->span_off.clear();
       return;
     }
+    spans_of_[uint32_t(st->shard_of_row[visit[r.k0]])].store(1, std::memory_order_relaxed);
     for (size_t j = r.k0; j < r.k1; ++j) {
       st->span_base[visit[j]] = buffer.data() + at;
       st->span_off[visit[j]] = r.lo;

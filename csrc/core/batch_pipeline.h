@@ -146,11 +146,13 @@ class BatchPipeline {
   // So such a batch is not queued for read-ahead (advise_batches() leaves it out), the
   // shards it opens are not queued whole either (the workers' reads, and the kernel's
   // read-ahead behind them, are the stream), and fill()
-  // reads its runs when less than half of their pages are in memory (mincore), through a
-  // descriptor opened for it (none is held per shard) that must still be the mapped file
-  // (Shard::read_span(): device, inode and size; else, and on any read error, the batch
-  // reads through the mapping as before). Pages in memory already (a warm first epoch,
-  // later epochs, a batch the kernel's read-ahead brought in) are read through the mapping.
+  // reads its runs when less than half of their pages are in memory (mincore), through the
+  // shard's span descriptor (NOTE [span descriptor] in shard_reader.cpp), which must still be
+  // the mapped file (Shard::read_span(): device, inode and size; else, and on any read error,
+  // the batch reads through the mapping as before). Once a pipeline reads a shard's runs so,
+  // it reads every later batch of that shard so too, whatever the read-ahead behind the
+  // spans brought in already. Pages in memory already (a warm first epoch, later epochs) are
+  // read through the mapping.
   // Column values are always read through the mapping, so such a batch queues them before
   // it reads its runs: its shards' columns whole the first time
   // (Shard::claim_columns_read_ahead(), up to kColumnsWhole bytes), else its runs' blocks. Reached
@@ -293,6 +295,10 @@ class BatchPipeline {
   int successor_ahead_ = 0;
   std::vector<Pending> ring_;      // batch b lives at ring_[b % prefetch]
   std::vector<uint8_t> released_;  // batch b's shards were released (NOTE [working set])
+  // See NOTE [span descriptor] in shard_reader.cpp: per shard of the set, the last batch of the
+  // plan that reads it, and whether this pipeline reads its batches' runs with pread().
+  std::vector<uint32_t> last_batch_;
+  std::unique_ptr<std::atomic<uint8_t>[]> spans_of_;
   std::vector<std::thread> threads_;
   std::shared_ptr<MapAhead> map_ahead_;  // NOTE [map ahead]; its thread is started with the first shard
   PipelineCounters counters_;

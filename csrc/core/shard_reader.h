@@ -155,9 +155,13 @@ class Shard {
   // read-ahead] in batch_pipeline.h); the range is clipped to the file.
   void advise_range(uint64_t offset, uint64_t len) const noexcept;
   // NOTE [cold spans] in batch_pipeline.h: reads bytes [offset, offset + len) of the file
-  // into dst with pread(), through a descriptor opened now, if it is still the file mapped
-  // (device, inode, size). False (dst then undefined) if it is not, or on any error.
+  // into dst with pread(), through the shard's span descriptor (NOTE [span descriptor]) or
+  // one opened now, if it is still the file mapped (device, inode, size). False (dst then
+  // undefined) if it is not, or on any error.
   bool read_span(uint64_t offset, uint64_t len, uint8_t* dst) const noexcept;
+  // Closes the span descriptor once no read_span() uses it (NOTE [span descriptor]): the
+  // shard went idle. A later read_span() opens one again.
+  void drop_span_file() const noexcept;
   // Whether the whole file was queued for read-ahead already (then a record needs no more).
   bool whole_file_queued() const noexcept;
   // Queues the whole file for read-ahead the first time it is called (or never, if the
@@ -266,6 +270,13 @@ class Shard {
   bool cached_at_open_ = false;  // every page in the page cache when mapped (NOTE [whole file cached])
   mutable std::atomic<bool> read_ahead_done_{false};
   mutable std::atomic<bool> columns_queued_{false};
+  struct SpanFile;
+  // NOTE [span descriptor]; read and replaced with std::atomic_load / atomic_store.
+  mutable std::shared_ptr<const SpanFile> span_file_;
+  // Opens a descriptor of path_ that is still the file mapped; -1 if it is not or on error.
+  int open_mapped_file() const noexcept;
+  // The span descriptor, opened on first use; null past the process's bound of kept ones.
+  std::shared_ptr<const SpanFile> span_file() const noexcept;
 };
 
 // The shards of one dataset, each opened (mapped and validated) on first use.
@@ -353,6 +364,8 @@ class ShardSet {
   // `force` one that planned batches still need but no worker holds now (the fetcher
   // brings it back before they run). False (and nothing changes) otherwise.
   bool unload(size_t i, bool force = false);
+  // Closes shard i's span descriptor, if it is mapped (NOTE [span descriptor] in shard_reader.cpp).
+  void drop_span_file(size_t i);
   // See NOTE [self-healing]: true if the caller should retry (a re-fetch was requested or is
   // under way, or `bad` is no longer the shard's current mapping); false if the error is final.
   // On false, *earlier is the first failure's message.

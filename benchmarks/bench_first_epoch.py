@@ -1,8 +1,10 @@
 """First epoch vs steady state, and the cost of an epoch boundary, measured side by side.
 
 For 12 KB image-like, 8 KB token and 150 KB raw records (no compression), each run in a
-fresh process with the page cache hot (the files are read once before each run), as a
-restarted job sees them:
+fresh process with the page cache hot (the files are read once before each run; with
+``--warm-by cold-epoch`` their pages are dropped and read back by one in-order epoch of the
+same build in a process of its own: the page cache as an earlier job's cold epoch leaves
+it, whose folio sizes decide what mapping the files costs), as a restarted job sees them:
 
 1. time to the first batch (from building the DataLoader), the first epoch's rate and the
    best of three later epochs (the steady state) of ``pyloader.DataLoader(num_workers=2)``,
@@ -221,10 +223,31 @@ KEYS = ("first_vs_steady_cpu", "first_batch_s", "first_rate", "steady_rate", "fi
         "gap_inside_s", "gap_boundary_s", "boundary_vs_inside", "first_verified_bytes", "alloc_s", "map_s", "limit")
 
 
+COLD_EPOCH = """
+import sys
+import pyloader
+for _ in pyloader.DataLoader(pyloader.ShardDataset(sys.argv[1], shuffle=False), batch_size=256, num_workers=2):
+    pass
+"""
+
+
+def _warm(path: str, how: str, env: dict[str, str]) -> None:
+    """Puts the dataset's files in the page cache: read whole (``read``), or dropped and then
+    read by one in-order epoch of the same pyloader in a process of its own (``cold-epoch``:
+    the page cache as a job that read the files cold leaves it for the next)."""
+    if how == "read":
+        _read_all(path)
+        return
+    from pyloader.bench import measure as B
+
+    B.drop_pages([os.path.join(path, n) for n in os.listdir(path)])
+    subprocess.run([sys.executable, "-c", COLD_EPOCH, path], check=True, env=env, timeout=600)
+
+
 def run_child(path: str, args: argparse.Namespace, *, ahead: bool, epochs: int, settle: bool = False,
               pause: float = 0.0, root: str = ROOT, cache: str) -> dict[str, Any]:
-    _read_all(path)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), PYLOADER_CACHE_DIR=cache)
+    _warm(path, args.warm_by, env)
     extra = ["--settle", "1"] if settle else []
     out = subprocess.run([sys.executable, __file__, "--child", path, "--batch", str(args.batch),
                           "--shuffle", str(int(args.shuffle)), "--ahead", str(int(ahead)), "--epochs", str(epochs),
@@ -244,6 +267,9 @@ def main() -> int:
     ap.add_argument("--profiles", default="image12k,tokens8k,blob150k")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="which of: " + ", ".join(VARIANTS))
     ap.add_argument("--baseline", help="another checkout (its _C built) to run the v2 and v2-pause variants of too")
+    ap.add_argument("--warm-by", choices=("read", "cold-epoch"), default="read",
+                    help="how the page cache is made hot before each run: the files read whole, or one in-order "
+                         "epoch of the same build from a cold page cache (what a job that read them leaves)")
     ap.add_argument("--out", default="bench_results/first_epoch.json")
     ap.add_argument("--child")
     ap.add_argument("--ahead", type=int, default=1)
@@ -320,7 +346,7 @@ def main() -> int:
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=1)
     print(f"medians of {args.rounds} interleaved rounds, {args.mb:.0f} MB per dataset, batch {args.batch}, "
-          f"{'shuffled' if args.shuffle else 'in order'}, 2 native threads, page cache hot, fresh process per run"
+          f"{'shuffled' if args.shuffle else 'in order'}, 2 native threads, page cache hot (" + args.warm_by + "), fresh process per run"
           + (f"; base = {args.baseline}" if args.baseline else ""))
     print(f"{'profile':<10}{'variant':<17}{'first/steady':>13}{'(range)':>12}{'limit':>7}{'CPU':>6}{'1st batch ms':>13}"
           f"{'hashed MB':>10}{'map ms':>8}{'alloc ms':>9}{'steady/memcpy2t':>16}{'boundary/inside':>16}")

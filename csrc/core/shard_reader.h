@@ -160,7 +160,8 @@ class Shard {
   // undefined) if it is not, or on any error.
   bool read_span(uint64_t offset, uint64_t len, uint8_t* dst) const noexcept;
   // Closes the span descriptor once no read_span() uses it (NOTE [span descriptor]): the
-  // shard went idle. A later read_span() opens one again.
+  // last batch that read the shard's spans was released, or the shard went idle. A later
+  // read_span() opens one again.
   void drop_span_file() const noexcept;
   // Whether the whole file was queued for read-ahead already (then a record needs no more).
   bool whole_file_queued() const noexcept;

@@ -212,6 +212,8 @@ class Shard {
   // was opened (CLOCK_REALTIME ns, before anything was hashed), every record and block
   // marked verified at once, and whether all of them are.
   const FileIdentity& identity() const noexcept { return identity_; }
+  // Whether every page of the file was in the page cache when it was mapped (NOTE [whole file cached]).
+  bool cached_at_open() const noexcept { return cached_at_open_; }
   int64_t opened_ns() const noexcept { return opened_ns_; }
   void mark_all_verified() const noexcept;
   bool all_verified() const noexcept;

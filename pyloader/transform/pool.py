@@ -201,8 +201,9 @@ def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
         return {k: flatten(v, leaves) for k, v in obj.items()}
     if isinstance(obj, list):
         return [flatten(v, leaves) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(flatten(v, leaves) for v in obj)
+    if isinstance(obj, tuple):
+        items = [flatten(v, leaves) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)  # (a namedtuple keeps its type)
     return obj
 
 
@@ -214,8 +215,9 @@ def unflatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
         return {k: unflatten(v, leaves) for k, v in obj.items()}
     if isinstance(obj, list):
         return [unflatten(v, leaves) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(unflatten(v, leaves) for v in obj)
+    if isinstance(obj, tuple):
+        items = [unflatten(v, leaves) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     return obj
 
 

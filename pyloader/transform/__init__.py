@@ -2,7 +2,8 @@
 
 | file | what it holds |
 |---|---|
-| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``, ``collate_samples``); the stream both executors share and the stage's counters; one thread per worker for the libraries it calls (NOTE [worker threads]) |
+| ``stage.py`` | what a worker does with one native batch: split, decode, transform, collate (``run_batch``); the stream both executors share and the stage's counters; one thread per worker for the libraries it calls (NOTE [worker threads]) |
+| ``collate.py`` | the default collation of transformed samples, torch's types and dtypes (``collate_samples``) |
 | ``threads.py`` | the thread executor (NOTE [thread executor]) |
 | ``processes.py`` | the process executor's epoch: jobs, results in plan order, dead workers (NOTE [process executor]) |
 | ``pool.py`` | the worker processes, kept across epochs, and their shared-memory slots (NOTE [transform pool]) |
@@ -16,8 +17,8 @@ Nothing here imports the readers: the executors drive any dataset through the co
 (``batches``, ``sample``; NOTE [dataset contract] in ``pyloader.contract``).
 """
 
+from .collate import collate_samples
 from .context import SampleContext, sample_seed
 from .image import ImageDecode
-from .stage import collate_samples
 
 __all__ = ["ImageDecode", "SampleContext", "collate_samples", "sample_seed"]

@@ -53,13 +53,12 @@ entries of ``sys.modules`` (in import order) past its count at the fork, read fr
 a set of every name made at its start wrote to each name's object, and a fresh fork copies
 each page it writes (1.6-2.0 ms before its first sample, 1,202 modules).
 
-NOTE [first job at fork]: a new pool (every epoch's with ``persistent_workers=False``, a kept
-one's first) is made without workers, and the stream that uses it forks each worker with
-its job and first credits in the process's arguments (``grow(first=...)``: with fork they
-are inherited, nothing is pickled or sent). A worker starts on its first batch as soon as it
-is forked, while the loader's process forks the next one (a fork of a process with torch
-loaded takes 3.7-8.4 ms here); before, each waited for its job through its pipe, sent once
-every worker was forked. Later jobs of a kept pool come through the pipe as before.
+NOTE [first job at fork]: a new pool (every epoch's with ``persistent_workers=False``, a kept one's first) is made
+without workers, and the stream that uses it forks each worker with its job and first credits in the process's
+arguments (``grow(first=...)``: with fork they are inherited, nothing is pickled or sent). A worker starts on its
+first batch as soon as it is forked, while the loader's process forks the next one (a fork of a process with torch
+loaded takes 3.7-8.4 ms here); before, each waited for its job through its pipe, sent once every worker was forked.
+Later jobs of a kept pool come through the pipe as before.
 """
 
 from __future__ import annotations

@@ -366,3 +366,36 @@ def test_a_cold_epoch_in_order_reads_each_shard_through_one_descriptor_it_closes
     assert _descriptors_of(files) == 0  # every shard idle: closed
     mapped = _mapped_bytes(files)
     assert mapped < 0.2 * size, f"{mapped / size:.1%} of the cold shards mapped by an in-order epoch"
+
+
+@pytest.mark.timeout(120)
+def test_a_partly_cached_shard_is_read_through_the_mapping_where_cached_and_with_pread_where_not(tmp_path) -> None:
+    """See NOTE [cold spans] in csrc/core/batch_pipeline.h: a shard not wholly in the page cache
+    when it is opened (NOTE [whole file cached] in shard_reader.cpp) has each span-shaped
+    batch's run asked whether it is in memory (mincore() over the run). Here the first half of
+    a 16 MiB shard is cached and the second half is not: read in order, the cached half is read
+    through the mapping (mapped into the process); the rest is read with pread() if it is still
+    cold when its batches come, or through the mapping if the read-ahead queued at the shard's
+    open (NOTE [read-ahead at open]) brought it in first; every batch holds what was written. A
+    run's share taken from the wrong range or in the wrong unit reads the cached half with
+    pread() too (nothing mapped but the index)."""
+    path = str(tmp_path / "ds")
+    files = _write(path, 1024, 16 << 10, 5, 32 << 20)  # 1 shard of 16 MiB, 32 batches of 512 KiB
+    assert len(files) == 1
+    size = os.path.getsize(files[0])
+    fd = os.open(files[0], os.O_RDONLY)
+    try:  # the second half out of the page cache (written back first: dirty pages stay)
+        os.fsync(fd)
+        os.posix_fadvise(fd, (size // 2) & ~((2 << 20) - 1), 0, os.POSIX_FADV_DONTNEED)  # (whole 2 MiB folios)
+    finally:
+        os.close(fd)
+    if not 0.35 < B.resident_fraction(files) < 0.65:
+        pytest.skip("this file system keeps the pages (tmpfs?), or did not hold the first half")
+    loader = pyloader.DataLoader(pyloader.ShardDataset(path), batch_size=32, num_workers=2, prefetch_factor=2)
+    labels: list[int] = []
+    for b in loader:
+        assert bool((b["x"][:, 8:] == 5).all())
+        labels.extend(int(v) for v in b["label"])
+    assert labels == list(range(1024))
+    mapped = _mapped_bytes(files)
+    assert mapped > 0.35 * size, f"{mapped / size:.1%} of the shard mapped: its cached half was read with pread()"

@@ -173,9 +173,15 @@ class Shard {
     if (read_ahead_done_.exchange(true, std::memory_order_acq_rel)) return false;
     const double share = advise_read_ahead();
     if (share < 0) return false;
+    if (share >= kMostlyCached) mostly_cached_.store(true, std::memory_order_relaxed);  // NOTE [mostly cached]
     if (resident) *resident = share;
     return true;
   }
+  // The share of a file's pages in memory at its read-ahead claim from which its runs count as
+  // in memory (NOTE [mostly cached] in shard_reader.cpp).
+  static constexpr double kMostlyCached = 15.0 / 16.0;
+  // Whether its claim found at least kMostlyCached of the file in memory (and queued the rest).
+  bool mostly_cached() const noexcept { return mostly_cached_.load(std::memory_order_relaxed); }
   // NOTE [cold spans] in batch_pipeline.h: queues every column's values for read-ahead, the
   // first time it is called, if they total at most `limit` bytes. True if they are queued
   // (by this call or an earlier one); false if they are larger.
@@ -271,6 +277,7 @@ class Shard {
   FileIdentity identity_;
   int64_t opened_ns_ = 0;
   bool cached_at_open_ = false;  // every page in the page cache when mapped (NOTE [whole file cached])
+  mutable std::atomic<bool> mostly_cached_{false};  // NOTE [mostly cached] in shard_reader.cpp
   mutable std::atomic<bool> read_ahead_done_{false};
   mutable std::atomic<bool> columns_queued_{false};
   struct SpanFile;

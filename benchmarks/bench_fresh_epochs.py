@@ -4,7 +4,8 @@ What a user sees the first time: a new process builds the loader and iterates it
 here is a child process that imports (torch.utils.data comes with torch; pyloader, a lazy
 package, loads its modules when its names are first used: they are used before the clock and
 that load is reported apart), loads what its loader needs (torch: the records in memory, as a
-map-style dataset holds them; pyloader: nothing, the shards are on disk), then times the
+map-style dataset holds them; pyloader: nothing, the shards are on disk, read into the page
+cache just before the child starts: see ``warm_files``), then times the
 loader's construction plus its first epoch, and its next epochs; it also reports
 the CPU time of itself and its children (every worker reaped) per sample, a measure of the
 loaders' overheads that load from other processes disturbs less than their rates.
@@ -287,16 +288,41 @@ def collated_ceiling(name: str, data: str, seconds: float = 1.0) -> float:
     return user.parallel_rate(fn, cols, len(os.sched_getaffinity(0)), per, collate=BATCH)
 
 
+def warm_files(folder: str) -> float:
+    """Reads every file of ``folder`` into the page cache; returns the share of its pages that were there before.
+
+    A torch run loads its records into memory before its clock starts; a pyloader run reads
+    its shards during its epochs, from the page cache if they are there. This machine's kernel
+    reclaims page-cache pages left untouched for a while by itself (a DAMON ``pageout``
+    scheme): shards written minutes before were 8-58% cached, and an epoch that reads the rest
+    from the disk measures the disk, not the loader. So each pyloader run starts with its
+    shards read just before, as each torch run starts with its records loaded.
+    """
+    from pyloader.bench import measure as B
+
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder))]
+    paths = [p for p in paths if os.path.isfile(p)]
+    before = B.resident_fraction(paths) if paths else 1.0
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(8 << 20):
+                pass
+    return before
+
+
 def run_child(kind: str, name: str, data: str, workers: int, root: str | None = None) -> dict[str, Any]:
     env = dict(os.environ)
     if root is not None:  # pyloader from another checkout (--baseline)
         env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         kind = "pyloader"
+    cached = warm_files(os.path.join(data, name)) if not kind.startswith("torch") else None
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, name, data, str(workers)],
                          capture_output=True, text=True, timeout=600, env=env)
     if out.returncode:
         raise RuntimeError(f"{kind} {name} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    res["shards_cached_before_warm"] = cached
+    return res
 
 
 def _span(xs: list[float]) -> str:
@@ -398,6 +424,11 @@ def bench(name: str, n: int, args: argparse.Namespace, data: str) -> dict[str, A
         base_t = [a / b for a, b in zip(rate1["pyloader-base"], best1)]
         print(f"  pyloader / --baseline: epoch 1 {_span(b1)}, epoch {EPOCHS} {_span(b3)}; --baseline / torch best: "
               f"epoch 1 {_span(base_t)}", flush=True)
+    warm = [r["shards_cached_before_warm"] for k, v in runs.items() for r in v
+            if r.get("shards_cached_before_warm") is not None]
+    if warm:
+        print(f"  shards in the page cache before each pyloader run's warm read: {_span(warm)} of their pages "
+              f"(each pyloader run starts with them read, as each torch run with its records loaded)", flush=True)
     choice = runs["pyloader"][-1].get("executor_choice") or {}
     print(f"  pyloader executor: {runs['pyloader'][-1].get('executor')} ({choice.get('why', '')}); its modules "
           f"loaded before the clock in {statistics.median(r['import_s'] for r in runs['pyloader']) * 1e3:.0f} ms "

@@ -556,7 +556,7 @@ def _make_ticket(w: int, t: int, job: _Job, ds: PlannedDataset, slots: _Slots, j
         if slot is not None:
             slots.busy[w * MAX_SLOTS + s] = 1
         costs = (work.samples, work.skipped, work.transform_ns, work.decode_ns, time.perf_counter_ns() - t0,
-                 work.cpu_ns, queued, run_ns)
+                 work.cpu_ns, queued, run_ns, t0)  # (t0: when it began the batch, NOTE [worker start])
         send(("ok", job.jid, t, w, s, slot.gen if slot is not None else -1, slot.size if slot is not None else 0,
               skeleton, metas, costs))
     except _Stopped:  # the job is over (NOTE [transform pool]): its native stream goes with it

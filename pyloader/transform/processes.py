@@ -315,8 +315,10 @@ class ProcessTransformStream(TransformStream):
 
     def _build(self, msg: tuple[Any, ...]) -> Any:
         _, _, t, w, s, gen, size, skeleton, metas, costs = msg
-        samples, skipped, transform_ns, decode_ns, busy_ns, cpu_ns, queued_ns, run_ns = costs
+        samples, skipped, transform_ns, decode_ns, busy_ns, cpu_ns, queued_ns, run_ns, began_ns = costs
         self._stats.add(BatchWork(None, samples, skipped, transform_ns, decode_ns, cpu_ns, queued_ns), busy_ns)
+        if self._owns:  # a pool started for this epoch (NOTE [worker start] in stage.py)
+            self._stats.began(w, began_ns)
         self.made[0] += samples + skipped
         self.made[1] += run_ns
         if not metas:

@@ -479,7 +479,19 @@ class TransformStats:
         self.transform_ns = self.decode_ns = self.busy_ns = self.wait_ns = self.cpu_ns = self.queued_ns = 0
         self.start = time.perf_counter()
         self.end: float | None = None
+        self.first_ns: dict[int, int] = {}  # worker -> when it began its first batch (NOTE [worker start])
         self._lock = threading.Lock()
+
+    def began(self, worker: int, ns: int) -> None:
+        """Worker ``worker`` began a batch at ``ns`` (``time.perf_counter_ns()``, one clock for every process)."""
+        if worker not in self.first_ns or ns < self.first_ns[worker]:
+            self.first_ns[worker] = ns
+
+    def start_delay_s(self) -> float | None:
+        """How long after this stage began its workers began their first batches (their mean); None: not measured."""
+        if not self.first_ns:
+            return None
+        return sum(max(0.0, ns / 1e9 - self.start) for ns in self.first_ns.values()) / len(self.first_ns)
 
     def add(self, work: BatchWork, busy_ns: int) -> None:
         """Counts one batch a worker made in ``busy_ns``."""
@@ -514,14 +526,44 @@ READ_SHARE = 0.5
 WAITING_CPU = 0.3
 
 
+# NOTE [worker start]: the process executor's workers of a pool started for the epoch
+# (``persistent_workers=False``, torch's default and the loader's) are forked at ``iter()``
+# and begin their first batch only after the fork, their setup and the shards' opening: 15-45
+# ms here, two workers, a light image transform; and whatever the transform keeps warm in a
+# worker (a tokenizer's cache) starts cold every epoch. On epochs of a second or less that is
+# a tenth of the epoch (a pool kept across epochs was 1.02-1.28x as fast in epoch 3,
+# bench_fresh_epochs.py), on an epoch of minutes nothing. So each worker's first batch sends
+# when it began (``time.perf_counter_ns()``: one clock for every process), ``stats()`` prints
+# their mean delay after the epoch's start (``transform_worker_start_s``; None where the
+# workers were kept from an earlier epoch, or are threads), and the hint names
+# ``persistent_workers=True`` where that delay is at least START_SHARE of the epoch -- a
+# choice the user makes (the kept workers keep the dataset and transform as they were when
+# they started), not one the loader makes for them.
+START_SHARE = 0.05
+
+
 def transform_hint(*, wait_fraction: float, busy: float, workers: int, executor: str, wall_s: float,
-                   read_wait_s: float | None, cpus: int, cpu_share: float | None = None) -> str:
+                   read_wait_s: float | None, cpus: int, cpu_share: float | None = None,
+                   start_s: float | None = None) -> str:
     """Whether the transform, reading or neither binds, from the figures ``stats()`` prints beside it.
 
     ``read_wait_s``: the workers' wait for native batches (``native_wait_s``; None where the
     workers read their own shards, as processes do: their reading is then in ``busy``);
-    ``cpu_share``: the share of the workers' busy time they ran on a CPU (None: not measured).
+    ``cpu_share``: the share of the workers' busy time they ran on a CPU (None: not measured);
+    ``start_s``: how long after the epoch began the workers began (NOTE [worker start]).
     """
+    verdict = _verdict(wait_fraction=wait_fraction, busy=busy, workers=workers, executor=executor, wall_s=wall_s,
+                       read_wait_s=read_wait_s, cpus=cpus, cpu_share=cpu_share)
+    if start_s is None or wall_s <= 0 or start_s < START_SHARE * wall_s:
+        return verdict
+    return (f"{verdict}; the worker processes began {start_s * 1e3:.0f} ms after the epoch's start "
+            f"({start_s / wall_s:.0%} of its {wall_s:.3f} s): persistent_workers=True keeps them from one epoch to "
+            "the next (with the dataset and transform as they were when they started, and what the transform keeps "
+            "warm in them, such as a tokenizer's cache)")
+
+
+def _verdict(*, wait_fraction: float, busy: float, workers: int, executor: str, wall_s: float,
+             read_wait_s: float | None, cpus: int, cpu_share: float | None) -> str:
     waits, busy_s = f"{wait_fraction:.0%}", f"{busy:.0%}"
     if wait_fraction < RARELY_WAITS:
         return f"enough: the consumer waited only {waits} of the time for transformed batches"
@@ -567,6 +609,8 @@ def stage_figures(parts: Sequence[TransformStats], *, wall_s: float, executor: s
     measured = all(p.cpu_ns > 0 for p in parts if p.busy_ns > 0)  # processes do not send theirs
     cpu_share = sum(p.cpu_ns for p in parts) / busy_ns if measured and busy_ns > 0 else None
     wait_fraction = waited / wall_s if wall_s > 0 else 0.0
+    delays = [d for d in (p.start_delay_s() for p in parts) if d is not None]
+    start_s = max(delays) if delays else None
     return {
         "transform_executor": executor,
         "transform_workers": workers,
@@ -579,7 +623,8 @@ def stage_figures(parts: Sequence[TransformStats], *, wall_s: float, executor: s
         "transform_busy_fraction": busy,
         "transform_hint": transform_hint(wait_fraction=wait_fraction, busy=busy, workers=workers, executor=executor,
                                          wall_s=wall_s, read_wait_s=read_wait_s, cpus=cpu_budget(),
-                                         cpu_share=cpu_share),
+                                         cpu_share=cpu_share, start_s=start_s),
+        "transform_worker_start_s": start_s,
         "consumer_wait_s": waited,
         "wait_fraction": wait_fraction,
     }
@@ -657,5 +702,5 @@ class TransformStream:
 
 
 __all__ = ["EXECUTORS", "STOP_CHECK_S", "queued_ns", "limit_native_threads", "keep_worker_heap", "as_worker_process", "unlimit_native_threads", "prepare_native_limits", "takes_context", "TransformSpec", "record_name", "BatchWork", "run_batch", "TransformStats",
-           "RARELY_WAITS", "BUSY_AT", "READ_SHARE", "WAITING_CPU", "transform_hint", "stage_figures",
+           "RARELY_WAITS", "BUSY_AT", "READ_SHARE", "WAITING_CPU", "START_SHARE", "transform_hint", "stage_figures",
            "TransformStream", "collate_samples"]

@@ -20,7 +20,7 @@ import pytest
 import pyloader
 from pyloader.contract import cpu_budget
 from pyloader.transform import auto as auto_mod
-from pyloader.transform.stage import BUSY_AT, RARELY_WAITS, READ_SHARE
+from pyloader.transform.stage import BUSY_AT, RARELY_WAITS, READ_SHARE, START_SHARE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "remote"))
 
@@ -173,3 +173,36 @@ def test_the_epoch_that_moves_to_processes_reports_the_whole_epoch(tmp_path, mon
     assert s["transform_per_sample_us"] == pytest.approx(want, rel=1e-9) and want > 100, s
     assert 0.05 < s["transform_busy_fraction"] <= 1.0 + 1e-6, s
     check_hint(s)
+
+
+def copy_sample(s: dict[str, Any]) -> dict[str, Any]:
+    return {"x": s["x"] * 2, "label": s["label"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kept", [False, True])
+def test_workers_started_for_the_epoch_say_when_they_began_and_what_keeps_them(shards, kept: bool) -> None:
+    """See NOTE [worker start] in pyloader/transform/stage.py: a pool started for the epoch
+    (persistent_workers=False) reports how long after the epoch's start its workers began, and
+    the hint names persistent_workers=True exactly when that is START_SHARE of the epoch or
+    more (a light transform over 256 samples: an epoch of tens of ms, of which the workers'
+    start is most). Kept workers report nothing and are told nothing of it."""
+    ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=16, num_workers=2, executor="processes",
+                             transform=copy_sample, persistent_workers=kept)
+    for epoch in range(2):
+        assert sum(len(b["label"]) for b in ld) == 256
+        s = ld.stats()
+        check_hint(s)
+        start, hint = s["transform_worker_start_s"], s["transform_hint"]
+        wall = s["consumer_wait_s"] / s["wait_fraction"] if s["wait_fraction"] > 0 else 0.0
+        if kept and epoch == 1:
+            assert start is None and "persistent_workers" not in hint, s
+            continue
+        if kept:
+            assert start is None, s  # (its first epoch forks them too, but they are kept already)
+            continue
+        assert start is not None and 0.0 < start < wall, s
+        named = "persistent_workers=True keeps them" in hint
+        assert named == (start >= START_SHARE * wall), (start, wall, hint)
+        if named:
+            assert f"{start * 1e3:.0f} ms after the epoch's start" in hint, hint

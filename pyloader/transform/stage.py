@@ -489,9 +489,10 @@ class TransformStats:
 
     def start_delay_s(self) -> float | None:
         """How long after this stage began its workers began their first batches (their mean); None: not measured."""
-        if not self.first_ns:
+        firsts = list(self.first_ns.values())  # (a copy: stats() may be read from another thread)
+        if not firsts:
             return None
-        return sum(max(0.0, ns / 1e9 - self.start) for ns in self.first_ns.values()) / len(self.first_ns)
+        return sum(max(0.0, ns / 1e9 - self.start) for ns in firsts) / len(firsts)
 
     def add(self, work: BatchWork, busy_ns: int) -> None:
         """Counts one batch a worker made in ``busy_ns``."""
@@ -528,11 +529,12 @@ WAITING_CPU = 0.3
 
 # NOTE [worker start]: the process executor's workers of a pool started for the epoch
 # (``persistent_workers=False``, torch's default and the loader's) are forked at ``iter()``
-# and begin their first batch only after the fork, their setup and the shards' opening: 15-45
+# and begin their first batch only after the fork, their setup and the shards' opening: 16-38
 # ms here, two workers, a light image transform; and whatever the transform keeps warm in a
 # worker (a tokenizer's cache) starts cold every epoch. On epochs of a second or less that is
-# a tenth of the epoch (a pool kept across epochs was 1.02-1.28x as fast in epoch 3,
-# bench_fresh_epochs.py), on an epoch of minutes nothing. So each worker's first batch sends
+# up to a tenth of the epoch (a pool kept across epochs ran 0.89-1.28x as fast in epoch 3 on
+# light, medium and numpy transforms, mostly above 1: bench_fresh_epochs.py), on an epoch of
+# minutes nothing. So each worker's first batch sends
 # when it began (``time.perf_counter_ns()``: one clock for every process), ``stats()`` prints
 # their mean delay after the epoch's start (``transform_worker_start_s``; None where the
 # workers were kept from an earlier epoch, or are threads), and the hint names

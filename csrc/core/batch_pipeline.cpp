@@ -876,7 +876,7 @@ void BatchPipeline::read_cold_spans(FillState* st) {
     const Shard* sh = st->shard_of[visit[r.k0]];
     if (spans_of_[uint32_t(st->shard_of_row[visit[r.k0]])].load(std::memory_order_relaxed)) continue;
     streaming = false;
-    if (sh->cached_at_open() || sh->mostly_cached()) continue;  // (NOTE [mostly cached] in shard_reader.cpp)
+    if (sh->mostly_cached()) continue;  // wholly or mostly cached (NOTE [mostly cached] in shard_reader.cpp)
     cold += (1.0 - resident_share(sh->payload() + r.lo, r.hi - r.lo)) * double(r.hi - r.lo);
   }
   if (!streaming && 2 * cold < double(span)) return;  // mostly in memory: the mapping is the cheaper read

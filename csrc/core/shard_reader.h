@@ -180,7 +180,8 @@ class Shard {
   // The share of a file's pages in memory at its read-ahead claim from which its runs count as
   // in memory (NOTE [mostly cached] in shard_reader.cpp).
   static constexpr double kMostlyCached = 15.0 / 16.0;
-  // Whether its claim found at least kMostlyCached of the file in memory (and queued the rest).
+  // Whether the file was wholly in the page cache when mapped (NOTE [whole file cached]), or its
+  // claim found at least kMostlyCached of it in memory (and queued the rest).
   bool mostly_cached() const noexcept { return mostly_cached_.load(std::memory_order_relaxed); }
   // NOTE [cold spans] in batch_pipeline.h: queues every column's values for read-ahead, the
   // first time it is called, if they total at most `limit` bytes. True if they are queued
@@ -218,8 +219,6 @@ class Shard {
   // was opened (CLOCK_REALTIME ns, before anything was hashed), every record and block
   // marked verified at once, and whether all of them are.
   const FileIdentity& identity() const noexcept { return identity_; }
-  // Whether every page of the file was in the page cache when it was mapped (NOTE [whole file cached]).
-  bool cached_at_open() const noexcept { return cached_at_open_; }
   int64_t opened_ns() const noexcept { return opened_ns_; }
   void mark_all_verified() const noexcept;
   bool all_verified() const noexcept;

@@ -44,17 +44,10 @@ def _collate(name: str, values: list[Any], alloc: _Alloc | None = None) -> Any:
         return _stack(name, values, alloc)
     if isinstance(v0, Mapping):
         keys = list(v0)
-        if type(v0) is dict:  # (the usual batch: dicts, each with v0's keys in v0's order)
-            n = len(keys)
-            same = all(type(v) is dict and len(v) == n for v in values) and all(
-                list(v) == keys for v in values)
-        else:
-            same = False
-        if not same:
-            for i, v in enumerate(values):
-                if not isinstance(v, Mapping) or list(v) != keys:
-                    got = list(v) if isinstance(v, Mapping) else type(v).__name__
-                    raise CollateError(f"cannot collate {name!r}: sample {i} has keys {got}, sample 0 has {keys}")
+        for i, v in enumerate(values):  # (a dict is told without the Mapping ABC's check)
+            if not (type(v) is dict or isinstance(v, Mapping)) or list(v) != keys:
+                got = list(v) if isinstance(v, Mapping) else type(v).__name__
+                raise CollateError(f"cannot collate {name!r}: sample {i} has keys {got}, sample 0 has {keys}")
         prefix = "" if name == "sample" else f"{name}."
         out: dict[Any, Any] = {}
         for k in keys:

@@ -189,17 +189,14 @@ def test_workers_started_for_the_epoch_say_when_they_began_and_what_keeps_them(s
     start is most). Kept workers report nothing and are told nothing of it."""
     ld = pyloader.DataLoader(pyloader.ShardDataset(shards), batch_size=16, num_workers=2, executor="processes",
                              transform=copy_sample, persistent_workers=kept)
-    for epoch in range(2):
+    for _ in range(2):  # (two epochs: a new pool each, or the one kept)
         assert sum(len(b["label"]) for b in ld) == 256
         s = ld.stats()
         check_hint(s)
         start, hint = s["transform_worker_start_s"], s["transform_hint"]
         wall = s["consumer_wait_s"] / s["wait_fraction"] if s["wait_fraction"] > 0 else 0.0
-        if kept and epoch == 1:
+        if kept:  # (its first epoch forks them too, but they are kept already)
             assert start is None and "persistent_workers" not in hint, s
-            continue
-        if kept:
-            assert start is None, s  # (its first epoch forks them too, but they are kept already)
             continue
         assert start is not None and 0.0 < start < wall, s
         named = "persistent_workers=True keeps them" in hint

@@ -344,7 +344,7 @@ void Shard::map_file(uint64_t expected_bytes) {
     (void)!::pread(fd, head, kHeaderSize, 0);
   }
   cached_at_open_ = whole_file_cached(fd, fsize);                    // See NOTE [whole file cached]
-  mostly_cached_.store(cached_at_open_, std::memory_order_relaxed);  // (NOTE [mostly cached]: all of it is)
+  mostly_cached_.store(cached_at_open_, std::memory_order_relaxed);  // all of it is: See NOTE [mostly cached]
   void* p = ::mmap(nullptr, fsize, PROT_READ, MAP_SHARED, fd, 0);
   int e = errno;
   ::close(fd);  // the mapping keeps the file alive; no descriptor is held per shard
